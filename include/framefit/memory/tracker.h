@@ -1,0 +1,169 @@
+#pragma once
+// Memory accounting for tensors: current and peak bytes, peaks per named phase, and an
+// optional hard budget that fails allocations the way a full GPU does.
+//
+// On CPU every tensor byte goes through framefit's tracking allocator (installed when the
+// library is loaded, before any tensor of the program exists). On CUDA the same interface
+// reads the caching allocator's statistics and enforces the budget with its memory fraction.
+
+#include <c10/core/Device.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace framefit::memory {
+
+// Raised when an allocation would exceed the budget. A c10::Error, so it crosses LibTorch's
+// autograd engine and parallel regions like any LibTorch error and can be caught by type.
+class OutOfMemoryError : public c10::Error {
+ public:
+  OutOfMemoryError(c10::Device device, int64_t requested_bytes, int64_t budget_bytes,
+                   int64_t in_use_bytes, std::string phase);
+  c10::Device device() const { return device_; }
+  int64_t requested_bytes() const { return requested_bytes_; }
+  int64_t budget_bytes() const { return budget_bytes_; }
+  int64_t in_use_bytes() const { return in_use_bytes_; }
+  const std::string& phase() const { return phase_; }
+
+ private:
+  c10::Device device_;
+  int64_t requested_bytes_;
+  int64_t budget_bytes_;
+  int64_t in_use_bytes_;
+  std::string phase_;
+};
+
+// True for framefit's budget error and for LibTorch's CUDA out-of-memory error.
+bool is_out_of_memory(const std::exception& error);
+
+// "1.50 GiB", "12.0 MiB", "512 B".
+std::string format_bytes(int64_t bytes);
+// Parses "8GiB", "512MiB", "2GB", "1.5G", "4096" (bytes). Binary units for K/M/G/T with or
+// without "i"; "GB" style suffixes are taken as binary too, as GPU tools do. Throws c10::Error
+// naming the text on anything else.
+int64_t parse_bytes(const std::string& text);
+
+// What one device's allocator reports. Backends differ only in how they get these numbers.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual c10::Device device() const = 0;
+  virtual int64_t current_bytes() const = 0;   // bytes held by live tensors
+  virtual int64_t peak_bytes() const = 0;      // highest current_bytes since reset_peak()
+  virtual void reset_peak() = 0;               // peak := current
+  virtual int64_t reserved_bytes() const = 0;  // held from the system, cache included
+  virtual int64_t allocation_count() const = 0;
+  virtual void set_budget(int64_t bytes) = 0;  // 0 = no budget
+  virtual int64_t budget_bytes() const = 0;
+  virtual void release_cache() = 0;            // give cached blocks back to the system
+  virtual void set_phase_name(const std::string& name) = 0;  // named in budget errors
+};
+
+struct PhaseStats {
+  int64_t calls = 0;
+  int64_t peak_bytes = 0;           // highest in-use bytes seen inside the phase
+  int64_t peak_increase_bytes = 0;  // highest (in-use inside - in-use at entry)
+};
+
+struct Snapshot {
+  c10::Device device{c10::kCPU};
+  int64_t current_bytes = 0;
+  int64_t peak_bytes = 0;
+  int64_t reserved_bytes = 0;
+  int64_t allocation_count = 0;
+  int64_t budget_bytes = 0;
+};
+
+class Tracker;
+
+// Opened by Tracker::phase() or Tracker::mark(); closing it (destructor) records the peak.
+// Windows nest and must close in reverse order of opening.
+class PeakWindow {
+ public:
+  PeakWindow(PeakWindow&& other) noexcept;
+  PeakWindow& operator=(PeakWindow&&) = delete;
+  PeakWindow(const PeakWindow&) = delete;
+  ~PeakWindow();
+  // Peak in-use bytes since the window opened (live while open, final once closed).
+  int64_t peak_bytes() const;
+  int64_t entry_bytes() const { return entry_bytes_; }
+  void close();
+
+ private:
+  friend class Tracker;
+  PeakWindow(Tracker* tracker, size_t depth, int64_t entry_bytes);
+  Tracker* tracker_;
+  size_t depth_;
+  int64_t entry_bytes_;
+  int64_t final_peak_ = -1;
+};
+
+// Thread-safe accounting on top of a Backend. Allocation counting happens in the backend;
+// the tracker adds peak windows and named phases.
+class Tracker {
+ public:
+  explicit Tracker(std::unique_ptr<Backend> backend);
+
+  // The tracker of a device: the process-wide CPU tracker, or one per CUDA device.
+  static Tracker& of(c10::Device device);
+  static Tracker& cpu() { return of(c10::Device(c10::kCPU)); }
+
+  c10::Device device() const { return backend_->device(); }
+  int64_t current_bytes() const { return backend_->current_bytes(); }
+  int64_t reserved_bytes() const { return backend_->reserved_bytes(); }
+  int64_t allocation_count() const { return backend_->allocation_count(); }
+  int64_t peak_bytes() const;  // since construction or reset_peak()
+  void reset_peak();           // only when no window is open
+  Snapshot snapshot() const;
+
+  // Budget: allocations beyond it raise OutOfMemoryError. 0 removes it.
+  void set_budget(int64_t bytes) { backend_->set_budget(bytes); }
+  int64_t budget_bytes() const { return backend_->budget_bytes(); }
+  void release_cache() { backend_->release_cache(); }
+
+  // A window measuring the peak from now on, without a name.
+  [[nodiscard]] PeakWindow mark();
+  // A named window; its peak is added to phase_stats() under `name` when it closes.
+  [[nodiscard]] PeakWindow phase(std::string name);
+  std::map<std::string, PhaseStats> phase_stats() const;
+  void clear_phase_stats();
+  std::string current_phase() const;
+
+ private:
+  friend class PeakWindow;
+  struct Frame {
+    std::string name;  // empty for marks
+    int64_t entry_bytes;
+    int64_t outer_peak;  // the enclosing window's peak when this one opened
+  };
+  PeakWindow open(std::string name);
+  int64_t window_peak_locked(size_t depth) const;
+  int64_t close(size_t depth);
+
+  std::unique_ptr<Backend> backend_;
+  mutable std::mutex mutex_;
+  std::vector<Frame> frames_;
+  // Peaks hidden by backend resets: the innermost window's peak is max(carried_, backend peak).
+  int64_t carried_ = 0;
+  std::map<std::string, PhaseStats> phases_;
+};
+
+// Makes sure the CPU tracking allocator is installed (it is, from library load on); returns
+// false if another allocator replaced it.
+bool tracking_allocator_installed();
+
+// Resident set size of this process (everything: tensors, BLAS buffers, code, malloc caches).
+struct ProcessMemory {
+  int64_t rss_bytes = 0;
+  int64_t rss_peak_bytes = 0;  // VmHWM: since start or the last reset_rss_peak()
+};
+ProcessMemory process_memory();
+// Resets the kernel's high-water mark (Linux /proc/self/clear_refs); false if not permitted.
+bool reset_rss_peak();
+
+}  // namespace framefit::memory

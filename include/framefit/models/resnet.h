@@ -1,0 +1,110 @@
+#pragma once
+// ResNet-18/34/50 with torchvision's architecture and parameter names, so torchvision
+// state_dicts load as they are and framefit's weights load back in torchvision.
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <string>
+#include <vector>
+
+namespace framefit::models {
+
+enum class NormKind {
+  BatchNorm,        // "bn": torchvision's BatchNorm2d
+  FrozenBatchNorm,  // "frozen_bn": running statistics only, affine not trained
+  GroupNorm,        // "group_norm": independent of batch size, so chunking is exact
+};
+NormKind parse_norm_kind(const std::string& name);  // "bn" | "frozen_bn" | "group_norm"
+std::string to_string(NormKind kind);
+
+// One normalisation layer with torchvision's parameter and buffer names (weight, bias,
+// running_mean, running_var, num_batches_tracked) whatever its kind.
+struct Norm2dOptions {
+  Norm2dOptions(int64_t channels) : channels_(channels) {}
+  TORCH_ARG(int64_t, channels);
+  TORCH_ARG(NormKind, kind) = NormKind::BatchNorm;
+  TORCH_ARG(int64_t, groups) = 32;  // GroupNorm only; must divide channels
+  TORCH_ARG(double, eps) = 1e-5;
+  TORCH_ARG(double, momentum) = 0.1;
+};
+
+class Norm2dImpl : public torch::nn::Module {
+ public:
+  explicit Norm2dImpl(const Norm2dOptions& options);
+  torch::Tensor forward(const torch::Tensor& x);
+  // Frozen: uses running statistics in training too and its affine parameters take no grad.
+  void freeze();
+  bool frozen() const { return frozen_; }
+  const Norm2dOptions& options() const { return options_; }
+
+  torch::Tensor weight, bias, running_mean, running_var, num_batches_tracked;
+
+ private:
+  Norm2dOptions options_;
+  bool frozen_ = false;
+};
+TORCH_MODULE(Norm2d);
+
+// torchvision's BasicBlock (ResNet-18/34) or Bottleneck (ResNet-50), same names.
+class ResidualBlockImpl : public torch::nn::Module {
+ public:
+  ResidualBlockImpl(int64_t in_channels, int64_t width, int64_t stride, bool bottleneck,
+                    const Norm2dOptions& norm);
+  torch::Tensor forward(const torch::Tensor& x);
+  int64_t out_channels() const { return out_channels_; }
+
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
+  Norm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
+  torch::nn::Sequential downsample{nullptr};
+
+ private:
+  int64_t out_channels_;
+};
+TORCH_MODULE(ResidualBlock);
+
+struct ResNetOptions {
+  ResNetOptions(int64_t depth = 18) : depth_(depth) {}
+  TORCH_ARG(int64_t, depth);                // 18, 34 or 50
+  TORCH_ARG(int64_t, num_classes) = 1000;   // 0: feature mode, no fc, forward gives features
+  TORCH_ARG(NormKind, norm) = NormKind::BatchNorm;
+  TORCH_ARG(int64_t, groups) = 32;          // for NormKind::GroupNorm
+  TORCH_ARG(std::string, freeze) = "";      // freeze up to and including: conv1, layer1..layer4
+  TORCH_ARG(bool, drop_layer4) = false;     // slim variant: features from layer3
+  TORCH_ARG(bool, channels_last) = false;   // NHWC activations (faster convolutions on CPU)
+};
+
+// Parses "resnet18" | "resnet34" | "resnet50" into a depth.
+int64_t parse_resnet_name(const std::string& name);
+
+class ResNetImpl : public torch::nn::Module {
+ public:
+  explicit ResNetImpl(const ResNetOptions& options = {});
+
+  // [N,3,H,W] floating point, normalised -> logits [N,num_classes] (or features in feature mode).
+  torch::Tensor forward(const torch::Tensor& x);
+  // [N,3,H,W] -> pooled features [N,feature_dim()].
+  torch::Tensor features(const torch::Tensor& x);
+  int64_t feature_dim() const { return feature_dim_; }
+  // Smallest height/width the network accepts (its total stride).
+  int64_t min_input_size() const;
+  const ResNetOptions& options() const { return options_; }
+  // Stage names in forward order: "conv1" (conv1+bn1+relu+maxpool), "layer1", ...
+  std::vector<std::string> stage_names() const;
+
+  torch::nn::Conv2d conv1{nullptr};
+  Norm2d bn1{nullptr};
+  torch::nn::Sequential layer1{nullptr}, layer2{nullptr}, layer3{nullptr}, layer4{nullptr};
+  torch::nn::Linear fc{nullptr};
+
+ private:
+  void check_input(const torch::Tensor& x) const;
+  void freeze_up_to(const std::string& stage);
+  ResNetOptions options_;
+  int64_t feature_dim_ = 0;
+};
+TORCH_MODULE(ResNet);
+
+}  // namespace framefit::models

@@ -1,0 +1,59 @@
+#pragma once
+// state_dict files shared with PyTorch.
+//
+// Reads what `torch.save(model.state_dict(), path)` writes (an OrderedDict, which LibTorch
+// 1.13's own unpickler turns into None) as well as `torch.save(dict(...))`, and checkpoints that
+// wrap the weights under "state_dict" or "model". Writes files that `torch.load` +
+// `load_state_dict` accept.
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace framefit::models {
+
+// Name -> tensor in file order.
+using StateDict = std::vector<std::pair<std::string, torch::Tensor>>;
+
+StateDict read_state_dict(const std::string& path);
+// Written to a temporary file and renamed into place: never left half-written.
+void write_state_dict(const StateDict& state, const std::string& path);
+
+// A single tensor saved with torch.save(tensor, path), and the reverse.
+torch::Tensor read_tensor(const std::string& path);
+void write_tensor(const torch::Tensor& tensor, const std::string& path);
+
+// Parameters and buffers in PyTorch's state_dict order (each module's parameters, then its
+// buffers, then its children), detached.
+StateDict state_dict(const torch::nn::Module& module);
+
+struct ShapeMismatch {
+  std::string name;
+  std::vector<int64_t> expected;
+  std::vector<int64_t> got;
+};
+
+struct LoadReport {
+  std::vector<std::string> loaded;
+  std::vector<std::string> missing;     // in the module, not in the file
+  std::vector<std::string> unexpected;  // in the file, not in the module
+  std::vector<ShapeMismatch> mismatched;
+  bool complete() const { return missing.empty() && unexpected.empty() && mismatched.empty(); }
+  std::string describe() const;  // one line per problem, names included
+};
+
+struct LoadOptions {
+  // Strict: any missing, unexpected or mismatched key is an error and nothing is copied.
+  // Non-strict: matching keys are copied, the rest is reported.
+  bool strict = true;
+  // Keys whose name starts with one of these are dropped from the file first (e.g. "fc." when
+  // loading ImageNet weights into an encoder in feature mode).
+  std::vector<std::string> ignore_prefixes;
+};
+
+LoadReport load_state_dict(torch::nn::Module& module, const StateDict& state,
+                           const LoadOptions& options = {});
+
+}  // namespace framefit::models

@@ -1,0 +1,71 @@
+#include <fmt/core.h>
+#include <torch/torch.h>
+
+#include <chrono>
+
+#include "commands.h"
+#include "framefit/engine/extract.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/models/resnet.h"
+#include "framefit/models/weights.h"
+
+namespace framefit::cli {
+
+int run_extract(const Args& args) {
+  const torch::Device device(args.text("device"));
+  torch::manual_seed(static_cast<uint64_t>(args.integer("seed")));
+  auto& tracker = memory::Tracker::of(device);
+  tracker.set_budget(args.bytes("budget"));
+
+  const auto frames = models::read_tensor(args.text("input"));
+  engine::check_video_frames(frames, args.text("input"));
+
+  models::ResNet encoder(models::ResNetOptions(models::parse_resnet_name(args.text("model")))
+                             .num_classes(0)
+                             .norm(models::parse_norm_kind(args.text("norm")))
+                             .groups(args.integer("groups"))
+                             .drop_layer4(args.on("drop-layer4"))
+                             .channels_last(args.on("channels-last")));
+  if (args.has("weights")) {
+    models::LoadOptions load;
+    load.ignore_prefixes = {"fc."};
+    models::load_state_dict(*encoder, models::read_state_dict(args.text("weights")), load);
+  } else {
+    fmt::print(stderr, "framefit extract: no --weights given: using random weights (seed {})\n",
+               args.integer("seed"));
+  }
+  encoder->eval();
+  encoder->to(device);
+
+  engine::ExtractOptions options;
+  options.chunk = args.integer("chunk");
+  options.device = device;
+  options.channels_last = args.on("channels-last");
+  const bool terminal = isatty(fileno(stderr));
+  options.on_progress = [terminal](int64_t done, int64_t total) {
+    if (terminal) fmt::print(stderr, "\rframefit extract: {}/{} frames", done, total);
+  };
+
+  memory::reset_rss_peak();
+  auto window = tracker.mark();
+  const auto start = std::chrono::steady_clock::now();
+  const auto features = engine::extract_features(
+      [&](const torch::Tensor& x) { return encoder->forward(x); }, frames, options);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const int64_t peak = window.peak_bytes() - window.entry_bytes();
+  window.close();
+  models::write_tensor(features, args.text("output"));
+
+  if (terminal) fmt::print(stderr, "\n");
+  const auto rss = memory::process_memory();
+  fmt::print("framefit extract: {} frames {}x{} -> features [{}, {}] in {:.2f} s ({:.1f} frames/s)\n",
+             frames.size(0), frames.size(2), frames.size(3), features.size(0), features.size(1),
+             seconds, static_cast<double>(frames.size(0)) / seconds);
+  fmt::print("  peak tensor memory above the loaded video: {} (chunk {}); peak RSS {}\n",
+             memory::format_bytes(peak), options.chunk, memory::format_bytes(rss.rss_peak_bytes));
+  fmt::print("  wrote {}\n", args.text("output"));
+  return 0;
+}
+
+}  // namespace framefit::cli

@@ -1,0 +1,64 @@
+// Tracker backend over LibTorch's CUDA caching allocator. Compiled only when framefit is built
+// against a CUDA LibTorch (-DTorch_DIR=...); the CPU build never includes a CUDA header.
+#include "backends.h"
+
+#ifdef FRAMEFIT_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#endif
+
+namespace framefit::memory::detail {
+
+#ifdef FRAMEFIT_WITH_CUDA
+namespace {
+namespace cca = c10::cuda::CUDACachingAllocator;
+
+constexpr auto kAll = static_cast<size_t>(cca::StatType::AGGREGATE);
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(c10::DeviceIndex index) : index_(index) {}
+  c10::Device device() const override { return c10::Device(c10::kCUDA, index_); }
+  int64_t current_bytes() const override { return stats().allocated_bytes[kAll].current; }
+  int64_t peak_bytes() const override { return stats().allocated_bytes[kAll].peak; }
+  void reset_peak() override { cca::resetPeakStats(index_); }
+  int64_t reserved_bytes() const override { return stats().reserved_bytes[kAll].current; }
+  int64_t allocation_count() const override { return stats().allocation[kAll].allocated; }
+  void set_budget(int64_t bytes) override {
+    TORCH_CHECK(bytes >= 0, "a memory budget cannot be negative; got ", bytes);
+    c10::cuda::CUDAGuard guard(index_);
+    size_t free_bytes = 0, total_bytes = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    const double fraction =
+        bytes == 0 ? 1.0 : std::min(1.0, static_cast<double>(bytes) / static_cast<double>(total_bytes));
+    cca::setMemoryFraction(fraction, index_);
+    budget_ = bytes;
+  }
+  int64_t budget_bytes() const override { return budget_; }
+  void release_cache() override { cca::emptyCache(); }
+  void set_phase_name(const std::string&) override {}  // CUDA's own error names no phase
+
+ private:
+  cca::DeviceStats stats() const { return cca::getDeviceStats(index_); }
+  c10::DeviceIndex index_;
+  std::atomic<int64_t> budget_{0};
+};
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(c10::DeviceIndex index) {
+  return std::make_unique<CudaBackend>(index);
+}
+
+#else
+
+std::unique_ptr<Backend> make_cuda_backend(c10::DeviceIndex) {
+  TORCH_CHECK(false, "this framefit was built against a CPU-only LibTorch; rebuild with "
+                     "-DTorch_DIR=<a CUDA LibTorch>/share/cmake/Torch to track CUDA memory");
+}
+
+#endif
+
+}  // namespace framefit::memory::detail

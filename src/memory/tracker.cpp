@@ -1,0 +1,263 @@
+#include "framefit/memory/tracker.h"
+
+#include <c10/util/StringUtil.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <unistd.h>
+
+#include "backends.h"
+
+namespace framefit::memory {
+
+namespace {
+std::string oom_message(c10::Device device, int64_t requested, int64_t budget, int64_t in_use,
+                        const std::string& phase) {
+  return c10::str("framefit: out of memory on ", device.str(), ": tried to allocate ",
+                  format_bytes(requested), "; budget ", format_bytes(budget), "; in use ",
+                  format_bytes(in_use), "; free ", format_bytes(std::max<int64_t>(0, budget - in_use)),
+                  "; phase '", phase.empty() ? "none" : phase, "'. ",
+                  "Lower the chunk size or batch, use --precision bf16, or raise the budget.");
+}
+}  // namespace
+
+OutOfMemoryError::OutOfMemoryError(c10::Device device, int64_t requested_bytes,
+                                   int64_t budget_bytes, int64_t in_use_bytes, std::string phase)
+    : c10::Error(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                 oom_message(device, requested_bytes, budget_bytes, in_use_bytes, phase)),
+      device_(device),
+      requested_bytes_(requested_bytes),
+      budget_bytes_(budget_bytes),
+      in_use_bytes_(in_use_bytes),
+      phase_(std::move(phase)) {}
+
+bool is_out_of_memory(const std::exception& error) {
+  if (dynamic_cast<const OutOfMemoryError*>(&error) != nullptr) return true;
+  // LibTorch's CUDA allocator raises a c10::Error (an OutOfMemoryError subclass from 2.0 on)
+  // whose message starts with "CUDA out of memory".
+  const std::string what = error.what();
+  return what.find("CUDA out of memory") != std::string::npos ||
+         what.find("out of memory on cuda") != std::string::npos;
+}
+
+std::string format_bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (std::fabs(value) >= 1024.0 && unit < 4) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char buf[32];
+  if (unit == 0) {
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f %s", value, units[unit]);
+  }
+  return buf;
+}
+
+int64_t parse_bytes(const std::string& text) {
+  std::string s;
+  for (char c : text) {
+    if (!std::isspace(static_cast<unsigned char>(c))) s.push_back(c);
+  }
+  size_t pos = 0;
+  double number = 0;
+  bool ok = !s.empty() && (std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '.');
+  if (ok) {
+    try {
+      number = std::stod(s, &pos);
+    } catch (const std::exception&) {
+      ok = false;
+    }
+  }
+  std::string unit = ok ? s.substr(pos) : "";
+  std::transform(unit.begin(), unit.end(), unit.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
+  static const std::pair<const char*, int> units[] = {
+      {"", 0},    {"b", 0},   {"k", 1},  {"kb", 1}, {"kib", 1}, {"m", 2},  {"mb", 2},
+      {"mib", 2}, {"g", 3},   {"gb", 3}, {"gib", 3}, {"t", 4},  {"tb", 4}, {"tib", 4}};
+  int power = -1;
+  for (const auto& [name, p] : units) {
+    if (unit == name) power = p;
+  }
+  TORCH_CHECK(ok && power >= 0 && number >= 0 && std::isfinite(number),
+              "cannot read '", text, "' as a byte size: write a number with an optional unit, "
+              "e.g. 8GiB, 512MiB, 1.5G or 4096");
+  return static_cast<int64_t>(std::llround(number * std::pow(1024.0, power)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tracker
+
+Tracker::Tracker(std::unique_ptr<Backend> backend) : backend_(std::move(backend)) {}
+
+Tracker& Tracker::of(c10::Device device) {
+  if (device.is_cpu()) {
+    static Tracker* cpu = new Tracker(detail::make_cpu_backend());  // lives as long as tensors
+    return *cpu;
+  }
+  TORCH_CHECK(device.is_cuda(), "framefit tracks CPU and CUDA memory; got device ", device.str());
+  static std::mutex mutex;
+  static std::map<c10::DeviceIndex, Tracker*> cuda;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto index = device.has_index() ? device.index() : c10::DeviceIndex(0);
+  auto& slot = cuda[index];
+  if (slot == nullptr) slot = new Tracker(detail::make_cuda_backend(index));
+  return *slot;
+}
+
+int64_t Tracker::window_peak_locked(size_t depth) const {
+  // Only the innermost window sees the backend's live peak; an outer one also holds what its
+  // inner windows carried up when they closed.
+  int64_t peak = std::max(carried_, backend_->peak_bytes());
+  for (size_t i = frames_.size(); i-- > depth + 1;) peak = std::max(peak, frames_[i].outer_peak);
+  return peak;
+}
+
+int64_t Tracker::peak_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t peak = std::max(carried_, backend_->peak_bytes());
+  for (const auto& f : frames_) peak = std::max(peak, f.outer_peak);
+  return peak;
+}
+
+void Tracker::reset_peak() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(frames_.empty(), "Tracker::reset_peak() called while ", frames_.size(),
+              " phase/mark window(s) are open; close them first");
+  backend_->reset_peak();
+  carried_ = 0;
+}
+
+Snapshot Tracker::snapshot() const {
+  Snapshot s;
+  s.device = backend_->device();
+  s.current_bytes = backend_->current_bytes();
+  s.peak_bytes = peak_bytes();
+  s.reserved_bytes = backend_->reserved_bytes();
+  s.allocation_count = backend_->allocation_count();
+  s.budget_bytes = backend_->budget_bytes();
+  return s;
+}
+
+PeakWindow Tracker::mark() { return open(""); }
+
+PeakWindow Tracker::phase(std::string name) {
+  TORCH_CHECK(!name.empty(), "a memory phase needs a name");
+  return open(std::move(name));
+}
+
+PeakWindow Tracker::open(std::string name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int64_t outer = std::max(carried_, backend_->peak_bytes());
+  backend_->reset_peak();
+  carried_ = 0;
+  const int64_t entry = backend_->current_bytes();
+  if (!name.empty()) backend_->set_phase_name(name);
+  frames_.push_back(Frame{std::move(name), entry, outer});
+  return PeakWindow(this, frames_.size() - 1, entry);
+}
+
+int64_t Tracker::close(size_t depth) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(depth + 1 == frames_.size(),
+              "memory phase/mark windows must close in reverse order of opening");
+  const int64_t peak = std::max(carried_, backend_->peak_bytes());
+  Frame frame = std::move(frames_.back());
+  frames_.pop_back();
+  carried_ = std::max(frame.outer_peak, peak);
+  if (!frame.name.empty()) {
+    auto& stats = phases_[frame.name];
+    stats.calls += 1;
+    stats.peak_bytes = std::max(stats.peak_bytes, peak);
+    stats.peak_increase_bytes = std::max(stats.peak_increase_bytes, peak - frame.entry_bytes);
+  }
+  std::string innermost;
+  for (const auto& f : frames_) {
+    if (!f.name.empty()) innermost = f.name;
+  }
+  backend_->set_phase_name(innermost);
+  return peak;
+}
+
+std::map<std::string, PhaseStats> Tracker::phase_stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return phases_;
+}
+
+void Tracker::clear_phase_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  phases_.clear();
+}
+
+std::string Tracker::current_phase() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = frames_.rbegin(); it != frames_.rend(); ++it) {
+    if (!it->name.empty()) return it->name;
+  }
+  return "";
+}
+
+// ---------------------------------------------------------------------------------------------
+// PeakWindow
+
+PeakWindow::PeakWindow(Tracker* tracker, size_t depth, int64_t entry_bytes)
+    : tracker_(tracker), depth_(depth), entry_bytes_(entry_bytes) {}
+
+PeakWindow::PeakWindow(PeakWindow&& other) noexcept
+    : tracker_(other.tracker_),
+      depth_(other.depth_),
+      entry_bytes_(other.entry_bytes_),
+      final_peak_(other.final_peak_) {
+  other.tracker_ = nullptr;
+}
+
+PeakWindow::~PeakWindow() {
+  try {
+    close();
+  } catch (...) {
+    // Out-of-order close during unwinding: the accounting of this window is lost, nothing else.
+  }
+}
+
+void PeakWindow::close() {
+  if (tracker_ == nullptr) return;
+  final_peak_ = tracker_->close(depth_);  // throws if out of order: the window stays open
+  tracker_ = nullptr;
+}
+
+int64_t PeakWindow::peak_bytes() const {
+  if (tracker_ == nullptr) return final_peak_;
+  std::lock_guard<std::mutex> lock(tracker_->mutex_);
+  return tracker_->window_peak_locked(depth_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Process memory
+
+ProcessMemory process_memory() {
+  ProcessMemory m;
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    long long kib = 0;
+    if (std::sscanf(line.c_str(), "VmRSS: %lld kB", &kib) == 1) m.rss_bytes = kib * 1024;
+    if (std::sscanf(line.c_str(), "VmHWM: %lld kB", &kib) == 1) m.rss_peak_bytes = kib * 1024;
+  }
+  return m;
+}
+
+bool reset_rss_peak() {
+  std::ofstream clear("/proc/self/clear_refs");
+  if (!clear) return false;
+  clear << "5";
+  clear.flush();
+  return static_cast<bool>(clear);
+}
+
+}  // namespace framefit::memory

@@ -1,0 +1,231 @@
+#include "framefit/models/resnet.h"
+
+#include <torch/torch.h>
+
+namespace framefit::models {
+
+NormKind parse_norm_kind(const std::string& name) {
+  if (name == "bn") return NormKind::BatchNorm;
+  if (name == "frozen_bn") return NormKind::FrozenBatchNorm;
+  if (name == "group_norm") return NormKind::GroupNorm;
+  TORCH_CHECK(false, "unknown norm '", name, "': use bn, frozen_bn or group_norm");
+}
+
+std::string to_string(NormKind kind) {
+  switch (kind) {
+    case NormKind::BatchNorm: return "bn";
+    case NormKind::FrozenBatchNorm: return "frozen_bn";
+    case NormKind::GroupNorm: return "group_norm";
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Norm2d
+
+Norm2dImpl::Norm2dImpl(const Norm2dOptions& options) : options_(options) {
+  const int64_t c = options.channels();
+  TORCH_CHECK(c > 0, "Norm2d needs a positive channel count; got ", c);
+  weight = register_parameter("weight", torch::ones({c}));
+  bias = register_parameter("bias", torch::zeros({c}));
+  if (options.kind() == NormKind::GroupNorm) {
+    TORCH_CHECK(options.groups() > 0 && c % options.groups() == 0, "group_norm with ",
+                options.groups(), " groups cannot split ", c,
+                " channels: choose a group count that divides every stage's width (e.g. 32)");
+  } else {
+    running_mean = register_buffer("running_mean", torch::zeros({c}));
+    running_var = register_buffer("running_var", torch::ones({c}));
+    num_batches_tracked = register_buffer("num_batches_tracked", torch::zeros({}, torch::kLong));
+  }
+  if (options.kind() == NormKind::FrozenBatchNorm) freeze();
+}
+
+void Norm2dImpl::freeze() {
+  frozen_ = true;
+  weight.set_requires_grad(false);
+  bias.set_requires_grad(false);
+}
+
+torch::Tensor Norm2dImpl::forward(const torch::Tensor& x) {
+  if (options_.kind() == NormKind::GroupNorm) {
+    return torch::group_norm(x, options_.groups(), weight, bias, options_.eps());
+  }
+  const bool use_batch_stats = is_training() && !frozen_;
+  if (use_batch_stats) {
+    torch::NoGradGuard no_grad;
+    num_batches_tracked.add_(1);
+  }
+  return torch::batch_norm(x, weight, bias, running_mean, running_var, use_batch_stats,
+                           options_.momentum(), options_.eps(), /*cudnn_enabled=*/true);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ResidualBlock
+
+namespace {
+torch::nn::Conv2d conv(int64_t in, int64_t out, int64_t kernel, int64_t stride) {
+  return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, kernel)
+                               .stride(stride)
+                               .padding(kernel / 2)
+                               .bias(false));
+}
+Norm2dOptions with_channels(Norm2dOptions norm, int64_t channels) {
+  return norm.channels(channels);
+}
+}  // namespace
+
+ResidualBlockImpl::ResidualBlockImpl(int64_t in_channels, int64_t width, int64_t stride,
+                                     bool bottleneck, const Norm2dOptions& norm) {
+  const int64_t expansion = bottleneck ? 4 : 1;
+  out_channels_ = width * expansion;
+  if (bottleneck) {
+    // torchvision's ResNet v1.5: the stride sits on the 3x3 convolution.
+    conv1 = register_module("conv1", conv(in_channels, width, 1, 1));
+    bn1 = register_module("bn1", Norm2d(with_channels(norm, width)));
+    conv2 = register_module("conv2", conv(width, width, 3, stride));
+    bn2 = register_module("bn2", Norm2d(with_channels(norm, width)));
+    conv3 = register_module("conv3", conv(width, out_channels_, 1, 1));
+    bn3 = register_module("bn3", Norm2d(with_channels(norm, out_channels_)));
+  } else {
+    conv1 = register_module("conv1", conv(in_channels, width, 3, stride));
+    bn1 = register_module("bn1", Norm2d(with_channels(norm, width)));
+    conv2 = register_module("conv2", conv(width, width, 3, 1));
+    bn2 = register_module("bn2", Norm2d(with_channels(norm, width)));
+  }
+  if (stride != 1 || in_channels != out_channels_) {
+    downsample = register_module(
+        "downsample", torch::nn::Sequential(conv(in_channels, out_channels_, 1, stride),
+                                            Norm2d(with_channels(norm, out_channels_))));
+  }
+}
+
+torch::Tensor ResidualBlockImpl::forward(const torch::Tensor& x) {
+  auto out = torch::relu(bn1(conv1(x)));
+  out = bn2(conv2(out));
+  if (conv3) out = bn3(conv3(torch::relu(out)));
+  const auto identity = downsample ? downsample->forward(x) : x;
+  return torch::relu(out + identity);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ResNet
+
+int64_t parse_resnet_name(const std::string& name) {
+  if (name == "resnet18") return 18;
+  if (name == "resnet34") return 34;
+  if (name == "resnet50") return 50;
+  TORCH_CHECK(false, "unknown model '", name, "': use resnet18, resnet34 or resnet50");
+}
+
+ResNetImpl::ResNetImpl(const ResNetOptions& options) : options_(options) {
+  std::vector<int64_t> blocks;
+  bool bottleneck = false;
+  switch (options.depth()) {
+    case 18: blocks = {2, 2, 2, 2}; break;
+    case 34: blocks = {3, 4, 6, 3}; break;
+    case 50: blocks = {3, 4, 6, 3}; bottleneck = true; break;
+    default: TORCH_CHECK(false, "ResNet depth must be 18, 34 or 50; got ", options.depth());
+  }
+  TORCH_CHECK(options.num_classes() >= 0, "num_classes must be >= 0 (0 = feature mode); got ",
+              options.num_classes());
+  const auto norm = Norm2dOptions(64).kind(options.norm()).groups(options.groups());
+
+  conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 64, 7)
+                                                         .stride(2)
+                                                         .padding(3)
+                                                         .bias(false)));
+  bn1 = register_module("bn1", Norm2d(norm));
+  int64_t channels = 64;
+  auto make_layer = [&](int64_t width, int64_t count, int64_t stride) {
+    torch::nn::Sequential layer;
+    for (int64_t i = 0; i < count; ++i) {
+      ResidualBlock block(channels, width, i == 0 ? stride : 1, bottleneck, norm);
+      channels = block->out_channels();
+      layer->push_back(block);
+    }
+    return layer;
+  };
+  layer1 = register_module("layer1", make_layer(64, blocks[0], 1));
+  layer2 = register_module("layer2", make_layer(128, blocks[1], 2));
+  layer3 = register_module("layer3", make_layer(256, blocks[2], 2));
+  if (!options.drop_layer4()) layer4 = register_module("layer4", make_layer(512, blocks[3], 2));
+  feature_dim_ = channels;
+  if (options.num_classes() > 0) {
+    fc = register_module("fc", torch::nn::Linear(feature_dim_, options.num_classes()));
+  }
+
+  // torchvision's initialisation: He (fan_out) for convolutions, identity for norms.
+  for (auto& module : modules(/*include_self=*/false)) {
+    if (auto* c = module->as<torch::nn::Conv2d>()) {
+      torch::nn::init::kaiming_normal_(c->weight, 0.0, torch::kFanOut, torch::kReLU);
+    }
+  }
+  if (!options.freeze().empty()) freeze_up_to(options.freeze());
+  if (options.channels_last()) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : parameters()) {
+      if (p.dim() == 4) p.set_data(p.contiguous(torch::MemoryFormat::ChannelsLast));
+    }
+  }
+}
+
+std::vector<std::string> ResNetImpl::stage_names() const {
+  std::vector<std::string> names = {"conv1", "layer1", "layer2", "layer3"};
+  if (layer4) names.push_back("layer4");
+  return names;
+}
+
+void ResNetImpl::freeze_up_to(const std::string& stage) {
+  const auto names = stage_names();
+  const auto last = std::find(names.begin(), names.end(), stage);
+  TORCH_CHECK(last != names.end(), "cannot freeze up to '", stage, "': stages are conv1, layer1, "
+              "layer2, layer3", layer4 ? ", layer4" : " (layer4 is dropped)");
+  for (auto it = names.begin(); it != last + 1; ++it) {
+    std::vector<std::shared_ptr<torch::nn::Module>> roots;
+    if (*it == "conv1") {
+      roots = {conv1.ptr(), bn1.ptr()};
+    } else {
+      roots = {named_children()[*it]};
+    }
+    for (auto& root : roots) {
+      for (auto& p : root->parameters()) p.set_requires_grad(false);
+      for (auto& m : root->modules(/*include_self=*/true)) {
+        if (auto* norm = m->as<Norm2d>()) norm->freeze();
+      }
+    }
+  }
+}
+
+int64_t ResNetImpl::min_input_size() const { return layer4 ? 32 : 16; }
+
+void ResNetImpl::check_input(const torch::Tensor& x) const {
+  TORCH_CHECK(x.dim() == 4, "ResNet expects a batch of images [N,3,H,W]; got a tensor of shape ",
+              x.sizes(), ". For one video of T frames pass [T,3,H,W].");
+  TORCH_CHECK(x.size(1) == 3, "ResNet expects 3 colour channels in dimension 1 ([N,3,H,W]); got ",
+              x.sizes(), ". Frames stored as [N,H,W,3] need .permute({0,3,1,2}).");
+  TORCH_CHECK(x.is_floating_point(), "ResNet expects normalised floating-point input; got ",
+              x.scalar_type(), ". Convert uint8 frames with framefit::engine::frames_to_input().");
+  const int64_t min = min_input_size();
+  TORCH_CHECK(x.size(2) >= min && x.size(3) >= min, "input of ", x.size(2), "x", x.size(3),
+              " is too small for this ResNet: it downsamples by ", min,
+              ", so height and width must be at least ", min);
+}
+
+torch::Tensor ResNetImpl::features(const torch::Tensor& input) {
+  check_input(input);
+  auto x = options_.channels_last() ? input.contiguous(torch::MemoryFormat::ChannelsLast) : input;
+  x = torch::relu(bn1(conv1(x)));
+  x = torch::max_pool2d(x, 3, 2, 1);
+  x = layer1->forward(x);
+  x = layer2->forward(x);
+  x = layer3->forward(x);
+  if (layer4) x = layer4->forward(x);
+  return torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
+}
+
+torch::Tensor ResNetImpl::forward(const torch::Tensor& x) {
+  auto f = features(x);
+  return fc ? fc(f) : f;
+}
+
+}  // namespace framefit::models

@@ -1,0 +1,86 @@
+#include <gtest/gtest.h>
+
+#include "flags.h"
+
+using framefit::cli::parse_command_line;
+
+namespace {
+// A command line with every required flag of `extract`; input must exist, so use this file.
+std::vector<std::string> extract_with(std::vector<std::string> extra) {
+  std::vector<std::string> argv = {"extract", "--model", "resnet18", "--input", __FILE__,
+                                   "--output", "/tmp/out.pt"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
+
+void expect_error(const std::vector<std::string>& argv, const std::string& fragment) {
+  const auto r = parse_command_line(argv);
+  EXPECT_FALSE(r.args.has_value());
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find(fragment), std::string::npos)
+      << "expected '" << fragment << "' in: " << r.output;
+}
+}  // namespace
+
+TEST(Flags, ParsesValuesAndFillsDefaults) {
+  const auto r = parse_command_line(extract_with({"--chunk", "16", "--budget", "2GiB",
+                                                  "--channels-last"}));
+  ASSERT_TRUE(r.args.has_value()) << r.output;
+  EXPECT_EQ(r.args->command(), "extract");
+  EXPECT_EQ(r.args->integer("chunk"), 16);
+  EXPECT_EQ(r.args->bytes("budget"), int64_t(2) << 30);
+  EXPECT_TRUE(r.args->on("channels-last"));
+  EXPECT_FALSE(r.args->on("drop-layer4"));
+  EXPECT_EQ(r.args->text("norm"), "bn");  // default
+  EXPECT_EQ(r.args->integer("threads"), 0);
+  EXPECT_FALSE(r.args->has("weights"));
+}
+
+TEST(Flags, RejectsUnknownDuplicateAndBadValues) {
+  expect_error(extract_with({"--chunck", "4"}), "--chunck");
+  expect_error(extract_with({"--chunk", "4", "--chunk", "8"}), "chunk");
+  expect_error(extract_with({"--chunk", "abc"}), "not an integer");
+  expect_error(extract_with({"--chunk", "0"}), "at least 1");
+  expect_error(extract_with({"--chunk", "4x"}), "not an integer");
+  expect_error(extract_with({"--budget", "12XB"}), "12XB");
+  expect_error(extract_with({"--norm", "layer_norm"}), "layer_norm");
+  expect_error(extract_with({"--model", "resnet18"}), "model");
+  expect_error({"extract", "--model", "vgg", "--input", __FILE__, "--output", "o.pt"}, "vgg");
+  expect_error({"extract", "--model", "resnet18", "--input", "/no/such/file.pt", "--output",
+                "o.pt"}, "/no/such/file.pt");
+  expect_error({"extract", "--model", "resnet18", "--input", __FILE__}, "--output");
+  expect_error({"launch"}, "launch");
+  expect_error({}, "subcommand");
+}
+
+TEST(Flags, HelpDescribesEveryCommandAndFlag) {
+  const auto top = parse_command_line({"--help"});
+  EXPECT_FALSE(top.args.has_value());
+  EXPECT_EQ(top.exit_code, 0);
+  for (const auto& command : framefit::cli::command_table()) {
+    EXPECT_NE(top.output.find(command.name), std::string::npos) << command.name;
+    const auto sub = parse_command_line({command.name, "--help"});
+    EXPECT_EQ(sub.exit_code, 0);
+    for (const auto& flag : framefit::cli::flag_table()) {
+      for (const auto& c : flag.commands) {
+        if (c != command.name) continue;
+        EXPECT_NE(sub.output.find("--" + flag.name), std::string::npos) << flag.name;
+        EXPECT_NE(sub.output.find(flag.help.substr(0, 20)), std::string::npos) << flag.name;
+      }
+    }
+  }
+}
+
+TEST(Flags, TableIsConsistent) {
+  std::set<std::string> commands;
+  for (const auto& c : framefit::cli::command_table()) commands.insert(c.name);
+  std::set<std::string> names;
+  for (const auto& flag : framefit::cli::flag_table()) {
+    EXPECT_TRUE(names.insert(flag.name).second) << "flag listed twice: " << flag.name;
+    EXPECT_FALSE(flag.help.empty()) << flag.name;
+    EXPECT_FALSE(flag.commands.empty()) << flag.name;
+    for (const auto& c : flag.commands) EXPECT_TRUE(commands.count(c)) << flag.name << " " << c;
+    if (flag.type == framefit::cli::FlagType::Choice) EXPECT_FALSE(flag.choices.empty());
+    EXPECT_FALSE(flag.required && !flag.default_value.empty()) << flag.name;
+  }
+}

@@ -1,0 +1,128 @@
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "framefit/models/resnet.h"
+#include "framefit/models/weights.h"
+
+using namespace framefit::models;
+
+namespace {
+std::string temp_path(const std::string& name) {
+  return (testing::TempDir() + "framefit_weights_" + name);
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(Weights, WriteThenReadRoundTrips) {
+  ResNet source(ResNetOptions(18).num_classes(3));
+  const auto path = temp_path("roundtrip.pt");
+  write_state_dict(state_dict(*source), path);
+  const auto read = read_state_dict(path);
+  const auto expected = state_dict(*source);
+  ASSERT_EQ(read.size(), expected.size());
+  for (size_t i = 0; i < read.size(); ++i) {
+    EXPECT_EQ(read[i].first, expected[i].first);
+    EXPECT_TRUE(torch::equal(read[i].second, expected[i].second)) << read[i].first;
+    EXPECT_EQ(read[i].second.scalar_type(), expected[i].second.scalar_type());
+  }
+  ResNet target(ResNetOptions(18).num_classes(3));
+  const auto report = load_state_dict(*target, read);
+  EXPECT_TRUE(report.complete());
+  EXPECT_EQ(report.loaded.size(), expected.size());
+  torch::NoGradGuard no_grad;
+  source->eval();
+  target->eval();
+  const auto x = torch::randn({1, 3, 32, 32});
+  EXPECT_TRUE(torch::equal(source->forward(x), target->forward(x)));
+  std::remove(path.c_str());
+}
+
+TEST(Weights, TensorFilesRoundTrip) {
+  const auto path = temp_path("tensor.pt");
+  const auto t = torch::randint(0, 255, {4, 3, 8, 8}).to(torch::kUInt8);
+  write_tensor(t, path);
+  EXPECT_TRUE(torch::equal(read_tensor(path), t));
+  EXPECT_NE(error_of([&] { read_state_dict(path); }).find("holds no dict"), std::string::npos);
+  std::remove(path.c_str());
+}
+
+TEST(Weights, StrictLoadNamesEveryProblemAndCopiesNothing) {
+  ResNet model(ResNetOptions(18).num_classes(3));
+  auto state = state_dict(*ResNet(ResNetOptions(18).num_classes(5)));  // fc shape differs
+  state.erase(state.begin());                                        // conv1.weight missing
+  state.emplace_back("head.extra", torch::zeros({2}));
+  const auto before = model->layer1[0]->as<ResidualBlock>()->conv1->weight.clone();
+  const auto message = error_of([&] { load_state_dict(*model, state); });
+  EXPECT_NE(message.find("missing key (in the model, not in the file): conv1.weight"),
+            std::string::npos) << message;
+  EXPECT_NE(message.find("unexpected key (in the file, not in the model): head.extra"),
+            std::string::npos) << message;
+  EXPECT_NE(message.find("shape mismatch for fc.weight: the model has [3, 512], the file [5, 512]"),
+            std::string::npos) << message;
+  EXPECT_TRUE(torch::equal(before, model->layer1[0]->as<ResidualBlock>()->conv1->weight));
+}
+
+TEST(Weights, NonStrictLoadCopiesWhatMatches) {
+  ResNet model(ResNetOptions(18).num_classes(3));
+  ResNet other(ResNetOptions(18).num_classes(5));
+  LoadOptions options;
+  options.strict = false;
+  const auto report = load_state_dict(*model, state_dict(*other), options);
+  EXPECT_FALSE(report.complete());
+  ASSERT_EQ(report.mismatched.size(), 2u);  // fc.weight, fc.bias
+  EXPECT_TRUE(torch::equal(model->conv1->weight, other->conv1->weight));
+
+  // Feature mode: ImageNet weights load once fc.* is ignored.
+  ResNet encoder(ResNetOptions(18).num_classes(0));
+  LoadOptions ignore_fc;
+  ignore_fc.ignore_prefixes = {"fc."};
+  EXPECT_TRUE(load_state_dict(*encoder, state_dict(*other), ignore_fc).complete());
+}
+
+TEST(Weights, OlderFilesWithoutBatchCountersAreComplete) {
+  ResNet model(ResNetOptions(18).num_classes(3));
+  StateDict state;
+  for (auto& entry : state_dict(*model)) {
+    if (entry.first.find("num_batches_tracked") == std::string::npos) state.push_back(entry);
+  }
+  EXPECT_TRUE(load_state_dict(*model, state).complete());
+}
+
+TEST(Weights, BadFilesGetClearErrors) {
+  EXPECT_NE(error_of([] { read_state_dict("/nonexistent/w.pt"); }).find("does not exist"),
+            std::string::npos);
+  const auto garbage = temp_path("garbage.pt");
+  std::ofstream(garbage) << "this is not a zip archive";
+  const auto message = error_of([&] { read_state_dict(garbage); });
+  EXPECT_NE(message.find("not a torch.save zip archive"), std::string::npos) << message;
+  EXPECT_NE(message.find(garbage), std::string::npos) << message;
+  std::remove(garbage.c_str());
+}
+
+TEST(Weights, CommittedOrderedDictFileLoads) {
+  // Written by torch.save(model.state_dict(), path) with PyTorch 1.13 (an OrderedDict with
+  // _metadata and per-tensor hook OrderedDicts): the case LibTorch's own reader cannot read.
+  const auto state = read_state_dict(std::string(FRAMEFIT_SOURCE_DIR) +
+                                     "/tests/media/ordered_dict_state.pt");
+  ASSERT_EQ(state.size(), 7u);
+  EXPECT_EQ(state[0].first, "0.weight");
+  EXPECT_EQ(state[0].second.sizes(), (std::vector<int64_t>{4, 3, 3, 3}));
+  EXPECT_EQ(state[6].first, "1.num_batches_tracked");
+  EXPECT_EQ(state[6].second.scalar_type(), torch::kInt64);
+  EXPECT_EQ(state[6].second.item<int64_t>(), 0);
+  EXPECT_TRUE(torch::allclose(state[2].second, torch::ones({4})));  // BN weight initialised to 1
+  // The conv weight was filled with arange(108) / 100 by the script that wrote the file.
+  EXPECT_TRUE(torch::allclose(state[0].second.flatten(),
+                              torch::arange(108, torch::kFloat32) / 100));
+}

@@ -1,0 +1,117 @@
+"""Reference outputs from PyTorch/torchvision for framefit's tests (run by Debian's python3).
+
+  reference.py make OUTDIR
+      Random-weight resnet18/resnet50 state_dicts (saved as OrderedDicts, the usual way),
+      an input batch, and torchvision's logits and features for it, in eval mode.
+  reference.py check-load ARCH WEIGHTS INPUT EXPECTED
+      Loads a state_dict written by framefit into torchvision (strict), runs INPUT through it
+      and compares with EXPECTED (framefit's output): exit 0 if within 1e-4 relative.
+  reference.py frames OUT T H W
+      A uint8 video tensor [T,3,H,W] for the CLI test.
+  reference.py check-features ARCH WEIGHTS FRAMES FEATURES
+      torchvision features of uint8 FRAMES (normalised with ImageNet statistics) vs FEATURES.
+"""
+import sys
+
+import torch
+import torchvision
+
+IMAGENET_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+IMAGENET_STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+
+
+def build(arch, num_classes=1000):
+    return getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
+
+
+def randomize(model, seed):
+    """Non-trivial BatchNorm parameters and statistics, so parity tests see them."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.1)
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
+                m.num_batches_tracked.fill_(7)
+    return model
+
+
+def features_of(model, x):
+    fc = model.fc
+    model.fc = torch.nn.Identity()
+    try:
+        return model(x)
+    finally:
+        model.fc = fc
+
+
+def relative_error(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def make(outdir):
+    import os
+    os.makedirs(outdir, exist_ok=True)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 64)
+    torch.save(x, f"{outdir}/input.pt")
+    for i, arch in enumerate(["resnet18", "resnet50"]):
+        torch.manual_seed(i + 1)
+        model = randomize(build(arch), seed=i + 10).eval()
+        torch.save(model.state_dict(), f"{outdir}/{arch}.pt")  # an OrderedDict
+        with torch.no_grad():
+            torch.save(model(x), f"{outdir}/{arch}_logits.pt")
+            torch.save(features_of(model, x), f"{outdir}/{arch}_features.pt")
+        with open(f"{outdir}/{arch}_keys.txt", "w") as f:
+            f.write("\n".join(model.state_dict().keys()) + "\n")
+    print(f"reference data written to {outdir}")
+
+
+def check_load(arch, weights, inputs, expected):
+    state = torch.load(weights)
+    model = build(arch, num_classes=state["fc.weight"].shape[0])
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.load(inputs))
+    err = relative_error(torch.load(expected), out)
+    print(f"{arch}: relative error {err:.3g} between framefit and torchvision")
+    return 0 if err <= 1e-4 else 1
+
+
+def make_frames(out, t, h, w):
+    g = torch.Generator().manual_seed(3)
+    torch.save(torch.randint(0, 256, (t, 3, h, w), generator=g, dtype=torch.uint8), out)
+
+
+def check_features(arch, weights, frames, features):
+    model = build(arch)
+    model.load_state_dict(torch.load(weights))
+    model.eval()
+    x = (torch.load(frames).float() / 255 - IMAGENET_MEAN) / IMAGENET_STD
+    with torch.no_grad():
+        ref = features_of(model, x)
+    got = torch.load(features)
+    if got.shape != ref.shape:
+        print(f"shape {tuple(got.shape)} != torchvision's {tuple(ref.shape)}")
+        return 1
+    err = relative_error(got, ref)
+    print(f"{arch} features: relative error {err:.3g} against torchvision")
+    return 0 if err <= 1e-4 else 1
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    cmd, args = sys.argv[1], sys.argv[2:]
+    if cmd == "make":
+        make(*args)
+    elif cmd == "check-load":
+        sys.exit(check_load(*args))
+    elif cmd == "frames":
+        make_frames(args[0], *map(int, args[1:]))
+    elif cmd == "check-features":
+        sys.exit(check_features(*args))
+    else:
+        sys.exit(f"unknown command {cmd}")
