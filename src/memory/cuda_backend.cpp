@@ -4,6 +4,7 @@
 
 #ifdef FRAMEFIT_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
@@ -16,11 +17,16 @@ namespace framefit::memory::detail {
 namespace {
 namespace cca = c10::cuda::CUDACachingAllocator;
 
-constexpr auto kAll = static_cast<size_t>(cca::StatType::AGGREGATE);
+// StatType::AGGREGATE, index 0 in every LibTorch; the enum moved namespaces across versions.
+constexpr size_t kAll = 0;
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(c10::DeviceIndex index) : index_(index) {}
+  explicit CudaBackend(c10::DeviceIndex index) : index_(index) {
+    // The caching allocator answers only once LibTorch has initialised CUDA on the device; one
+    // tiny tensor does that portably across LibTorch versions.
+    at::empty({1}, at::TensorOptions().device(c10::Device(c10::kCUDA, index)));
+  }
   c10::Device device() const override { return c10::Device(c10::kCUDA, index_); }
   int64_t current_bytes() const override { return stats().allocated_bytes[kAll].current; }
   int64_t peak_bytes() const override { return stats().allocated_bytes[kAll].peak; }
