@@ -211,16 +211,36 @@ void ResNetImpl::check_input(const torch::Tensor& x) const {
               ", so height and width must be at least ", min);
 }
 
+int64_t ResNetImpl::frozen_stage_count() const {
+  if (options_.freeze().empty()) return 0;
+  const auto names = stage_names();
+  return std::find(names.begin(), names.end(), options_.freeze()) - names.begin() + 1;
+}
+
+torch::Tensor ResNetImpl::forward_stages(const torch::Tensor& input, int64_t begin, int64_t end) {
+  const auto count = static_cast<int64_t>(stage_names().size());
+  TORCH_CHECK(0 <= begin && begin <= end && end <= count, "stage range [", begin, ", ", end,
+              ") outside the ", count, " stages of this ResNet");
+  auto x = input;
+  if (begin == 0) {
+    check_input(x);
+    if (options_.channels_last()) x = x.contiguous(torch::MemoryFormat::ChannelsLast);
+  }
+  for (int64_t stage = begin; stage < end; ++stage) {
+    switch (stage) {
+      case 0: x = torch::max_pool2d(torch::relu(bn1(conv1(x))), 3, 2, 1); break;
+      case 1: x = layer1->forward(x); break;
+      case 2: x = layer2->forward(x); break;
+      case 3: x = layer3->forward(x); break;
+      case 4: x = layer4->forward(x); break;
+    }
+  }
+  if (end == count) x = torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
+  return x;
+}
+
 torch::Tensor ResNetImpl::features(const torch::Tensor& input) {
-  check_input(input);
-  auto x = options_.channels_last() ? input.contiguous(torch::MemoryFormat::ChannelsLast) : input;
-  x = torch::relu(bn1(conv1(x)));
-  x = torch::max_pool2d(x, 3, 2, 1);
-  x = layer1->forward(x);
-  x = layer2->forward(x);
-  x = layer3->forward(x);
-  if (layer4) x = layer4->forward(x);
-  return torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
+  return forward_stages(input, 0, static_cast<int64_t>(stage_names().size()));
 }
 
 torch::Tensor ResNetImpl::forward(const torch::Tensor& x) {

@@ -93,6 +93,11 @@ class ResNetImpl : public torch::nn::Module {
   const ResNetOptions& options() const { return options_; }
   // Stage names in forward order: "conv1" (conv1+bn1+relu+maxpool), "layer1", ...
   std::vector<std::string> stage_names() const;
+  // Runs stages [begin, end) of stage_names(); ending with the last stage also pools, giving
+  // [N, feature_dim()]. Lets the engine run frozen stages apart from trained ones.
+  torch::Tensor forward_stages(const torch::Tensor& x, int64_t begin, int64_t end);
+  // How many leading stages are frozen (options().freeze()), 0 if none.
+  int64_t frozen_stage_count() const;
 
   torch::nn::Conv2d conv1{nullptr};
   Norm2d bn1{nullptr};

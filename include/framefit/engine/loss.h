@@ -1,0 +1,21 @@
+#pragma once
+// Per-frame phase-recognition loss over all stages of a temporal head.
+#include <torch/types.h>
+
+namespace framefit::engine {
+
+struct PhaseLossOptions {
+  torch::Tensor class_weights;  // [C], optional: for imbalanced phases
+  // MS-TCN's smoothing term: weight (0.15 in the paper; 0 = off) of the truncated MSE between
+  // consecutive frames' log-probabilities, clamped at `smoothing_clamp` (tau = 4).
+  double smoothing = 0.0;
+  double smoothing_clamp = 4.0;
+  int64_t ignore_index = -100;  // frames with this label do not count
+};
+
+// logits [S,T,C] (or [T,C]), labels [T] int64 -> scalar: the sum over stages of the mean
+// cross-entropy (plus smoothing). Labels of the wrong length or out of range are an error.
+torch::Tensor phase_loss(const torch::Tensor& logits, const torch::Tensor& labels,
+                         const PhaseLossOptions& options = {});
+
+}  // namespace framefit::engine

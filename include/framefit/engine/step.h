@@ -1,0 +1,86 @@
+#pragma once
+// One training step over whole videos: chunked encoder, temporal head, per-frame loss,
+// backward (recomputing the encoder chunk by chunk), loss scaling, clipping, optimizer.
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "framefit/engine/amp.h"
+#include "framefit/engine/chunked.h"
+#include "framefit/engine/loss.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/models/heads.h"
+
+namespace framefit::engine {
+
+// One video: frames [T,3,H,W] (uint8 on the host) and one int64 label per frame [T].
+struct Video {
+  torch::Tensor frames;
+  torch::Tensor labels;
+  std::string name;  // for messages
+};
+
+struct OptimizerOptions {
+  std::string kind = "adamw";  // sgd | adam | adamw
+  double lr = 1e-4;
+  double weight_decay = 1e-4;
+  double momentum = 0.9;  // sgd
+};
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<torch::Tensor>& parameters,
+                                                        const OptimizerOptions& options);
+
+struct StepOptions {
+  ChunkedOptions chunked;  // chunk size, keep-k, frozen-stage caching, device, dtype
+  Precision precision = Precision::FP32;
+  // Gradients of this many step() calls are summed before the optimizer runs.
+  int64_t accumulate = 1;
+  double clip_grad_norm = 0;  // 0: no clipping
+  PhaseLossOptions loss;
+  LossScalerOptions scaler;  // used with Precision::FP16 only
+};
+
+struct StepReport {
+  double loss = 0;  // mean over this call's videos
+  int64_t frames = 0;
+  bool optimizer_stepped = false;  // false while accumulating or when fp16 overflowed
+  bool overflow_skipped = false;
+  double grad_norm = 0;  // before clipping, when clipping is on
+  double seconds = 0;
+  int64_t peak_bytes = 0;  // tracked tensor peak during the step (device of the encoder)
+  std::map<std::string, memory::PhaseStats> phases;  // encode, head, recompute
+};
+
+class TrainingStep {
+ public:
+  TrainingStep(FrameEncoder encoder, std::shared_ptr<models::TemporalHead> head,
+               std::shared_ptr<torch::optim::Optimizer> optimizer, StepOptions options);
+
+  // Videos of different lengths are processed one after another; their gradients are averaged.
+  StepReport step(const std::vector<Video>& videos);
+
+  // Called with every trained parameter once this step's gradients are complete, before
+  // unscaling, clipping and the optimizer: where data-parallel training will all-reduce.
+  std::function<void(const std::vector<torch::Tensor>&)> on_gradients_ready;
+
+  const std::vector<torch::Tensor>& parameters() const { return parameters_; }
+  LossScaler& scaler() { return scaler_; }
+  const StepOptions& options() const { return options_; }
+  void set_chunk(int64_t chunk) { options_.chunked.chunk = chunk; }
+
+ private:
+  FrameEncoder encoder_;
+  std::shared_ptr<models::TemporalHead> head_;
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  StepOptions options_;
+  LossScaler scaler_;
+  std::vector<torch::Tensor> parameters_;  // encoder's then head's
+  int64_t pending_ = 0;                    // step() calls accumulated so far
+};
+
+}  // namespace framefit::engine

@@ -1,0 +1,252 @@
+#include "framefit/engine/chunked.h"
+
+#include <ATen/core/Generator.h>
+#include <torch/torch.h>
+
+#include "framefit/engine/amp.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/models/resnet.h"
+
+namespace framefit::engine {
+
+FrameEncoder frame_encoder(const std::shared_ptr<models::ResNetImpl>& resnet) {
+  TORCH_CHECK(resnet != nullptr, "frame_encoder: no ResNet");
+  const int64_t frozen = resnet->frozen_stage_count();
+  const auto stages = static_cast<int64_t>(resnet->stage_names().size());
+  FrameEncoder encoder;
+  if (frozen > 0) {
+    encoder.frozen = [resnet, frozen](const torch::Tensor& x) {
+      return resnet->forward_stages(x, 0, frozen);
+    };
+  }
+  encoder.trainable = [resnet, frozen, stages](const torch::Tensor& x) {
+    return resnet->forward_stages(x, frozen, stages);
+  };
+  for (const auto& p : resnet->parameters()) {
+    if (p.requires_grad()) encoder.parameters.push_back(p);
+  }
+  encoder.buffers = resnet->buffers();
+  return encoder;
+}
+
+FrameEncoder frame_encoder(const std::shared_ptr<torch::nn::Module>& module,
+                           std::function<torch::Tensor(const torch::Tensor&)> forward) {
+  TORCH_CHECK(module != nullptr && forward, "frame_encoder: no module or forward function");
+  FrameEncoder encoder;
+  encoder.trainable = std::move(forward);
+  for (const auto& p : module->parameters()) {
+    if (p.requires_grad()) encoder.parameters.push_back(p);
+  }
+  encoder.buffers = module->buffers();
+  return encoder;
+}
+
+namespace {
+
+// Everything backward needs, carried through the autograd context as a capsule.
+struct ChunkedState : torch::CustomClassHolder {
+  FrameEncoder encoder;
+  ChunkedOptions options;
+  torch::Tensor frames;
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // [begin, end) frame ranges
+  std::vector<torch::Tensor> cpu_rng;               // generator state before each chunk
+  std::vector<torch::Tensor> cuda_rng;
+  std::vector<torch::Tensor> frozen_cache;          // per chunk, when options.cache_frozen
+  std::vector<torch::Tensor> kept;                  // per chunk: output with its graph, or empty
+  AutocastState autocast;
+  torch::ScalarType feature_dtype = torch::kFloat32;
+
+  torch::Tensor input(size_t i) const {
+    const auto [begin, end] = chunks[i];
+    return frames_to_input(frames.slice(0, begin, end), options.device, options.dtype,
+                           options.channels_last, options.normalization);
+  }
+
+  // Frozen stages never need grad: their output is recomputed or cached, never differentiated.
+  torch::Tensor frozen_output(size_t i) const {
+    if (!frozen_cache.empty() && frozen_cache[i].defined()) return frozen_cache[i];
+    auto x = input(i);
+    if (!encoder.frozen) return x;
+    torch::NoGradGuard no_grad;
+    return encoder.frozen(x);
+  }
+};
+
+torch::Generator default_generator(torch::Device device) {
+  return at::globalContext().defaultGenerator(device.is_cuda() ? device : torch::Device(torch::kCPU));
+}
+
+torch::Tensor generator_state(torch::Device device) {
+  auto gen = default_generator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_generator_state(torch::Device device, const torch::Tensor& state) {
+  auto gen = default_generator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+// Restores the random stream after a replay, so recomputing does not shift later draws.
+class RngReplay {
+ public:
+  RngReplay(const ChunkedState& state, size_t chunk) : device_(state.options.device) {
+    saved_cpu_ = generator_state(torch::kCPU);
+    set_generator_state(torch::kCPU, state.cpu_rng[chunk]);
+    if (device_.is_cuda()) {
+      saved_cuda_ = generator_state(device_);
+      set_generator_state(device_, state.cuda_rng[chunk]);
+    }
+  }
+  ~RngReplay() {
+    set_generator_state(torch::kCPU, saved_cpu_);
+    if (device_.is_cuda()) set_generator_state(device_, saved_cuda_);
+  }
+
+ private:
+  torch::Device device_;
+  torch::Tensor saved_cpu_, saved_cuda_;
+};
+
+// BatchNorm statistics were updated once per chunk by the forward pass; a recompute must not
+// update them again (PyTorch's own checkpointing does, twice).
+class BufferSnapshot {
+ public:
+  explicit BufferSnapshot(const std::vector<torch::Tensor>& buffers) : buffers_(buffers) {
+    torch::NoGradGuard no_grad;
+    for (const auto& b : buffers_) copies_.push_back(b.clone());
+  }
+  ~BufferSnapshot() {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(copies_[i]);
+  }
+
+ private:
+  std::vector<torch::Tensor> buffers_, copies_;
+};
+
+class ChunkedEncodeFunction : public torch::autograd::Function<ChunkedEncodeFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx,
+                               c10::intrusive_ptr<ChunkedState> state, at::TensorList parameters) {
+    auto& s = *state;
+    auto phase = memory::Tracker::of(s.options.device).phase("encode");
+    const int64_t total = s.frames.size(0);
+    const size_t n = s.chunks.size();
+    const size_t first_kept = n - static_cast<size_t>(std::min<int64_t>(s.options.keep, n));
+    s.kept.assign(n, torch::Tensor());
+    if (s.options.cache_frozen && s.encoder.frozen) s.frozen_cache.assign(n, torch::Tensor());
+    torch::Tensor features;
+    for (size_t i = 0; i < n; ++i) {
+      s.cpu_rng.push_back(generator_state(torch::kCPU));
+      if (s.options.device.is_cuda()) s.cuda_rng.push_back(generator_state(s.options.device));
+      auto h = s.frozen_output(i);
+      if (!s.frozen_cache.empty()) s.frozen_cache[i] = h;
+      torch::Tensor out;
+      if (i >= first_kept) {
+        torch::AutoGradMode grad(true);
+        out = s.encoder.trainable(h);
+        s.kept[i] = out;
+      } else {
+        out = s.encoder.trainable(h);
+      }
+      TORCH_CHECK(out.dim() == 2 && out.size(0) == h.size(0),
+                  "the encoder must map [N,3,H,W] to [N,D] features; got ", out.sizes());
+      if (!features.defined()) {
+        s.feature_dtype = out.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+        features = torch::empty({total, out.size(1)},
+                                torch::TensorOptions().dtype(s.feature_dtype).device(s.options.device));
+      }
+      const auto [begin, end] = s.chunks[i];
+      features.slice(0, begin, end).copy_(out.detach());
+    }
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    return features;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto state = c10::static_intrusive_pointer_cast<ChunkedState>(
+        ctx->saved_data["state"].toCapsule());
+    auto& s = *state;
+    auto phase = memory::Tracker::of(s.options.device).phase("recompute");
+    const auto& grad = grad_outputs.at(0);
+    const auto& params = s.encoder.parameters;
+    std::vector<torch::Tensor> sums(params.size());
+    auto accumulate = [&](const torch::Tensor& out, size_t i) {
+      const auto [begin, end] = s.chunks[i];
+      // torch::autograd::grad, not backward(): a re-entrant backward() would write .grad and
+      // break callers that use torch::autograd::grad on the loss.
+      auto grads = torch::autograd::grad({out}, params,
+                                         {grad.slice(0, begin, end).to(out.scalar_type())},
+                                         /*retain_graph=*/false, /*create_graph=*/false,
+                                         /*allow_unused=*/true);
+      for (size_t p = 0; p < params.size(); ++p) {
+        if (!grads[p].defined()) continue;
+        sums[p] = sums[p].defined() ? sums[p].add_(grads[p]) : grads[p];
+      }
+    };
+    for (size_t i = s.chunks.size(); i-- > 0;) {
+      if (s.kept[i].defined()) {
+        auto out = std::move(s.kept[i]);
+        accumulate(out, i);
+        continue;
+      }
+      RngReplay replay(s, i);
+      BufferSnapshot snapshot(s.encoder.buffers);
+      AutocastGuard autocast(s.autocast);
+      auto h = s.frozen_output(i);
+      if (!s.frozen_cache.empty()) s.frozen_cache[i] = torch::Tensor();
+      torch::AutoGradMode grad_mode(true);
+      accumulate(s.encoder.trainable(h), i);
+    }
+    s.frozen_cache.clear();
+    // One entry per forward argument: none for the state, then each parameter's gradient.
+    torch::autograd::variable_list result{torch::Tensor()};
+    result.insert(result.end(), sums.begin(), sums.end());
+    return result;
+  }
+};
+
+void check_options(const ChunkedOptions& options) {
+  TORCH_CHECK(options.chunk >= 0, "chunk must be >= 0 frames (0 = naive, all frames at once); got ",
+              options.chunk);
+  TORCH_CHECK(options.keep >= 0, "keep must be >= 0 chunks; got ", options.keep);
+}
+
+}  // namespace
+
+torch::Tensor chunked_encode(const FrameEncoder& encoder, const torch::Tensor& frames,
+                             const ChunkedOptions& options) {
+  check_video_frames(frames, "chunked_encode");
+  check_options(options);
+  TORCH_CHECK(encoder.trainable, "chunked_encode: the encoder has no trainable part");
+  const int64_t total = frames.size(0);
+  const bool differentiable = torch::GradMode::is_enabled() && !encoder.parameters.empty();
+
+  if (!differentiable || options.chunk == 0 || options.chunk >= total) {
+    // One pass over every frame: naive training, or plain inference.
+    auto phase = memory::Tracker::of(options.device).phase("encode");
+    auto x = frames_to_input(frames, options.device, options.dtype, options.channels_last,
+                             options.normalization);
+    if (encoder.frozen) {
+      torch::NoGradGuard no_grad;
+      x = encoder.frozen(x);
+    }
+    auto out = encoder.trainable(x);
+    return out.scalar_type() == torch::kFloat64 ? out : out.to(torch::kFloat32);
+  }
+
+  auto state = c10::make_intrusive<ChunkedState>();
+  state->encoder = encoder;
+  state->options = options;
+  state->frames = frames;
+  state->autocast = AutocastState::current();
+  for (int64_t begin = 0; begin < total; begin += options.chunk) {
+    state->chunks.emplace_back(begin, std::min(total, begin + options.chunk));
+  }
+  return ChunkedEncodeFunction::apply(state, at::TensorList(encoder.parameters));
+}
+
+}  // namespace framefit::engine
