@@ -74,13 +74,17 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
     TORCH_CHECK(video.labels.dim() == 1 && video.labels.size(0) == video.frames.size(0), what,
                 ": ", video.frames.size(0), " frames but ", video.labels.numel(),
                 " labels: there must be one label per frame");
+    torch::Tensor features;
+    {
+      // Mixed precision where the compute is: the encoder. The head (LSTM/TCN over [T,D]) is
+      // cheap and runs in float32, which LibTorch 1.13's CPU LSTM needs anyway.
+      AutocastGuard autocast(options_.chunked.device, options_.precision);
+      features = chunked_encode(encoder_, video.frames, options_.chunked);
+    }
     torch::Tensor loss;
     {
-      AutocastGuard autocast(options_.chunked.device, options_.precision);
-      auto features = chunked_encode(encoder_, video.frames, options_.chunked);
       auto phase = tracker.phase("head");
-      auto logits = head_->forward(features);
-      loss = phase_loss(logits, video.labels, options_.loss);
+      loss = phase_loss(head_->forward(features), video.labels, options_.loss);
     }
     report.loss += loss.item<double>() / static_cast<double>(videos.size());
     report.frames += video.frames.size(0);

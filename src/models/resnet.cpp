@@ -46,7 +46,15 @@ void Norm2dImpl::freeze() {
   bias.set_requires_grad(false);
 }
 
-torch::Tensor Norm2dImpl::forward(const torch::Tensor& x) {
+torch::Tensor Norm2dImpl::forward(const torch::Tensor& input) {
+  // Under autocast, activations arrive in bf16/fp16 while parameters stay float32; LibTorch
+  // 1.13's CPU norm kernels need one dtype, so normalise in the parameters' precision.
+  const auto x = input.scalar_type() == weight.scalar_type() ? input : input.to(weight.scalar_type());
+  auto out = norm(x);
+  return out.scalar_type() == input.scalar_type() ? out : out.to(input.scalar_type());
+}
+
+torch::Tensor Norm2dImpl::norm(const torch::Tensor& x) {
   if (options_.kind() == NormKind::GroupNorm) {
     return torch::group_norm(x, options_.groups(), weight, bias, options_.eps());
   }

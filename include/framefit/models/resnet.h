@@ -43,6 +43,7 @@ class Norm2dImpl : public torch::nn::Module {
   torch::Tensor weight, bias, running_mean, running_var, num_batches_tracked;
 
  private:
+  torch::Tensor norm(const torch::Tensor& x);
   Norm2dOptions options_;
   bool frozen_ = false;
 };

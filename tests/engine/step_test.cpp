@@ -1,0 +1,162 @@
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "framefit/engine/amp.h"
+#include "framefit/engine/step.h"
+#include "framefit/models/resnet.h"
+
+using namespace framefit;
+
+namespace {
+engine::Video make_video(int64_t frames, uint64_t seed, int64_t classes = 3) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  return {torch::randint(0, 256, {frames, 3, 32, 32}, gen, torch::kUInt8),
+          torch::randint(0, classes, {frames}, gen, torch::kLong), "video" + std::to_string(seed)};
+}
+
+struct Setup {
+  models::ResNet encoder{nullptr};
+  std::shared_ptr<models::TemporalHead> head;
+  std::unique_ptr<engine::TrainingStep> step;
+};
+
+Setup make_setup(engine::StepOptions options, torch::ScalarType dtype = torch::kFloat32,
+                 const std::string& optimizer = "sgd", double lr = 0.01) {
+  torch::manual_seed(7);
+  Setup s;
+  s.encoder = models::ResNet(models::ResNetOptions(18).num_classes(0).norm(models::NormKind::GroupNorm).groups(8));
+  s.head = models::make_head("lstm", 512, 3);
+  s.encoder->to(dtype);
+  s.head->to(dtype);
+  auto encoder = engine::frame_encoder(s.encoder.ptr());
+  auto params = encoder.parameters;
+  for (auto& p : s.head->parameters()) params.push_back(p);
+  engine::OptimizerOptions opt;
+  opt.kind = optimizer;
+  opt.lr = lr;
+  opt.weight_decay = 0;
+  options.chunked.dtype = dtype;
+  s.step = std::make_unique<engine::TrainingStep>(encoder, s.head, engine::make_optimizer(params, opt), options);
+  return s;
+}
+
+std::vector<torch::Tensor> snapshot(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach().clone());
+  return out;
+}
+}  // namespace
+
+TEST(TrainingStep, AccumulationEqualsOneBatch) {
+  engine::StepOptions batch_options;
+  batch_options.chunked.chunk = 4;
+  auto batch = make_setup(batch_options, torch::kFloat64);
+  const auto a = make_video(9, 1), b = make_video(6, 2);  // different lengths
+  const auto report = batch.step->step({a, b});
+  EXPECT_TRUE(report.optimizer_stepped);
+  EXPECT_EQ(report.frames, 15);
+
+  engine::StepOptions accumulate_options = batch_options;
+  accumulate_options.accumulate = 2;
+  auto accumulated = make_setup(accumulate_options, torch::kFloat64);
+  int synced = 0;
+  accumulated.step->on_gradients_ready = [&](const std::vector<torch::Tensor>& params) {
+    ++synced;
+    EXPECT_EQ(params.size(), accumulated.step->parameters().size());
+  };
+  EXPECT_FALSE(accumulated.step->step({a}).optimizer_stepped);
+  EXPECT_EQ(synced, 0);
+  EXPECT_TRUE(accumulated.step->step({b}).optimizer_stepped);
+  EXPECT_EQ(synced, 1);
+  const auto x = snapshot(batch.step->parameters());
+  const auto y = snapshot(accumulated.step->parameters());
+  ASSERT_EQ(x.size(), y.size());
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_TRUE(torch::allclose(x[i], y[i], 1e-10, 1e-12)) << i;
+}
+
+TEST(TrainingStep, ReportsPhasesAndLearns) {
+  engine::StepOptions options;
+  options.chunked.chunk = 4;
+  options.clip_grad_norm = 1.0;
+  auto s = make_setup(options, torch::kFloat32, "adamw", 1e-3);
+  const auto video = make_video(12, 3);
+  const auto first = s.step->step({video});
+  EXPECT_GT(first.grad_norm, 0);
+  for (const char* phase : {"encode", "head", "recompute"}) EXPECT_EQ(first.phases.count(phase), 1u) << phase;
+  EXPECT_GT(first.peak_bytes, 0);
+  double last = first.loss;
+  for (int i = 0; i < 15; ++i) last = s.step->step({video}).loss;
+  EXPECT_LT(last, first.loss * 0.7) << "15 steps on one video should fit it";
+}
+
+TEST(TrainingStep, Bf16AutocastTrains) {
+  engine::StepOptions options;
+  options.chunked.chunk = 4;
+  options.precision = engine::Precision::BF16;
+  auto s = make_setup(options);
+  const auto report = s.step->step({make_video(8, 4)});
+  EXPECT_TRUE(std::isfinite(report.loss));
+  EXPECT_TRUE(report.optimizer_stepped);
+  for (const auto& p : s.step->parameters()) {
+    EXPECT_EQ(p.scalar_type(), torch::kFloat32);  // master weights stay float32
+  }
+}
+
+TEST(TrainingStep, BadVideosAreExplained) {
+  engine::StepOptions options;
+  auto s = make_setup(options);
+  auto video = make_video(8, 5);
+  video.labels = video.labels.slice(0, 0, 7);
+  try {
+    s.step->step({video});
+    FAIL();
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    EXPECT_NE(what.find("video5: 8 frames but 7 labels"), std::string::npos) << what;
+  }
+  EXPECT_THROW(s.step->step({}), c10::Error);
+  EXPECT_THROW(engine::make_optimizer({torch::zeros({2})}, {}), c10::Error);  // frozen parameter
+}
+
+TEST(LossScaler, SkipsOverflowBacksOffAndGrows) {
+  engine::LossScalerOptions o;
+  o.initial_scale = 1024;
+  o.growth_interval = 2;
+  engine::LossScaler scaler(o);
+  auto p = torch::zeros({3}, torch::requires_grad());
+  EXPECT_DOUBLE_EQ(scaler.scale(torch::ones({})).item<double>(), 1024);
+  p.mutable_grad() = torch::tensor({1024.0f, 2048.0f, std::numeric_limits<float>::infinity()});
+  EXPECT_FALSE(scaler.unscale({p}));
+  EXPECT_FALSE(scaler.update());
+  EXPECT_DOUBLE_EQ(scaler.current_scale(), 512);
+  EXPECT_EQ(scaler.skipped_steps(), 1);
+  for (int i = 0; i < 2; ++i) {
+    scaler.scale(torch::ones({}));
+    p.mutable_grad() = torch::tensor({512.0f, 1024.0f, 0.0f});
+    EXPECT_TRUE(scaler.unscale({p}));
+    EXPECT_TRUE(torch::equal(p.grad(), torch::tensor({1.0f, 2.0f, 0.0f})));
+    EXPECT_TRUE(scaler.update());
+  }
+  EXPECT_DOUBLE_EQ(scaler.current_scale(), 1024);  // grew after 2 clean steps
+  engine::LossScaler restored(o);
+  restored.load_state(scaler.state());
+  EXPECT_DOUBLE_EQ(restored.current_scale(), 1024);
+  EXPECT_EQ(restored.skipped_steps(), 1);
+  engine::LossScalerOptions off;
+  off.enabled = false;
+  engine::LossScaler disabled(off);
+  EXPECT_DOUBLE_EQ(disabled.scale(torch::ones({})).item<double>(), 1);
+}
+
+TEST(Autocast, GuardEnablesAndRestores) {
+  const auto before = engine::AutocastState::current();
+  {
+    engine::AutocastGuard guard(torch::kCPU, engine::Precision::BF16);
+    auto conv = torch::nn::Conv2d(3, 4, 3);
+    EXPECT_EQ(conv(torch::randn({1, 3, 8, 8})).scalar_type(), torch::kBFloat16);
+  }
+  EXPECT_EQ(engine::AutocastState::current().cpu_enabled, before.cpu_enabled);
+  EXPECT_THROW(engine::AutocastGuard(torch::kCPU, engine::Precision::FP16), c10::Error);
+  EXPECT_EQ(engine::parse_precision("bf16"), engine::Precision::BF16);
+  EXPECT_THROW(engine::parse_precision("int8"), c10::Error);
+}

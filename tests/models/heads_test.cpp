@@ -1,0 +1,86 @@
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "framefit/engine/loss.h"
+#include "framefit/models/heads.h"
+
+using namespace framefit;
+
+namespace {
+// True if outputs up to frame `t` ignore every later frame.
+bool is_causal(models::TemporalHead& head, int64_t frames, int64_t t) {
+  torch::NoGradGuard no_grad;
+  head.eval();
+  auto x = torch::randn({frames, 16});
+  auto changed = x.clone();
+  changed.slice(0, t + 1).add_(torch::randn({frames - t - 1, 16}));
+  return torch::allclose(head.forward(x).slice(1, 0, t + 1), head.forward(changed).slice(1, 0, t + 1),
+                         1e-5, 1e-6);
+}
+}  // namespace
+
+TEST(Heads, ShapesAndCausality) {
+  models::LinearHead linear(models::LinearHeadOptions(16, 7));
+  EXPECT_EQ(linear->forward(torch::randn({20, 16})).sizes(), (std::vector<int64_t>{1, 20, 7}));
+  models::LSTMHead lstm(models::LSTMHeadOptions(16, 7).hidden(32));
+  EXPECT_EQ(lstm->forward(torch::randn({20, 16})).sizes(), (std::vector<int64_t>{1, 20, 7}));
+  EXPECT_TRUE(is_causal(*lstm, 20, 9));
+  models::LSTMHead bidirectional(models::LSTMHeadOptions(16, 7).hidden(32).bidirectional(true));
+  EXPECT_EQ(bidirectional->forward(torch::randn({20, 16})).size(2), 7);
+  EXPECT_FALSE(is_causal(*bidirectional, 20, 9));
+  models::TCNHead tcn(models::TCNHeadOptions(16, 7).stages(3).layers(4).channels(8));
+  EXPECT_EQ(tcn->forward(torch::randn({50, 16})).sizes(), (std::vector<int64_t>{3, 50, 7}));
+  EXPECT_TRUE(is_causal(*tcn, 50, 20));
+  EXPECT_EQ(tcn->receptive_field(), 3 * 2 * 15 + 1);
+  models::TCNHead acausal(models::TCNHeadOptions(16, 7).layers(3).channels(8).causal(false));
+  EXPECT_FALSE(is_causal(*acausal, 50, 20));
+  EXPECT_EQ(models::make_head("tcn", 16, 7)->num_classes(), 7);
+  EXPECT_THROW(models::make_head("gru", 16, 7), c10::Error);
+}
+
+TEST(Heads, WrongFeatureSizeIsExplained) {
+  models::LSTMHead lstm(models::LSTMHeadOptions(16, 7));
+  try {
+    lstm->forward(torch::randn({5, 32}));
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("expects 16-d features"), std::string::npos);
+  }
+  EXPECT_THROW(lstm->forward(torch::randn({1, 5, 16})), c10::Error);
+}
+
+TEST(PhaseLoss, CrossEntropyWeightsSmoothingAndChecks) {
+  auto logits = torch::randn({2, 10, 4});
+  auto labels = torch::randint(0, 4, {10}, torch::kLong);
+  auto expected = torch::nn::functional::cross_entropy(logits[0], labels) +
+                  torch::nn::functional::cross_entropy(logits[1], labels);
+  EXPECT_TRUE(torch::allclose(engine::phase_loss(logits, labels), expected));
+
+  engine::PhaseLossOptions weighted;
+  weighted.class_weights = torch::tensor({1.0, 2.0, 0.5, 1.0});
+  EXPECT_TRUE(torch::allclose(
+      engine::phase_loss(logits[0], labels, weighted),
+      torch::nn::functional::cross_entropy(
+          logits[0], labels, torch::nn::functional::CrossEntropyFuncOptions().weight(weighted.class_weights))));
+
+  engine::PhaseLossOptions smooth;
+  smooth.smoothing = 0.15;
+  auto constant = torch::randn({1, 4}).expand({10, 4}).contiguous();
+  EXPECT_TRUE(torch::allclose(engine::phase_loss(constant, labels, smooth), engine::phase_loss(constant, labels)));
+  EXPECT_GT(engine::phase_loss(logits[0], labels, smooth).item<double>(),
+            engine::phase_loss(logits[0], labels).item<double>());
+
+  auto ignored = labels.clone();
+  ignored[3] = -100;
+  EXPECT_NO_THROW(engine::phase_loss(logits, ignored));
+  auto message = [&](const torch::Tensor& l) {
+    try {
+      engine::phase_loss(logits, l);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message(torch::zeros({9}, torch::kLong)).find("one label per frame"), std::string::npos);
+  EXPECT_NE(message(torch::full({10}, 4, torch::kLong)).find("[0, 4)"), std::string::npos);
+}
