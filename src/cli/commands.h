@@ -5,5 +5,6 @@
 namespace framefit::cli {
 
 int run_extract(const Args& args);
+int run_bench_step(const Args& args);
 
 }  // namespace framefit::cli

@@ -13,14 +13,18 @@ const std::vector<Command>& command_table() {
       {"extract",
        "Per-frame features of a video tensor [T,3,H,W] (torch.save file), computed chunk by chunk "
        "without grad: memory is bounded by --chunk, not by T."},
+      {"bench-step",
+       "One measured end-to-end training step (encoder + temporal head) on random frames and "
+       "labels: tracked peak memory, peak RSS, step time. --chunk 0 is naive training."},
   };
   return commands;
 }
 
 const std::vector<Flag>& flag_table() {
   static const std::vector<Flag> flags = {
-      {"model", {"extract"}, FlagType::Choice, "Encoder architecture (torchvision layout).",
-       "", true, {"resnet18", "resnet34", "resnet50"}},
+      {"model", {"extract", "bench-step"}, FlagType::Choice,
+       "Encoder architecture (torchvision layout).", "", true,
+       {"resnet18", "resnet34", "resnet50"}},
       {"weights", {"extract"}, FlagType::ExistingFile,
        "state_dict file from torch.save(model.state_dict(), path); fc.* entries are ignored. "
        "Without it the encoder has random (torchvision-style) weights from --seed.", ""},
@@ -31,21 +35,50 @@ const std::vector<Flag>& flag_table() {
        "Where to write the [T,D] float32 features (torch.save format; torch.load reads it).", "",
        true},
       {"chunk", {"extract"}, FlagType::Int, "Frames per forward pass.", "64", false, {}, 1},
-      {"norm", {"extract"}, FlagType::Choice,
+      {"head", {"bench-step"}, FlagType::Choice,
+       "Temporal head: lstm (seeds/000: LSTM 512 + fc), tcn (causal MS-TCN), linear (per frame).",
+       "", true, {"lstm", "tcn", "linear"}},
+      {"frames", {"bench-step"}, FlagType::Int, "Frames per video (T).", "", true, {}, 1},
+      {"size", {"bench-step"}, FlagType::Int, "Frame height and width in pixels.", "", true, {}, 16},
+      {"classes", {"bench-step"}, FlagType::Int, "Phase classes.", "7", false, {}, 2},
+      {"chunk", {"bench-step"}, FlagType::IntOrAuto,
+       "Frames per chunk: a count, 0 for naive training (all frames with grad), or auto (largest "
+       "power of two from 64 down that runs within --budget).", "auto", false, {}, 0},
+      {"keep", {"bench-step"}, FlagType::Int,
+       "Chunks whose graph is kept from the forward pass instead of recomputed.", "1", false, {},
+       0},
+      {"cache-frozen", {"bench-step"}, FlagType::Switch,
+       "Keep frozen stages' outputs between forward and backward instead of recomputing them.", ""},
+      {"precision", {"bench-step"}, FlagType::Choice,
+       "Autocast precision of the encoder: fp32, bf16 (fast on AVX-512 bf16 CPUs), fp16 (CUDA, "
+       "with loss scaling).", "fp32", false, {"fp32", "bf16", "fp16"}},
+      {"dtype", {"bench-step"}, FlagType::Choice,
+       "Parameter and input dtype; float64 for exactness checks.", "float32", false,
+       {"float32", "float64"}},
+      {"optimizer", {"bench-step"}, FlagType::Choice, "Optimizer.", "adamw", false,
+       {"sgd", "adam", "adamw"}},
+      {"freeze", {"bench-step"}, FlagType::Choice,
+       "Freeze the encoder up to and including this stage.", "", false,
+       {"conv1", "layer1", "layer2", "layer3", "layer4"}},
+      {"export-grads", {"bench-step"}, FlagType::Path,
+       "Write the measured step's parameter gradients (torchvision names for the encoder, head.* "
+       "for the head) to this file; torch.load reads it.", ""},
+      {"json", {"bench-step"}, FlagType::Switch, "Print the result as one JSON object.", ""},
+      {"norm", {"extract", "bench-step"}, FlagType::Choice,
        "Normalisation layers: bn (BatchNorm), frozen_bn, group_norm.", "bn", false,
        {"bn", "frozen_bn", "group_norm"}},
-      {"groups", {"extract"}, FlagType::Int, "Groups per GroupNorm layer (--norm group_norm).",
-       "32", false, {}, 1},
-      {"drop-layer4", {"extract"}, FlagType::Switch,
+      {"groups", {"extract", "bench-step"}, FlagType::Int,
+       "Groups per GroupNorm layer (--norm group_norm).", "32", false, {}, 1},
+      {"drop-layer4", {"extract", "bench-step"}, FlagType::Switch,
        "Use the slim ResNet without layer4 (256-d or 1024-d features).", ""},
-      {"channels-last", {"extract"}, FlagType::Switch,
+      {"channels-last", {"extract", "bench-step"}, FlagType::Switch,
        "Run convolutions in channels-last (NHWC) layout: faster on CPU.", ""},
-      {"budget", {"extract"}, FlagType::Bytes,
+      {"budget", {"extract", "bench-step"}, FlagType::Bytes,
        "Memory budget for tensors, e.g. 2GiB: exceeding it is an out-of-memory error.", ""},
-      {"threads", {"extract"}, FlagType::Int, "Compute threads; 0 = all cores.", "0", false, {},
-       0},
-      {"seed", {"extract"}, FlagType::Int, "Random seed.", "0", false, {}, 0},
-      {"device", {"extract"}, FlagType::Text, "cpu, cuda or cuda:N.", "cpu"},
+      {"threads", {"extract", "bench-step"}, FlagType::Int, "Compute threads; 0 = all cores.", "0",
+       false, {}, 0},
+      {"seed", {"extract", "bench-step"}, FlagType::Int, "Random seed.", "0", false, {}, 0},
+      {"device", {"extract", "bench-step"}, FlagType::Text, "cpu, cuda or cuda:N.", "cpu"},
   };
   return flags;
 }
@@ -68,9 +101,10 @@ bool Args::on(const std::string& flag) const { return has(flag) && text(flag) ==
 
 namespace {
 
-CLI::Validator integer_at_least(int64_t min) {
+CLI::Validator integer_at_least(int64_t min, bool or_auto = false) {
   return CLI::Validator(
-      [min](std::string& value) -> std::string {
+      [min, or_auto](std::string& value) -> std::string {
+        if (or_auto && value == "auto") return "";
         size_t used = 0;
         long long v = 0;
         try {
@@ -78,11 +112,15 @@ CLI::Validator integer_at_least(int64_t min) {
         } catch (const std::exception&) {
           used = 0;
         }
-        if (used == 0 || used != value.size()) return "'" + value + "' is not an integer";
-        if (v < min) return "must be at least " + std::to_string(min) + ", got " + value;
+        const std::string expected = or_auto ? "'auto' or an integer" : "an integer";
+        if (used == 0 || used != value.size()) return "'" + value + "' is not " + expected;
+        if (v < min) {
+          return "must be " + std::string(or_auto ? "'auto' or " : "") + "at least " +
+                 std::to_string(min) + ", got " + value;
+        }
         return "";
       },
-      "INT>=" + std::to_string(min));
+      (or_auto ? "auto|INT>=" : "INT>=") + std::to_string(min));
 }
 
 CLI::Validator byte_size() {
@@ -113,6 +151,7 @@ void add_flag(CLI::App& app, const Flag& flag, std::map<std::string, std::string
   switch (flag.type) {
     case FlagType::ExistingFile: option->check(CLI::ExistingFile); break;
     case FlagType::Int: option->check(integer_at_least(flag.min_value)); break;
+    case FlagType::IntOrAuto: option->check(integer_at_least(flag.min_value, true)); break;
     case FlagType::Bytes: option->check(byte_size()); break;
     case FlagType::Choice: option->check(CLI::IsMember(flag.choices)); break;
     case FlagType::Path: option->type_name("PATH"); break;

@@ -14,13 +14,14 @@ enum class FlagType {
   Path,          // an output path
   ExistingFile,  // an input file that must exist
   Int,           // an integer >= min_value
+  IntOrAuto,     // "auto" or an integer >= min_value
   Bytes,         // a byte size: 8GiB, 512MiB, 4096
   Choice,        // one of `choices`
   Switch,        // present or absent, takes no value
 };
 
 struct Flag {
-  std::string name;                   // without dashes: "chunk" for --chunk
+  std::string name;                   // without dashes: "chunk" for --chunk; unique per command
   std::vector<std::string> commands;  // commands that take it
   FlagType type;
   std::string help;

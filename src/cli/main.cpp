@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   const cli::Args& args = *parsed.args;
   static const std::map<std::string, std::function<int(const cli::Args&)>> commands = {
       {"extract", cli::run_extract},
+      {"bench-step", cli::run_bench_step},
   };
   try {
     RuntimeOptions runtime;

@@ -1,5 +1,6 @@
 #include "framefit/engine/chunked.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <torch/torch.h>
 
@@ -145,6 +146,9 @@ class ChunkedEncodeFunction : public torch::autograd::Function<ChunkedEncodeFunc
       if (!s.frozen_cache.empty()) s.frozen_cache[i] = h;
       torch::Tensor out;
       if (i >= first_kept) {
+        // Autocast caches the bf16/fp16 copies of the weights; copies made during the no-grad
+        // chunks carry no grad_fn, and reusing them would silently cut the weights' gradients.
+        if (i == first_kept) at::autocast::clear_cache();
         torch::AutoGradMode grad(true);
         out = s.encoder.trainable(h);
         s.kept[i] = out;
@@ -161,6 +165,7 @@ class ChunkedEncodeFunction : public torch::autograd::Function<ChunkedEncodeFunc
       const auto [begin, end] = s.chunks[i];
       features.slice(0, begin, end).copy_(out.detach());
     }
+    at::autocast::clear_cache();  // no no-grad weight copies may leak to the caller's code
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
     return features;
   }
@@ -187,6 +192,7 @@ class ChunkedEncodeFunction : public torch::autograd::Function<ChunkedEncodeFunc
         sums[p] = sums[p].defined() ? sums[p].add_(grads[p]) : grads[p];
       }
     };
+    at::autocast::clear_cache();  // see forward: cached casts may lack grad_fn
     for (size_t i = s.chunks.size(); i-- > 0;) {
       if (s.kept[i].defined()) {
         auto out = std::move(s.kept[i]);

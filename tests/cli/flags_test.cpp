@@ -53,6 +53,29 @@ TEST(Flags, RejectsUnknownDuplicateAndBadValues) {
   expect_error({}, "subcommand");
 }
 
+TEST(Flags, BenchStepTakesAutoOrACount) {
+  const std::vector<std::string> base = {"bench-step", "--model", "resnet18", "--head", "lstm",
+                                         "--frames", "64", "--size", "64"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto argv = base;
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return argv;
+  };
+  const auto automatic = parse_command_line(with({"--chunk", "auto", "--json"}));
+  ASSERT_TRUE(automatic.args.has_value()) << automatic.output;
+  EXPECT_EQ(automatic.args->text("chunk"), "auto");
+  EXPECT_TRUE(automatic.args->on("json"));
+  const auto naive = parse_command_line(with({"--chunk", "0", "--precision", "bf16"}));
+  ASSERT_TRUE(naive.args.has_value()) << naive.output;
+  EXPECT_EQ(naive.args->text("chunk"), "0");
+  EXPECT_EQ(naive.args->text("keep"), "1");
+  expect_error(with({"--chunk", "some"}), "auto");
+  expect_error(with({"--chunk", "-3"}), "auto");
+  expect_error(with({"--precision", "fp8"}), "fp8");
+  expect_error(with({"--frames", "0"}), "at least 1");
+  expect_error({"bench-step", "--model", "resnet18", "--head", "lstm", "--size", "64"}, "--frames");
+}
+
 TEST(Flags, HelpDescribesEveryCommandAndFlag) {
   const auto top = parse_command_line({"--help"});
   EXPECT_FALSE(top.args.has_value());
@@ -74,9 +97,11 @@ TEST(Flags, HelpDescribesEveryCommandAndFlag) {
 TEST(Flags, TableIsConsistent) {
   std::set<std::string> commands;
   for (const auto& c : framefit::cli::command_table()) commands.insert(c.name);
-  std::set<std::string> names;
+  std::set<std::pair<std::string, std::string>> seen;  // (command, flag)
   for (const auto& flag : framefit::cli::flag_table()) {
-    EXPECT_TRUE(names.insert(flag.name).second) << "flag listed twice: " << flag.name;
+    for (const auto& c : flag.commands) {
+      EXPECT_TRUE(seen.insert({c, flag.name}).second) << "--" << flag.name << " listed twice for " << c;
+    }
     EXPECT_FALSE(flag.help.empty()) << flag.name;
     EXPECT_FALSE(flag.commands.empty()) << flag.name;
     for (const auto& c : flag.commands) EXPECT_TRUE(commands.count(c)) << flag.name << " " << c;

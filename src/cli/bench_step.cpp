@@ -1,0 +1,155 @@
+// framefit bench-step: one warm-up and one measured training step on random data.
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "commands.h"
+#include "framefit/core/runtime.h"
+#include "framefit/engine/step.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/models/resnet.h"
+#include "framefit/models/weights.h"
+
+namespace framefit::cli {
+
+namespace {
+
+struct BenchModel {
+  models::ResNet encoder{nullptr};
+  std::shared_ptr<models::TemporalHead> head;
+  std::unique_ptr<engine::TrainingStep> step;
+};
+
+BenchModel build(const Args& args, int64_t chunk) {
+  const torch::Device device(args.text("device"));
+  const auto dtype = args.text("dtype") == "float64" ? torch::kFloat64 : torch::kFloat32;
+  torch::manual_seed(static_cast<uint64_t>(args.integer("seed")));
+  BenchModel m;
+  auto options = models::ResNetOptions(models::parse_resnet_name(args.text("model")))
+                     .num_classes(0)
+                     .norm(models::parse_norm_kind(args.text("norm")))
+                     .groups(args.integer("groups"))
+                     .drop_layer4(args.on("drop-layer4"))
+                     .channels_last(args.on("channels-last"));
+  if (args.has("freeze")) options.freeze(args.text("freeze"));
+  m.encoder = models::ResNet(options);
+  m.head = models::make_head(args.text("head"), m.encoder->feature_dim(), args.integer("classes"));
+  m.encoder->to(device, dtype);
+  m.head->to(device, dtype);
+  m.encoder->train();
+  m.head->train();
+
+  engine::StepOptions step;
+  step.chunked.chunk = chunk;
+  step.chunked.keep = args.integer("keep");
+  step.chunked.cache_frozen = args.on("cache-frozen");
+  step.chunked.device = device;
+  step.chunked.dtype = dtype;
+  step.chunked.channels_last = args.on("channels-last");
+  step.precision = engine::parse_precision(args.text("precision"));
+  auto encoder = engine::frame_encoder(m.encoder.ptr());
+  auto parameters = encoder.parameters;
+  for (const auto& p : m.head->parameters()) parameters.push_back(p);
+  engine::OptimizerOptions optimizer;
+  optimizer.kind = args.text("optimizer");
+  m.step = std::make_unique<engine::TrainingStep>(encoder, m.head,
+                                                  engine::make_optimizer(parameters, optimizer), step);
+  return m;
+}
+
+engine::Video random_video(const Args& args) {
+  auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(args.integer("seed")) + 1);
+  const int64_t t = args.integer("frames"), s = args.integer("size");
+  return {torch::randint(0, 256, {t, 3, s, s}, gen, torch::kUInt8),
+          torch::randint(0, args.integer("classes"), {t}, gen, torch::kLong), "random video"};
+}
+
+void export_grads(const BenchModel& m, const std::string& path) {
+  models::StateDict grads;
+  for (const auto& p : m.encoder->named_parameters()) {
+    if (p->grad().defined()) grads.emplace_back(p.key(), p->grad().to(torch::kCPU));
+  }
+  for (const auto& p : m.head->named_parameters()) {
+    if (p->grad().defined()) grads.emplace_back("head." + p.key(), p->grad().to(torch::kCPU));
+  }
+  models::write_state_dict(grads, path);
+}
+
+}  // namespace
+
+int run_bench_step(const Args& args) {
+  const torch::Device device(args.text("device"));
+  auto& tracker = memory::Tracker::of(device);
+  tracker.set_budget(args.bytes("budget"));
+  const auto video = random_video(args);
+
+  // --chunk auto: the largest power of two from 64 down whose warm-up step fits the budget.
+  // (The memory planner of issue #4 will choose from a model instead of by trial.)
+  std::vector<int64_t> candidates;
+  if (args.text("chunk") == "auto") {
+    for (int64_t c = 64; c >= 1; c /= 2) candidates.push_back(c);
+  } else {
+    candidates.push_back(args.integer("chunk"));
+  }
+  BenchModel model;
+  int64_t chunk = -1;
+  std::vector<std::string> retries;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    try {
+      model = build(args, candidates[i]);
+      model.step->step({video});  // warm-up: oneDNN primitives, allocator cache
+      chunk = candidates[i];
+      break;
+    } catch (const c10::Error& e) {
+      if (!memory::is_out_of_memory(e) || i + 1 == candidates.size()) throw;
+      retries.push_back(fmt::format("chunk {} did not fit", candidates[i]));
+      model = BenchModel();
+      tracker.release_cache();
+    }
+  }
+
+  memory::reset_rss_peak();
+  tracker.reset_peak();
+  const auto report = model.step->step({video});
+  const auto rss = memory::process_memory();
+  if (args.has("export-grads")) export_grads(model, args.text("export-grads"));
+
+  const double fps = static_cast<double>(report.frames) / report.seconds;
+  if (args.on("json")) {
+    nlohmann::json phases;
+    for (const auto& [name, stats] : report.phases) {
+      phases[name] = {{"peak_bytes", stats.peak_bytes},
+                      {"peak_increase_bytes", stats.peak_increase_bytes},
+                      {"calls", stats.calls}};
+    }
+    nlohmann::json out = {
+        {"model", args.text("model")}, {"head", args.text("head")},
+        {"frames", args.integer("frames")}, {"size", args.integer("size")},
+        {"chunk", chunk}, {"keep", args.integer("keep")},
+        {"precision", args.text("precision")}, {"dtype", args.text("dtype")},
+        {"norm", args.text("norm")}, {"freeze", args.has("freeze") ? args.text("freeze") : ""},
+        {"device", device.str()}, {"budget_bytes", args.bytes("budget")},
+        {"peak_bytes", report.peak_bytes}, {"rss_peak_bytes", rss.rss_peak_bytes},
+        {"step_seconds", report.seconds}, {"frames_per_second", fps},
+        {"loss", report.loss}, {"phases", phases}, {"retries", retries},
+        {"machine", machine_info().describe()}};
+    fmt::print("{}\n", out.dump());
+    return 0;
+  }
+  for (const auto& r : retries) fmt::print("framefit bench-step: {}\n", r);
+  fmt::print("framefit bench-step: {} + {} head, {} frames of {}x{}, chunk {} ({}), {}\n",
+             args.text("model"), args.text("head"), args.integer("frames"), args.integer("size"),
+             args.integer("size"), chunk, chunk == 0 ? "naive" : "recompute",
+             args.text("precision"));
+  fmt::print("  step {:.2f} s, {:.1f} frames/s, loss {:.4f}\n", report.seconds, fps, report.loss);
+  fmt::print("  peak tensor memory {} (tracked), peak RSS {}\n",
+             memory::format_bytes(report.peak_bytes), memory::format_bytes(rss.rss_peak_bytes));
+  for (const auto& [name, stats] : report.phases) {
+    fmt::print("    {:<10} peak {:>12}  (+{} above entry)\n", name,
+               memory::format_bytes(stats.peak_bytes), memory::format_bytes(stats.peak_increase_bytes));
+  }
+  fmt::print("  {}\n", machine_info().describe());
+  return 0;
+}
+
+}  // namespace framefit::cli
