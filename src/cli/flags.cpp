@@ -64,6 +64,11 @@ const std::vector<Flag>& flag_table() {
        "Write the measured step's parameter gradients (torchvision names for the encoder, head.* "
        "for the head) to this file; torch.load reads it.", ""},
       {"json", {"bench-step"}, FlagType::Switch, "Print the result as one JSON object.", ""},
+      {"no-warmup", {"bench-step"}, FlagType::Switch,
+       "Measure the first step (for runs too long to repeat; includes one-time set-up costs).",
+       ""},
+      {"steps", {"bench-step"}, FlagType::Int,
+       "Measured steps after the warm-up; the median time is reported.", "1", false, {}, 1},
       {"norm", {"extract", "bench-step"}, FlagType::Choice,
        "Normalisation layers: bn (BatchNorm), frozen_bn, group_norm.", "bn", false,
        {"bn", "frozen_bn", "group_norm"}},
