@@ -35,7 +35,11 @@ namespace {
 
 constexpr size_t kHeaderBytes = 64;
 constexpr size_t kLargeBlockBytes = size_t(1) << 20;  // from here on: mapped and cached
-constexpr size_t kLargeGranule = size_t(2) << 20;     // huge-page sized
+constexpr size_t kSmallGranule = size_t(64) << 10;
+constexpr size_t kHugePage = size_t(2) << 20;
+// Blocks from here on are rounded to huge pages and asked to use them (fewer page faults); below
+// it a huge page could double a block's resident size.
+constexpr size_t kHugeBlockBytes = size_t(8) << 20;
 constexpr int64_t kDefaultCacheLimit = int64_t(4) << 30;
 constexpr uint32_t kMagic = 0xF7A3EF17u;
 
@@ -144,7 +148,8 @@ class TrackingCpuAllocator final : public c10::Allocator {
   }
 
   void* allocate_mapped(size_t n) {
-    const size_t block = round_up(n + kHeaderBytes, kLargeGranule);
+    const bool huge = n + kHeaderBytes >= kHugeBlockBytes;
+    const size_t block = round_up(n + kHeaderBytes, huge ? kHugePage : kSmallGranule);
     {
       std::lock_guard<std::mutex> lock(cache_mutex_);
       // Best fit, accepting up to 25% slack so one size does not pin a much larger block.
@@ -166,7 +171,7 @@ class TrackingCpuAllocator final : public c10::Allocator {
       base = mmap(nullptr, block, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (base == MAP_FAILED) throw_system_oom(n);
     }
-    madvise(base, block, MADV_HUGEPAGE);  // fewer page faults on first touch
+    if (huge) madvise(base, block, MADV_HUGEPAGE);  // fewer page faults on first touch
     reserved_.fetch_add(static_cast<int64_t>(block));
     return init_header(base, n, block, BlockKind::Mapped);
   }

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# framefit bench-step end to end.
+#   json FRAMEFIT PYTHON              tiny config: the JSON has the documented fields
+#   exact FRAMEFIT PYTHON WORKDIR     float64: chunked and naive gradients written with
+#                                     --export-grads agree to 1e-10 (read back by torch.load)
+set -euo pipefail
+mode=$1 framefit=$2 python=$3
+case "$mode" in
+json)
+  out=$("$framefit" bench-step --model resnet18 --head tcn --frames 12 --size 32 --chunk 4 --json)
+  echo "$out"
+  "$python" - "$out" <<'PY'
+import json, sys
+r = json.loads(sys.argv[1])
+for key in ("peak_bytes", "rss_peak_bytes", "step_seconds", "frames_per_second", "phases"):
+    assert key in r, key
+assert r["peak_bytes"] > 0 and r["rss_peak_bytes"] >= r["peak_bytes"] / 2 and r["step_seconds"] > 0
+assert r["chunk"] == 4 and set(r["phases"]) >= {"encode", "head", "recompute"}, r["phases"]
+print("bench-step json: ok")
+PY
+  # A budget below the model's own size: a clear out-of-memory error, exit code 3.
+  if "$framefit" bench-step --model resnet18 --head lstm --frames 8 --size 32 --chunk 2 \
+      --budget 8MiB 2>err.txt; then
+    echo "ran within an impossible budget"; exit 1
+  else
+    rc=$?; [ "$rc" -eq 3 ] || { cat err.txt; echo "exit code $rc, expected 3"; exit 1; }
+  fi
+  grep -q "out of memory" err.txt
+  ;;
+exact)
+  work=$4
+  mkdir -p "$work"
+  common=(bench-step --model resnet18 --head lstm --frames 10 --size 32 --dtype float64
+          --norm frozen_bn --optimizer sgd --seed 3 --no-warmup)
+  "$framefit" "${common[@]}" --chunk 0 --export-grads "$work/naive.pt" >/dev/null
+  "$framefit" "${common[@]}" --chunk 3 --keep 1 --export-grads "$work/chunked.pt" >/dev/null
+  "$python" - "$work/naive.pt" "$work/chunked.pt" <<'PY'
+import sys, torch
+naive, chunked = torch.load(sys.argv[1]), torch.load(sys.argv[2])
+assert naive.keys() == chunked.keys() and "conv1.weight" in naive and "head.fc.weight" in naive
+worst = max(((naive[k] - chunked[k]).abs().max() / naive[k].abs().max().clamp_min(1e-30)).item()
+            for k in naive)
+print(f"{len(naive)} gradients, largest relative difference {worst:.2e}")
+assert worst <= 1e-10, worst
+PY
+  ;;
+*) echo "unknown mode $mode"; exit 2 ;;
+esac
