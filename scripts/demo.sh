@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job until the trainer lands: per-frame features of a whole synthetic video with
-# torchvision-layout ResNet-18 weights, memory bounded by the chunk, checked against
-# torchvision. Run scripts/setup.sh first (the README's command does).
+# The main job until the trainer lands (issue #5): per-frame features of a whole synthetic video
+# with torchvision-layout ResNet-18 weights, memory bounded by the chunk, checked against
+# torchvision; then one end-to-end training step (ResNet-18 + LSTM) over all 600 frames, chunked
+# and naive, side by side. Run scripts/setup.sh first (the README's command does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=${FRAMEFIT_DEMO_DIR:-build/demo}
@@ -19,3 +20,7 @@ build/src/cli/framefit extract --model resnet18 --weights "$work/resnet18.pt" \
 echo "== torchvision on the same frames"
 "$python" tests/python/reference.py check-features resnet18 "$work/resnet18.pt" \
   "$work/video.pt" "$work/features.pt"
+echo "== one training step over all 600 frames: ResNet-18 + LSTM head, recomputing 32-frame chunks"
+build/src/cli/framefit bench-step --model resnet18 --head lstm --frames 600 --size 112 --chunk 32
+echo "== the same step trained naively (every frame's activations kept for backward)"
+build/src/cli/framefit bench-step --model resnet18 --head lstm --frames 600 --size 112 --chunk 0

@@ -3,9 +3,12 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <optional>
+
 #include "commands.h"
 #include "framefit/core/runtime.h"
 #include "framefit/engine/step.h"
+#include "framefit/memory/monitor.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/weights.h"
@@ -83,39 +86,33 @@ int run_bench_step(const Args& args) {
   tracker.set_budget(args.bytes("budget"));
   const auto video = random_video(args);
 
-  // --chunk auto: the largest power of two from 64 down whose warm-up step fits the budget.
-  // (The memory planner of issue #4 will choose from a model instead of by trial.)
-  std::vector<int64_t> candidates;
-  if (args.text("chunk") == "auto") {
-    for (int64_t c = 64; c >= 1; c /= 2) candidates.push_back(c);
-  } else {
-    candidates.push_back(args.integer("chunk"));
-  }
-  BenchModel model;
-  int64_t chunk = -1;
+  // --chunk auto starts at 64 frames; on out-of-memory the training step halves the chunk and
+  // retries the same step. (The memory planner of issue #4 will choose from a model instead.)
+  const int64_t requested = args.text("chunk") == "auto" ? 64 : args.integer("chunk");
+  BenchModel model = build(args, requested);
   std::vector<std::string> retries;
   const bool warmup = !args.on("no-warmup");
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    try {
-      model = build(args, candidates[i]);
-      if (warmup) model.step->step({video});  // oneDNN primitives, allocator cache
-      chunk = candidates[i];
-      break;
-    } catch (const c10::Error& e) {
-      if (!memory::is_out_of_memory(e) || i + 1 == candidates.size()) throw;
-      retries.push_back(fmt::format("chunk {} did not fit", candidates[i]));
-      model = BenchModel();
-      tracker.release_cache();
-    }
+  if (warmup) {
+    const auto first = model.step->step({video});  // oneDNN primitives, allocator cache
+    retries = first.replans;
   }
-
   memory::reset_rss_peak();
   tracker.reset_peak();
   std::vector<engine::StepReport> reports;
-  for (int64_t i = 0; i < args.integer("steps"); ++i) reports.push_back(model.step->step({video}));
+  {
+    std::optional<memory::TraceRecorder> trace;
+    if (args.has("trace")) trace.emplace(tracker);
+    for (int64_t i = 0; i < args.integer("steps"); ++i) {
+      if (trace) trace->mark("step " + std::to_string(i + 1));
+      reports.push_back(model.step->step({video}));
+    }
+    if (trace) trace->write(args.text("trace"));
+  }
   std::sort(reports.begin(), reports.end(),
             [](const auto& a, const auto& b) { return a.seconds < b.seconds; });
   auto report = reports[reports.size() / 2];  // median time
+  const int64_t chunk = model.step->options().chunked.chunk;  // after any re-planning
+  for (const auto& r : reports) retries.insert(retries.end(), r.replans.begin(), r.replans.end());
   for (const auto& r : reports) report.peak_bytes = std::max(report.peak_bytes, r.peak_bytes);
   const auto rss = memory::process_memory();
   if (args.has("export-grads")) export_grads(model, args.text("export-grads"));

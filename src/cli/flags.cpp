@@ -42,8 +42,8 @@ const std::vector<Flag>& flag_table() {
       {"size", {"bench-step"}, FlagType::Int, "Frame height and width in pixels.", "", true, {}, 16},
       {"classes", {"bench-step"}, FlagType::Int, "Phase classes.", "7", false, {}, 2},
       {"chunk", {"bench-step"}, FlagType::IntOrAuto,
-       "Frames per chunk: a count, 0 for naive training (all frames with grad), or auto (largest "
-       "power of two from 64 down that runs within --budget).", "auto", false, {}, 0},
+       "Frames per chunk: a count, 0 for naive training (all frames with grad), or auto (64). On "
+       "out-of-memory the step is retried with half the chunk.", "auto", false, {}, 0},
       {"keep", {"bench-step"}, FlagType::Int,
        "Chunks whose graph is kept from the forward pass instead of recomputed.", "1", false, {},
        0},
@@ -64,6 +64,9 @@ const std::vector<Flag>& flag_table() {
        "Write the measured step's parameter gradients (torchvision names for the encoder, head.* "
        "for the head) to this file; torch.load reads it.", ""},
       {"json", {"bench-step"}, FlagType::Switch, "Print the result as one JSON object.", ""},
+      {"trace", {"bench-step"}, FlagType::Path,
+       "Write a Chrome trace (phases as slices, bytes in use as a counter) of the measured steps; "
+       "open it in Perfetto or chrome://tracing.", ""},
       {"no-warmup", {"bench-step"}, FlagType::Switch,
        "Measure the first step (for runs too long to repeat; includes one-time set-up costs).",
        ""},

@@ -56,24 +56,12 @@ TrainingStep::TrainingStep(FrameEncoder encoder, std::shared_ptr<models::Tempora
   }
 }
 
-StepReport TrainingStep::step(const std::vector<Video>& videos) {
-  TORCH_CHECK(!videos.empty(), "a training step needs at least one video");
-  const auto start = std::chrono::steady_clock::now();
+void TrainingStep::accumulate_gradients(const std::vector<Video>& videos, StepReport& report) {
   auto& tracker = memory::Tracker::of(options_.chunked.device);
-  tracker.clear_phase_stats();
-  auto window = tracker.mark();
-  StepReport report;
-  if (pending_ == 0) optimizer_->zero_grad();
-
   // Each video's loss is scaled so that the summed gradients are the mean over every video of
   // the accumulated steps; one video's graph at a time is alive.
   const double share = 1.0 / (static_cast<double>(videos.size()) * options_.accumulate);
   for (const auto& video : videos) {
-    const std::string what = video.name.empty() ? "video" : video.name;
-    check_video_frames(video.frames, what);
-    TORCH_CHECK(video.labels.dim() == 1 && video.labels.size(0) == video.frames.size(0), what,
-                ": ", video.frames.size(0), " frames but ", video.labels.numel(),
-                " labels: there must be one label per frame");
     torch::Tensor features;
     {
       // Mixed precision where the compute is: the encoder. The head (LSTM/TCN over [T,D]) is
@@ -90,7 +78,64 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
     report.frames += video.frames.size(0);
     scaler_.scale(loss * share).backward();
   }
+}
+
+StepReport TrainingStep::step(const std::vector<Video>& videos) {
+  TORCH_CHECK(!videos.empty(), "a training step needs at least one video");
+  for (const auto& video : videos) {
+    const std::string what = video.name.empty() ? "video" : video.name;
+    check_video_frames(video.frames, what);
+    TORCH_CHECK(video.labels.dim() == 1 && video.labels.size(0) == video.frames.size(0), what,
+                ": ", video.frames.size(0), " frames but ", video.labels.numel(),
+                " labels: there must be one label per frame");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  auto& tracker = memory::Tracker::of(options_.chunked.device);
+  tracker.clear_phase_stats();
+  auto window = tracker.mark();
+  StepReport report;
+  if (pending_ == 0) optimizer_->zero_grad();
+
+  // Gradients accumulated by earlier calls must survive a failed attempt; without accumulation
+  // there are none to keep.
+  std::vector<torch::Tensor> kept_grads;
+  while (true) {
+    if (pending_ > 0 && options_.retry_on_out_of_memory && kept_grads.empty()) {
+      for (const auto& p : parameters_) {
+        kept_grads.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+      }
+    }
+    try {
+      accumulate_gradients(videos, report);
+      break;
+    } catch (const c10::Error& e) {
+      const int64_t chunk = options_.chunked.chunk;
+      if (!options_.retry_on_out_of_memory || !memory::is_out_of_memory(e) || chunk == 1) throw;
+      // Undo the partial step: the graph is gone with the exception; restore the gradients.
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < parameters_.size(); ++i) {
+        auto& grad = parameters_[i].mutable_grad();
+        if (!kept_grads.empty() && kept_grads[i].defined()) {
+          grad.copy_(kept_grads[i]);
+        } else if (grad.defined()) {
+          grad.zero_();
+        }
+      }
+      report.loss = 0;
+      report.frames = 0;
+      const int64_t longest = std::max_element(videos.begin(), videos.end(), [](const auto& a, const auto& b) {
+                                return a.frames.size(0) < b.frames.size(0);
+                              })->frames.size(0);
+      const int64_t next = chunk == 0 ? std::max<int64_t>(1, longest / 2) : std::max<int64_t>(1, chunk / 2);
+      report.replans.push_back(c10::str("out of memory with chunk ", chunk == 0 ? "0 (naive)" : std::to_string(chunk),
+                                        " (", memory::format_bytes(tracker.current_bytes()),
+                                        " in use); retrying the step with chunk ", next));
+      options_.chunked.chunk = next;
+      tracker.release_cache();
+    }
+  }
   ++pending_;
+  report.chunk = options_.chunked.chunk;
 
   if (pending_ >= options_.accumulate) {
     pending_ = 0;

@@ -3,6 +3,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -152,37 +153,85 @@ PeakWindow Tracker::phase(std::string name) {
   return open(std::move(name));
 }
 
+namespace {
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
 PeakWindow Tracker::open(std::string name) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const int64_t outer = std::max(carried_, backend_->peak_bytes());
-  backend_->reset_peak();
-  carried_ = 0;
-  const int64_t entry = backend_->current_bytes();
-  if (!name.empty()) backend_->set_phase_name(name);
-  frames_.push_back(Frame{std::move(name), entry, outer});
-  return PeakWindow(this, frames_.size() - 1, entry);
+  PhaseEvent event{PhaseEvent::Kind::Begin, name, 0, 0, now_ns()};
+  size_t depth = 0;
+  int64_t entry = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t outer = std::max(carried_, backend_->peak_bytes());
+    backend_->reset_peak();
+    carried_ = 0;
+    entry = backend_->current_bytes();
+    if (!name.empty()) backend_->set_phase_name(name);
+    frames_.push_back(Frame{std::move(name), entry, outer});
+    depth = frames_.size() - 1;
+  }
+  if (!event.name.empty()) {
+    event.in_use_bytes = event.peak_bytes = entry;
+    notify(event);
+  }
+  return PeakWindow(this, depth, entry);
 }
 
 int64_t Tracker::close(size_t depth) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(depth + 1 == frames_.size(),
-              "memory phase/mark windows must close in reverse order of opening");
-  const int64_t peak = std::max(carried_, backend_->peak_bytes());
-  Frame frame = std::move(frames_.back());
-  frames_.pop_back();
-  carried_ = std::max(frame.outer_peak, peak);
-  if (!frame.name.empty()) {
-    auto& stats = phases_[frame.name];
-    stats.calls += 1;
-    stats.peak_bytes = std::max(stats.peak_bytes, peak);
-    stats.peak_increase_bytes = std::max(stats.peak_increase_bytes, peak - frame.entry_bytes);
+  PhaseEvent event{PhaseEvent::Kind::End, "", 0, 0, now_ns()};
+  int64_t peak = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(depth + 1 == frames_.size(),
+                "memory phase/mark windows must close in reverse order of opening");
+    peak = std::max(carried_, backend_->peak_bytes());
+    Frame frame = std::move(frames_.back());
+    frames_.pop_back();
+    carried_ = std::max(frame.outer_peak, peak);
+    if (!frame.name.empty()) {
+      auto& stats = phases_[frame.name];
+      stats.calls += 1;
+      stats.peak_bytes = std::max(stats.peak_bytes, peak);
+      stats.peak_increase_bytes = std::max(stats.peak_increase_bytes, peak - frame.entry_bytes);
+      stats.retained_bytes = backend_->current_bytes() - frame.entry_bytes;
+    }
+    std::string innermost;
+    for (const auto& f : frames_) {
+      if (!f.name.empty()) innermost = f.name;
+    }
+    backend_->set_phase_name(innermost);
+    event.name = std::move(frame.name);
+    event.in_use_bytes = backend_->current_bytes();
+    event.peak_bytes = peak;
   }
-  std::string innermost;
-  for (const auto& f : frames_) {
-    if (!f.name.empty()) innermost = f.name;
-  }
-  backend_->set_phase_name(innermost);
+  if (!event.name.empty()) notify(event);
   return peak;
+}
+
+int Tracker::add_listener(PhaseListener listener) {
+  TORCH_CHECK(listener, "add_listener: empty listener");
+  std::lock_guard<std::mutex> lock(mutex_);
+  listeners_[next_listener_] = std::move(listener);
+  return next_listener_++;
+}
+
+void Tracker::remove_listener(int id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  listeners_.erase(id);
+}
+
+void Tracker::notify(const PhaseEvent& event) {
+  std::vector<PhaseListener> listeners;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [id, l] : listeners_) listeners.push_back(l);
+  }
+  for (const auto& l : listeners) l(event);
 }
 
 std::map<std::string, PhaseStats> Tracker::phase_stats() const {

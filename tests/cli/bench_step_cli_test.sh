@@ -7,10 +7,14 @@ set -euo pipefail
 mode=$1 framefit=$2 python=$3
 case "$mode" in
 json)
-  out=$("$framefit" bench-step --model resnet18 --head tcn --frames 12 --size 32 --chunk 4 --json)
+  out=$("$framefit" bench-step --model resnet18 --head tcn --frames 12 --size 32 --chunk 4 --json \
+    --trace trace.json)
   echo "$out"
   "$python" - "$out" <<'PY'
 import json, sys
+trace = json.load(open("trace.json"))["traceEvents"]
+assert {e["name"] for e in trace if e["ph"] == "B"} >= {"encode", "head", "recompute"}
+assert any(e["ph"] == "C" and e["args"]["bytes"] > 0 for e in trace)
 r = json.loads(sys.argv[1])
 for key in ("peak_bytes", "rss_peak_bytes", "step_seconds", "frames_per_second", "phases"):
     assert key in r, key

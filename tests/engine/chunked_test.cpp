@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "test_util.h"
+
 #include "framefit/engine/amp.h"
 #include "framefit/engine/chunked.h"
 #include "framefit/memory/tracker.h"
@@ -235,12 +237,7 @@ TEST(Chunked, BadInputIsExplained) {
   ResNet net(ResNetOptions(18).num_classes(0));
   const auto encoder = engine::frame_encoder(net.ptr());
   auto message = [&](const torch::Tensor& frames, engine::ChunkedOptions options) {
-    try {
-      engine::chunked_encode(encoder, frames, options);
-    } catch (const c10::Error& e) {
-      return std::string(e.what_without_backtrace());
-    }
-    return std::string();
+    return test_util::error_message([&] { engine::chunked_encode(encoder, frames, options); });
   };
   engine::ChunkedOptions negative;
   negative.chunk = -1;

@@ -1,22 +1,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "test_util.h"
+
 #include "framefit/engine/extract.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/resnet.h"
 
 using namespace framefit;
-
-namespace {
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
-}  // namespace
 
 TEST(Extract, ChunkedEqualsWholeVideo) {
   models::ResNet net(models::ResNetOptions(18).num_classes(0));
@@ -80,19 +71,19 @@ TEST(Extract, Uint8FramesAreNormalisedPerChunk) {
 
 TEST(Extract, BadInputIsExplained) {
   auto identity = [](const torch::Tensor& x) { return x.flatten(1); };
-  EXPECT_NE(error_of([&] { engine::extract_features(identity, torch::zeros({0, 3, 8, 8})); })
+  EXPECT_NE(framefit::test_util::error_message([&] { engine::extract_features(identity, torch::zeros({0, 3, 8, 8})); })
                 .find("T = 0"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { engine::extract_features(identity, torch::zeros({4, 8, 8, 3})); })
+  EXPECT_NE(framefit::test_util::error_message([&] { engine::extract_features(identity, torch::zeros({4, 8, 8, 3})); })
                 .find("[T,H,W,3]"),
             std::string::npos);
-  EXPECT_NE(error_of([&] {
+  EXPECT_NE(framefit::test_util::error_message([&] {
               engine::extract_features(identity, torch::zeros({4, 3, 8, 8}, torch::kInt32));
             }).find("uint8"),
             std::string::npos);
   engine::ExtractOptions zero_chunk;
   zero_chunk.chunk = 0;
-  EXPECT_NE(error_of([&] { engine::extract_features(identity, torch::zeros({4, 3, 8, 8}), zero_chunk); })
+  EXPECT_NE(framefit::test_util::error_message([&] { engine::extract_features(identity, torch::zeros({4, 3, 8, 8}), zero_chunk); })
                 .find("chunk must be >= 1"),
             std::string::npos);
 }

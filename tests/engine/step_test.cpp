@@ -3,14 +3,15 @@
 
 #include "framefit/engine/amp.h"
 #include "framefit/engine/step.h"
+#include "framefit/memory/tracker.h"
 #include "framefit/models/resnet.h"
 
 using namespace framefit;
 
 namespace {
-engine::Video make_video(int64_t frames, uint64_t seed, int64_t classes = 3) {
+engine::Video make_video(int64_t frames, uint64_t seed, int64_t classes = 3, int64_t size = 32) {
   auto gen = at::detail::createCPUGenerator(seed);
-  return {torch::randint(0, 256, {frames, 3, 32, 32}, gen, torch::kUInt8),
+  return {torch::randint(0, 256, {frames, 3, size, size}, gen, torch::kUInt8),
           torch::randint(0, classes, {frames}, gen, torch::kLong), "video" + std::to_string(seed)};
 }
 
@@ -116,6 +117,47 @@ TEST(TrainingStep, BadVideosAreExplained) {
   }
   EXPECT_THROW(s.step->step({}), c10::Error);
   EXPECT_THROW(engine::make_optimizer({torch::zeros({2})}, {}), c10::Error);  // frozen parameter
+}
+
+TEST(TrainingStep, OutOfMemoryReplansAndRetriesTheSameStep) {
+  auto& tracker = memory::Tracker::cpu();
+  const auto video = make_video(48, 9, 3, 112);
+  // Memory a first step takes above what is in use before it (gradients, momentum, activations).
+  auto first_step_increase = [&](int64_t chunk) {
+    engine::StepOptions options;
+    options.chunked.chunk = chunk;
+    auto setup = make_setup(options);
+    auto window = tracker.mark();
+    setup.step->step({video});
+    return std::make_pair(window.peak_bytes() - window.entry_bytes(), snapshot(setup.step->parameters()));
+  };
+  const auto [chunked_increase, reference] = first_step_increase(4);
+  const auto naive_increase = first_step_increase(0).first;
+  ASSERT_GT(naive_increase, chunked_increase * 11 / 10) << "naive training should need more memory";
+
+  engine::StepOptions naive;
+  naive.chunked.chunk = 0;
+  auto forced = make_setup(naive);
+  tracker.set_budget(tracker.current_bytes() + (naive_increase + chunked_increase) / 2);
+  engine::StepReport report;
+  try {
+    report = forced.step->step({video});
+  } catch (...) {
+    tracker.set_budget(0);
+    throw;
+  }
+  tracker.set_budget(0);
+  ASSERT_FALSE(report.replans.empty());
+  EXPECT_NE(report.replans.front().find("out of memory with chunk 0 (naive)"), std::string::npos)
+      << report.replans.front();
+  EXPECT_GE(report.chunk, 1);
+  EXPECT_LT(report.chunk, 48);
+  EXPECT_TRUE(report.optimizer_stepped);
+  // The retried step is the step: GroupNorm gradients do not depend on the chunk.
+  const auto updated = snapshot(forced.step->parameters());
+  for (size_t i = 0; i < updated.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(updated[i], reference[i], 1e-4, 1e-6)) << i;
+  }
 }
 
 TEST(LossScaler, SkipsOverflowBacksOffAndGrows) {

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "test_util.h"
+
 #include "framefit/engine/loss.h"
 #include "framefit/models/heads.h"
 
@@ -74,12 +76,7 @@ TEST(PhaseLoss, CrossEntropyWeightsSmoothingAndChecks) {
   ignored[3] = -100;
   EXPECT_NO_THROW(engine::phase_loss(logits, ignored));
   auto message = [&](const torch::Tensor& l) {
-    try {
-      engine::phase_loss(logits, l);
-    } catch (const c10::Error& e) {
-      return std::string(e.what_without_backtrace());
-    }
-    return std::string();
+    return test_util::error_message([&] { engine::phase_loss(logits, l); });
   };
   EXPECT_NE(message(torch::zeros({9}, torch::kLong)).find("one label per frame"), std::string::npos);
   EXPECT_NE(message(torch::full({10}, 4, torch::kLong)).find("[0, 4)"), std::string::npos);

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "test_util.h"
+
 #include "framefit/models/resnet.h"
 #include "framefit/models/weights.h"
 
@@ -14,14 +16,6 @@ bool has_key(const StateDict& state, const std::string& name) {
   return false;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
 }  // namespace
 
 TEST(ResNet, FeatureAndLogitShapes) {
@@ -75,7 +69,7 @@ TEST(ResNet, FreezeStagesKeepsStatisticsAndGradientsOff) {
   EXPECT_FALSE(torch::equal(trained_mean, net->layer3[0]->as<ResidualBlock>()->bn1->running_mean));
   EXPECT_FALSE(net->layer1[0]->as<ResidualBlock>()->conv1->weight.grad().defined());
   EXPECT_TRUE(net->layer3[0]->as<ResidualBlock>()->conv1->weight.grad().defined());
-  EXPECT_NE(error_of([] { ResNet(ResNetOptions(18).freeze("layer9")); }).find("stages are"),
+  EXPECT_NE(framefit::test_util::error_message([] { ResNet(ResNetOptions(18).freeze("layer9")); }).find("stages are"),
             std::string::npos);
 }
 
@@ -89,7 +83,7 @@ TEST(ResNet, NormKinds) {
   const auto x = torch::randn({4, 3, 32, 32});
   EXPECT_TRUE(torch::allclose(gn->forward(x).slice(0, 0, 2), gn->forward(x.slice(0, 0, 2)),
                               1e-4, 1e-5));
-  EXPECT_NE(error_of([] { ResNet(ResNetOptions(18).norm(NormKind::GroupNorm).groups(7)); })
+  EXPECT_NE(framefit::test_util::error_message([] { ResNet(ResNetOptions(18).norm(NormKind::GroupNorm).groups(7)); })
                 .find("cannot split"),
             std::string::npos);
 
@@ -131,14 +125,14 @@ TEST(ResNet, ChannelsLastGivesTheSameOutput) {
 TEST(ResNet, BadInputIsExplained) {
   ResNet net(ResNetOptions(18));
   net->eval();
-  EXPECT_NE(error_of([&] { net->forward(torch::randn({3, 64, 64})); }).find("[N,3,H,W]"),
+  EXPECT_NE(framefit::test_util::error_message([&] { net->forward(torch::randn({3, 64, 64})); }).find("[N,3,H,W]"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { net->forward(torch::randn({1, 64, 64, 3})); }).find("permute"),
+  EXPECT_NE(framefit::test_util::error_message([&] { net->forward(torch::randn({1, 64, 64, 3})); }).find("permute"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { net->forward(torch::zeros({1, 3, 64, 64}, torch::kUInt8)); })
+  EXPECT_NE(framefit::test_util::error_message([&] { net->forward(torch::zeros({1, 3, 64, 64}, torch::kUInt8)); })
                 .find("frames_to_input"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { net->forward(torch::randn({1, 3, 16, 64})); }).find("at least 32"),
+  EXPECT_NE(framefit::test_util::error_message([&] { net->forward(torch::randn({1, 3, 16, 64})); }).find("at least 32"),
             std::string::npos);
   EXPECT_THROW(ResNet(ResNetOptions(101)), c10::Error);
   EXPECT_EQ(parse_resnet_name("resnet34"), 34);

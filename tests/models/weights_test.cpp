@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "test_util.h"
+
 #include <cstdio>
 #include <fstream>
 
@@ -14,14 +16,6 @@ std::string temp_path(const std::string& name) {
   return (testing::TempDir() + "framefit_weights_" + name);
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
 }  // namespace
 
 TEST(Weights, WriteThenReadRoundTrips) {
@@ -53,7 +47,7 @@ TEST(Weights, TensorFilesRoundTrip) {
   const auto t = torch::randint(0, 255, {4, 3, 8, 8}).to(torch::kUInt8);
   write_tensor(t, path);
   EXPECT_TRUE(torch::equal(read_tensor(path), t));
-  EXPECT_NE(error_of([&] { read_state_dict(path); }).find("holds no dict"), std::string::npos);
+  EXPECT_NE(framefit::test_util::error_message([&] { read_state_dict(path); }).find("holds no dict"), std::string::npos);
   std::remove(path.c_str());
 }
 
@@ -63,7 +57,7 @@ TEST(Weights, StrictLoadNamesEveryProblemAndCopiesNothing) {
   state.erase(state.begin());                                        // conv1.weight missing
   state.emplace_back("head.extra", torch::zeros({2}));
   const auto before = model->layer1[0]->as<ResidualBlock>()->conv1->weight.clone();
-  const auto message = error_of([&] { load_state_dict(*model, state); });
+  const auto message = framefit::test_util::error_message([&] { load_state_dict(*model, state); });
   EXPECT_NE(message.find("missing key (in the model, not in the file): conv1.weight"),
             std::string::npos) << message;
   EXPECT_NE(message.find("unexpected key (in the file, not in the model): head.extra"),
@@ -100,11 +94,11 @@ TEST(Weights, OlderFilesWithoutBatchCountersAreComplete) {
 }
 
 TEST(Weights, BadFilesGetClearErrors) {
-  EXPECT_NE(error_of([] { read_state_dict("/nonexistent/w.pt"); }).find("does not exist"),
+  EXPECT_NE(framefit::test_util::error_message([] { read_state_dict("/nonexistent/w.pt"); }).find("does not exist"),
             std::string::npos);
   const auto garbage = temp_path("garbage.pt");
   std::ofstream(garbage) << "this is not a zip archive";
-  const auto message = error_of([&] { read_state_dict(garbage); });
+  const auto message = framefit::test_util::error_message([&] { read_state_dict(garbage); });
   EXPECT_NE(message.find("not a torch.save zip archive"), std::string::npos) << message;
   EXPECT_NE(message.find(garbage), std::string::npos) << message;
   std::remove(garbage.c_str());

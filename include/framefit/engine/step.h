@@ -43,6 +43,9 @@ struct StepOptions {
   double clip_grad_norm = 0;  // 0: no clipping
   PhaseLossOptions loss;
   LossScalerOptions scaler;  // used with Precision::FP16 only
+  // On out-of-memory (budget or CUDA) the step's partial work is undone, the chunk halved and the
+  // same step retried, down to 1 frame per chunk; off: the error propagates.
+  bool retry_on_out_of_memory = true;
 };
 
 struct StepReport {
@@ -54,6 +57,8 @@ struct StepReport {
   double seconds = 0;
   int64_t peak_bytes = 0;  // tracked tensor peak during the step (device of the encoder)
   std::map<std::string, memory::PhaseStats> phases;  // encode, head, recompute
+  std::vector<std::string> replans;  // what was changed to make the step fit, if anything
+  int64_t chunk = 0;                 // the chunk the step finished with
 };
 
 class TrainingStep {
@@ -81,6 +86,9 @@ class TrainingStep {
   LossScaler scaler_;
   std::vector<torch::Tensor> parameters_;  // encoder's then head's
   int64_t pending_ = 0;                    // step() calls accumulated so far
+
+  // Forward and backward of every video; gradients accumulate into .grad.
+  void accumulate_gradients(const std::vector<Video>& videos, StepReport& report);
 };
 
 }  // namespace framefit::engine

@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -68,6 +69,7 @@ struct PhaseStats {
   int64_t calls = 0;
   int64_t peak_bytes = 0;           // highest in-use bytes seen inside the phase
   int64_t peak_increase_bytes = 0;  // highest (in-use inside - in-use at entry)
+  int64_t retained_bytes = 0;       // last call: in-use at exit - in-use at entry
 };
 
 struct Snapshot {
@@ -80,6 +82,17 @@ struct Snapshot {
 };
 
 class Tracker;
+
+// A named phase opening or closing, for monitors (trace files, leak detection).
+struct PhaseEvent {
+  enum class Kind { Begin, End };
+  Kind kind;
+  std::string name;
+  int64_t in_use_bytes;  // at the event
+  int64_t peak_bytes;    // End: the phase's peak; Begin: equal to in_use_bytes
+  int64_t time_ns;       // steady clock
+};
+using PhaseListener = std::function<void(const PhaseEvent&)>;
 
 // Opened by Tracker::phase() or Tracker::mark(); closing it (destructor) records the peak.
 // Windows nest and must close in reverse order of opening.
@@ -96,6 +109,17 @@ class PeakWindow {
 
  private:
   friend class Tracker;
+
+// A named phase opening or closing, for monitors (trace files, leak detection).
+struct PhaseEvent {
+  enum class Kind { Begin, End };
+  Kind kind;
+  std::string name;
+  int64_t in_use_bytes;  // at the event
+  int64_t peak_bytes;    // End: the phase's peak; Begin: equal to in_use_bytes
+  int64_t time_ns;       // steady clock
+};
+using PhaseListener = std::function<void(const PhaseEvent&)>;
   PeakWindow(Tracker* tracker, size_t depth, int64_t entry_bytes);
   Tracker* tracker_;
   size_t depth_;
@@ -134,6 +158,11 @@ class Tracker {
   void clear_phase_stats();
   std::string current_phase() const;
 
+  // Listeners see every named phase begin and end, on the thread that opened or closed it,
+  // outside the tracker's lock. Returns an id for remove_listener().
+  int add_listener(PhaseListener listener);
+  void remove_listener(int id);
+
  private:
   friend class PeakWindow;
   struct Frame {
@@ -151,6 +180,9 @@ class Tracker {
   // Peaks hidden by backend resets: the innermost window's peak is max(carried_, backend peak).
   int64_t carried_ = 0;
   std::map<std::string, PhaseStats> phases_;
+  std::map<int, PhaseListener> listeners_;
+  int next_listener_ = 0;
+  void notify(const PhaseEvent& event);
 };
 
 // Makes sure the CPU tracking allocator is installed (it is, from library load on); returns
