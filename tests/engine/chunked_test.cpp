@@ -60,6 +60,9 @@ struct Case {
   torch::ScalarType dtype;
   double tolerance;
 };
+void PrintTo(const Case& c, std::ostream* out) {
+  *out << models::to_string(c.norm) << ", " << c.dtype << ", tolerance " << c.tolerance;
+}
 
 class ChunkedExactness : public ::testing::TestWithParam<Case> {};
 

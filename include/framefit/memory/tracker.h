@@ -109,17 +109,6 @@ class PeakWindow {
 
  private:
   friend class Tracker;
-
-// A named phase opening or closing, for monitors (trace files, leak detection).
-struct PhaseEvent {
-  enum class Kind { Begin, End };
-  Kind kind;
-  std::string name;
-  int64_t in_use_bytes;  // at the event
-  int64_t peak_bytes;    // End: the phase's peak; Begin: equal to in_use_bytes
-  int64_t time_ns;       // steady clock
-};
-using PhaseListener = std::function<void(const PhaseEvent&)>;
   PeakWindow(Tracker* tracker, size_t depth, int64_t entry_bytes);
   Tracker* tracker_;
   size_t depth_;
