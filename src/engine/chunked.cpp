@@ -10,6 +10,16 @@
 
 namespace framefit::engine {
 
+namespace {
+// The trained parameters and the mutable state (BatchNorm statistics) of `module`.
+void collect_state(const torch::nn::Module& module, FrameEncoder& encoder) {
+  for (const auto& p : module.parameters()) {
+    if (p.requires_grad()) encoder.parameters.push_back(p);
+  }
+  encoder.buffers = module.buffers();
+}
+}  // namespace
+
 FrameEncoder frame_encoder(const std::shared_ptr<models::ResNetImpl>& resnet) {
   TORCH_CHECK(resnet != nullptr, "frame_encoder: no ResNet");
   const int64_t frozen = resnet->frozen_stage_count();
@@ -23,10 +33,7 @@ FrameEncoder frame_encoder(const std::shared_ptr<models::ResNetImpl>& resnet) {
   encoder.trainable = [resnet, frozen, stages](const torch::Tensor& x) {
     return resnet->forward_stages(x, frozen, stages);
   };
-  for (const auto& p : resnet->parameters()) {
-    if (p.requires_grad()) encoder.parameters.push_back(p);
-  }
-  encoder.buffers = resnet->buffers();
+  collect_state(*resnet, encoder);
   return encoder;
 }
 
@@ -35,10 +42,7 @@ FrameEncoder frame_encoder(const std::shared_ptr<torch::nn::Module>& module,
   TORCH_CHECK(module != nullptr && forward, "frame_encoder: no module or forward function");
   FrameEncoder encoder;
   encoder.trainable = std::move(forward);
-  for (const auto& p : module->parameters()) {
-    if (p.requires_grad()) encoder.parameters.push_back(p);
-  }
-  encoder.buffers = module->buffers();
+  collect_state(*module, encoder);
   return encoder;
 }
 
@@ -55,7 +59,6 @@ struct ChunkedState : torch::CustomClassHolder {
   std::vector<torch::Tensor> frozen_cache;          // per chunk, when options.cache_frozen
   std::vector<torch::Tensor> kept;                  // per chunk: output with its graph, or empty
   AutocastState autocast;
-  torch::ScalarType feature_dtype = torch::kFloat32;
 
   torch::Tensor input(size_t i) const {
     const auto [begin, end] = chunks[i];
@@ -158,9 +161,9 @@ class ChunkedEncodeFunction : public torch::autograd::Function<ChunkedEncodeFunc
       TORCH_CHECK(out.dim() == 2 && out.size(0) == h.size(0),
                   "the encoder must map [N,3,H,W] to [N,D] features; got ", out.sizes());
       if (!features.defined()) {
-        s.feature_dtype = out.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+        const auto dtype = out.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
         features = torch::empty({total, out.size(1)},
-                                torch::TensorOptions().dtype(s.feature_dtype).device(s.options.device));
+                                torch::TensorOptions().dtype(dtype).device(s.options.device));
       }
       const auto [begin, end] = s.chunks[i];
       features.slice(0, begin, end).copy_(out.detach());

@@ -123,13 +123,17 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
       }
       report.loss = 0;
       report.frames = 0;
-      const int64_t longest = std::max_element(videos.begin(), videos.end(), [](const auto& a, const auto& b) {
-                                return a.frames.size(0) < b.frames.size(0);
-                              })->frames.size(0);
-      const int64_t next = chunk == 0 ? std::max<int64_t>(1, longest / 2) : std::max<int64_t>(1, chunk / 2);
-      report.replans.push_back(c10::str("out of memory with chunk ", chunk == 0 ? "0 (naive)" : std::to_string(chunk),
-                                        " (", memory::format_bytes(tracker.current_bytes()),
-                                        " in use); retrying the step with chunk ", next));
+      // A chunk of 0 or of at least the longest video is one pass over all frames: halve that.
+      const int64_t longest =
+          std::max_element(videos.begin(), videos.end(), [](const auto& a, const auto& b) {
+            return a.frames.size(0) < b.frames.size(0);
+          })->frames.size(0);
+      const int64_t effective = chunk == 0 ? longest : std::min(chunk, longest);
+      const int64_t next = std::max<int64_t>(1, effective / 2);
+      report.replans.push_back(c10::str(
+          "out of memory with chunk ", chunk == 0 ? "0 (naive)" : std::to_string(chunk), " (",
+          memory::format_bytes(tracker.current_bytes()), " in use); retrying the step with chunk ",
+          next));
       options_.chunked.chunk = next;
       tracker.release_cache();
     }

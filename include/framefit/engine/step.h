@@ -76,7 +76,6 @@ class TrainingStep {
   const std::vector<torch::Tensor>& parameters() const { return parameters_; }
   LossScaler& scaler() { return scaler_; }
   const StepOptions& options() const { return options_; }
-  void set_chunk(int64_t chunk) { options_.chunked.chunk = chunk; }
 
  private:
   FrameEncoder encoder_;
