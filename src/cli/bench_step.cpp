@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <optional>
+#include <sstream>
 
 #include "commands.h"
 #include "framefit/core/runtime.h"
@@ -12,6 +13,7 @@
 #include "framefit/memory/tracker.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/weights.h"
+#include "framefit/plan/planner.h"
 
 namespace framefit::cli {
 
@@ -23,7 +25,15 @@ struct BenchModel {
   std::unique_ptr<engine::TrainingStep> step;
 };
 
-BenchModel build(const Args& args, int64_t chunk) {
+// The step's settings: from the flags, or from the planner where they are auto.
+struct Settings {
+  int64_t chunk = 0;
+  int64_t keep = 1;
+  bool cache_frozen = false;
+  engine::Precision precision = engine::Precision::FP32;
+};
+
+BenchModel build(const Args& args, const Settings& settings) {
   const torch::Device device(args.text("device"));
   const auto dtype = args.text("dtype") == "float64" ? torch::kFloat64 : torch::kFloat32;
   torch::manual_seed(static_cast<uint64_t>(args.integer("seed")));
@@ -43,13 +53,14 @@ BenchModel build(const Args& args, int64_t chunk) {
   m.head->train();
 
   engine::StepOptions step;
-  step.chunked.chunk = chunk;
-  step.chunked.keep = args.integer("keep");
-  step.chunked.cache_frozen = args.on("cache-frozen");
+  step.chunked.chunk = settings.chunk;
+  step.chunked.keep = settings.keep;
+  step.chunked.cache_frozen = settings.cache_frozen;
   step.chunked.device = device;
   step.chunked.dtype = dtype;
   step.chunked.channels_last = args.on("channels-last");
-  step.precision = engine::parse_precision(args.text("precision"));
+  step.precision = settings.precision;
+  step.retry_on_out_of_memory = !args.on("no-retry");
   auto encoder = engine::frame_encoder(m.encoder.ptr());
   auto parameters = encoder.parameters;
   for (const auto& p : m.head->parameters()) parameters.push_back(p);
@@ -78,6 +89,59 @@ void export_grads(const BenchModel& m, const std::string& path) {
   models::write_state_dict(grads, path);
 }
 
+
+// Plans the step when --chunk is auto, and makes out-of-memory re-plan when there is a budget;
+// returns the settings and notes what the planner decided.
+struct Planned {
+  Settings settings;
+  std::vector<std::string> notes;
+  engine::Replanner replan;  // empty: the engine halves the chunk
+};
+
+Planned plan_step(const Args& args) {
+  Planned planned;
+  auto request = plan_request(args);
+  auto& tracker = memory::Tracker::of(request.model.device);
+  const bool auto_chunk = !request.chunk.has_value();
+  planned.settings.precision = request.precisions.front();
+  if (!auto_chunk) {
+    planned.settings.chunk = *request.chunk;
+    planned.settings.keep = args.integer("keep");
+    planned.settings.cache_frozen = args.on("cache-frozen");
+  }
+  const int64_t budget = tracker.available_bytes();
+  if (!auto_chunk && tracker.budget_bytes() == 0) return planned;
+  // The doctor's static minimum needs no calibration: an impossible budget fails right away.
+  const auto sizes = plan::static_sizes(request.model);
+  const int64_t minimum = plan::static_minimum_bytes(sizes, request.frames);
+  if (minimum > budget) {
+    throw memory::OutOfMemoryError(request.model.device, minimum, budget, 0,
+                                   "plan: parameters, gradients, optimizer state, frames and "
+                                   "features alone need " + memory::format_bytes(minimum));
+  }
+  const auto calibrated = calibrate_for(args, request);
+  const double margin = args.number("margin");
+  const auto precision = request.precisions.front();
+  if (auto_chunk) {
+    const auto chosen = plan::fit(request, calibrated.sizes, calibrated.costs, budget, margin);
+    if (!chosen.fits) {
+      throw memory::OutOfMemoryError(request.model.device, chosen.breakdown.peak_bytes, budget, 0,
+                                     "plan: does not fit: " + chosen.advice);
+    }
+    planned.settings.chunk = chosen.settings.naive() ? 0 : chosen.settings.chunk;
+    planned.settings.keep = chosen.settings.keep;
+    planned.settings.cache_frozen = chosen.settings.cache_frozen;
+    planned.notes.push_back(c10::str("planned for ", memory::format_bytes(budget), ": ",
+                                     plan::describe(chosen.settings), ", predicted peak ",
+                                     memory::format_bytes(chosen.breakdown.peak_bytes)));
+  }
+  if (!args.on("no-retry")) {
+    planned.replan = plan::make_replanner(request, calibrated.sizes, calibrated.costs.at(precision),
+                                          precision, budget, margin);
+  }
+  return planned;
+}
+
 }  // namespace
 
 int run_bench_step(const Args& args) {
@@ -85,12 +149,10 @@ int run_bench_step(const Args& args) {
   auto& tracker = memory::Tracker::of(device);
   tracker.set_budget(args.bytes("budget"));
   const auto video = random_video(args);
-
-  // --chunk auto starts at 64 frames; on out-of-memory the training step halves the chunk and
-  // retries the same step. (The memory planner of issue #4 will choose from a model instead.)
-  const int64_t requested = args.text("chunk") == "auto" ? 64 : args.integer("chunk");
-  BenchModel model = build(args, requested);
-  std::vector<std::string> retries;
+  const auto planned = plan_step(args);
+  BenchModel model = build(args, planned.settings);
+  if (planned.replan) model.step->replan = planned.replan;
+  std::vector<std::string> retries = planned.notes;
   const bool warmup = !args.on("no-warmup");
   if (warmup) {
     const auto first = model.step->step({video});  // oneDNN primitives, allocator cache
@@ -105,6 +167,10 @@ int run_bench_step(const Args& args) {
     for (int64_t i = 0; i < args.integer("steps"); ++i) {
       if (trace) trace->mark("step " + std::to_string(i + 1));
       reports.push_back(model.step->step({video}));
+      if (!args.on("json")) {
+        fmt::print("  step {}: {:.2f} s, {}\n", i + 1, reports.back().seconds,
+                   memory::memory_line(tracker, reports.back().peak_bytes));
+      }
     }
     if (trace) trace->write(args.text("trace"));
   }
@@ -153,6 +219,126 @@ int run_bench_step(const Args& args) {
                memory::format_bytes(stats.peak_bytes), memory::format_bytes(stats.peak_increase_bytes));
   }
   fmt::print("  {}\n", machine_info().describe());
+  return 0;
+}
+
+plan::ChunkTrial measure_step(const Args& args, int64_t chunk) {
+  const auto request = plan_request(args);
+  Settings settings;
+  settings.chunk = chunk;
+  settings.keep = request.keep.value_or(1);
+  settings.cache_frozen = request.cache_frozen.value_or(false);
+  settings.precision = request.precisions.front();
+  auto& tracker = memory::Tracker::of(request.model.device);
+  plan::ChunkTrial trial;
+  try {
+    const auto video = random_video(args);
+    BenchModel model = build(args, settings);
+    model.step->step({video});  // warm-up: optimizer state, kernels' one-time buffers
+    auto window = tracker.mark();
+    const auto report = model.step->step({video});
+    window.close();
+    trial.peak_bytes = window.peak_bytes();
+    trial.seconds = report.seconds;
+    trial.out_of_memory = !report.replans.empty();  // it only fitted after re-planning
+  } catch (const c10::Error& e) {
+    if (!memory::is_out_of_memory(e)) throw;
+    trial.out_of_memory = true;
+  }
+  tracker.release_cache();
+  return trial;
+}
+
+int run_bench_memory(const Args& args) {
+  const auto request = plan_request(args);
+  auto& tracker = memory::Tracker::of(request.model.device);
+  tracker.set_budget(args.bytes("budget"));
+  const auto calibrated = calibrate_for(args, request);
+  const auto precision = request.precisions.front();
+  std::vector<int64_t> chunks;
+  {
+    std::stringstream list(args.text("chunks"));
+    std::string item;
+    while (std::getline(list, item, ',')) {
+      size_t used = 0;
+      int64_t value = -1;
+      try {
+        value = std::stoll(item, &used);
+      } catch (const std::exception&) {
+      }
+      TORCH_CHECK(used == item.size() && value >= 0, "--chunks: '", item,
+                  "' is not a chunk size (an integer >= 0; 0 = naive)");
+      chunks.push_back(value);
+    }
+  }
+  nlohmann::json rows = nlohmann::json::array();
+  const auto video = random_video(args);
+  if (!args.on("json")) {
+    fmt::print("framefit bench-memory: {} + {} head, {} frames of {}x{}, {}, keep {}\n",
+               args.text("model"), args.text("head"), args.integer("frames"),
+               args.integer("size"), args.integer("size"), engine::to_string(precision),
+               args.integer("keep"));
+    fmt::print("  {:>6} {:>12} {:>12} {:>7} {:>12} {:>9} {:>9}\n", "chunk", "predicted",
+               "measured", "error", "peak RSS", "pred. s", "step s");
+  }
+  for (const int64_t chunk : chunks) {
+    Settings settings{chunk, args.integer("keep"), args.on("cache-frozen"), precision};
+    plan::StepSettings step_settings;
+    step_settings.frames = request.frames;
+    step_settings.chunk = chunk;
+    step_settings.keep = settings.keep;
+    step_settings.cache_frozen = settings.cache_frozen;
+    step_settings.precision = precision;
+    const auto predicted = plan::predict(calibrated.sizes, calibrated.costs.at(precision), step_settings);
+    int64_t peak = 0;
+    std::vector<double> seconds;
+    std::string error;
+    memory::ProcessMemory rss;
+    try {
+      BenchModel model = build(args, settings);
+      model.step->step({video});  // warm-up
+      memory::reset_rss_peak();
+      tracker.reset_peak();
+      for (int64_t i = 0; i < args.integer("steps"); ++i) {
+        const auto report = model.step->step({video});
+        peak = std::max(peak, report.peak_bytes);
+        seconds.push_back(report.seconds);
+        if (!report.replans.empty()) error = report.replans.front();
+      }
+      rss = memory::process_memory();
+    } catch (const c10::Error& e) {
+      if (!memory::is_out_of_memory(e)) throw;
+      error = e.what_without_backtrace();
+    }
+    tracker.release_cache();
+    std::sort(seconds.begin(), seconds.end());
+    const double median = seconds.empty() ? 0 : seconds[seconds.size() / 2];
+    const double relative =
+        peak > 0 ? static_cast<double>(predicted.peak_bytes - peak) / static_cast<double>(peak) : 0;
+    rows.push_back({{"chunk", chunk}, {"predicted_peak_bytes", predicted.peak_bytes},
+                    {"peak_bytes", peak}, {"relative_error", relative},
+                    {"rss_peak_bytes", rss.rss_peak_bytes},
+                    {"predicted_seconds", predicted.seconds}, {"step_seconds", median},
+                    {"predicted_phase", predicted.peak_phase}, {"error", error}});
+    if (!args.on("json")) {
+      fmt::print("  {:>6} {:>12} {:>12} {:>6.1f}% {:>12} {:>9.2f} {:>9.2f}{}\n",
+                 chunk == 0 ? std::string("naive") : std::to_string(chunk),
+                 memory::format_bytes(predicted.peak_bytes), memory::format_bytes(peak),
+                 100 * relative, memory::format_bytes(rss.rss_peak_bytes), predicted.seconds,
+                 median, error.empty() ? "" : "  (" + error + ")");
+    }
+  }
+  if (args.on("json")) {
+    fmt::print("{}\n", nlohmann::json{{"model", args.text("model")}, {"head", args.text("head")},
+                                      {"frames", args.integer("frames")}, {"size", args.integer("size")},
+                                      {"precision", engine::to_string(precision)},
+                                      {"freeze", args.has("freeze") ? args.text("freeze") : ""},
+                                      {"norm", args.text("norm")}, {"keep", args.integer("keep")},
+                                      {"rows", rows}, {"machine", machine_info().describe()}}
+                            .dump());
+  } else {
+    fmt::print("  {}\n", machine_info().describe());
+  }
   return 0;
 }
 

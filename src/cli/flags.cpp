@@ -16,13 +16,29 @@ const std::vector<Command>& command_table() {
       {"bench-step",
        "One measured end-to-end training step (encoder + temporal head) on random frames and "
        "labels: tracked peak memory, peak RSS, step time. --chunk 0 is naive training."},
+      {"plan",
+       "Predict a training step's peak memory and time before running it, and choose the "
+       "fastest chunk, keep, caching, accumulation and precision that fit --budget (what is "
+       "left auto). Calibrates the memory model once per model and machine."},
+      {"doctor",
+       "Check a training configuration before allocating anything: input too small, a budget "
+       "below the static minimum, BatchNorm on tiny chunks, fp16 on a CPU, and more."},
+      {"bench-memory",
+       "Measured peak memory (tracked and RSS) and step time across chunk sizes, next to the "
+       "memory model's predictions and their error."},
   };
   return commands;
 }
 
 const std::vector<Flag>& flag_table() {
+  // Commands that build a model and a training step from flags.
+  const std::vector<std::string> step = {"bench-step", "plan", "doctor", "bench-memory"};
+  auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
   static const std::vector<Flag> flags = {
-      {"model", {"extract", "bench-step"}, FlagType::Choice,
+      {"model", with({"extract"}, step), FlagType::Choice,
        "Encoder architecture (torchvision layout).", "", true,
        {"resnet18", "resnet34", "resnet50"}},
       {"weights", {"extract"}, FlagType::ExistingFile,
@@ -35,58 +51,91 @@ const std::vector<Flag>& flag_table() {
        "Where to write the [T,D] float32 features (torch.save format; torch.load reads it).", "",
        true},
       {"chunk", {"extract"}, FlagType::Int, "Frames per forward pass.", "64", false, {}, 1},
-      {"head", {"bench-step"}, FlagType::Choice,
+      {"head", step, FlagType::Choice,
        "Temporal head: lstm (seeds/000: LSTM 512 + fc), tcn (causal MS-TCN), linear (per frame).",
        "", true, {"lstm", "tcn", "linear"}},
-      {"frames", {"bench-step"}, FlagType::Int, "Frames per video (T).", "", true, {}, 1},
-      {"size", {"bench-step"}, FlagType::Int, "Frame height and width in pixels.", "", true, {}, 16},
-      {"classes", {"bench-step"}, FlagType::Int, "Phase classes.", "7", false, {}, 2},
-      {"chunk", {"bench-step"}, FlagType::IntOrAuto,
-       "Frames per chunk: a count, 0 for naive training (all frames with grad), or auto (64). On "
-       "out-of-memory the step is retried with half the chunk.", "auto", false, {}, 0},
-      {"keep", {"bench-step"}, FlagType::Int,
+      {"frames", step, FlagType::Int, "Frames per video (T).", "", true, {}, 1},
+      {"size", step, FlagType::Int, "Frame height and width in pixels.", "", true, {}, 16},
+      {"classes", step, FlagType::Int, "Phase classes.", "7", false, {}, 2},
+      {"chunk", {"bench-step", "plan", "doctor"}, FlagType::IntOrAuto,
+       "Frames per chunk: a count, 0 for naive training (all frames with grad), or auto (the "
+       "planner's choice for the budget). On out-of-memory the step is re-planned and retried.",
+       "auto", false, {}, 0},
+      {"chunks", {"bench-memory"}, FlagType::Text,
+       "Comma-separated chunk sizes to measure (0 = naive).", "4,8,16,32"},
+      {"keep", {"bench-step", "bench-memory"}, FlagType::Int,
        "Chunks whose graph is kept from the forward pass instead of recomputed.", "1", false, {},
        0},
-      {"cache-frozen", {"bench-step"}, FlagType::Switch,
+      {"keep", {"plan", "doctor"}, FlagType::IntOrAuto,
+       "Chunks whose graph is kept from the forward pass, or auto (the planner's choice).", "auto",
+       false, {}, 0},
+      {"cache-frozen", {"bench-step", "bench-memory"}, FlagType::Switch,
        "Keep frozen stages' outputs between forward and backward instead of recomputing them.", ""},
-      {"precision", {"bench-step"}, FlagType::Choice,
+      {"cache-frozen", {"plan", "doctor"}, FlagType::Choice,
+       "Keep frozen stages' outputs between forward and backward: on, off or auto.", "auto",
+       false, {"auto", "on", "off"}},
+      {"precision", {"bench-step", "bench-memory"}, FlagType::Choice,
        "Autocast precision of the encoder: fp32, bf16 (fast on AVX-512 bf16 CPUs), fp16 (CUDA, "
        "with loss scaling).", "fp32", false, {"fp32", "bf16", "fp16"}},
-      {"dtype", {"bench-step"}, FlagType::Choice,
+      {"precision", {"plan", "doctor"}, FlagType::Choice,
+       "Autocast precision of the encoder, or auto: the planner may choose fp32 or bf16 (and fp16 "
+       "on CUDA).", "fp32", false, {"auto", "fp32", "bf16", "fp16"}},
+      {"dtype", step, FlagType::Choice,
        "Parameter and input dtype; float64 for exactness checks.", "float32", false,
        {"float32", "float64"}},
-      {"optimizer", {"bench-step"}, FlagType::Choice, "Optimizer.", "adamw", false,
+      {"optimizer", step, FlagType::Choice, "Optimizer.", "adamw", false,
        {"sgd", "adam", "adamw"}},
-      {"freeze", {"bench-step"}, FlagType::Choice,
+      {"freeze", step, FlagType::Choice,
        "Freeze the encoder up to and including this stage.", "", false,
        {"conv1", "layer1", "layer2", "layer3", "layer4"}},
+      {"videos", {"plan", "doctor"}, FlagType::Int, "Videos per optimizer step.", "1", false, {},
+       1},
+      {"accumulate", {"plan", "doctor"}, FlagType::IntOrAuto,
+       "Calls per optimizer step the videos are split across (gradient accumulation), or auto.",
+       "auto", false, {}, 1},
+      {"margin", {"bench-step", "plan", "bench-memory"}, FlagType::Fraction,
+       "Fraction of the budget the planner keeps free for what its model does not see.", "0.1"},
+      {"calibration", {"bench-step", "plan", "bench-memory"}, FlagType::Path,
+       "Calibration cache file (default: $FRAMEFIT_CACHE_DIR/calibration.json or "
+       "~/.cache/framefit/calibration.json).", ""},
+      {"table", {"plan"}, FlagType::Switch,
+       "Print predicted peak and time across chunk sizes and precisions.", ""},
+      {"find", {"plan"}, FlagType::Switch,
+       "Find the largest chunk that fits: chosen by the model, confirmed by real training steps "
+       "(reports how many).", ""},
+      {"headroom", {"plan"}, FlagType::Fraction,
+       "With --find: the fraction of the budget a confirmed chunk must leave free.", "0.1"},
       {"export-grads", {"bench-step"}, FlagType::Path,
        "Write the measured step's parameter gradients (torchvision names for the encoder, head.* "
        "for the head) to this file; torch.load reads it.", ""},
-      {"json", {"bench-step"}, FlagType::Switch, "Print the result as one JSON object.", ""},
+      {"json", {"bench-step", "plan", "doctor", "bench-memory"}, FlagType::Switch,
+       "Print the result as one JSON object.", ""},
       {"trace", {"bench-step"}, FlagType::Path,
        "Write a Chrome trace (phases as slices, bytes in use as a counter) of the measured steps; "
        "open it in Perfetto or chrome://tracing.", ""},
       {"no-warmup", {"bench-step"}, FlagType::Switch,
        "Measure the first step (for runs too long to repeat; includes one-time set-up costs).",
        ""},
-      {"steps", {"bench-step"}, FlagType::Int,
+      {"no-retry", {"bench-step"}, FlagType::Switch,
+       "Fail on out-of-memory instead of re-planning and retrying the step (exit code 3).", ""},
+      {"steps", {"bench-step", "bench-memory"}, FlagType::Int,
        "Measured steps after the warm-up; the median time is reported.", "1", false, {}, 1},
-      {"norm", {"extract", "bench-step"}, FlagType::Choice,
+      {"norm", with({"extract"}, step), FlagType::Choice,
        "Normalisation layers: bn (BatchNorm), frozen_bn, group_norm.", "bn", false,
        {"bn", "frozen_bn", "group_norm"}},
-      {"groups", {"extract", "bench-step"}, FlagType::Int,
+      {"groups", with({"extract"}, step), FlagType::Int,
        "Groups per GroupNorm layer (--norm group_norm).", "32", false, {}, 1},
-      {"drop-layer4", {"extract", "bench-step"}, FlagType::Switch,
+      {"drop-layer4", with({"extract"}, step), FlagType::Switch,
        "Use the slim ResNet without layer4 (256-d or 1024-d features).", ""},
-      {"channels-last", {"extract", "bench-step"}, FlagType::Switch,
+      {"channels-last", with({"extract"}, step), FlagType::Switch,
        "Run convolutions in channels-last (NHWC) layout: faster on CPU.", ""},
-      {"budget", {"extract", "bench-step"}, FlagType::Bytes,
-       "Memory budget for tensors, e.g. 2GiB: exceeding it is an out-of-memory error.", ""},
-      {"threads", {"extract", "bench-step"}, FlagType::Int, "Compute threads; 0 = all cores.", "0",
+      {"budget", with({"extract"}, step), FlagType::Bytes,
+       "Memory budget for tensors, e.g. 2GiB: exceeding it is an out-of-memory error. Without "
+       "it, plans use the device's memory (CPU: what the system has available).", ""},
+      {"threads", with({"extract"}, step), FlagType::Int, "Compute threads; 0 = all cores.", "0",
        false, {}, 0},
-      {"seed", {"extract", "bench-step"}, FlagType::Int, "Random seed.", "0", false, {}, 0},
-      {"device", {"extract", "bench-step"}, FlagType::Text, "cpu, cuda or cuda:N.", "cpu"},
+      {"seed", with({"extract"}, step), FlagType::Int, "Random seed.", "0", false, {}, 0},
+      {"device", with({"extract"}, step), FlagType::Text, "cpu, cuda or cuda:N.", "cpu"},
   };
   return flags;
 }
@@ -100,6 +149,8 @@ std::string Args::text(const std::string& flag) const {
 }
 
 int64_t Args::integer(const std::string& flag) const { return std::stoll(text(flag)); }
+
+double Args::number(const std::string& flag) const { return std::stod(text(flag)); }
 
 int64_t Args::bytes(const std::string& flag) const {
   return has(flag) ? memory::parse_bytes(text(flag)) : 0;
@@ -129,6 +180,24 @@ CLI::Validator integer_at_least(int64_t min, bool or_auto = false) {
         return "";
       },
       (or_auto ? "auto|INT>=" : "INT>=") + std::to_string(min));
+}
+
+CLI::Validator fraction() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        size_t used = 0;
+        double v = -1;
+        try {
+          v = std::stod(value, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != value.size() || !(v >= 0 && v < 1)) {
+          return "'" + value + "' is not a fraction in [0, 1), e.g. 0.1";
+        }
+        return "";
+      },
+      "FRACTION");
 }
 
 CLI::Validator byte_size() {
@@ -161,6 +230,7 @@ void add_flag(CLI::App& app, const Flag& flag, std::map<std::string, std::string
     case FlagType::Int: option->check(integer_at_least(flag.min_value)); break;
     case FlagType::IntOrAuto: option->check(integer_at_least(flag.min_value, true)); break;
     case FlagType::Bytes: option->check(byte_size()); break;
+    case FlagType::Fraction: option->check(fraction()); break;
     case FlagType::Choice: option->check(CLI::IsMember(flag.choices)); break;
     case FlagType::Path: option->type_name("PATH"); break;
     default: break;

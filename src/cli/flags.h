@@ -16,6 +16,7 @@ enum class FlagType {
   Int,           // an integer >= min_value
   IntOrAuto,     // "auto" or an integer >= min_value
   Bytes,         // a byte size: 8GiB, 512MiB, 4096
+  Fraction,      // a number in [0, 1)
   Choice,        // one of `choices`
   Switch,        // present or absent, takes no value
 };
@@ -48,6 +49,7 @@ class Args {
   bool has(const std::string& flag) const;  // given, or has a default
   std::string text(const std::string& flag) const;
   int64_t integer(const std::string& flag) const;
+  double number(const std::string& flag) const;
   int64_t bytes(const std::string& flag) const;  // 0 when absent
   bool on(const std::string& flag) const;        // a Switch
   const std::map<std::string, std::string>& values() const { return values_; }

@@ -18,6 +18,9 @@ int main(int argc, char** argv) {
   static const std::map<std::string, std::function<int(const cli::Args&)>> commands = {
       {"extract", cli::run_extract},
       {"bench-step", cli::run_bench_step},
+      {"bench-memory", cli::run_bench_memory},
+      {"plan", cli::run_plan},
+      {"doctor", cli::run_doctor},
   };
   try {
     RuntimeOptions runtime;

@@ -32,6 +32,18 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<torch:
 }
 
 namespace {
+// Without a planner: half the effective chunk (a chunk of 0 or of at least the longest video is
+// one pass over all frames), nothing kept, down to one frame per chunk.
+std::optional<RetrySettings> halve_chunk(const OutOfMemoryEvent& event) {
+  const int64_t effective =
+      event.chunk == 0 ? event.longest_video : std::min(event.chunk, event.longest_video);
+  if (effective <= 1 && event.keep == 0 && !event.cache_frozen) return std::nullopt;
+  RetrySettings retry;
+  retry.chunk = std::max<int64_t>(1, effective / 2);
+  retry.keep = 0;
+  return retry;
+}
+
 LossScalerOptions scaler_options(const StepOptions& options) {
   auto scaler = options.scaler;
   scaler.enabled = scaler.enabled && options.precision == Precision::FP16;
@@ -109,8 +121,7 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
       accumulate_gradients(videos, report);
       break;
     } catch (const c10::Error& e) {
-      const int64_t chunk = options_.chunked.chunk;
-      if (!options_.retry_on_out_of_memory || !memory::is_out_of_memory(e) || chunk == 1) throw;
+      if (!options_.retry_on_out_of_memory || !memory::is_out_of_memory(e)) throw;
       // Undo the partial step: the graph is gone with the exception; restore the gradients.
       torch::NoGradGuard no_grad;
       for (size_t i = 0; i < parameters_.size(); ++i) {
@@ -123,18 +134,35 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
       }
       report.loss = 0;
       report.frames = 0;
-      // A chunk of 0 or of at least the longest video is one pass over all frames: halve that.
-      const int64_t longest =
+      auto& chunked = options_.chunked;
+      OutOfMemoryEvent event;
+      event.chunk = chunked.chunk;
+      event.keep = chunked.keep;
+      event.cache_frozen = chunked.cache_frozen;
+      event.longest_video =
           std::max_element(videos.begin(), videos.end(), [](const auto& a, const auto& b) {
             return a.frames.size(0) < b.frames.size(0);
           })->frames.size(0);
-      const int64_t effective = chunk == 0 ? longest : std::min(chunk, longest);
-      const int64_t next = std::max<int64_t>(1, effective / 2);
+      event.in_use_bytes = tracker.current_bytes();
+      event.budget_bytes = tracker.budget_bytes();
+      if (const auto* oom = dynamic_cast<const memory::OutOfMemoryError*>(&e)) {
+        event.requested_bytes = oom->requested_bytes();
+        event.in_use_bytes = oom->in_use_bytes();
+        event.phase = oom->phase();
+      }
+      const auto retry = replan ? replan(event) : halve_chunk(event);
+      if (!retry) throw;
       report.replans.push_back(c10::str(
-          "out of memory with chunk ", chunk == 0 ? "0 (naive)" : std::to_string(chunk), " (",
-          memory::format_bytes(tracker.current_bytes()), " in use); retrying the step with chunk ",
-          next));
-      options_.chunked.chunk = next;
+          "out of memory", event.phase.empty() ? "" : " in " + event.phase, " with chunk ",
+          event.chunk == 0 ? "0 (naive)" : std::to_string(event.chunk), ", keep ", event.keep,
+          " (", memory::format_bytes(event.in_use_bytes), " in use",
+          event.requested_bytes > 0 ? ", " + memory::format_bytes(event.requested_bytes) + " requested" : "",
+          "); retrying the step with chunk ", retry->chunk, ", keep ", retry->keep,
+          retry->cache_frozen ? ", frozen outputs cached" : "",
+          retry->reason.empty() ? "" : ": " + retry->reason));
+      chunked.chunk = retry->chunk;
+      chunked.keep = retry->keep;
+      chunked.cache_frozen = retry->cache_frozen;
       tracker.release_cache();
     }
   }

@@ -18,6 +18,9 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <cstdio>
+#include <fstream>
+#include <string>
 #include <map>
 #include <mutex>
 #include <new>
@@ -253,6 +256,15 @@ class CpuBackend final : public Backend {
   int64_t budget_bytes() const override { return alloc().budget(); }
   void release_cache() override { alloc().release_cache(); }
   void set_phase_name(const std::string& name) override { alloc().set_phase_name(name); }
+  int64_t capacity_bytes() const override {
+    std::ifstream meminfo("/proc/meminfo");
+    std::string line;
+    long long kib = 0;
+    while (std::getline(meminfo, line)) {
+      if (std::sscanf(line.c_str(), "MemAvailable: %lld kB", &kib) == 1) break;
+    }
+    return current_bytes() + kib * 1024;
+  }
 
  private:
   static TrackingCpuAllocator& alloc() { return TrackingCpuAllocator::instance(); }

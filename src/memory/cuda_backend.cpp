@@ -46,6 +46,12 @@ class CudaBackend final : public Backend {
   int64_t budget_bytes() const override { return budget_; }
   void release_cache() override { cca::emptyCache(); }
   void set_phase_name(const std::string&) override {}  // CUDA's own error names no phase
+  int64_t capacity_bytes() const override {
+    c10::cuda::CUDAGuard guard(index_);
+    size_t free_bytes = 0, total_bytes = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    return static_cast<int64_t>(total_bytes);
+  }
 
  private:
   cca::DeviceStats stats() const { return cca::getDeviceStats(index_); }

@@ -134,4 +134,12 @@ std::optional<std::string> LeakDetector::record(int64_t in_use_bytes,
   return out.str();
 }
 
+std::string memory_line(const Tracker& tracker, int64_t step_peak_bytes) {
+  std::string line = "allocated " + format_bytes(tracker.current_bytes()) + ", step peak " +
+                     format_bytes(step_peak_bytes);
+  if (tracker.device().is_cuda()) line += ", reserved " + format_bytes(tracker.reserved_bytes());
+  if (tracker.budget_bytes() > 0) line += " of a " + format_bytes(tracker.budget_bytes()) + " budget";
+  return line;
+}
+
 }  // namespace framefit::memory

@@ -120,6 +120,11 @@ int64_t Tracker::window_peak_locked(size_t depth) const {
   return peak;
 }
 
+int64_t Tracker::available_bytes() const {
+  const int64_t budget = backend_->budget_bytes();
+  return budget > 0 ? budget : backend_->capacity_bytes();
+}
+
 int64_t Tracker::peak_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   int64_t peak = std::max(carried_, backend_->peak_bytes());

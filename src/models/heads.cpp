@@ -128,3 +128,50 @@ std::shared_ptr<TemporalHead> make_head(const std::string& kind, int64_t input_d
 }
 
 }  // namespace framefit::models
+
+namespace framefit::models {
+
+int64_t head_parameter_count(const std::string& kind, int64_t input_dim, int64_t num_classes,
+                             int64_t* largest) {
+  int64_t total = 0, big = 0;
+  auto add = [&](int64_t elements) {
+    total += elements;
+    big = std::max(big, elements);
+  };
+  auto linear = [&](int64_t in, int64_t out, int64_t kernel = 1) {
+    add(in * out * kernel);
+    add(out);
+  };
+  if (kind == "linear") {
+    linear(input_dim, num_classes);
+  } else if (kind == "lstm") {
+    const LSTMHeadOptions o(input_dim, num_classes);
+    const int64_t directions = o.bidirectional() ? 2 : 1;
+    for (int64_t layer = 0; layer < o.layers(); ++layer) {
+      const int64_t in = layer == 0 ? input_dim : o.hidden() * directions;
+      for (int64_t d = 0; d < directions; ++d) {
+        add(4 * o.hidden() * in);          // weight_ih
+        add(4 * o.hidden() * o.hidden());  // weight_hh
+        add(4 * o.hidden());               // bias_ih
+        add(4 * o.hidden());               // bias_hh
+      }
+    }
+    linear(o.hidden() * directions, num_classes);
+  } else if (kind == "tcn") {
+    const TCNHeadOptions o(input_dim, num_classes);
+    for (int64_t s = 0; s < o.stages(); ++s) {
+      linear(s == 0 ? input_dim : num_classes, o.channels());
+      for (int64_t l = 0; l < o.layers(); ++l) {
+        linear(o.channels(), o.channels(), 3);
+        linear(o.channels(), o.channels());
+      }
+      linear(o.channels(), num_classes);
+    }
+  } else {
+    TORCH_CHECK(false, "unknown head '", kind, "': use linear, lstm or tcn");
+  }
+  if (largest != nullptr) *largest = big;
+  return total;
+}
+
+}  // namespace framefit::models

@@ -257,3 +257,84 @@ torch::Tensor ResNetImpl::forward(const torch::Tensor& x) {
 }
 
 }  // namespace framefit::models
+
+namespace framefit::models {
+
+ResNetSize resnet_size(const ResNetOptions& options) {
+  std::vector<int64_t> blocks;
+  bool bottleneck = false;
+  switch (options.depth()) {
+    case 18: blocks = {2, 2, 2, 2}; break;
+    case 34: blocks = {3, 4, 6, 3}; break;
+    case 50: blocks = {3, 4, 6, 3}; bottleneck = true; break;
+    default: TORCH_CHECK(false, "ResNet depth must be 18, 34 or 50; got ", options.depth());
+  }
+  const int64_t stage_count = options.drop_layer4() ? 4 : 5;
+  int64_t frozen = 0;
+  if (!options.freeze().empty()) {
+    const std::vector<std::string> names = {"conv1", "layer1", "layer2", "layer3", "layer4"};
+    const auto it = std::find(names.begin(), names.begin() + stage_count, options.freeze());
+    TORCH_CHECK(it != names.begin() + stage_count, "cannot freeze up to '", options.freeze(),
+                "': stages are conv1, layer1, layer2, layer3",
+                options.drop_layer4() ? " (layer4 is dropped)" : ", layer4");
+    frozen = it - names.begin() + 1;
+  }
+  const bool norm_trained = options.norm() != NormKind::FrozenBatchNorm;
+  const bool has_stats = options.norm() != NormKind::GroupNorm;
+
+  ResNetSize size;
+  size.frozen_stages = frozen;
+  size.min_input_size = options.drop_layer4() ? 16 : 32;
+  int64_t stage = 0;  // the stage being counted
+  auto weight = [&](int64_t elements, bool trainable) {
+    size.parameters += elements;
+    if (trainable && stage >= frozen) {
+      size.trained_parameters += elements;
+      size.largest_trained = std::max(size.largest_trained, elements);
+    }
+  };
+  auto conv = [&](int64_t in, int64_t out, int64_t kernel) { weight(in * out * kernel * kernel, true); };
+  auto norm = [&](int64_t channels) {
+    weight(channels, norm_trained);
+    weight(channels, norm_trained);
+    if (has_stats) {
+      size.buffer_elements += 2 * channels;
+      size.buffer_counters += 1;
+    }
+  };
+  conv(3, 64, 7);
+  norm(64);
+  int64_t channels = 64, stride = 4;  // conv1 (2) and max pooling (2)
+  if (frozen == 1) size.frozen_channels = channels, size.frozen_stride = stride;
+  const int64_t widths[] = {64, 128, 256, 512};
+  for (int64_t layer = 0; layer < stage_count - 1; ++layer) {
+    stage = layer + 1;
+    const int64_t width = widths[layer], expansion = bottleneck ? 4 : 1;
+    for (int64_t b = 0; b < blocks[layer]; ++b) {
+      const int64_t block_stride = b == 0 && layer > 0 ? 2 : 1;
+      if (bottleneck) {
+        conv(channels, width, 1), norm(width);
+        conv(width, width, 3), norm(width);
+        conv(width, width * expansion, 1), norm(width * expansion);
+      } else {
+        conv(channels, width, 3), norm(width);
+        conv(width, width, 3), norm(width);
+      }
+      if (block_stride != 1 || channels != width * expansion) {
+        conv(channels, width * expansion, 1), norm(width * expansion);
+      }
+      channels = width * expansion;
+      stride *= block_stride;
+    }
+    if (frozen == stage + 1) size.frozen_channels = channels, size.frozen_stride = stride;
+  }
+  size.feature_dim = channels;
+  stage = stage_count;  // the classifier is never frozen
+  if (options.num_classes() > 0) {
+    weight(channels * options.num_classes(), true);
+    weight(options.num_classes(), true);
+  }
+  return size;
+}
+
+}  // namespace framefit::models

@@ -148,7 +148,7 @@ TEST(TrainingStep, OutOfMemoryReplansAndRetriesTheSameStep) {
   }
   tracker.set_budget(0);
   ASSERT_FALSE(report.replans.empty());
-  EXPECT_NE(report.replans.front().find("out of memory with chunk 0 (naive)"), std::string::npos)
+  EXPECT_NE(report.replans.front().find("with chunk 0 (naive)"), std::string::npos)
       << report.replans.front();
   EXPECT_GE(report.chunk, 1);
   EXPECT_LT(report.chunk, 48);

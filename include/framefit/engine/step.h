@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,27 @@ struct StepOptions {
   bool retry_on_out_of_memory = true;
 };
 
+// What a step was doing when it ran out of memory.
+struct OutOfMemoryEvent {
+  int64_t chunk = 0;
+  int64_t keep = 0;
+  bool cache_frozen = false;
+  int64_t longest_video = 0;     // frames
+  int64_t requested_bytes = 0;   // the allocation that failed; 0 when the error does not say
+  int64_t in_use_bytes = 0;      // when it failed
+  int64_t budget_bytes = 0;      // 0: no framefit budget (a real device ran out)
+  std::string phase;             // encode, head, recompute, or "" (elsewhere)
+};
+// Settings to retry the same step with after out-of-memory.
+struct RetrySettings {
+  int64_t chunk = 0;
+  int64_t keep = 0;
+  bool cache_frozen = false;
+  std::string reason;  // logged in StepReport::replans
+};
+// nullopt gives up: the error propagates.
+using Replanner = std::function<std::optional<RetrySettings>(const OutOfMemoryEvent&)>;
+
 struct StepReport {
   double loss = 0;  // mean over this call's videos
   int64_t frames = 0;
@@ -72,6 +94,10 @@ class TrainingStep {
   // Called with every trained parameter once this step's gradients are complete, before
   // unscaling, clipping and the optimizer: where data-parallel training will all-reduce.
   std::function<void(const std::vector<torch::Tensor>&)> on_gradients_ready;
+
+  // Chooses new settings after out-of-memory (plan::make_replanner does it from the memory
+  // model). Unset: the chunk is halved and nothing kept.
+  Replanner replan;
 
   const std::vector<torch::Tensor>& parameters() const { return parameters_; }
   LossScaler& scaler() { return scaler_; }

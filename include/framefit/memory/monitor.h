@@ -43,6 +43,10 @@ class TraceRecorder {
   std::vector<Event> events_;
 };
 
+// One line per training step: "allocated 1.2 GiB, step peak 3.4 GiB" plus "reserved 4.0 GiB"
+// where the device has a caching allocator (CUDA) or a budget.
+std::string memory_line(const Tracker& tracker, int64_t step_peak_bytes);
+
 struct LeakDetectorOptions {
   int64_t warmup_steps = 2;  // the first steps fill caches and optimizer state: not counted
   int64_t window = 10;       // steps compared

@@ -63,6 +63,9 @@ class Backend {
   virtual int64_t budget_bytes() const = 0;
   virtual void release_cache() = 0;            // give cached blocks back to the system
   virtual void set_phase_name(const std::string& name) = 0;  // named in budget errors
+  // What tensors could use at most without a budget: the device's memory (CUDA), or the bytes
+  // in use plus what the system has available (CPU).
+  virtual int64_t capacity_bytes() const = 0;
 };
 
 struct PhaseStats {
@@ -138,6 +141,8 @@ class Tracker {
   void set_budget(int64_t bytes) { backend_->set_budget(bytes); }
   int64_t budget_bytes() const { return backend_->budget_bytes(); }
   void release_cache() { backend_->release_cache(); }
+  // The budget if set, else the device's capacity: what a planner may plan for.
+  int64_t available_bytes() const;
 
   // A window measuring the peak from now on, without a name.
   [[nodiscard]] PeakWindow mark();

@@ -99,6 +99,11 @@ class TCNHeadImpl : public TemporalHead {
 };
 TORCH_MODULE(TCNHead);
 
+// Parameter elements of make_head(kind, input_dim, num_classes), without building it; `largest`
+// (optional) receives the largest single parameter tensor's elements.
+int64_t head_parameter_count(const std::string& kind, int64_t input_dim, int64_t num_classes,
+                             int64_t* largest = nullptr);
+
 // "linear" | "lstm" | "tcn" with default options for the given sizes.
 std::shared_ptr<TemporalHead> make_head(const std::string& kind, int64_t input_dim,
                                         int64_t num_classes);

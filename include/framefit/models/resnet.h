@@ -80,6 +80,24 @@ struct ResNetOptions {
 // Parses "resnet18" | "resnet34" | "resnet50" into a depth.
 int64_t parse_resnet_name(const std::string& name);
 
+// A ResNet's sizes computed from its options alone, without building it: the doctor and the
+// memory model need them before anything is allocated. Counts are elements, not bytes.
+struct ResNetSize {
+  int64_t parameters = 0;          // every parameter (conv, norm affine, fc)
+  int64_t trained_parameters = 0;  // those with requires_grad after freezing
+  int64_t largest_trained = 0;     // the largest single trained parameter tensor
+  int64_t buffer_elements = 0;     // norm running statistics (float) ...
+  int64_t buffer_counters = 0;     // ... and num_batches_tracked counters (int64)
+  int64_t feature_dim = 0;
+  int64_t min_input_size = 0;
+  int64_t frozen_stages = 0;
+  // Channels and total stride after the last frozen stage (the frozen output per frame is
+  // channels x ceil(H/stride) x ceil(W/stride)); 0 when nothing is frozen.
+  int64_t frozen_channels = 0;
+  int64_t frozen_stride = 0;
+};
+ResNetSize resnet_size(const ResNetOptions& options);
+
 class ResNetImpl : public torch::nn::Module {
  public:
   explicit ResNetImpl(const ResNetOptions& options = {});

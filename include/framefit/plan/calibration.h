@@ -1,0 +1,54 @@
+#pragma once
+// Calibrating the memory model: short probe runs of the real encoder and head on the target
+// device, measured with the tracking allocator, and a small versioned cache file so each
+// (model, size, precision, device) is probed once per machine.
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "framefit/plan/memory_model.h"
+
+namespace framefit::plan {
+
+struct CalibrationOptions {
+  // Frames per probed chunk: two chunk sizes give each cost's constant and per-frame part.
+  std::vector<int64_t> chunk_frames = {4, 12};
+  std::vector<int64_t> head_frames = {128, 512};
+  int64_t repeats = 2;  // per probe; the fastest time counts, memory from the last
+  uint64_t seed = 0;
+};
+
+// Runs the probes (this allocates: a model, a few chunks of frames, their activations).
+ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision,
+                     const CalibrationOptions& options = {});
+
+// Calibrations stored as JSON: {"format": "framefit-calibration", "version": N, "entries":
+// {key: costs}}. A file of another version is ignored (and rewritten), never misread.
+class CalibrationCache {
+ public:
+  static constexpr int kVersion = 1;
+  // The default file: $FRAMEFIT_CACHE_DIR/calibration.json, else
+  // $XDG_CACHE_HOME/framefit/calibration.json, else ~/.cache/framefit/calibration.json.
+  static std::string default_path();
+
+  explicit CalibrationCache(std::string path);
+  const std::string& path() const { return path_; }
+  std::optional<ChunkCosts> find(const std::string& key) const;
+  void put(const std::string& key, const ChunkCosts& costs);
+  void save() const;  // atomically (temp file, rename); creates the directory
+
+ private:
+  std::string path_;
+  std::map<std::string, ChunkCosts> entries_;
+};
+
+// The costs for `spec` at each precision: from the cache, or calibrated (and saved) when
+// missing. `on_probe` is told about each calibration that runs (they take seconds).
+std::map<engine::Precision, ChunkCosts> calibrated_costs(
+    const ModelSpec& spec, const std::vector<engine::Precision>& precisions,
+    CalibrationCache& cache, const std::function<void(const std::string&)>& on_probe = {},
+    const CalibrationOptions& options = {});
+
+}  // namespace framefit::plan

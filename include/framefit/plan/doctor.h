@@ -1,0 +1,34 @@
+#pragma once
+// The doctor: problems a training configuration will run into, found before anything is
+// allocated, each with what to change.
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <string>
+#include <vector>
+
+#include "framefit/plan/planner.h"
+
+namespace framefit::plan {
+
+struct Finding {
+  enum class Severity { Error, Warning };
+  Severity severity = Severity::Error;
+  std::string problem;
+  std::string fix;
+};
+
+// Checks a request against its model's static sizes (no calibration, no allocation): input too
+// small for the network, a budget below the static minimum, BatchNorm statistics from a tiny
+// chunk, fp16 on a CPU, an encoder frozen entirely, a temporal receptive field longer than the
+// video. `budget_bytes` 0: no budget check.
+std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes);
+
+// Frozen parameters (requires_grad false) handed to the optimizer anyway: they cost optimizer
+// state (Adam: 2x their size) and are silently never trained. Named by their module path.
+std::vector<Finding> check_optimizer(const torch::nn::Module& model,
+                                     const torch::optim::Optimizer& optimizer);
+
+bool has_errors(const std::vector<Finding>& findings);
+
+}  // namespace framefit::plan

@@ -1,0 +1,105 @@
+#pragma once
+// Predicting a training step's peak memory and time before running it.
+//
+// Static parts (parameters, gradients, optimizer state, input frames, features) are computed
+// from the model's description. What depends on the network's kernels (activations saved per
+// frame, workspace, the temporal head's cost per frame, seconds per frame) is measured by short
+// probe runs (calibration.h) as linear functions of the frames in a chunk. predict() then walks
+// the step the way the engine runs it (encode, head, recompute chunk by chunk, optimizer) and
+// takes the largest total.
+#include <torch/types.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "framefit/engine/amp.h"
+
+namespace framefit::plan {
+
+// The model and frame shape being trained, as the CLI flags (and configs) describe them.
+struct ModelSpec {
+  std::string model = "resnet18";  // resnet18 | resnet34 | resnet50
+  std::string head = "lstm";       // lstm | tcn | linear
+  int64_t classes = 7;
+  std::string norm = "bn";  // bn | frozen_bn | group_norm
+  int64_t groups = 32;
+  std::string freeze;  // last frozen stage, "" for none
+  bool drop_layer4 = false;
+  bool channels_last = false;
+  int64_t size = 112;  // frame height and width
+  torch::ScalarType dtype = torch::kFloat32;
+  std::string optimizer = "adamw";  // sgd | adam | adamw
+  torch::Device device = torch::kCPU;
+
+  // Identifies what calibration measures: everything above but the head's classes and the
+  // optimizer, plus the precision.
+  std::string calibration_key(engine::Precision precision) const;
+};
+
+// Sizes known from the description alone (no allocation).
+struct StaticSizes {
+  int64_t parameter_bytes = 0;  // encoder and head, trained or not, plus norm buffers
+  int64_t trained_encoder_bytes = 0;
+  int64_t trained_head_bytes = 0;
+  int64_t largest_trained_bytes = 0;
+  int64_t optimizer_state_bytes = 0;  // after the first step (Adam: two moments per parameter)
+  int64_t frame_bytes = 0;            // one uint8 frame, 3 x size x size
+  int64_t feature_bytes = 0;          // one frame's features
+  int64_t feature_dim = 0;
+  int64_t min_input_size = 0;
+  int64_t frozen_stages = 0;
+  int64_t trained_bytes() const { return trained_encoder_bytes + trained_head_bytes; }
+};
+StaticSizes static_sizes(const ModelSpec& spec);
+
+// y = intercept + slope * n.
+struct Linear {
+  double intercept = 0;
+  double slope = 0;
+  double at(double n) const { return intercept + slope * n; }
+  // Through two measurements (n1, y1), (n2, y2) with n1 != n2.
+  static Linear through(double n1, double y1, double n2, double y2);
+};
+
+// What the probes measure for one (model, size, precision, device), per chunk of n frames:
+// bytes above the bytes in use when the chunk starts, and seconds.
+struct ChunkCosts {
+  Linear nograd_peak;    // forward without grad (frozen and trained stages)
+  Linear grad_peak;      // forward with grad of the trained stages
+  Linear saved;          // left allocated by that forward: the graph's saved tensors and output
+  Linear backward_peak;  // forward with grad then gradients of the trained parameters
+  Linear frozen_output;  // the frozen stages' output (what --cache-frozen keeps per chunk)
+  Linear head_peak;      // head forward, loss and backward over n frames' features
+  Linear nograd_seconds, grad_seconds, backward_seconds, frozen_seconds, head_seconds;
+};
+
+// One way to run the step: the settings the planner chooses.
+struct StepSettings {
+  int64_t frames = 0;           // per video
+  int64_t videos_per_call = 1;  // videos whose frames are in memory together
+  int64_t chunk = 0;            // 0 or >= frames: naive (one pass with grad)
+  int64_t keep = 1;
+  bool cache_frozen = false;
+  engine::Precision precision = engine::Precision::FP32;
+  bool naive() const { return chunk == 0 || chunk >= frames; }
+};
+
+// The predicted peak and what it is made of at the moment it happens.
+struct Breakdown {
+  int64_t parameters = 0;       // parameters and norm buffers
+  int64_t gradients = 0;        // .grad of trained parameters, plus partial sums in recompute
+  int64_t optimizer_state = 0;
+  int64_t input_frames = 0;     // uint8 frames and labels of the videos in memory
+  int64_t features = 0;         // per-frame features and their gradient
+  int64_t activations = 0;      // per-frame terms: the chunks' saved activations
+  int64_t workspace = 0;        // per-chunk constant terms: kernels' buffers, head
+  int64_t peak_bytes = 0;       // the sum of the above
+  std::string peak_phase;       // encode | head | recompute | optimizer
+  std::map<std::string, int64_t> phase_peaks;
+  double seconds = 0;           // predicted step time
+};
+Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepSettings& settings);
+
+}  // namespace framefit::plan

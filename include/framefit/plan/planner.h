@@ -1,0 +1,98 @@
+#pragma once
+// The planner: a pure function from a request, the model's sizes and calibrated costs, and a
+// budget to the fastest settings that fit, or to "does not fit" with the smallest budget that
+// would and the settings that get there. It changes only what the request leaves as auto.
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "framefit/engine/step.h"
+#include "framefit/plan/memory_model.h"
+
+namespace framefit::plan {
+
+struct PlanRequest {
+  ModelSpec model;
+  int64_t frames = 0;  // per video (the longest one)
+  int64_t videos = 1;  // per optimizer step
+  // nullopt: auto (the planner chooses). chunk 0 is naive training.
+  std::optional<int64_t> chunk;
+  std::optional<int64_t> keep;
+  std::optional<bool> cache_frozen;
+  std::optional<int64_t> accumulate;  // calls per optimizer step, videos split across them
+  // Precisions the planner may use; one entry fixes it.
+  std::vector<engine::Precision> precisions = {engine::Precision::FP32};
+};
+
+struct Plan {
+  bool fits = false;
+  // The chosen settings; when nothing fits, the ones with the smallest peak.
+  StepSettings settings;
+  int64_t accumulate = 1;
+  Breakdown breakdown;          // of one call (videos_per_call videos)
+  double step_seconds = 0;      // predicted, whole optimizer step
+  int64_t budget_bytes = 0;
+  int64_t margin_bytes = 0;     // kept free for what the model does not see
+  // When it does not fit: the smallest budget that would, and how.
+  int64_t minimum_budget_bytes = 0;
+  std::string advice;
+  int64_t candidates = 0;  // settings evaluated
+};
+
+// margin: the fraction of the budget kept free (0.1 = plan for 90% of it).
+Plan fit(const PlanRequest& request, const StaticSizes& sizes,
+         const std::map<engine::Precision, ChunkCosts>& costs, int64_t budget_bytes,
+         double margin = 0.1);
+
+// Peak and time across chunk sizes and precisions (keep, caching and accumulation as requested,
+// or 1 / off / 1), for `framefit plan --table`.
+struct TableRow {
+  StepSettings settings;
+  Breakdown breakdown;
+  bool fits = false;
+};
+std::vector<TableRow> plan_table(const PlanRequest& request, const StaticSizes& sizes,
+                                 const std::map<engine::Precision, ChunkCosts>& costs,
+                                 int64_t budget_bytes, double margin = 0.1);
+
+// "chunk 16, keep 1, bf16" and the like, for logs.
+std::string describe(const StepSettings& settings, int64_t accumulate = 1);
+
+// Never out of memory: a TrainingStep replanner that, after an out-of-memory error, corrects
+// the model by what the failure showed (at least in-use + requested bytes were needed where it
+// predicted less) and re-plans chunk, keep and caching under the same budget for the same
+// step; every setting may change then, even ones the user fixed. Falls back to halving the
+// chunk when the corrected model finds nothing.
+engine::Replanner make_replanner(PlanRequest request, StaticSizes sizes, ChunkCosts costs,
+                                 engine::Precision precision, int64_t budget_bytes,
+                                 double margin = 0.1);
+
+// The largest chunk that fits: chosen from the model with `headroom` (0.1 = 10% of the budget
+// left over), confirmed by one real step; if the step runs out of memory or leaves less than
+// the headroom, the model is scaled by what was measured and the next choice tried.
+struct ChunkTrial {
+  bool out_of_memory = false;
+  int64_t peak_bytes = 0;
+  double seconds = 0;
+};
+struct LargestChunk {
+  bool found = false;
+  int64_t chunk = 0;
+  int64_t predicted_peak_bytes = 0;
+  int64_t measured_peak_bytes = 0;
+  int trials = 0;
+  std::vector<std::string> log;
+};
+LargestChunk find_largest_chunk(const PlanRequest& request, const StaticSizes& sizes,
+                                const ChunkCosts& costs, engine::Precision precision,
+                                int64_t budget_bytes, double headroom,
+                                const std::function<ChunkTrial(int64_t chunk)>& run_step,
+                                int max_trials = 4);
+
+// Bytes no setting can go below: parameters, gradients, optimizer state, one video's frames
+// and features. Needs no calibration.
+int64_t static_minimum_bytes(const StaticSizes& sizes, int64_t frames);
+
+}  // namespace framefit::plan

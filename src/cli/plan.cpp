@@ -1,0 +1,241 @@
+// framefit plan and framefit doctor: the memory model, planner and checks from the command line.
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "commands.h"
+#include "framefit/core/runtime.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/plan/calibration.h"
+#include "framefit/plan/doctor.h"
+
+namespace framefit::cli {
+
+plan::ModelSpec model_spec(const Args& args) {
+  plan::ModelSpec spec;
+  spec.model = args.text("model");
+  spec.head = args.text("head");
+  spec.classes = args.integer("classes");
+  spec.norm = args.text("norm");
+  spec.groups = args.integer("groups");
+  spec.freeze = args.has("freeze") ? args.text("freeze") : "";
+  spec.drop_layer4 = args.on("drop-layer4");
+  spec.channels_last = args.on("channels-last");
+  spec.size = args.integer("size");
+  spec.dtype = args.text("dtype") == "float64" ? torch::kFloat64 : torch::kFloat32;
+  spec.optimizer = args.text("optimizer");
+  spec.device = torch::Device(args.text("device"));
+  return spec;
+}
+
+plan::PlanRequest plan_request(const Args& args) {
+  plan::PlanRequest request;
+  request.model = model_spec(args);
+  request.frames = args.integer("frames");
+  request.videos = args.has("videos") ? args.integer("videos") : 1;
+  auto fixed = [&](const std::string& flag) -> std::optional<int64_t> {
+    if (!args.has(flag) || args.text(flag) == "auto") return std::nullopt;
+    return args.integer(flag);
+  };
+  request.chunk = fixed("chunk");
+  request.keep = fixed("keep");
+  request.accumulate = args.has("accumulate") ? fixed("accumulate") : std::optional<int64_t>(1);
+  const std::string cache = args.has("cache-frozen") ? args.text("cache-frozen") : "off";
+  if (cache == "true" || cache == "on") request.cache_frozen = true;
+  if (cache == "off") request.cache_frozen = false;
+  const std::string precision = args.text("precision");
+  if (precision == "auto") {
+    request.precisions = {engine::Precision::FP32};
+    if (request.model.device.is_cuda()) {
+      request.precisions.push_back(engine::Precision::FP16);
+      request.precisions.push_back(engine::Precision::BF16);
+    } else if (machine_info().cpu_flags.find("bf16") != std::string::npos) {
+      request.precisions.push_back(engine::Precision::BF16);
+    }
+  } else {
+    request.precisions = {engine::parse_precision(precision)};
+  }
+  return request;
+}
+
+Calibrated calibrate_for(const Args& args, const plan::PlanRequest& request) {
+  Calibrated result;
+  result.sizes = plan::static_sizes(request.model);
+  plan::CalibrationCache cache(args.has("calibration") ? args.text("calibration")
+                                                       : plan::CalibrationCache::default_path());
+  result.costs = plan::calibrated_costs(request.model, request.precisions, cache,
+                                        [&](const std::string& message) {
+                                          fmt::print(stderr, "framefit {}: {}\n", args.command(), message);
+                                        });
+  return result;
+}
+
+namespace {
+
+nlohmann::json breakdown_json(const plan::Breakdown& b) {
+  return {{"parameters", b.parameters},       {"gradients", b.gradients},
+          {"optimizer_state", b.optimizer_state}, {"input_frames", b.input_frames},
+          {"features", b.features},           {"activations", b.activations},
+          {"workspace", b.workspace},         {"peak_phase", b.peak_phase},
+          {"phase_peaks", b.phase_peaks}};
+}
+
+nlohmann::json settings_json(const plan::StepSettings& s) {
+  return {{"chunk", s.naive() ? 0 : s.chunk}, {"keep", s.keep}, {"cache_frozen", s.cache_frozen},
+          {"precision", engine::to_string(s.precision)}, {"videos_per_call", s.videos_per_call}};
+}
+
+void print_breakdown(const plan::Breakdown& b, int64_t margin) {
+  auto line = [](const char* name, int64_t bytes) {
+    fmt::print("    {:<26} {:>12}\n", name, memory::format_bytes(bytes));
+  };
+  line("parameters and buffers", b.parameters);
+  line("gradients", b.gradients);
+  line("optimizer state", b.optimizer_state);
+  line("input frames (uint8)", b.input_frames);
+  line("features (+ gradient)", b.features);
+  line("activations", b.activations);
+  line("workspace", b.workspace);
+  fmt::print("    {:<26} {:>12}   (in {})\n", "predicted peak", memory::format_bytes(b.peak_bytes),
+             b.peak_phase);
+  if (margin > 0) line("safety margin", margin);
+}
+
+int print_table(const Args& args, const plan::PlanRequest& request, const Calibrated& c,
+                int64_t budget, double margin) {
+  const auto rows = plan::plan_table(request, c.sizes, c.costs, budget, margin);
+  if (args.on("json")) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& r : rows) {
+      auto row = settings_json(r.settings);
+      row["predicted_peak_bytes"] = r.breakdown.peak_bytes;
+      row["predicted_seconds"] = r.breakdown.seconds;
+      row["fits"] = r.fits;
+      out.push_back(row);
+    }
+    fmt::print("{}\n", nlohmann::json{{"rows", out}, {"budget_bytes", budget}}.dump());
+    return 0;
+  }
+  fmt::print("framefit plan: {} + {} head, {} frames of {}x{}, budget {} ({}% margin)\n",
+             request.model.model, request.model.head, request.frames, request.model.size,
+             request.model.size, memory::format_bytes(budget), std::lround(margin * 100));
+  fmt::print("  {:>9} {:>6} {:>5} {:>12} {:>10} {:>6}\n", "precision", "chunk", "keep",
+             "peak", "step s", "fits");
+  for (const auto& r : rows) {
+    fmt::print("  {:>9} {:>6} {:>5} {:>12} {:>10.2f} {:>6}\n",
+               engine::to_string(r.settings.precision),
+               r.settings.naive() ? std::string("naive") : std::to_string(r.settings.chunk),
+               r.settings.keep, memory::format_bytes(r.breakdown.peak_bytes), r.breakdown.seconds,
+               r.fits ? "yes" : "no");
+  }
+  return 0;
+}
+
+int print_findings(const Args& args, const std::vector<plan::Finding>& findings) {
+  if (args.on("json")) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& f : findings) {
+      out.push_back({{"severity", f.severity == plan::Finding::Severity::Error ? "error" : "warning"},
+                     {"problem", f.problem},
+                     {"fix", f.fix}});
+    }
+    fmt::print("{}\n", nlohmann::json{{"ok", !plan::has_errors(findings)}, {"findings", out}}.dump());
+  } else {
+    for (const auto& f : findings) {
+      fmt::print("{}: {}\n  fix: {}\n",
+                 f.severity == plan::Finding::Severity::Error ? "error" : "warning", f.problem, f.fix);
+    }
+    if (findings.empty()) fmt::print("framefit doctor: no problems found\n");
+  }
+  return plan::has_errors(findings) ? 1 : 0;
+}
+
+}  // namespace
+
+int run_doctor(const Args& args) {
+  auto& tracker = memory::Tracker::of(torch::Device(args.text("device")));
+  return print_findings(args, plan::diagnose(plan_request(args), args.bytes("budget") > 0
+                                                                      ? args.bytes("budget")
+                                                                      : tracker.available_bytes()));
+}
+
+int run_plan(const Args& args) {
+  const auto request = plan_request(args);
+  const auto device = request.model.device;
+  auto& tracker = memory::Tracker::of(device);
+  const int64_t budget = args.bytes("budget") > 0 ? args.bytes("budget") : tracker.available_bytes();
+  const double margin = args.number("margin");
+  // Problems the planner cannot plan around come first, before any probe allocates.
+  auto findings = plan::diagnose(request, budget);
+  if (plan::has_errors(findings)) return print_findings(args, findings);
+  const auto calibrated = calibrate_for(args, request);
+  if (args.on("table")) return print_table(args, request, calibrated, budget, margin);
+
+  const auto chosen = plan::fit(request, calibrated.sizes, calibrated.costs, budget, margin);
+  std::optional<plan::LargestChunk> largest;
+  if (args.on("find")) {
+    tracker.set_budget(budget);
+    largest = plan::find_largest_chunk(
+        request, calibrated.sizes, calibrated.costs.at(chosen.settings.precision),
+        chosen.settings.precision, budget, args.number("headroom"),
+        [&](int64_t chunk) { return measure_step(args, chunk); });
+  }
+  if (args.on("json")) {
+    nlohmann::json out = {
+        {"fits", chosen.fits},
+        {"predicted_peak_bytes", chosen.breakdown.peak_bytes},
+        {"predicted_step_seconds", chosen.step_seconds},
+        {"chunk", chosen.settings.naive() ? 0 : chosen.settings.chunk},
+        {"keep", chosen.settings.keep},
+        {"cache_frozen", chosen.settings.cache_frozen},
+        {"precision", engine::to_string(chosen.settings.precision)},
+        {"accumulate", chosen.accumulate},
+        {"videos_per_call", chosen.settings.videos_per_call},
+        {"budget_bytes", budget},
+        {"margin_bytes", chosen.margin_bytes},
+        {"breakdown", breakdown_json(chosen.breakdown)},
+        {"candidates", chosen.candidates},
+        {"machine", machine_info().describe()}};
+    if (!chosen.fits) {
+      out["minimum_budget_bytes"] = chosen.minimum_budget_bytes;
+      out["advice"] = chosen.advice;
+    }
+    nlohmann::json warnings = nlohmann::json::array();
+    for (const auto& f : findings) warnings.push_back(f.problem);
+    out["warnings"] = warnings;
+    if (largest) {
+      out["largest_chunk"] = {{"found", largest->found}, {"chunk", largest->chunk},
+                              {"trials", largest->trials},
+                              {"predicted_peak_bytes", largest->predicted_peak_bytes},
+                              {"measured_peak_bytes", largest->measured_peak_bytes},
+                              {"log", largest->log}};
+    }
+    fmt::print("{}\n", out.dump());
+    return chosen.fits ? 0 : 2;
+  }
+  for (const auto& f : findings) fmt::print("warning: {}\n  fix: {}\n", f.problem, f.fix);
+  fmt::print("framefit plan: {} + {} head, {} frames of {}x{}, {} video(s) per step, budget {}\n",
+             request.model.model, request.model.head, request.frames, request.model.size,
+             request.model.size, request.videos, memory::format_bytes(budget));
+  if (chosen.fits) {
+    fmt::print("  plan: {}\n", plan::describe(chosen.settings, chosen.accumulate));
+  } else {
+    fmt::print("  does not fit: {}\n  smallest: {}\n", chosen.advice,
+               plan::describe(chosen.settings, chosen.accumulate));
+  }
+  print_breakdown(chosen.breakdown, chosen.margin_bytes);
+  fmt::print("  predicted step time {:.2f} s ({} candidates evaluated)\n", chosen.step_seconds,
+             chosen.candidates);
+  if (largest) {
+    for (const auto& l : largest->log) fmt::print("  {}\n", l);
+    if (largest->found) {
+      fmt::print("  largest chunk: {} (confirmed by {} real step(s))\n", largest->chunk, largest->trials);
+    } else {
+      fmt::print("  no chunk confirmed within the budget after {} step(s)\n", largest->trials);
+    }
+  }
+  fmt::print("  {}\n", machine_info().describe());
+  return chosen.fits ? 0 : 2;
+}
+
+}  // namespace framefit::cli

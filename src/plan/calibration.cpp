@@ -1,0 +1,300 @@
+#include "framefit/plan/calibration.h"
+
+#include <ATen/autocast_mode.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "framefit/engine/amp.h"
+#include "framefit/engine/chunked.h"
+#include "framefit/engine/loss.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/models/heads.h"
+#include "framefit/models/resnet.h"
+
+namespace framefit::plan {
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void synchronize(torch::Device device) {
+#ifdef FRAMEFIT_WITH_CUDA
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+#endif
+}
+
+// One probe's measurements for a chunk of n frames.
+struct ChunkProbe {
+  double nograd_peak = 0, grad_peak = 0, saved = 0, backward_peak = 0, frozen_output = 0;
+  double nograd_seconds = 1e30, grad_seconds = 1e30, backward_seconds = 1e30, frozen_seconds = 1e30;
+};
+
+struct Probed {
+  models::ResNet encoder{nullptr};
+  engine::FrameEncoder frame_encoder;
+};
+
+ChunkProbe probe_chunk(const ModelSpec& spec, engine::Precision precision, Probed& model,
+                       int64_t n, const CalibrationOptions& options) {
+  auto& tracker = memory::Tracker::of(spec.device);
+  const auto& encoder = model.frame_encoder;
+  const auto frames = torch::randint(0, 256, {n, 3, spec.size, spec.size}, torch::kUInt8);
+  auto input = [&] {
+    return engine::frames_to_input(frames, spec.device, spec.dtype, spec.channels_last);
+  };
+  auto frozen = [&](const torch::Tensor& x) {
+    torch::NoGradGuard no_grad;
+    return encoder.frozen ? encoder.frozen(x) : x;
+  };
+  ChunkProbe probe;
+  engine::AutocastGuard autocast(spec.device, precision);
+  for (int64_t r = 0; r < options.repeats; ++r) {
+    // Each section starts with an empty cast cache, as each pass of the engine does; the cached
+    // low-precision weight copies are part of what a pass holds.
+    at::autocast::clear_cache();
+    {
+      torch::NoGradGuard no_grad;
+      auto window = tracker.mark();
+      const auto start = std::chrono::steady_clock::now();
+      auto out = encoder.trainable(frozen(input()));
+      synchronize(spec.device);
+      probe.nograd_seconds = std::min(probe.nograd_seconds, seconds_since(start));
+      probe.nograd_peak = static_cast<double>(window.peak_bytes() - window.entry_bytes());
+    }
+    if (encoder.frozen) {
+      const auto start = std::chrono::steady_clock::now();
+      auto h = frozen(input());
+      synchronize(spec.device);
+      probe.frozen_seconds = std::min(probe.frozen_seconds, seconds_since(start));
+      probe.frozen_output = static_cast<double>(h.nbytes());
+    } else {
+      probe.frozen_seconds = 0;
+    }
+    at::autocast::clear_cache();
+    {
+      auto window = tracker.mark();
+      auto start = std::chrono::steady_clock::now();
+      torch::Tensor out;
+      {
+        torch::AutoGradMode grad(true);
+        out = encoder.trainable(frozen(input()));
+      }
+      synchronize(spec.device);
+      probe.grad_seconds = std::min(probe.grad_seconds, seconds_since(start));
+      probe.grad_peak = static_cast<double>(window.peak_bytes() - window.entry_bytes());
+      probe.saved = static_cast<double>(tracker.current_bytes() - window.entry_bytes());
+      auto grad_out = torch::randn_like(out);
+      auto backward = tracker.mark();
+      start = std::chrono::steady_clock::now();
+      // As the engine's recompute does: gradients returned, not accumulated into .grad.
+      auto grads = torch::autograd::grad({out}, encoder.parameters, {grad_out},
+                                         /*retain_graph=*/false, /*create_graph=*/false,
+                                         /*allow_unused=*/true);
+      synchronize(spec.device);
+      probe.backward_seconds = std::min(probe.backward_seconds, seconds_since(start));
+      probe.backward_peak = static_cast<double>(backward.peak_bytes() - window.entry_bytes());
+    }
+    at::autocast::clear_cache();
+  }
+  return probe;
+}
+
+struct HeadProbe {
+  double peak = 0, seconds = 1e30;
+};
+
+HeadProbe probe_head(const ModelSpec& spec, models::TemporalHead& head, int64_t feature_dim,
+                     int64_t n, const CalibrationOptions& options) {
+  auto& tracker = memory::Tracker::of(spec.device);
+  const auto dtype = spec.dtype == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  const auto labels = torch::randint(0, spec.classes, {n}, torch::kLong).to(spec.device);
+  HeadProbe probe;
+  for (int64_t r = 0; r < options.repeats; ++r) {
+    // A fresh leaf each time: its gradient is allocated like the engine's features gradient.
+    auto features = torch::randn({n, feature_dim}, torch::TensorOptions().dtype(dtype).device(spec.device))
+                        .requires_grad_(true);
+    auto window = tracker.mark();
+    const auto start = std::chrono::steady_clock::now();
+    engine::phase_loss(head.forward(features), labels, {}).backward();
+    synchronize(spec.device);
+    probe.seconds = std::min(probe.seconds, seconds_since(start));
+    probe.peak = static_cast<double>(window.peak_bytes() - window.entry_bytes());
+  }
+  return probe;
+}
+
+}  // namespace
+
+ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision,
+                     const CalibrationOptions& options) {
+  TORCH_CHECK(options.chunk_frames.size() == 2 && options.chunk_frames[0] != options.chunk_frames[1] &&
+                  options.head_frames.size() == 2 && options.head_frames[0] != options.head_frames[1],
+              "calibration needs two different chunk sizes and two different head lengths");
+  torch::manual_seed(options.seed);
+  Probed model;
+  model.encoder = models::ResNet(models::ResNetOptions(models::parse_resnet_name(spec.model))
+                                     .num_classes(0)
+                                     .norm(models::parse_norm_kind(spec.norm))
+                                     .groups(spec.groups)
+                                     .freeze(spec.freeze)
+                                     .drop_layer4(spec.drop_layer4)
+                                     .channels_last(spec.channels_last));
+  model.encoder->to(spec.device, spec.dtype);
+  model.encoder->train();
+  model.frame_encoder = engine::frame_encoder(model.encoder.ptr());
+  auto head = models::make_head(spec.head, model.encoder->feature_dim(), spec.classes);
+  head->to(spec.device, spec.dtype);
+  head->train();
+
+  // The steady state of training: parameter gradients exist (as after the first step).
+  for (auto& p : model.frame_encoder.parameters) p.mutable_grad() = torch::zeros_like(p);
+  std::array<ChunkProbe, 2> chunk;
+  std::array<HeadProbe, 2> head_probe;
+  for (size_t i = 0; i < 2; ++i) {
+    chunk[i] = probe_chunk(spec, precision, model, options.chunk_frames[i], options);
+    head_probe[i] = probe_head(spec, *head, model.encoder->feature_dim(), options.head_frames[i], options);
+  }
+  const double n1 = static_cast<double>(options.chunk_frames[0]);
+  const double n2 = static_cast<double>(options.chunk_frames[1]);
+  auto line = [&](double ChunkProbe::*field) {
+    return Linear::through(n1, chunk[0].*field, n2, chunk[1].*field);
+  };
+  ChunkCosts costs;
+  costs.nograd_peak = line(&ChunkProbe::nograd_peak);
+  costs.grad_peak = line(&ChunkProbe::grad_peak);
+  costs.saved = line(&ChunkProbe::saved);
+  costs.backward_peak = line(&ChunkProbe::backward_peak);
+  costs.frozen_output = line(&ChunkProbe::frozen_output);
+  costs.nograd_seconds = line(&ChunkProbe::nograd_seconds);
+  costs.grad_seconds = line(&ChunkProbe::grad_seconds);
+  costs.backward_seconds = line(&ChunkProbe::backward_seconds);
+  costs.frozen_seconds = line(&ChunkProbe::frozen_seconds);
+  const double h1 = static_cast<double>(options.head_frames[0]);
+  const double h2 = static_cast<double>(options.head_frames[1]);
+  costs.head_peak = Linear::through(h1, head_probe[0].peak, h2, head_probe[1].peak);
+  costs.head_seconds = Linear::through(h1, head_probe[0].seconds, h2, head_probe[1].seconds);
+  // Times cannot shrink with more frames; noise on tiny probes can make a slope negative.
+  for (auto* t : {&costs.nograd_seconds, &costs.grad_seconds, &costs.backward_seconds,
+                  &costs.frozen_seconds, &costs.head_seconds}) {
+    if (t->slope < 0) *t = Linear{std::max(0.0, t->intercept + t->slope * n2), 0.0};
+  }
+  return costs;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cache file
+
+namespace {
+
+const std::vector<std::pair<const char*, Linear ChunkCosts::*>>& cost_fields() {
+  static const std::vector<std::pair<const char*, Linear ChunkCosts::*>> fields = {
+      {"nograd_peak", &ChunkCosts::nograd_peak},       {"grad_peak", &ChunkCosts::grad_peak},
+      {"saved", &ChunkCosts::saved},                   {"backward_peak", &ChunkCosts::backward_peak},
+      {"frozen_output", &ChunkCosts::frozen_output},   {"head_peak", &ChunkCosts::head_peak},
+      {"nograd_seconds", &ChunkCosts::nograd_seconds}, {"grad_seconds", &ChunkCosts::grad_seconds},
+      {"backward_seconds", &ChunkCosts::backward_seconds},
+      {"frozen_seconds", &ChunkCosts::frozen_seconds}, {"head_seconds", &ChunkCosts::head_seconds},
+  };
+  return fields;
+}
+
+std::string env(const char* name) {
+  const char* value = std::getenv(name);
+  return value == nullptr ? "" : value;
+}
+
+}  // namespace
+
+std::string CalibrationCache::default_path() {
+  if (!env("FRAMEFIT_CACHE_DIR").empty()) return env("FRAMEFIT_CACHE_DIR") + "/calibration.json";
+  if (!env("XDG_CACHE_HOME").empty()) return env("XDG_CACHE_HOME") + "/framefit/calibration.json";
+  if (!env("HOME").empty()) return env("HOME") + "/.cache/framefit/calibration.json";
+  return ".framefit-calibration.json";
+}
+
+CalibrationCache::CalibrationCache(std::string path) : path_(std::move(path)) {
+  std::ifstream in(path_);
+  if (!in) return;  // no cache yet
+  nlohmann::json file;
+  try {
+    in >> file;
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "calibration cache ", path_, " is not valid JSON (", e.what(),
+                "): delete it and it will be recreated");
+  }
+  if (!file.is_object() || file.value("format", "") != "framefit-calibration" ||
+      file.value("version", 0) != kVersion) {
+    return;  // another version: recalibrate rather than misread
+  }
+  for (const auto& [key, entry] : file.at("entries").items()) {
+    ChunkCosts costs;
+    for (const auto& [name, field] : cost_fields()) {
+      const auto& pair = entry.at(name);
+      (costs.*field) = Linear{pair.at(0).get<double>(), pair.at(1).get<double>()};
+    }
+    entries_[key] = costs;
+  }
+}
+
+std::optional<ChunkCosts> CalibrationCache::find(const std::string& key) const {
+  const auto it = entries_.find(key);
+  if (it == entries_.end()) return std::nullopt;
+  return it->second;
+}
+
+void CalibrationCache::put(const std::string& key, const ChunkCosts& costs) {
+  entries_[key] = costs;
+}
+
+void CalibrationCache::save() const {
+  nlohmann::json entries = nlohmann::json::object();
+  for (const auto& [key, costs] : entries_) {
+    nlohmann::json entry;
+    for (const auto& [name, field] : cost_fields()) {
+      entry[name] = {(costs.*field).intercept, (costs.*field).slope};
+    }
+    entries[key] = entry;
+  }
+  const nlohmann::json file = {
+      {"format", "framefit-calibration"}, {"version", kVersion}, {"entries", entries}};
+  const std::filesystem::path path(path_);
+  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
+  const std::string temp = path_ + ".tmp";
+  {
+    std::ofstream out(temp);
+    TORCH_CHECK(out.good(), "cannot write the calibration cache ", temp);
+    out << file.dump(1) << "\n";
+    TORCH_CHECK(out.good(), "cannot write the calibration cache ", temp);
+  }
+  std::filesystem::rename(temp, path);
+}
+
+std::map<engine::Precision, ChunkCosts> calibrated_costs(
+    const ModelSpec& spec, const std::vector<engine::Precision>& precisions,
+    CalibrationCache& cache, const std::function<void(const std::string&)>& on_probe,
+    const CalibrationOptions& options) {
+  std::map<engine::Precision, ChunkCosts> result;
+  bool changed = false;
+  for (const auto precision : precisions) {
+    const auto key = spec.calibration_key(precision);
+    if (auto costs = cache.find(key)) {
+      result[precision] = *costs;
+      continue;
+    }
+    if (on_probe) on_probe("calibrating " + key + " (probe runs, once per machine)");
+    result[precision] = calibrate(spec, precision, options);
+    cache.put(key, result[precision]);
+    changed = true;
+  }
+  if (changed) cache.save();
+  return result;
+}
+
+}  // namespace framefit::plan

@@ -1,0 +1,150 @@
+#include "framefit/plan/doctor.h"
+
+#include <torch/torch.h>
+
+#include <unordered_map>
+
+#include "framefit/core/runtime.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/models/heads.h"
+#include "framefit/models/resnet.h"
+
+namespace framefit::plan {
+
+namespace {
+// Below this many frames per chunk, BatchNorm's batch statistics are too noisy to train with.
+constexpr int64_t kMinBatchNormFrames = 16;
+
+Finding error(std::string problem, std::string fix) {
+  return {Finding::Severity::Error, std::move(problem), std::move(fix)};
+}
+Finding warning(std::string problem, std::string fix) {
+  return {Finding::Severity::Warning, std::move(problem), std::move(fix)};
+}
+}  // namespace
+
+bool has_errors(const std::vector<Finding>& findings) {
+  return std::any_of(findings.begin(), findings.end(),
+                     [](const Finding& f) { return f.severity == Finding::Severity::Error; });
+}
+
+std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) {
+  std::vector<Finding> findings;
+  const auto& spec = request.model;
+  StaticSizes sizes;
+  try {
+    sizes = static_sizes(spec);
+  } catch (const c10::Error& e) {
+    findings.push_back(error(e.msg(), "fix the model settings"));
+    return findings;
+  }
+  if (spec.size < sizes.min_input_size) {
+    findings.push_back(error(
+        c10::str(spec.size, "x", spec.size, " frames are too small for ", spec.model,
+                 ": it downsamples by ", sizes.min_input_size),
+        c10::str("use frames of at least ", sizes.min_input_size, "x", sizes.min_input_size,
+                 spec.drop_layer4 ? "" : ", or drop layer4 (16x16 minimum)")));
+  }
+  if (spec.norm == "group_norm") {
+    const int64_t widths[] = {64, 128, 256, 512};
+    for (int64_t w : widths) {
+      if (spec.groups <= 0 || w % spec.groups != 0) {
+        findings.push_back(error(c10::str("group_norm with ", spec.groups, " groups cannot split ", w,
+                                          " channels"),
+                                 "choose a group count that divides 64 (e.g. 32, 16 or 8)"));
+        break;
+      }
+    }
+  }
+  if (budget_bytes > 0) {
+    const int64_t minimum = static_minimum_bytes(sizes, request.frames);
+    if (minimum > budget_bytes) {
+      findings.push_back(error(
+          c10::str("the budget of ", memory::format_bytes(budget_bytes),
+                   " is below the static minimum of ", memory::format_bytes(minimum),
+                   " (parameters and buffers ", memory::format_bytes(sizes.parameter_bytes),
+                   ", gradients ", memory::format_bytes(sizes.trained_bytes()), ", ", spec.optimizer,
+                   " state ", memory::format_bytes(sizes.optimizer_state_bytes), ", ",
+                   request.frames, " frames and their features ",
+                   memory::format_bytes(minimum - sizes.parameter_bytes - sizes.trained_bytes() -
+                                        sizes.optimizer_state_bytes),
+                   ") that no chunk size can reduce"),
+          c10::str("raise the budget to at least ", memory::format_bytes(minimum),
+                   ", freeze early stages (--freeze layer2), use --optimizer sgd (half Adam's "
+                   "state), or shorter videos")));
+    }
+  }
+  const bool trained_bn = spec.norm == "bn";
+  if (trained_bn && request.chunk) {
+    const int64_t effective = *request.chunk == 0 ? request.frames : std::min(*request.chunk, request.frames);
+    if (effective < kMinBatchNormFrames && sizes.trained_encoder_bytes > 0) {
+      findings.push_back(warning(
+          c10::str("BatchNorm computes its statistics from each chunk: ", effective,
+                   " frame(s) per chunk give noisy statistics and poor training"),
+          c10::str("use --norm frozen_bn (pretrained statistics) or --norm group_norm, or a chunk "
+                   "of at least ", kMinBatchNormFrames, " frames")));
+    }
+  }
+  for (const auto precision : request.precisions) {
+    if (precision == engine::Precision::FP16 && spec.device.is_cpu()) {
+      findings.push_back(error("fp16 autocast runs on CUDA only; LibTorch's CPU autocast uses bf16",
+                               "use --precision bf16 on the CPU"));
+    }
+    if (precision == engine::Precision::BF16 && spec.device.is_cpu() &&
+        machine_info().cpu_flags.find("bf16") == std::string::npos) {
+      findings.push_back(warning("this CPU has no native bf16 (avx512_bf16 / amx_bf16): bf16 "
+                                 "autocast will be slower than fp32",
+                                 "use --precision fp32 here"));
+    }
+  }
+  if (sizes.trained_encoder_bytes == 0) {
+    findings.push_back(warning(
+        "the whole encoder is frozen: end-to-end training does not change it",
+        "extract features once (framefit extract) and train the head on them, or freeze less"));
+  }
+  if (spec.head == "tcn") {
+    const models::TCNHeadOptions tcn(sizes.feature_dim, spec.classes);
+    const int64_t field = tcn.stages() * 2 * ((int64_t(1) << tcn.layers()) - 1) + 1;
+    if (field > request.frames) {
+      findings.push_back(warning(c10::str("the TCN head sees ", field, " frames but videos have ",
+                                          request.frames, ": its deepest layers see only padding"),
+                                 "use longer videos or the lstm head"));
+    }
+  }
+  if (request.chunk && request.keep && *request.chunk > 0 && *request.chunk < request.frames) {
+    const int64_t chunks = (request.frames + *request.chunk - 1) / *request.chunk;
+    if (*request.keep > chunks) {
+      findings.push_back(warning(c10::str("keep ", *request.keep, " is more than the ", chunks,
+                                          " chunks of a ", request.frames, "-frame video"),
+                                 c10::str("keep at most ", chunks, " (or leave keep to auto)")));
+    }
+  }
+  return findings;
+}
+
+std::vector<Finding> check_optimizer(const torch::nn::Module& model,
+                                     const torch::optim::Optimizer& optimizer) {
+  std::unordered_map<const void*, std::string> names;
+  for (const auto& p : model.named_parameters()) names[p.value().unsafeGetTensorImpl()] = p.key();
+  std::vector<std::string> frozen;
+  int64_t frozen_elements = 0;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (p.requires_grad()) continue;
+      const auto it = names.find(p.unsafeGetTensorImpl());
+      frozen.push_back(it != names.end() ? it->second : "(a tensor outside the model)");
+      frozen_elements += p.numel();
+    }
+  }
+  if (frozen.empty()) return {};
+  std::string list;
+  for (size_t i = 0; i < frozen.size() && i < 5; ++i) list += (i ? ", " : "") + frozen[i];
+  if (frozen.size() > 5) list += c10::str(" and ", frozen.size() - 5, " more");
+  return {error(c10::str(frozen.size(), " frozen parameter(s) were handed to the optimizer (", list,
+                         "; ", frozen_elements, " elements): they are never trained yet may cost "
+                         "optimizer state"),
+                "pass only parameters with requires_grad (e.g. framefit::engine::frame_encoder's "
+                "parameters) to the optimizer")};
+}
+
+}  // namespace framefit::plan

@@ -1,0 +1,199 @@
+#include "framefit/plan/memory_model.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "framefit/models/heads.h"
+#include "framefit/models/resnet.h"
+
+namespace framefit::plan {
+
+std::string ModelSpec::calibration_key(engine::Precision precision) const {
+  return c10::str(model, "/", norm, norm == "group_norm" ? c10::str(groups) : "",
+                  "/freeze=", freeze.empty() ? "none" : freeze, drop_layer4 ? "/no-layer4" : "",
+                  channels_last ? "/channels-last" : "", "/", head, "/", size, "px/", dtype, "/",
+                  engine::to_string(precision), "/", device.type() == torch::kCPU ? "cpu" : "cuda");
+}
+
+StaticSizes static_sizes(const ModelSpec& spec) {
+  const auto options = models::ResNetOptions(models::parse_resnet_name(spec.model))
+                           .num_classes(0)
+                           .norm(models::parse_norm_kind(spec.norm))
+                           .groups(spec.groups)
+                           .freeze(spec.freeze)
+                           .drop_layer4(spec.drop_layer4);
+  const auto encoder = models::resnet_size(options);
+  int64_t head_largest = 0;
+  const int64_t head =
+      models::head_parameter_count(spec.head, encoder.feature_dim, spec.classes, &head_largest);
+  const int64_t element = static_cast<int64_t>(c10::elementSize(spec.dtype));
+
+  StaticSizes sizes;
+  sizes.parameter_bytes = (encoder.parameters + head + encoder.buffer_elements) * element +
+                          encoder.buffer_counters * 8;
+  sizes.trained_encoder_bytes = encoder.trained_parameters * element;
+  sizes.trained_head_bytes = head * element;
+  sizes.largest_trained_bytes = std::max(encoder.largest_trained, head_largest) * element;
+  TORCH_CHECK(spec.optimizer == "sgd" || spec.optimizer == "adam" || spec.optimizer == "adamw",
+              "unknown optimizer '", spec.optimizer, "': use sgd, adam or adamw");
+  // SGD keeps one momentum buffer per parameter, Adam(W) two moments.
+  sizes.optimizer_state_bytes = (spec.optimizer == "sgd" ? 1 : 2) * sizes.trained_bytes();
+  sizes.frame_bytes = 3 * spec.size * spec.size;
+  sizes.feature_dim = encoder.feature_dim;
+  sizes.feature_bytes = encoder.feature_dim * (spec.dtype == torch::kFloat64 ? 8 : 4);
+  sizes.min_input_size = encoder.min_input_size;
+  sizes.frozen_stages = encoder.frozen_stages;
+  return sizes;
+}
+
+Linear Linear::through(double n1, double y1, double n2, double y2) {
+  TORCH_CHECK(n1 != n2, "a line needs two different frame counts; got ", n1, " twice");
+  Linear line;
+  line.slope = (y2 - y1) / (n2 - n1);
+  line.intercept = y1 - line.slope * n1;
+  return line;
+}
+
+namespace {
+
+// Memory at one moment of the step, by kind.
+struct Moment {
+  std::string phase;
+  int64_t features = 0;
+  double activations = 0;
+  double workspace = 0;
+  int64_t extra_gradients = 0;
+  int64_t extra_workspace = 0;
+};
+
+// Splits a linear cost into its per-frame part (activations) and constant part (workspace).
+void add(Moment& m, const Linear& cost, int64_t frames, double sign = 1) {
+  m.activations += sign * cost.slope * static_cast<double>(frames);
+  m.workspace += sign * cost.intercept;
+}
+
+}  // namespace
+
+Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepSettings& s) {
+  TORCH_CHECK(s.frames >= 1 && s.videos_per_call >= 1 && s.chunk >= 0 && s.keep >= 0,
+              "predict: frames and videos per call must be >= 1, chunk and keep >= 0");
+  const int64_t T = s.frames;
+  const int64_t features = T * sizes.feature_bytes;
+  const bool cache = s.cache_frozen && sizes.frozen_stages > 0;
+  std::vector<Moment> moments;
+  Breakdown result;
+  double seconds = 0;
+
+  if (s.naive()) {
+    Moment encode{"encode"};
+    add(encode, costs.grad_peak, T);
+    moments.push_back(encode);
+    Moment head{"head"};
+    add(head, costs.saved, T);
+    add(head, costs.head_peak, T);
+    // Under autocast the encoder's low-precision output is cast to float32 features.
+    if (s.precision != engine::Precision::FP32) head.features += features;
+    moments.push_back(head);
+    Moment backward{"recompute"};  // the encoder's backward; no recomputation in naive training
+    backward.features = features;  // the features' gradient
+    add(backward, costs.backward_peak, T);
+    moments.push_back(backward);
+    seconds = costs.grad_seconds.at(T) + costs.backward_seconds.at(T);
+  } else {
+    std::vector<int64_t> chunk_frames;
+    for (int64_t begin = 0; begin < T; begin += s.chunk) {
+      chunk_frames.push_back(std::min(T, begin + s.chunk) - begin);
+    }
+    const size_t n = chunk_frames.size();
+    const size_t first_kept = n - std::min<size_t>(static_cast<size_t>(s.keep), n);
+    Moment cached{"encode"};  // frozen outputs cached so far
+    Moment kept_saved{"encode"};  // graphs of kept chunks so far
+    for (size_t i = 0; i < n; ++i) {
+      Moment m{"encode"};
+      m.features = features;
+      m.activations = cached.activations + kept_saved.activations;
+      m.workspace = cached.workspace + kept_saved.workspace;
+      if (i < first_kept) {
+        add(m, costs.nograd_peak, chunk_frames[i]);
+        seconds += costs.nograd_seconds.at(chunk_frames[i]);
+      } else {
+        add(m, costs.grad_peak, chunk_frames[i]);
+        add(kept_saved, costs.saved, chunk_frames[i]);
+        seconds += costs.grad_seconds.at(chunk_frames[i]) + costs.backward_seconds.at(chunk_frames[i]);
+      }
+      moments.push_back(m);
+      if (cache) add(cached, costs.frozen_output, chunk_frames[i]);
+    }
+    Moment head{"head"};
+    head.features = features;
+    head.activations = cached.activations + kept_saved.activations;
+    head.workspace = cached.workspace + kept_saved.workspace;
+    add(head, costs.head_peak, T);
+    moments.push_back(head);
+
+    // Backward, last chunk first: kept chunks differentiate their saved graph, the others are
+    // recomputed with grad. After the first chunk the summed parameter gradients stay allocated.
+    Moment remaining = kept_saved;  // kept graphs not yet differentiated, frozen cache left
+    remaining.activations += cached.activations;
+    remaining.workspace += cached.workspace;
+    for (size_t i = n; i-- > 0;) {
+      Moment m{"recompute"};
+      m.features = 2 * features;  // the features and their gradient
+      m.extra_gradients = i + 1 < n ? sizes.trained_encoder_bytes : 0;
+      m.activations = remaining.activations;
+      m.workspace = remaining.workspace;
+      if (i >= first_kept) {
+        add(m, costs.saved, chunk_frames[i], -1);  // counted in backward_peak
+        add(m, costs.backward_peak, chunk_frames[i]);
+        add(remaining, costs.saved, chunk_frames[i], -1);
+      } else {
+        const auto& bigger = costs.backward_peak.at(chunk_frames[i]) >= costs.grad_peak.at(chunk_frames[i])
+                                 ? costs.backward_peak
+                                 : costs.grad_peak;
+        add(m, bigger, chunk_frames[i]);
+        seconds += costs.grad_seconds.at(chunk_frames[i]) + costs.backward_seconds.at(chunk_frames[i]);
+        if (cache) seconds -= costs.frozen_seconds.at(chunk_frames[i]);
+      }
+      if (cache) {
+        // A cached chunk's frozen output is read, then released.
+        add(m, costs.frozen_output, chunk_frames[i], -1);
+        add(remaining, costs.frozen_output, chunk_frames[i], -1);
+      }
+      moments.push_back(m);
+    }
+  }
+  seconds += costs.head_seconds.at(T);
+
+  Moment optimizer{"optimizer"};
+  // Adam's update makes two temporaries the size of the parameter it updates.
+  optimizer.extra_workspace = 2 * sizes.largest_trained_bytes;
+  moments.push_back(optimizer);
+
+  const int64_t frames_in = s.videos_per_call * T * (sizes.frame_bytes + 8);
+  for (const auto& m : moments) {
+    const int64_t activations = std::max<int64_t>(0, std::llround(m.activations));
+    const int64_t workspace = std::max<int64_t>(0, std::llround(m.workspace)) + m.extra_workspace;
+    const int64_t total = sizes.parameter_bytes + sizes.trained_bytes() + m.extra_gradients +
+                          sizes.optimizer_state_bytes + frames_in + m.features + activations +
+                          workspace;
+    auto& phase_peak = result.phase_peaks[m.phase];
+    phase_peak = std::max(phase_peak, total);
+    if (total > result.peak_bytes) {
+      result.peak_bytes = total;
+      result.peak_phase = m.phase;
+      result.parameters = sizes.parameter_bytes;
+      result.gradients = sizes.trained_bytes() + m.extra_gradients;
+      result.optimizer_state = sizes.optimizer_state_bytes;
+      result.input_frames = frames_in;
+      result.features = m.features;
+      result.activations = activations;
+      result.workspace = workspace;
+    }
+  }
+  result.seconds = std::max(0.0, seconds) * static_cast<double>(s.videos_per_call);
+  return result;
+}
+
+}  // namespace framefit::plan

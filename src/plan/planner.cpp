@@ -1,0 +1,311 @@
+#include "framefit/plan/planner.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "framefit/memory/tracker.h"
+
+namespace framefit::plan {
+
+namespace {
+
+// Chunk sizes worth trying: roughly geometric, so a 2,000-frame video needs ~20 candidates.
+std::vector<int64_t> chunk_candidates(const PlanRequest& request) {
+  if (request.chunk) return {*request.chunk};
+  std::vector<int64_t> chunks;
+  for (int64_t k : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768,
+                    1024, 1536, 2048}) {
+    if (k < request.frames) chunks.push_back(k);
+  }
+  chunks.push_back(0);  // naive
+  return chunks;
+}
+
+std::vector<int64_t> keep_candidates(const PlanRequest& request, int64_t chunk) {
+  if (request.keep) return {*request.keep};
+  if (chunk == 0 || chunk >= request.frames) return {0};  // nothing to keep in one pass
+  const int64_t chunks = (request.frames + chunk - 1) / chunk;
+  std::vector<int64_t> keeps;
+  for (int64_t k : {0, 1, 2, 3, 4, 6, 8, 12, 16}) {
+    if (k <= chunks) keeps.push_back(k);
+  }
+  return keeps;
+}
+
+std::vector<int64_t> accumulate_candidates(const PlanRequest& request) {
+  if (request.accumulate) return {*request.accumulate};
+  std::vector<int64_t> result;
+  int64_t last_per_call = -1;
+  for (int64_t a = 1; a <= request.videos; ++a) {
+    const int64_t per_call = (request.videos + a - 1) / a;
+    if (per_call != last_per_call) result.push_back(a);
+    last_per_call = per_call;
+  }
+  return result;
+}
+
+struct Candidate {
+  StepSettings settings;
+  int64_t accumulate = 1;
+  Breakdown breakdown;
+  double seconds = 0;
+};
+
+// Faster first; equal time: less accumulation, then less memory.
+bool better(const Candidate& a, const Candidate& b) {
+  const double tolerance = 1e-9 * std::max(a.seconds, b.seconds);
+  if (std::abs(a.seconds - b.seconds) > tolerance) return a.seconds < b.seconds;
+  if (a.accumulate != b.accumulate) return a.accumulate < b.accumulate;
+  return a.breakdown.peak_bytes < b.breakdown.peak_bytes;
+}
+
+template <typename Visit>
+int64_t for_each_candidate(const PlanRequest& request, const StaticSizes& sizes,
+                           const std::map<engine::Precision, ChunkCosts>& costs, Visit visit) {
+  TORCH_CHECK(request.frames >= 1, "the plan needs the frames per video (>= 1)");
+  TORCH_CHECK(request.videos >= 1, "the plan needs at least one video per step");
+  TORCH_CHECK(!request.precisions.empty(), "the plan needs at least one allowed precision");
+  int64_t count = 0;
+  std::vector<bool> caches = {false};
+  if (request.cache_frozen) {
+    caches = {*request.cache_frozen};
+  } else if (sizes.frozen_stages > 0) {
+    caches = {false, true};
+  }
+  for (const auto precision : request.precisions) {
+    const auto it = costs.find(precision);
+    TORCH_CHECK(it != costs.end(), "no calibration for ", engine::to_string(precision),
+                ": calibrate every allowed precision first");
+    for (const int64_t accumulate : accumulate_candidates(request)) {
+      for (const int64_t chunk : chunk_candidates(request)) {
+        for (const int64_t keep : keep_candidates(request, chunk)) {
+          for (const bool cache : caches) {
+            const bool naive = chunk == 0 || chunk >= request.frames;
+            if (cache && naive) continue;  // nothing is recomputed
+            Candidate c;
+            c.settings.frames = request.frames;
+            c.settings.videos_per_call = (request.videos + accumulate - 1) / accumulate;
+            c.settings.chunk = chunk;
+            c.settings.keep = keep;
+            c.settings.cache_frozen = cache;
+            c.settings.precision = precision;
+            c.accumulate = accumulate;
+            c.breakdown = predict(sizes, it->second, c.settings);
+            c.seconds = c.breakdown.seconds * static_cast<double>(accumulate);
+            ++count;
+            visit(c);
+          }
+        }
+      }
+    }
+  }
+  return count;
+}
+
+int64_t usable(int64_t budget, double margin) {
+  return static_cast<int64_t>(std::floor(static_cast<double>(budget) * (1.0 - margin)));
+}
+
+}  // namespace
+
+std::string describe(const StepSettings& s, int64_t accumulate) {
+  std::string text = s.naive() ? "naive (all frames at once)" : c10::str("chunk ", s.chunk, ", keep ", s.keep);
+  if (s.cache_frozen) text += ", frozen outputs cached";
+  text += ", " + engine::to_string(s.precision);
+  if (accumulate > 1) text += c10::str(", accumulate ", accumulate, " (", s.videos_per_call, " video(s) per call)");
+  return text;
+}
+
+int64_t static_minimum_bytes(const StaticSizes& sizes, int64_t frames) {
+  return sizes.parameter_bytes + sizes.trained_bytes() + sizes.optimizer_state_bytes +
+         frames * (sizes.frame_bytes + 8) + 2 * frames * sizes.feature_bytes;
+}
+
+Plan fit(const PlanRequest& request, const StaticSizes& sizes,
+         const std::map<engine::Precision, ChunkCosts>& costs, int64_t budget_bytes, double margin) {
+  TORCH_CHECK(budget_bytes > 0, "the plan needs a budget (> 0 bytes)");
+  TORCH_CHECK(margin >= 0 && margin < 1, "the safety margin is a fraction in [0, 1); got ", margin);
+  const int64_t limit = usable(budget_bytes, margin);
+  std::optional<Candidate> best, smallest;
+  Plan plan;
+  plan.candidates = for_each_candidate(request, sizes, costs, [&](const Candidate& c) {
+    if (!smallest || c.breakdown.peak_bytes < smallest->breakdown.peak_bytes) smallest = c;
+    if (c.breakdown.peak_bytes <= limit && (!best || better(c, *best))) best = c;
+  });
+  plan.budget_bytes = budget_bytes;
+  plan.margin_bytes = budget_bytes - limit;
+  const Candidate& chosen = best ? *best : *smallest;
+  plan.fits = best.has_value();
+  plan.settings = chosen.settings;
+  plan.accumulate = chosen.accumulate;
+  plan.breakdown = chosen.breakdown;
+  plan.step_seconds = chosen.seconds;
+  if (!plan.fits) {
+    plan.minimum_budget_bytes = static_cast<int64_t>(
+        std::ceil(static_cast<double>(smallest->breakdown.peak_bytes) / (1.0 - margin)));
+    plan.advice = c10::str("needs at least ", memory::format_bytes(plan.minimum_budget_bytes),
+                           " (with ", describe(smallest->settings, smallest->accumulate), ")");
+    // Settings the user fixed may be what stands in the way.
+    PlanRequest relaxed = request;
+    relaxed.chunk.reset();
+    relaxed.keep.reset();
+    relaxed.cache_frozen.reset();
+    relaxed.accumulate.reset();
+    std::optional<Candidate> relaxed_best;
+    for_each_candidate(relaxed, sizes, costs, [&](const Candidate& c) {
+      if (c.breakdown.peak_bytes <= limit && (!relaxed_best || better(c, *relaxed_best))) relaxed_best = c;
+    });
+    if (relaxed_best) {
+      plan.advice += c10::str("; it fits this budget if chunk, keep, caching and accumulation "
+                              "are left to the planner (auto): ",
+                              describe(relaxed_best->settings, relaxed_best->accumulate));
+    }
+  }
+  return plan;
+}
+
+std::vector<TableRow> plan_table(const PlanRequest& request, const StaticSizes& sizes,
+                                 const std::map<engine::Precision, ChunkCosts>& costs,
+                                 int64_t budget_bytes, double margin) {
+  PlanRequest table = request;
+  table.keep = request.keep.value_or(1);
+  table.cache_frozen = request.cache_frozen.value_or(false);
+  table.accumulate = request.accumulate.value_or(1);
+  std::vector<TableRow> rows;
+  const int64_t limit = budget_bytes > 0 ? usable(budget_bytes, margin) : 0;
+  for_each_candidate(table, sizes, costs, [&](const Candidate& c) {
+    TableRow row;
+    row.settings = c.settings;
+    if (c.settings.naive()) row.settings.keep = 0;
+    row.breakdown = c.breakdown;
+    row.breakdown.seconds = c.seconds;
+    row.fits = budget_bytes == 0 || c.breakdown.peak_bytes <= limit;
+    rows.push_back(row);
+  });
+  return rows;
+}
+
+engine::Replanner make_replanner(PlanRequest request, StaticSizes sizes, ChunkCosts costs,
+                                 engine::Precision precision, int64_t budget_bytes, double margin) {
+  request.precisions = {precision};
+  request.accumulate = 1;  // a retry repeats the same call with the same videos
+  request.videos = 1;
+  return [=](const engine::OutOfMemoryEvent& event) -> std::optional<engine::RetrySettings> {
+    StepSettings failed;
+    failed.frames = request.frames;
+    failed.chunk = event.chunk;
+    failed.keep = event.keep;
+    failed.cache_frozen = event.cache_frozen;
+    failed.precision = precision;
+    const auto predicted = predict(sizes, costs, failed);
+    // The step needed at least in-use + requested bytes where the model predicted the phase's
+    // peak: scale every prediction by that underestimate.
+    const auto phase = predicted.phase_peaks.find(event.phase);
+    const double expected = static_cast<double>(
+        phase != predicted.phase_peaks.end() ? phase->second : predicted.peak_bytes);
+    const double needed = static_cast<double>(event.in_use_bytes + event.requested_bytes);
+    const double scale = std::max(1.05, needed / std::max(1.0, expected));
+    const int64_t budget = event.budget_bytes > 0 ? event.budget_bytes : budget_bytes;
+    PlanRequest retry = request;
+    retry.chunk.reset();
+    retry.keep.reset();
+    retry.cache_frozen.reset();
+    std::optional<Candidate> best;
+    int64_t smallest = std::numeric_limits<int64_t>::max();
+    const double limit = static_cast<double>(usable(budget, margin));
+    for_each_candidate(retry, sizes, {{precision, costs}}, [&](const Candidate& c) {
+      smallest = std::min(smallest, c.breakdown.peak_bytes);
+      const double corrected = static_cast<double>(c.breakdown.peak_bytes) * scale;
+      if (corrected <= limit && c.breakdown.peak_bytes < predicted.peak_bytes &&
+          (!best || better(c, *best))) {
+        best = c;
+      }
+    });
+    engine::RetrySettings settings;
+    if (best) {
+      settings.chunk = best->settings.naive() ? 0 : best->settings.chunk;
+      settings.keep = best->settings.keep;
+      settings.cache_frozen = best->settings.cache_frozen;
+      settings.reason = c10::str("re-planned with the memory model corrected by ×",
+                                 std::round(scale * 100) / 100, ", predicted peak ",
+                                 memory::format_bytes(static_cast<int64_t>(
+                                     static_cast<double>(best->breakdown.peak_bytes) * scale)));
+      return settings;
+    }
+    // Below the smallest plan's peak nothing can succeed (the optimizer's state, created by the
+    // first step, would not fit): give up with the error rather than retry smaller chunks.
+    if (smallest > budget) return std::nullopt;
+    const int64_t effective = event.chunk == 0 ? event.longest_video
+                                               : std::min(event.chunk, event.longest_video);
+    if (effective <= 1 && event.keep == 0 && !event.cache_frozen) return std::nullopt;
+    settings.chunk = std::max<int64_t>(1, effective / 2);
+    settings.keep = 0;
+    settings.reason = "the corrected memory model finds nothing smaller that fits; halving the chunk";
+    return settings;
+  };
+}
+
+LargestChunk find_largest_chunk(const PlanRequest& request, const StaticSizes& sizes,
+                                const ChunkCosts& costs, engine::Precision precision,
+                                int64_t budget_bytes, double headroom,
+                                const std::function<ChunkTrial(int64_t)>& run_step, int max_trials) {
+  TORCH_CHECK(budget_bytes > 0 && headroom >= 0 && headroom < 1,
+              "find_largest_chunk needs a budget and a headroom fraction in [0, 1)");
+  const double limit = static_cast<double>(budget_bytes) * (1.0 - headroom);
+  LargestChunk result;
+  double scale = 1.0;  // measured / predicted, learned from trials
+  int64_t ceiling = request.frames;  // chunks above this failed
+  auto settings_for = [&](int64_t chunk) {
+    StepSettings s;
+    s.frames = request.frames;
+    s.chunk = chunk >= request.frames ? 0 : chunk;
+    s.keep = request.keep.value_or(1);
+    s.cache_frozen = request.cache_frozen.value_or(false);
+    s.precision = precision;
+    return s;
+  };
+  while (result.trials < max_trials) {
+    // Predicted peak grows with the chunk: binary search the largest that fits.
+    int64_t lo = 0, hi = ceiling;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      const double peak = static_cast<double>(predict(sizes, costs, settings_for(mid)).peak_bytes);
+      if (peak * scale <= limit) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    if (lo == 0) {
+      result.log.push_back("no chunk fits the budget with the headroom, by the memory model");
+      return result;
+    }
+    const int64_t predicted = predict(sizes, costs, settings_for(lo)).peak_bytes;
+    const auto trial = run_step(lo);
+    ++result.trials;
+    result.log.push_back(c10::str("trial ", result.trials, ": chunk ", lo, ", predicted ",
+                                  memory::format_bytes(predicted), ", ",
+                                  trial.out_of_memory ? std::string("out of memory")
+                                                      : "measured " + memory::format_bytes(trial.peak_bytes)));
+    if (!trial.out_of_memory && static_cast<double>(trial.peak_bytes) <= limit) {
+      result.found = true;
+      result.chunk = lo;
+      result.predicted_peak_bytes = predicted;
+      result.measured_peak_bytes = trial.peak_bytes;
+      return result;
+    }
+    // Learn from the miss and try below it.
+    const double measured = trial.out_of_memory ? static_cast<double>(budget_bytes)
+                                                : static_cast<double>(trial.peak_bytes);
+    // 1% beyond the observed ratio, so the next choice is not another near miss.
+    scale = std::max(scale * 1.02, 1.01 * measured / static_cast<double>(predicted));
+    ceiling = lo - 1;
+    if (ceiling < 1) break;
+  }
+  return result;
+}
+
+}  // namespace framefit::plan

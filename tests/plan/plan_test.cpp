@@ -1,0 +1,450 @@
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "test_util.h"
+
+#include "framefit/engine/step.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/models/heads.h"
+#include "framefit/models/resnet.h"
+#include "framefit/plan/calibration.h"
+#include "framefit/plan/doctor.h"
+#include "framefit/plan/planner.h"
+
+using namespace framefit;
+using engine::Precision;
+
+namespace {
+
+int64_t count(const std::vector<torch::Tensor>& tensors, bool trained_only) {
+  int64_t n = 0;
+  for (const auto& t : tensors) {
+    if (!trained_only || t.requires_grad()) n += t.numel();
+  }
+  return n;
+}
+
+// A tiny configuration that calibrates in a second or two.
+plan::ModelSpec tiny_spec() {
+  plan::ModelSpec spec;
+  spec.model = "resnet18";
+  spec.head = "linear";
+  spec.classes = 3;
+  spec.norm = "group_norm";
+  spec.groups = 8;
+  spec.size = 64;  // activations large enough against the parameters to make chunking matter
+  spec.optimizer = "sgd";
+  return spec;
+}
+
+plan::CalibrationOptions quick_calibration() {
+  plan::CalibrationOptions options;
+  options.chunk_frames = {2, 6};
+  options.head_frames = {16, 48};
+  return options;
+}
+
+struct Model {
+  models::ResNet encoder{nullptr};
+  std::shared_ptr<models::TemporalHead> head;
+  std::unique_ptr<engine::TrainingStep> step;
+};
+
+Model build(const plan::ModelSpec& spec, const plan::StepSettings& settings) {
+  torch::manual_seed(1);
+  Model m;
+  m.encoder = models::ResNet(models::ResNetOptions(models::parse_resnet_name(spec.model))
+                                 .num_classes(0)
+                                 .norm(models::parse_norm_kind(spec.norm))
+                                 .groups(spec.groups)
+                                 .freeze(spec.freeze));
+  m.head = models::make_head(spec.head, m.encoder->feature_dim(), spec.classes);
+  auto encoder = engine::frame_encoder(m.encoder.ptr());
+  auto params = encoder.parameters;
+  for (auto& p : m.head->parameters()) params.push_back(p);
+  engine::StepOptions options;
+  options.chunked.chunk = settings.naive() ? 0 : settings.chunk;
+  options.chunked.keep = settings.keep;
+  options.chunked.cache_frozen = settings.cache_frozen;
+  engine::OptimizerOptions optimizer;
+  optimizer.kind = spec.optimizer;
+  m.step = std::make_unique<engine::TrainingStep>(encoder, m.head,
+                                                  engine::make_optimizer(params, optimizer), options);
+  return m;
+}
+
+engine::Video video(int64_t frames, int64_t size, int64_t classes) {
+  auto gen = at::detail::createCPUGenerator(5);
+  return {torch::randint(0, 256, {frames, 3, size, size}, gen, torch::kUInt8),
+          torch::randint(0, classes, {frames}, gen, torch::kLong), "video"};
+}
+
+// Calibrated once for the tests that run real steps.
+const plan::ChunkCosts& tiny_costs() {
+  static const plan::ChunkCosts costs = plan::calibrate(tiny_spec(), Precision::FP32, quick_calibration());
+  return costs;
+}
+
+// Made-up costs for the pure planner tests: 1 MB per frame of activations and so on.
+plan::ChunkCosts synthetic_costs(double scale = 1.0) {
+  plan::ChunkCosts c;
+  c.nograd_peak = {1e6 * scale, 0.2e6 * scale};
+  c.grad_peak = {1e6 * scale, 1e6 * scale};
+  c.saved = {0, 0.9e6 * scale};
+  c.backward_peak = {2e6 * scale, 1.2e6 * scale};
+  c.frozen_output = {0, 0.1e6 * scale};
+  c.head_peak = {1e5, 1e4};
+  c.nograd_seconds = {0.01, 0.001};
+  c.grad_seconds = {0.02, 0.002};
+  c.backward_seconds = {0.02, 0.004};
+  c.frozen_seconds = {0, 0.0005};
+  c.head_seconds = {0.001, 1e-5};
+  return c;
+}
+
+// Halfway between the smallest plan's budget and naive training's: chunking must be chosen.
+int64_t budget_between_smallest_and_naive(const plan::PlanRequest& request,
+                                          const plan::StaticSizes& sizes,
+                                          const std::map<Precision, plan::ChunkCosts>& costs) {
+  const auto smallest = plan::fit(request, sizes, costs, 1, 0.1).minimum_budget_bytes;
+  auto naive = request;
+  naive.chunk = 0;
+  naive.keep = 0;
+  const auto naive_budget = plan::fit(naive, sizes, costs, 1, 0.1).minimum_budget_bytes;
+  EXPECT_LT(smallest * 1.1, naive_budget) << "the test needs naive training to cost more";
+  return (smallest + naive_budget) / 2;
+}
+
+}  // namespace
+
+TEST(ModelSizes, AnalyticCountsMatchBuiltModels) {
+  struct Case {
+    int64_t depth;
+    models::NormKind norm;
+    std::string freeze;
+    bool drop_layer4;
+  };
+  for (const auto& c : std::vector<Case>{{18, models::NormKind::BatchNorm, "", false},
+                                          {34, models::NormKind::FrozenBatchNorm, "layer1", false},
+                                          {50, models::NormKind::GroupNorm, "layer2", false},
+                                          {50, models::NormKind::BatchNorm, "conv1", true}}) {
+    const auto options = models::ResNetOptions(c.depth).norm(c.norm).freeze(c.freeze).drop_layer4(c.drop_layer4);
+    const auto size = models::resnet_size(options);
+    models::ResNet built(options);
+    SCOPED_TRACE(c10::str("resnet", c.depth, " ", models::to_string(c.norm), " freeze=", c.freeze));
+    EXPECT_EQ(size.parameters, count(built->parameters(), false));
+    EXPECT_EQ(size.trained_parameters, count(built->parameters(), true));
+    int64_t largest = 0, floats = 0, counters = 0;
+    for (const auto& p : built->parameters()) {
+      if (p.requires_grad()) largest = std::max(largest, p.numel());
+    }
+    for (const auto& b : built->buffers()) (b.is_floating_point() ? floats : counters) += b.numel();
+    EXPECT_EQ(size.largest_trained, largest);
+    EXPECT_EQ(size.buffer_elements, floats);
+    EXPECT_EQ(size.buffer_counters, counters);
+    EXPECT_EQ(size.feature_dim, built->feature_dim());
+    EXPECT_EQ(size.frozen_stages, built->frozen_stage_count());
+    if (!c.freeze.empty()) {
+      torch::NoGradGuard no_grad;
+      const auto out = built->forward_stages(torch::randn({1, 3, 64, 64}), 0, size.frozen_stages);
+      EXPECT_EQ(out.size(1), size.frozen_channels);
+      EXPECT_EQ(out.size(2), 64 / size.frozen_stride);
+    }
+  }
+  for (const std::string kind : {"linear", "lstm", "tcn"}) {
+    int64_t largest = 0;
+    const int64_t n = models::head_parameter_count(kind, 512, 7, &largest);
+    auto head = models::make_head(kind, 512, 7);
+    EXPECT_EQ(n, count(head->parameters(), false)) << kind;
+    int64_t built_largest = 0;
+    for (const auto& p : head->parameters()) built_largest = std::max(built_largest, p.numel());
+    EXPECT_EQ(largest, built_largest) << kind;
+  }
+}
+
+TEST(MemoryModel, StaticSizesAndShapeOfPrediction) {
+  auto spec = tiny_spec();
+  const auto sizes = plan::static_sizes(spec);
+  EXPECT_EQ(sizes.feature_dim, 512);
+  EXPECT_EQ(sizes.frame_bytes, 3 * 64 * 64);
+  EXPECT_EQ(sizes.optimizer_state_bytes, sizes.trained_bytes());  // SGD: momentum
+  spec.optimizer = "adamw";
+  EXPECT_EQ(plan::static_sizes(spec).optimizer_state_bytes, 2 * sizes.trained_bytes());
+
+  const auto costs = synthetic_costs();
+  plan::StepSettings s;
+  s.frames = 1000;
+  s.keep = 1;
+  int64_t previous = 0;
+  for (int64_t chunk : {1, 4, 16, 64, 256}) {
+    s.chunk = chunk;
+    const auto b = plan::predict(sizes, costs, s);
+    EXPECT_GT(b.peak_bytes, previous) << "a bigger chunk needs more memory";
+    EXPECT_EQ(b.peak_bytes, b.parameters + b.gradients + b.optimizer_state + b.input_frames +
+                                b.features + b.activations + b.workspace);
+    previous = b.peak_bytes;
+  }
+  s.chunk = 0;
+  const auto naive = plan::predict(sizes, costs, s);
+  EXPECT_GT(naive.peak_bytes, previous);
+  EXPECT_GE(naive.activations, 1000 * 0.9e6);  // every frame's activations at once
+  // Recompute costs time: chunked is predicted slower than naive, keeping chunks recovers some.
+  s.chunk = 64;
+  s.keep = 0;
+  const double keep0 = plan::predict(sizes, costs, s).seconds;
+  s.keep = 4;
+  EXPECT_LT(plan::predict(sizes, costs, s).seconds, keep0);
+  EXPECT_GT(keep0, naive.seconds);
+}
+
+TEST(Planner, ChoosesTheFastestThatFitsAndRespectsFixedSettings) {
+  plan::PlanRequest request;
+  request.model = tiny_spec();
+  request.frames = 1000;
+  const auto sizes = plan::static_sizes(request.model);
+  const std::map<Precision, plan::ChunkCosts> costs = {{Precision::FP32, synthetic_costs()},
+                                                        {Precision::BF16, synthetic_costs(0.5)}};
+  const int64_t budget = sizes.parameter_bytes + 4 * sizes.trained_bytes() + 200'000'000;
+  const auto chosen = plan::fit(request, sizes, costs, budget, 0.1);
+  ASSERT_TRUE(chosen.fits);
+  EXPECT_LE(chosen.breakdown.peak_bytes, budget * 0.9);
+  EXPECT_FALSE(chosen.settings.naive());  // 1000 frames x 0.9 MB do not fit
+  // Nothing faster fits: every faster candidate in the table exceeds the budget.
+  for (const auto& row : plan::plan_table(request, sizes, costs, budget, 0.1)) {
+    if (row.fits) EXPECT_GE(row.breakdown.seconds + 1e-12, chosen.step_seconds - 1e-9);
+  }
+  EXPECT_EQ(chosen.settings.precision, Precision::FP32);  // only fp32 allowed
+
+  request.precisions = {Precision::FP32, Precision::BF16};
+  const auto mixed = plan::fit(request, sizes, costs, budget, 0.1);
+  ASSERT_TRUE(mixed.fits);
+  EXPECT_GE(mixed.settings.chunk, chosen.settings.chunk);  // half the activations: larger chunks
+
+  request.precisions = {Precision::FP32};
+  request.chunk = 8;
+  request.keep = 0;
+  const auto fixed = plan::fit(request, sizes, costs, budget, 0.1);
+  EXPECT_EQ(fixed.settings.chunk, 8);
+  EXPECT_EQ(fixed.settings.keep, 0);
+
+  request.videos = 4;
+  request.chunk.reset();
+  const auto batch = plan::fit(request, sizes, costs, budget, 0.1);
+  ASSERT_TRUE(batch.fits);
+  EXPECT_EQ(batch.accumulate * batch.settings.videos_per_call >= 4, true);
+}
+
+TEST(Planner, DoesNotFitNamesTheMinimumAndHowToGetThere) {
+  plan::PlanRequest request;
+  request.model = tiny_spec();
+  request.frames = 1000;
+  request.chunk = 0;  // naive, forced
+  const auto sizes = plan::static_sizes(request.model);
+  const std::map<Precision, plan::ChunkCosts> costs = {{Precision::FP32, synthetic_costs()}};
+  const int64_t budget = sizes.parameter_bytes + 4 * sizes.trained_bytes() + 200'000'000;
+  const auto naive = plan::fit(request, sizes, costs, budget, 0.1);
+  EXPECT_FALSE(naive.fits);
+  EXPECT_NE(naive.advice.find("auto"), std::string::npos) << naive.advice;  // chunking would fit
+  // The minimum is the smallest candidate's peak plus the margin: fits there, not just below.
+  request.chunk.reset();
+  const auto tiny = plan::fit(request, sizes, costs, sizes.parameter_bytes, 0.1);
+  ASSERT_FALSE(tiny.fits);
+  EXPECT_TRUE(plan::fit(request, sizes, costs, tiny.minimum_budget_bytes, 0.1).fits);
+  EXPECT_FALSE(plan::fit(request, sizes, costs, tiny.minimum_budget_bytes - 4096, 0.1).fits);
+  EXPECT_EQ(tiny.settings.chunk, 1);
+  EXPECT_EQ(tiny.settings.keep, 0);
+}
+
+TEST(Calibration, CacheRoundTripAndVersion) {
+  const auto dir = std::filesystem::temp_directory_path() / "framefit_calibration_test";
+  std::filesystem::remove_all(dir);
+  const std::string path = (dir / "calibration.json").string();
+  {
+    plan::CalibrationCache cache(path);
+    EXPECT_FALSE(cache.find("k").has_value());
+    cache.put("k", synthetic_costs(2.0));
+    cache.save();
+  }
+  plan::CalibrationCache again(path);
+  const auto costs = again.find("k");
+  ASSERT_TRUE(costs.has_value());
+  EXPECT_DOUBLE_EQ(costs->grad_peak.slope, 2e6);
+  EXPECT_DOUBLE_EQ(costs->head_seconds.intercept, 0.001);
+  {
+    std::ofstream old(path);
+    old << R"({"format": "framefit-calibration", "version": 0, "entries": {"k": {}}})";
+  }
+  EXPECT_FALSE(plan::CalibrationCache(path).find("k").has_value()) << "another version is ignored";
+  {
+    std::ofstream bad(path);
+    bad << "{ not json";
+  }
+  EXPECT_NE(test_util::error_message([&] { plan::CalibrationCache cache(path); }).find(path),
+            std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Planner, ChosenPlanFitsUnderTheBudgetAllocator) {
+  const auto spec = tiny_spec();
+  const auto sizes = plan::static_sizes(spec);
+  const std::map<Precision, plan::ChunkCosts> costs = {{Precision::FP32, tiny_costs()}};
+  plan::PlanRequest request;
+  request.model = spec;
+  request.frames = 160;
+  request.keep = 1;
+  const int64_t budget = budget_between_smallest_and_naive(request, sizes, costs);
+  const auto chosen = plan::fit(request, sizes, costs, budget, 0.1);
+  ASSERT_TRUE(chosen.fits) << chosen.advice;
+  EXPECT_FALSE(chosen.settings.naive());
+
+  auto& tracker = memory::Tracker::cpu();
+  const auto v = video(request.frames, spec.size, spec.classes);
+  auto model = build(spec, chosen.settings);
+  tracker.set_budget(budget);
+  engine::StepReport first, second;
+  EXPECT_NO_THROW({
+    first = model.step->step({v});
+    second = model.step->step({v});
+  });
+  tracker.set_budget(0);
+  EXPECT_TRUE(first.replans.empty() && second.replans.empty());
+  // Steady state (second step): the prediction is within 5% of the measured peak. The peak is
+  // relative to what the test itself holds (the video), which the model counts as input.
+  const double measured = static_cast<double>(second.peak_bytes);
+  EXPECT_NEAR(static_cast<double>(chosen.breakdown.peak_bytes), measured, 0.05 * measured);
+}
+
+TEST(Planner, ForcedTooLargeChunkFinishesByReplanning) {
+  const auto spec = tiny_spec();
+  const auto sizes = plan::static_sizes(spec);
+  const auto& costs = tiny_costs();
+  plan::PlanRequest request;
+  request.model = spec;
+  request.frames = 160;
+  const int64_t budget = budget_between_smallest_and_naive(request, sizes, {{Precision::FP32, costs}});
+  plan::StepSettings naive;
+  naive.frames = request.frames;
+  auto model = build(spec, naive);  // chunk 0: naive, forced
+  model.step->replan = plan::make_replanner(request, sizes, costs, Precision::FP32, budget, 0.1);
+  const auto v = video(request.frames, spec.size, spec.classes);
+  auto& tracker = memory::Tracker::cpu();
+  tracker.set_budget(budget);
+  engine::StepReport report;
+  EXPECT_NO_THROW(report = model.step->step({v}));
+  const auto second = model.step->step({v});
+  tracker.set_budget(0);
+  ASSERT_FALSE(report.replans.empty());
+  EXPECT_NE(report.replans.front().find("re-planned"), std::string::npos) << report.replans.front();
+  EXPECT_GT(report.chunk, 0);
+  EXPECT_TRUE(report.optimizer_stepped);
+  EXPECT_TRUE(second.replans.empty()) << "the new settings are kept for later steps";
+  EXPECT_LE(second.peak_bytes, budget);
+}
+
+TEST(Planner, LargestChunkFinderCountsTrials) {
+  plan::PlanRequest request;
+  request.model = tiny_spec();
+  request.frames = 512;
+  const auto sizes = plan::static_sizes(request.model);
+  const auto costs = synthetic_costs();
+  const int64_t budget = sizes.parameter_bytes + 4 * sizes.trained_bytes() + 100'000'000;
+  auto predicted = [&](int64_t chunk) {
+    plan::StepSettings s;
+    s.frames = request.frames;
+    s.chunk = chunk;
+    return plan::predict(sizes, costs, s).peak_bytes;
+  };
+  // The model is right: one trial.
+  std::vector<int64_t> tried;
+  auto exact = plan::find_largest_chunk(request, sizes, costs, Precision::FP32, budget, 0.1,
+                                        [&](int64_t chunk) {
+                                          tried.push_back(chunk);
+                                          return plan::ChunkTrial{false, predicted(chunk), 1.0};
+                                        });
+  ASSERT_TRUE(exact.found);
+  EXPECT_EQ(exact.trials, 1);
+  EXPECT_LE(predicted(exact.chunk), budget * 0.9);
+  EXPECT_GT(predicted(exact.chunk + 1), budget * 0.9);
+  // The real step needs 5% more than predicted: within the budget but not the headroom, so
+  // the first choice is rejected and the corrected model's next choice confirmed.
+  auto run_off_by = [&](double factor) {
+    return plan::find_largest_chunk(request, sizes, costs, Precision::FP32, budget, 0.1,
+                                    [&, factor](int64_t chunk) {
+                                      const auto peak = static_cast<int64_t>(factor * predicted(chunk));
+                                      return plan::ChunkTrial{peak > budget, peak, 1.0};
+                                    });
+  };
+  const auto off = run_off_by(1.05);
+  ASSERT_TRUE(off.found);
+  EXPECT_EQ(off.trials, 2) << ::testing::PrintToString(off.log);
+  EXPECT_LT(off.chunk, exact.chunk);
+  EXPECT_LE(1.05 * predicted(off.chunk), budget * 0.9);
+  // 15% more: the first trial runs out of memory, which tells less; still found in a few.
+  const auto far = run_off_by(1.15);
+  ASSERT_TRUE(far.found);
+  EXPECT_LE(far.trials, 3) << ::testing::PrintToString(far.log);
+  EXPECT_LE(1.15 * predicted(far.chunk), budget * 0.9);
+}
+
+TEST(Doctor, FindsEachProblemWithoutAllocating) {
+  plan::PlanRequest request;
+  request.model = tiny_spec();
+  request.frames = 100;
+  auto& tracker = memory::Tracker::cpu();
+  const int64_t allocations = tracker.allocation_count();
+  EXPECT_TRUE(plan::diagnose(request, 0).empty());
+
+  auto has = [](const std::vector<plan::Finding>& findings, const std::string& text,
+                plan::Finding::Severity severity) {
+    for (const auto& f : findings) {
+      if (f.problem.find(text) != std::string::npos && f.severity == severity && !f.fix.empty()) return true;
+    }
+    return false;
+  };
+  const auto E = plan::Finding::Severity::Error, W = plan::Finding::Severity::Warning;
+  auto small = request;
+  small.model.size = 24;
+  EXPECT_TRUE(has(plan::diagnose(small, 0), "too small", E));
+  small.model.drop_layer4 = true;  // 16x16 minimum
+  EXPECT_FALSE(plan::has_errors(plan::diagnose(small, 0)));
+
+  EXPECT_TRUE(has(plan::diagnose(request, 10 << 20), "static minimum", E));
+
+  auto bn = request;
+  bn.model.norm = "bn";
+  bn.chunk = 4;
+  EXPECT_TRUE(has(plan::diagnose(bn, 0), "BatchNorm", W));
+  bn.chunk = 32;
+  EXPECT_FALSE(has(plan::diagnose(bn, 0), "BatchNorm", W));
+
+  auto fp16 = request;
+  fp16.precisions = {Precision::FP16};
+  EXPECT_TRUE(has(plan::diagnose(fp16, 0), "fp16", E));
+
+  auto frozen = request;
+  frozen.model.freeze = "layer4";
+  frozen.model.norm = "frozen_bn";
+  EXPECT_TRUE(has(plan::diagnose(frozen, 0), "entire", W) || has(plan::diagnose(frozen, 0), "whole", W));
+
+  auto tcn = request;
+  tcn.model.head = "tcn";
+  tcn.frames = 50;
+  EXPECT_TRUE(has(plan::diagnose(tcn, 0), "TCN", W));
+  EXPECT_EQ(tracker.allocation_count(), allocations) << "the doctor allocated tensors";
+
+  // Frozen parameters handed to the optimizer are named.
+  models::ResNet resnet(models::ResNetOptions(18).num_classes(0).freeze("layer1"));
+  torch::optim::SGD everything(resnet->parameters(), torch::optim::SGDOptions(0.1));
+  const auto findings = plan::check_optimizer(*resnet, everything);
+  ASSERT_EQ(findings.size(), 1u);
+  EXPECT_NE(findings[0].problem.find("conv1.weight"), std::string::npos) << findings[0].problem;
+  std::vector<torch::Tensor> trained;
+  for (const auto& p : resnet->parameters()) {
+    if (p.requires_grad()) trained.push_back(p);
+  }
+  torch::optim::SGD right(trained, torch::optim::SGDOptions(0.1));
+  EXPECT_TRUE(plan::check_optimizer(*resnet, right).empty());
+}
