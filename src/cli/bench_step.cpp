@@ -156,7 +156,7 @@ int run_bench_step(const Args& args) {
   const bool warmup = !args.on("no-warmup");
   if (warmup) {
     const auto first = model.step->step({video});  // oneDNN primitives, allocator cache
-    retries = first.replans;
+    retries.insert(retries.end(), first.replans.begin(), first.replans.end());
   }
   memory::reset_rss_peak();
   tracker.reset_peak();

@@ -32,7 +32,8 @@ void synchronize(torch::Device device) {
 
 // One probe's measurements for a chunk of n frames.
 struct ChunkProbe {
-  double nograd_peak = 0, grad_peak = 0, saved = 0, backward_peak = 0, frozen_output = 0;
+  double nograd_peak = 0, grad_peak = 0, saved = 0, backward_peak = 0, accumulate_peak = 0,
+         frozen_output = 0;
   double nograd_seconds = 1e30, grad_seconds = 1e30, backward_seconds = 1e30, frozen_seconds = 1e30;
 };
 
@@ -100,6 +101,21 @@ ChunkProbe probe_chunk(const ModelSpec& spec, engine::Precision precision, Probe
       synchronize(spec.device);
       probe.backward_seconds = std::min(probe.backward_seconds, seconds_since(start));
       probe.backward_peak = static_cast<double>(backward.peak_bytes() - window.entry_bytes());
+    }
+    at::autocast::clear_cache();
+    {
+      // As naive training does: backward() adding into the existing .grad, which frees each
+      // gradient once added instead of returning them all.
+      auto window = tracker.mark();
+      torch::Tensor out;
+      {
+        torch::AutoGradMode grad(true);
+        out = encoder.trainable(frozen(input()));
+      }
+      auto grad_out = torch::randn_like(out);
+      auto backward = tracker.mark();
+      out.backward(grad_out);
+      probe.accumulate_peak = static_cast<double>(backward.peak_bytes() - window.entry_bytes());
     }
     at::autocast::clear_cache();
   }
@@ -171,6 +187,7 @@ ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision,
   costs.grad_peak = line(&ChunkProbe::grad_peak);
   costs.saved = line(&ChunkProbe::saved);
   costs.backward_peak = line(&ChunkProbe::backward_peak);
+  costs.accumulate_peak = line(&ChunkProbe::accumulate_peak);
   costs.frozen_output = line(&ChunkProbe::frozen_output);
   costs.nograd_seconds = line(&ChunkProbe::nograd_seconds);
   costs.grad_seconds = line(&ChunkProbe::grad_seconds);
@@ -197,6 +214,7 @@ const std::vector<std::pair<const char*, Linear ChunkCosts::*>>& cost_fields() {
   static const std::vector<std::pair<const char*, Linear ChunkCosts::*>> fields = {
       {"nograd_peak", &ChunkCosts::nograd_peak},       {"grad_peak", &ChunkCosts::grad_peak},
       {"saved", &ChunkCosts::saved},                   {"backward_peak", &ChunkCosts::backward_peak},
+      {"accumulate_peak", &ChunkCosts::accumulate_peak},
       {"frozen_output", &ChunkCosts::frozen_output},   {"head_peak", &ChunkCosts::head_peak},
       {"nograd_seconds", &ChunkCosts::nograd_seconds}, {"grad_seconds", &ChunkCosts::grad_seconds},
       {"backward_seconds", &ChunkCosts::backward_seconds},

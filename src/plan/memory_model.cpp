@@ -98,7 +98,7 @@ Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepS
     moments.push_back(head);
     Moment backward{"recompute"};  // the encoder's backward; no recomputation in naive training
     backward.features = features;  // the features' gradient
-    add(backward, costs.backward_peak, T);
+    add(backward, costs.accumulate_peak, T);
     moments.push_back(backward);
     seconds = costs.grad_seconds.at(T) + costs.backward_seconds.at(T);
   } else {

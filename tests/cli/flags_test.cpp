@@ -109,3 +109,37 @@ TEST(Flags, TableIsConsistent) {
     EXPECT_FALSE(flag.required && !flag.default_value.empty()) << flag.name;
   }
 }
+
+TEST(Flags, PlanningCommandsTakeAutoSettingsAndFractions) {
+  const std::vector<std::string> base = {"plan", "--model", "resnet50", "--head", "lstm",
+                                         "--frames", "2000", "--size", "224"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto argv = base;
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return argv;
+  };
+  const auto r = parse_command_line(with({"--budget", "8GiB", "--precision", "auto"}));
+  ASSERT_TRUE(r.args.has_value()) << r.output;
+  EXPECT_EQ(r.args->text("chunk"), "auto");
+  EXPECT_EQ(r.args->text("keep"), "auto");
+  EXPECT_EQ(r.args->text("cache-frozen"), "auto");
+  EXPECT_EQ(r.args->text("accumulate"), "auto");
+  EXPECT_DOUBLE_EQ(r.args->number("margin"), 0.1);
+  EXPECT_EQ(r.args->bytes("budget"), int64_t(8) << 30);
+  expect_error(with({"--margin", "1.5"}), "fraction");
+  expect_error(with({"--margin", "ten"}), "fraction");
+  expect_error(with({"--accumulate", "0"}), "at least 1");
+  expect_error(with({"--cache-frozen", "maybe"}), "cache-frozen");
+  // bench-step has no "auto" precision; doctor and bench-memory share the model flags.
+  expect_error({"bench-step", "--model", "resnet18", "--head", "lstm", "--frames", "8", "--size",
+                "32", "--precision", "auto"},
+               "precision");
+  const auto doctor = parse_command_line({"doctor", "--model", "resnet18", "--head", "tcn",
+                                          "--frames", "8", "--size", "32", "--chunk", "4"});
+  ASSERT_TRUE(doctor.args.has_value()) << doctor.output;
+  EXPECT_EQ(doctor.args->integer("chunk"), 4);
+  const auto bench = parse_command_line({"bench-memory", "--model", "resnet18", "--head", "tcn",
+                                         "--frames", "8", "--size", "32", "--chunks", "2,4,0"});
+  ASSERT_TRUE(bench.args.has_value()) << bench.output;
+  EXPECT_EQ(bench.args->text("chunks"), "2,4,0");
+}

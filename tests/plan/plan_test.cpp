@@ -95,6 +95,7 @@ plan::ChunkCosts synthetic_costs(double scale = 1.0) {
   c.grad_peak = {1e6 * scale, 1e6 * scale};
   c.saved = {0, 0.9e6 * scale};
   c.backward_peak = {2e6 * scale, 1.2e6 * scale};
+  c.accumulate_peak = {1.5e6 * scale, 1.1e6 * scale};
   c.frozen_output = {0, 0.1e6 * scale};
   c.head_peak = {1e5, 1e4};
   c.nograd_seconds = {0.01, 0.001};
@@ -105,17 +106,17 @@ plan::ChunkCosts synthetic_costs(double scale = 1.0) {
   return c;
 }
 
-// Halfway between the smallest plan's budget and naive training's: chunking must be chosen.
-int64_t budget_between_smallest_and_naive(const plan::PlanRequest& request,
-                                          const plan::StaticSizes& sizes,
-                                          const std::map<Precision, plan::ChunkCosts>& costs) {
+// The smallest plan's budget and naive training's predicted peak.
+std::pair<int64_t, int64_t> smallest_budget_and_naive_peak(
+    const plan::PlanRequest& request, const plan::StaticSizes& sizes,
+    const std::map<Precision, plan::ChunkCosts>& costs) {
   const auto smallest = plan::fit(request, sizes, costs, 1, 0.1).minimum_budget_bytes;
   auto naive = request;
   naive.chunk = 0;
   naive.keep = 0;
-  const auto naive_budget = plan::fit(naive, sizes, costs, 1, 0.1).minimum_budget_bytes;
-  EXPECT_LT(smallest * 1.1, naive_budget) << "the test needs naive training to cost more";
-  return (smallest + naive_budget) / 2;
+  const auto naive_peak = plan::fit(naive, sizes, costs, 1, 0.1).breakdown.peak_bytes;
+  EXPECT_LT(smallest * 1.1, naive_peak) << "the test needs naive training to cost more";
+  return {smallest, naive_peak};
 }
 
 }  // namespace
@@ -295,7 +296,8 @@ TEST(Planner, ChosenPlanFitsUnderTheBudgetAllocator) {
   request.model = spec;
   request.frames = 160;
   request.keep = 1;
-  const int64_t budget = budget_between_smallest_and_naive(request, sizes, costs);
+  const auto [smallest, naive_peak] = smallest_budget_and_naive_peak(request, sizes, costs);
+  const int64_t budget = (smallest + naive_peak) / 2;
   const auto chosen = plan::fit(request, sizes, costs, budget, 0.1);
   ASSERT_TRUE(chosen.fits) << chosen.advice;
   EXPECT_FALSE(chosen.settings.naive());
@@ -324,13 +326,16 @@ TEST(Planner, ForcedTooLargeChunkFinishesByReplanning) {
   plan::PlanRequest request;
   request.model = spec;
   request.frames = 160;
-  const int64_t budget = budget_between_smallest_and_naive(request, sizes, {{Precision::FP32, costs}});
+  const auto [smallest, naive_peak] =
+      smallest_budget_and_naive_peak(request, sizes, {{Precision::FP32, costs}});
+  const int64_t budget = (smallest + naive_peak) / 2;
   plan::StepSettings naive;
   naive.frames = request.frames;
   auto model = build(spec, naive);  // chunk 0: naive, forced
   model.step->replan = plan::make_replanner(request, sizes, costs, Precision::FP32, budget, 0.1);
   const auto v = video(request.frames, spec.size, spec.classes);
   auto& tracker = memory::Tracker::cpu();
+  model.step->step({v});  // without a budget: optimizer state and gradients exist from now on
   tracker.set_budget(budget);
   engine::StepReport report;
   EXPECT_NO_THROW(report = model.step->step({v}));

@@ -69,7 +69,9 @@ struct ChunkCosts {
   Linear nograd_peak;    // forward without grad (frozen and trained stages)
   Linear grad_peak;      // forward with grad of the trained stages
   Linear saved;          // left allocated by that forward: the graph's saved tensors and output
-  Linear backward_peak;  // forward with grad then gradients of the trained parameters
+  Linear backward_peak;  // forward with grad then gradients of the trained parameters returned
+                         // (the engine's recompute: torch::autograd::grad)
+  Linear accumulate_peak;  // ... then backward() adding into existing .grad (naive training)
   Linear frozen_output;  // the frozen stages' output (what --cache-frozen keeps per chunk)
   Linear head_peak;      // head forward, loss and backward over n frames' features
   Linear nograd_seconds, grad_seconds, backward_seconds, frozen_seconds, head_seconds;
