@@ -24,3 +24,6 @@ echo "== one training step over all 600 frames: ResNet-18 + LSTM head, recomputi
 build/src/cli/framefit bench-step --model resnet18 --head lstm --frames 600 --size 112 --chunk 32
 echo "== the same step trained naively (every frame's activations kept for backward)"
 build/src/cli/framefit bench-step --model resnet18 --head lstm --frames 600 --size 112 --chunk 0
+echo "== the planner: seeds/000 at full size (ResNet-50 + LSTM, 2,000 frames of 224x224) in 8 GiB"
+build/src/cli/framefit plan --model resnet50 --head lstm --frames 2000 --size 224 --budget 8GiB \
+  --precision auto

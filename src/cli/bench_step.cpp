@@ -110,7 +110,8 @@ Planned plan_step(const Args& args) {
     planned.settings.cache_frozen = args.on("cache-frozen");
   }
   const int64_t budget = tracker.available_bytes();
-  if (!auto_chunk && tracker.budget_bytes() == 0) return planned;
+  // Fixed settings need no plan; without a budget or with --no-retry no re-planning either.
+  if (!auto_chunk && (tracker.budget_bytes() == 0 || args.on("no-retry"))) return planned;
   // The doctor's static minimum needs no calibration: an impossible budget fails right away.
   const auto sizes = plan::static_sizes(request.model);
   const int64_t minimum = plan::static_minimum_bytes(sizes, request.frames);
@@ -164,12 +165,16 @@ int run_bench_step(const Args& args) {
   {
     std::optional<memory::TraceRecorder> trace;
     if (args.has("trace")) trace.emplace(tracker);
+    memory::LeakDetector leaks;
     for (int64_t i = 0; i < args.integer("steps"); ++i) {
       if (trace) trace->mark("step " + std::to_string(i + 1));
       reports.push_back(model.step->step({video}));
       if (!args.on("json")) {
         fmt::print("  step {}: {:.2f} s, {}\n", i + 1, reports.back().seconds,
                    memory::memory_line(tracker, reports.back().peak_bytes));
+      }
+      if (auto warning = leaks.record(tracker.current_bytes(), reports.back().phases)) {
+        retries.push_back("warning: " + *warning);
       }
     }
     if (trace) trace->write(args.text("trace"));
@@ -299,7 +304,8 @@ int run_bench_memory(const Args& args) {
       model.step->step({video});  // warm-up
       memory::reset_rss_peak();
       tracker.reset_peak();
-      for (int64_t i = 0; i < args.integer("steps"); ++i) {
+      memory::LeakDetector leaks;
+    for (int64_t i = 0; i < args.integer("steps"); ++i) {
         const auto report = model.step->step({video});
         peak = std::max(peak, report.peak_bytes);
         seconds.push_back(report.seconds);

@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <array>
+
 namespace framefit::models {
 
 NormKind parse_norm_kind(const std::string& name) {
@@ -118,6 +120,22 @@ torch::Tensor ResidualBlockImpl::forward(const torch::Tensor& x) {
 // ---------------------------------------------------------------------------------------------
 // ResNet
 
+namespace {
+// Blocks per layer and block kind of each depth (torchvision's table).
+struct Layout {
+  std::array<int64_t, 4> blocks;
+  bool bottleneck;
+};
+Layout layout_of(int64_t depth) {
+  switch (depth) {
+    case 18: return {{2, 2, 2, 2}, false};
+    case 34: return {{3, 4, 6, 3}, false};
+    case 50: return {{3, 4, 6, 3}, true};
+    default: TORCH_CHECK(false, "ResNet depth must be 18, 34 or 50; got ", depth);
+  }
+}
+}  // namespace
+
 int64_t parse_resnet_name(const std::string& name) {
   if (name == "resnet18") return 18;
   if (name == "resnet34") return 34;
@@ -126,14 +144,9 @@ int64_t parse_resnet_name(const std::string& name) {
 }
 
 ResNetImpl::ResNetImpl(const ResNetOptions& options) : options_(options) {
-  std::vector<int64_t> blocks;
-  bool bottleneck = false;
-  switch (options.depth()) {
-    case 18: blocks = {2, 2, 2, 2}; break;
-    case 34: blocks = {3, 4, 6, 3}; break;
-    case 50: blocks = {3, 4, 6, 3}; bottleneck = true; break;
-    default: TORCH_CHECK(false, "ResNet depth must be 18, 34 or 50; got ", options.depth());
-  }
+  const Layout layout = layout_of(options.depth());
+  const auto& blocks = layout.blocks;
+  const bool bottleneck = layout.bottleneck;
   TORCH_CHECK(options.num_classes() >= 0, "num_classes must be >= 0 (0 = feature mode); got ",
               options.num_classes());
   const auto norm = Norm2dOptions(64).kind(options.norm()).groups(options.groups());
@@ -261,14 +274,9 @@ torch::Tensor ResNetImpl::forward(const torch::Tensor& x) {
 namespace framefit::models {
 
 ResNetSize resnet_size(const ResNetOptions& options) {
-  std::vector<int64_t> blocks;
-  bool bottleneck = false;
-  switch (options.depth()) {
-    case 18: blocks = {2, 2, 2, 2}; break;
-    case 34: blocks = {3, 4, 6, 3}; break;
-    case 50: blocks = {3, 4, 6, 3}; bottleneck = true; break;
-    default: TORCH_CHECK(false, "ResNet depth must be 18, 34 or 50; got ", options.depth());
-  }
+  const Layout layout = layout_of(options.depth());
+  const auto& blocks = layout.blocks;
+  const bool bottleneck = layout.bottleneck;
   const int64_t stage_count = options.drop_layer4() ? 4 : 5;
   int64_t frozen = 0;
   if (!options.freeze().empty()) {
