@@ -38,14 +38,7 @@ BenchModel build(const Args& args, const Settings& settings) {
   const auto dtype = args.text("dtype") == "float64" ? torch::kFloat64 : torch::kFloat32;
   torch::manual_seed(static_cast<uint64_t>(args.integer("seed")));
   BenchModel m;
-  auto options = models::ResNetOptions(models::parse_resnet_name(args.text("model")))
-                     .num_classes(0)
-                     .norm(models::parse_norm_kind(args.text("norm")))
-                     .groups(args.integer("groups"))
-                     .drop_layer4(args.on("drop-layer4"))
-                     .channels_last(args.on("channels-last"));
-  if (args.has("freeze")) options.freeze(args.text("freeze"));
-  m.encoder = models::ResNet(options);
+  m.encoder = models::ResNet(model_spec(args).encoder_options());
   m.head = models::make_head(args.text("head"), m.encoder->feature_dim(), args.integer("classes"));
   m.encoder->to(device, dtype);
   m.head->to(device, dtype);

@@ -155,13 +155,7 @@ ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision,
               "calibration needs two different chunk sizes and two different head lengths");
   torch::manual_seed(options.seed);
   Probed model;
-  model.encoder = models::ResNet(models::ResNetOptions(models::parse_resnet_name(spec.model))
-                                     .num_classes(0)
-                                     .norm(models::parse_norm_kind(spec.norm))
-                                     .groups(spec.groups)
-                                     .freeze(spec.freeze)
-                                     .drop_layer4(spec.drop_layer4)
-                                     .channels_last(spec.channels_last));
+  model.encoder = models::ResNet(spec.encoder_options());
   model.encoder->to(spec.device, spec.dtype);
   model.encoder->train();
   model.frame_encoder = engine::frame_encoder(model.encoder.ptr());

@@ -17,14 +17,18 @@ std::string ModelSpec::calibration_key(engine::Precision precision) const {
                   engine::to_string(precision), "/", device.type() == torch::kCPU ? "cpu" : "cuda");
 }
 
+models::ResNetOptions ModelSpec::encoder_options() const {
+  return models::ResNetOptions(models::parse_resnet_name(model))
+      .num_classes(0)
+      .norm(models::parse_norm_kind(norm))
+      .groups(groups)
+      .freeze(freeze)
+      .drop_layer4(drop_layer4)
+      .channels_last(channels_last);
+}
+
 StaticSizes static_sizes(const ModelSpec& spec) {
-  const auto options = models::ResNetOptions(models::parse_resnet_name(spec.model))
-                           .num_classes(0)
-                           .norm(models::parse_norm_kind(spec.norm))
-                           .groups(spec.groups)
-                           .freeze(spec.freeze)
-                           .drop_layer4(spec.drop_layer4);
-  const auto encoder = models::resnet_size(options);
+  const auto encoder = models::resnet_size(spec.encoder_options());
   int64_t head_largest = 0;
   const int64_t head =
       models::head_parameter_count(spec.head, encoder.feature_dim, spec.classes, &head_largest);

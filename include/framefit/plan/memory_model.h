@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "framefit/engine/amp.h"
+#include "framefit/models/resnet.h"
 
 namespace framefit::plan {
 
@@ -36,6 +37,8 @@ struct ModelSpec {
   // Identifies what calibration measures: everything above but the head's classes and the
   // optimizer, plus the precision.
   std::string calibration_key(engine::Precision precision) const;
+  // The encoder this describes, in feature mode (what static sizes, probes and the CLI build).
+  models::ResNetOptions encoder_options() const;
 };
 
 // Sizes known from the description alone (no allocation).
