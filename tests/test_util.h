@@ -2,6 +2,9 @@
 // Helpers shared by the test files.
 #include <c10/util/Exception.h>
 
+#include <ftw.h>
+
+#include <cstdio>
 #include <functional>
 #include <string>
 
@@ -15,6 +18,15 @@ inline std::string error_message(const std::function<void()>& f) {
     return e.what_without_backtrace();
   }
   return "";
+}
+
+// Removes a directory tree. Not std::filesystem::remove_all: with pip's LibTorch 2.11 (GPU check)
+// it crashed, resolving to the copy of std::filesystem that LibTorch exports.
+inline void remove_tree(const std::string& path) {
+  nftw(
+      path.c_str(),
+      [](const char* file, const struct stat*, int, struct FTW*) { return std::remove(file); }, 16,
+      FTW_DEPTH | FTW_PHYS);
 }
 
 }  // namespace framefit::test_util

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "framefit/engine/amp.h"
 #include "framefit/engine/chunked.h"
@@ -234,24 +235,26 @@ std::string CalibrationCache::default_path() {
 CalibrationCache::CalibrationCache(std::string path) : path_(std::move(path)) {
   std::ifstream in(path_);
   if (!in) return;  // no cache yet
-  nlohmann::json file;
-  try {
-    in >> file;
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "calibration cache ", path_, " is not valid JSON (", e.what(),
-                "): delete it and it will be recreated");
-  }
+  // Parsed without exceptions; a damaged entry (edited by hand, truncated) is recalibrated.
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto file = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK(!file.is_discarded(), "calibration cache ", path_,
+              " is not valid JSON: delete it and it will be recreated");
   if (!file.is_object() || file.value("format", "") != "framefit-calibration" ||
-      file.value("version", 0) != kVersion) {
+      file.value("version", 0) != kVersion || !file.contains("entries") ||
+      !file["entries"].is_object()) {
     return;  // another version: recalibrate rather than misread
   }
-  for (const auto& [key, entry] : file.at("entries").items()) {
+  for (const auto& [key, entry] : file["entries"].items()) {
     ChunkCosts costs;
+    bool complete = entry.is_object();
     for (const auto& [name, field] : cost_fields()) {
-      const auto& pair = entry.at(name);
-      (costs.*field) = Linear{pair.at(0).get<double>(), pair.at(1).get<double>()};
+      if (!complete) break;
+      const auto pair = entry.value(name, nlohmann::json());
+      complete = pair.is_array() && pair.size() == 2 && pair[0].is_number() && pair[1].is_number();
+      if (complete) (costs.*field) = Linear{pair[0].get<double>(), pair[1].get<double>()};
     }
-    entries_[key] = costs;
+    if (complete) entries_[key] = costs;  // a damaged entry is recalibrated
   }
 }
 

@@ -2,9 +2,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <iostream>
+
 #include "framefit/engine/chunked.h"
 #include "framefit/engine/step.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/models/heads.h"
 #include "framefit/models/resnet.h"
+#include "framefit/plan/calibration.h"
+#include "framefit/plan/planner.h"
 
 using namespace framefit;
 
@@ -69,4 +75,71 @@ TEST_F(CudaEngine, Fp16StepWithLossScaling) {
   for (int i = 0; i < 3; ++i) report = step.step({video});
   EXPECT_TRUE(report.optimizer_stepped);
   EXPECT_GT(step.scaler().current_scale(), 1.0);
+}
+
+// The planner on CUDA: costs calibrated on the GPU, a plan for a budget between the smallest
+// plan and naive training, and real steps under that budget (CUDA's tracker enforces it).
+TEST_F(CudaEngine, PlannedStepFitsTheBudgetAndMatchesThePrediction) {
+  plan::ModelSpec spec;
+  spec.model = "resnet18";
+  spec.head = "linear";
+  spec.classes = 3;
+  spec.norm = "group_norm";
+  spec.groups = 8;
+  spec.size = 64;
+  spec.optimizer = "sgd";
+  spec.device = cuda;
+  plan::CalibrationOptions calibration;
+  calibration.chunk_frames = {2, 6};
+  calibration.head_frames = {16, 48};
+  const auto costs = plan::calibrate(spec, engine::Precision::FP32, calibration);
+  const auto sizes = plan::static_sizes(spec);
+  const std::map<engine::Precision, plan::ChunkCosts> by_precision = {{engine::Precision::FP32, costs}};
+  plan::PlanRequest request;
+  request.model = spec;
+  request.frames = 160;
+  request.keep = 1;
+  const auto smallest = plan::fit(request, sizes, by_precision, 1, 0.1).minimum_budget_bytes;
+  auto naive_request = request;
+  naive_request.chunk = 0;
+  naive_request.keep = 0;
+  const auto naive_peak = plan::fit(naive_request, sizes, by_precision, 1, 0.1).breakdown.peak_bytes;
+  ASSERT_LT(smallest, naive_peak);
+  const int64_t budget = (smallest + naive_peak) / 2;
+  const auto chosen = plan::fit(request, sizes, by_precision, budget, 0.1);
+  ASSERT_TRUE(chosen.fits) << chosen.advice;
+
+  torch::manual_seed(1);
+  models::ResNet net(spec.encoder_options());
+  auto head = models::make_head(spec.head, net->feature_dim(), spec.classes);
+  net->to(cuda);
+  head->to(cuda);
+  auto encoder = engine::frame_encoder(net.ptr());
+  auto params = encoder.parameters;
+  for (auto& p : head->parameters()) params.push_back(p);
+  engine::StepOptions options;
+  options.chunked.chunk = chosen.settings.chunk;
+  options.chunked.keep = chosen.settings.keep;
+  options.chunked.cache_frozen = chosen.settings.cache_frozen;
+  options.chunked.device = cuda;
+  engine::OptimizerOptions optimizer;
+  optimizer.kind = spec.optimizer;
+  engine::TrainingStep step(encoder, head, engine::make_optimizer(params, optimizer), options);
+  engine::Video video{torch::randint(0, 256, {request.frames, 3, spec.size, spec.size}).to(torch::kUInt8),
+                      torch::randint(0, spec.classes, {request.frames}, torch::kLong), "gpu video"};
+  auto& tracker = memory::Tracker::of(cuda);
+  tracker.set_budget(budget);
+  engine::StepReport first, second;
+  EXPECT_NO_THROW({
+    first = step.step({video});
+    second = step.step({video});
+  });
+  tracker.set_budget(0);
+  EXPECT_TRUE(first.replans.empty() && second.replans.empty());
+  const double measured = static_cast<double>(second.peak_bytes);
+  std::cout << "[ cuda plan ] chunk " << chosen.settings.chunk << " keep " << chosen.settings.keep
+            << ", budget " << budget << ", predicted " << chosen.breakdown.peak_bytes << ", measured "
+            << second.peak_bytes << "\n";
+  EXPECT_LE(second.peak_bytes, budget);
+  EXPECT_NEAR(static_cast<double>(chosen.breakdown.peak_bytes), measured, 0.10 * measured);
 }

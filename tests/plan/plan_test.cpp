@@ -261,7 +261,7 @@ TEST(Planner, DoesNotFitNamesTheMinimumAndHowToGetThere) {
 
 TEST(Calibration, CacheRoundTripAndVersion) {
   const auto dir = std::filesystem::temp_directory_path() / "framefit_calibration_test";
-  std::filesystem::remove_all(dir);
+  test_util::remove_tree(dir);
   const std::string path = (dir / "calibration.json").string();
   {
     plan::CalibrationCache cache(path);
@@ -280,12 +280,18 @@ TEST(Calibration, CacheRoundTripAndVersion) {
   }
   EXPECT_FALSE(plan::CalibrationCache(path).find("k").has_value()) << "another version is ignored";
   {
+    std::ofstream damaged(path);
+    damaged << R"({"format": "framefit-calibration", "version": )" << plan::CalibrationCache::kVersion
+            << R"(, "entries": {"k": {"grad_peak": [1, 2]}}})";
+  }
+  EXPECT_FALSE(plan::CalibrationCache(path).find("k").has_value()) << "an incomplete entry is ignored";
+  {
     std::ofstream bad(path);
     bad << "{ not json";
   }
   EXPECT_NE(test_util::error_message([&] { plan::CalibrationCache cache(path); }).find(path),
             std::string::npos);
-  std::filesystem::remove_all(dir);
+  test_util::remove_tree(dir);
 }
 
 TEST(Planner, ChosenPlanFitsUnderTheBudgetAllocator) {
