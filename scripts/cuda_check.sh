@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds framefit against the CUDA LibTorch of the python3 on PATH (a GPU machine's PyTorch)
 # and runs the fast tests, the CUDA ones included. No Debian packages are needed there: the CLI
-# is left out, GoogleTest is built from the source tree given as $1, and nlohmann-json (header
+# and FFmpeg are left out, GoogleTest is built from the source tree given as $1, and nlohmann-json (header
 # only; the calibration cache) is found under the prefix given as $3 (default .device/json: a
 # copy of /usr/include/nlohmann and /usr/share/cmake/nlohmann_json as include/ and share/cmake/).
 #   scripts/cuda_check.sh /path/to/googletest-source [build-dir] [json-prefix]
@@ -13,7 +13,7 @@ json_prefix=$(realpath "${3:-.device/json}")
 torch_dir=$(python3 -c 'import os, torch; print(os.path.join(torch.utils.cmake_prefix_path, "Torch"))')
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \
-  -DCMAKE_CXX_STANDARD=20 -DFRAMEFIT_BUILD_CLI=OFF -DFRAMEFIT_GTEST_SOURCE_DIR="$gtest_src" \
+  -DCMAKE_CXX_STANDARD=20 -DFRAMEFIT_BUILD_CLI=OFF -DFRAMEFIT_WITH_FFMPEG=OFF -DFRAMEFIT_GTEST_SOURCE_DIR="$gtest_src" \
   -DCMAKE_PREFIX_PATH="$json_prefix"
 cmake --build "$build" --parallel "$(nproc)" --target framefit_tests_fast
 "$build/tests/framefit_tests_fast"

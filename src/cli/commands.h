@@ -12,6 +12,11 @@ int run_bench_step(const Args& args);
 int run_bench_memory(const Args& args);
 int run_plan(const Args& args);
 int run_doctor(const Args& args);
+int run_make_demo(const Args& args);
+int run_train(const Args& args);
+int run_eval(const Args& args);
+int run_predict(const Args& args);
+int run_export(const Args& args);
 
 // Shared by the commands that plan (plan.cpp).
 plan::ModelSpec model_spec(const Args& args);

@@ -26,6 +26,22 @@ const std::vector<Command>& command_table() {
       {"bench-memory",
        "Measured peak memory (tracked and RSS) and step time across chunk sizes, next to the "
        "memory model's predictions and their error."},
+      {"make-demo",
+       "Write the demo data set: synthetic procedure videos as MP4 files and JPEG frame folders "
+       "with Cholec80-style phase annotations and CSV manifests. Two pairs of phases look alike "
+       "and differ only in what came before, so a per-frame model cannot tell them apart."},
+      {"train",
+       "Train an encoder and temporal head on videos from a YAML config (--set overrides any "
+       "key), planned to fit train.budget: progress, validation each epoch, a JSONL log, atomic "
+       "checkpoints (keep-last-N plus best), --resume to continue a stopped run exactly."},
+      {"eval",
+       "Phase-recognition metrics of a checkpoint on a split of its data set (frame accuracy, "
+       "per-phase precision, recall, F1 and Jaccard, macro averages)."},
+      {"predict",
+       "Per-frame phase predictions for one video file or frame folder, as CSV."},
+      {"export",
+       "Write a checkpoint's weights as a state_dict PyTorch loads (torch.load): "
+       "encoder.<torchvision name> and head.<name>."},
   };
   return commands;
 }
@@ -136,6 +152,41 @@ const std::vector<Flag>& flag_table() {
        false, {}, 0},
       {"seed", with({"extract"}, step), FlagType::Int, "Random seed.", "0", false, {}, 0},
       {"device", with({"extract"}, step), FlagType::Text, "cpu, cuda or cuda:N.", "cpu"},
+      // make-demo
+      {"out", {"make-demo"}, FlagType::Path, "Folder to write the demo data set into.", "", true},
+      {"train-videos", {"make-demo"}, FlagType::Int, "Training videos.", "12", false, {}, 1},
+      {"val-videos", {"make-demo"}, FlagType::Int, "Validation videos.", "3", false, {}, 0},
+      {"test-videos", {"make-demo"}, FlagType::Int, "Held-out test videos.", "4", false, {}, 0},
+      {"min-frames", {"make-demo"}, FlagType::Int, "Shortest video, frames at 25 fps.", "300",
+       false, {}, 25},
+      {"max-frames", {"make-demo"}, FlagType::Int, "Longest video, frames at 25 fps.", "1500",
+       false, {}, 25},
+      {"no-frame-folders", {"make-demo"}, FlagType::Switch,
+       "Write MP4 files only, no JPEG frame folders.", ""},
+      {"seed", {"make-demo"}, FlagType::Int, "Random seed.", "0", false, {}, 0},
+      // train, eval, predict, export
+      {"config", {"train"}, FlagType::ExistingFile,
+       "YAML config: model.*, data.*, train.*, device (see docs/training.md for every key).", "",
+       true},
+      {"set", {"train", "eval", "predict"}, FlagType::Repeated,
+       "Override a config key: --set train.lr=0.0005 (repeatable; the value is YAML).", ""},
+      {"resume", {"train"}, FlagType::Text,
+       "Continue a stopped run: auto (the newest checkpoint in train.out_dir) or a checkpoint "
+       "path. Model, optimizer, loss scaler, RNG, data order and step are restored.", ""},
+      {"checkpoint", {"eval", "predict", "export"}, FlagType::ExistingFile,
+       "Checkpoint written by framefit train (best.pt or checkpoints/step_*.pt).", "", true},
+      {"split", {"eval"}, FlagType::Text,
+       "Manifest split to evaluate (default: the config's data.test_split).", ""},
+      {"video", {"predict"}, FlagType::Text, "Video file or folder of frame images.", "", true},
+      {"fps", {"predict"}, FlagType::Text,
+       "Frame rate of a frame folder (video files know theirs).", ""},
+      {"out", {"eval", "predict"}, FlagType::Path,
+       "eval: also write the metrics as JSON here; predict: the CSV (default: standard output).",
+       ""},
+      {"out", {"export"}, FlagType::Path, "The state_dict file to write (.pt).", "", true},
+      {"json", {"eval", "train"}, FlagType::Switch, "Print the result as JSON.", ""},
+      {"threads", {"make-demo", "train", "eval", "predict", "export"}, FlagType::Int,
+       "Compute threads; 0 = all cores.", "0", false, {}, 0},
   };
   return flags;
 }
@@ -157,6 +208,14 @@ int64_t Args::bytes(const std::string& flag) const {
 }
 
 bool Args::on(const std::string& flag) const { return has(flag) && text(flag) == "true"; }
+
+std::vector<std::string> Args::list(const std::string& flag) const {
+  std::vector<std::string> out;
+  if (!has(flag)) return out;
+  std::stringstream lines(text(flag));
+  for (std::string line; std::getline(lines, line);) out.push_back(line);
+  return out;
+}
 
 namespace {
 
@@ -218,6 +277,19 @@ void add_flag(CLI::App& app, const Flag& flag, std::map<std::string, std::string
   if (flag.type == FlagType::Switch) {
     app.add_flag_callback(name, [&values, flag] { values[flag.name] = "true"; }, flag.help)
         ->multi_option_policy(CLI::MultiOptionPolicy::Throw);
+    return;
+  }
+  if (flag.type == FlagType::Repeated) {  // one value per occurrence, kept in order
+    app.add_option_function<std::vector<std::string>>(
+           name,
+           [&values, flag](const std::vector<std::string>& v) {
+             std::string joined;
+             for (const auto& item : v) joined += (joined.empty() ? "" : "\n") + item;
+             values[flag.name] = joined;
+           },
+           flag.help)
+        ->allow_extra_args(false)
+        ->take_all();
     return;
   }
   auto* option = app.add_option_function<std::string>(

@@ -19,6 +19,7 @@ enum class FlagType {
   Fraction,      // a number in [0, 1)
   Choice,        // one of `choices`
   Switch,        // present or absent, takes no value
+  Repeated,      // given any number of times (--set a=1 --set b=2); Args::list reads them
 };
 
 struct Flag {
@@ -52,6 +53,7 @@ class Args {
   double number(const std::string& flag) const;
   int64_t bytes(const std::string& flag) const;  // 0 when absent
   bool on(const std::string& flag) const;        // a Switch
+  std::vector<std::string> list(const std::string& flag) const;  // a Repeated flag's values
   const std::map<std::string, std::string>& values() const { return values_; }
 
  private:

@@ -21,6 +21,11 @@ int main(int argc, char** argv) {
       {"bench-memory", cli::run_bench_memory},
       {"plan", cli::run_plan},
       {"doctor", cli::run_doctor},
+      {"make-demo", cli::run_make_demo},
+      {"train", cli::run_train},
+      {"eval", cli::run_eval},
+      {"predict", cli::run_predict},
+      {"export", cli::run_export},
   };
   try {
     RuntimeOptions runtime;

@@ -45,13 +45,7 @@ plan::PlanRequest plan_request(const Args& args) {
   if (cache == "off") request.cache_frozen = false;
   const std::string precision = args.text("precision");
   if (precision == "auto") {
-    request.precisions = {engine::Precision::FP32};
-    if (request.model.device.is_cuda()) {
-      request.precisions.push_back(engine::Precision::FP16);
-      request.precisions.push_back(engine::Precision::BF16);
-    } else if (machine_info().cpu_flags.find("bf16") != std::string::npos) {
-      request.precisions.push_back(engine::Precision::BF16);
-    }
+    request.precisions = plan::candidate_precisions(request.model.device);
   } else {
     request.precisions = {engine::parse_precision(precision)};
   }

@@ -1,5 +1,7 @@
 #include "framefit/plan/planner.h"
 
+#include "framefit/core/runtime.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -306,6 +308,17 @@ LargestChunk find_largest_chunk(const PlanRequest& request, const StaticSizes& s
     if (ceiling < 1) break;
   }
   return result;
+}
+
+std::vector<engine::Precision> candidate_precisions(torch::Device device) {
+  std::vector<engine::Precision> precisions = {engine::Precision::FP32};
+  if (device.is_cuda()) {
+    precisions.push_back(engine::Precision::FP16);
+    precisions.push_back(engine::Precision::BF16);
+  } else if (machine_info().cpu_flags.find("bf16") != std::string::npos) {
+    precisions.push_back(engine::Precision::BF16);
+  }
+  return precisions;
 }
 
 }  // namespace framefit::plan

@@ -41,6 +41,10 @@ struct Plan {
   int64_t candidates = 0;  // settings evaluated
 };
 
+// The precisions worth trying on `device`: fp32, plus fp16 and bf16 on CUDA, plus bf16 on a CPU
+// with native bf16 instructions (elsewhere bf16 is emulated and slower than fp32).
+std::vector<engine::Precision> candidate_precisions(torch::Device device);
+
 // margin: the fraction of the budget kept free (0.1 = plan for 90% of it).
 Plan fit(const PlanRequest& request, const StaticSizes& sizes,
          const std::map<engine::Precision, ChunkCosts>& costs, int64_t budget_bytes,

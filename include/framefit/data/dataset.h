@@ -1,0 +1,145 @@
+#pragma once
+// Videos with per-frame labels, ready for the training step: decoded (FFmpeg) from video files
+// or frame folders, sampled at a frame rate, resized, cropped and flipped (the same crop and
+// flip for every frame of a video), with reproducible, resumable epoch orders and a
+// memory-bounded prefetch queue decoding in worker threads.
+#include <torch/types.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "framefit/data/labels.h"
+#include "framefit/engine/step.h"
+
+namespace framefit::data {
+
+struct TransformOptions {
+  int64_t resize = 0;        // shorter side after decoding; 0 keeps the source size
+  int64_t crop = 0;          // square crop side; 0: no crop
+  bool random_crop = false;  // training: a random crop offset per video (else centered)
+  bool flip = false;         // training: flip a video horizontally with probability 1/2
+};
+
+struct DataOptions {
+  double fps = 0;  // sampling rate; 0 keeps every source frame
+  TransformOptions transform;
+  bool skip_bad = false;  // data.on_error: skip: drop a bad video with a warning (else: error)
+  int decoder_threads = 1;
+  bool pinned = false;  // page-locked frame memory (training on CUDA)
+};
+
+// The random choices applied to one video, drawn once so all its frames agree.
+struct Augmentation {
+  int64_t top = -1;  // crop offset; -1: centered
+  int64_t left = -1;
+  bool flip = false;
+};
+// Deterministic in (seed, epoch, video): resuming a run redraws the same augmentation.
+Augmentation draw_augmentation(const TransformOptions& options, int64_t height, int64_t width,
+                               uint64_t seed, int64_t epoch, int64_t video);
+
+// The order of `count` videos in `epoch`: a permutation that depends only on (seed, epoch), so a
+// resumed run continues the same order from its saved position. shuffle=false: 0, 1, 2, ...
+std::vector<int64_t> epoch_order(int64_t count, uint64_t seed, int64_t epoch, bool shuffle);
+
+// One video file or frame folder, decoded for inference (no labels): sampled, resized and
+// center-cropped as `options` say. folder_fps: the frame rate of a frame folder.
+struct DecodedVideo {
+  torch::Tensor frames;                // [T,3,H,W] uint8
+  std::vector<int64_t> source_frames;  // the source frame index of each
+  double source_fps = 0;
+};
+DecodedVideo decode_video(const std::string& path, double folder_fps, const DataOptions& options);
+
+class VideoDataset {
+ public:
+  // Probes every video (frame count, frame size) and reads its annotations, so a missing file or
+  // a label count that does not match the frames is found before training. With
+  // options.skip_bad such a video is left out and reported through `on_warning`.
+  VideoDataset(std::vector<VideoEntry> entries, ClassList classes, DataOptions options,
+               const std::function<void(const std::string&)>& on_warning = {});
+
+  int64_t size() const { return static_cast<int64_t>(videos_.size()); }
+  const VideoEntry& entry(int64_t i) const { return videos_.at(i).entry; }
+  const ClassList& classes() const { return classes_; }
+  const DataOptions& options() const { return options_; }
+  int64_t frames(int64_t i) const;  // after sampling
+  int64_t total_frames() const { return offsets_.empty() ? 0 : offsets_.back(); }
+  int64_t skipped() const { return skipped_; }  // videos left out by skip_bad
+  // Frame size after resizing and cropping: {height, width}.
+  std::pair<int64_t, int64_t> frame_size(int64_t i) const;
+  int64_t frame_bytes(int64_t i) const;  // uint8 bytes of video i's frames
+
+  // (video, frame within it) of a frame counted across all videos, in O(log n).
+  std::pair<int64_t, int64_t> locate(int64_t global_frame) const;
+  // Labels of video i's sampled frames (no decoding).
+  torch::Tensor labels(int64_t i) const;
+
+  // Video i's random crop and flip for `epoch` (draw_augmentation with its frame size).
+  Augmentation augmentation(int64_t i, uint64_t seed, int64_t epoch) const;
+
+  // Decodes video i: frames [T,3,H,W] uint8 and labels [T]. Errors name the file.
+  engine::Video load(int64_t i, const Augmentation& augmentation = {}) const;
+
+ private:
+  struct Item {
+    VideoEntry entry;
+    std::vector<std::string> frame_files;  // a frame folder's images, sorted
+    std::vector<int64_t> sampled;          // source frame indices kept
+    std::vector<int64_t> labels;           // per source frame
+    int64_t height = 0, width = 0;         // after resizing, before cropping
+  };
+  Item probe(const VideoEntry& entry) const;
+
+  ClassList classes_;
+  DataOptions options_;
+  std::vector<Item> videos_;
+  std::vector<int64_t> offsets_;  // offsets_[i]: frames of videos 0..i
+  int64_t skipped_ = 0;
+};
+
+// Decodes videos ahead of the consumer in worker threads, in order, holding at most
+// `max_bytes` of decoded frames (a video larger than that is decoded alone).
+class Prefetcher {
+ public:
+  struct Job {
+    std::function<engine::Video()> load;
+    int64_t bytes = 0;  // decoded size, for the memory bound
+  };
+  Prefetcher(std::vector<Job> jobs, int workers, int64_t max_bytes);
+  ~Prefetcher();
+  Prefetcher(const Prefetcher&) = delete;
+  Prefetcher& operator=(const Prefetcher&) = delete;
+
+  bool done() const;
+  // The next video in job order; a job's error is rethrown here, in order.
+  engine::Video next();
+
+ private:
+  struct Slot {
+    bool ready = false;
+    engine::Video video;
+    std::exception_ptr error;
+  };
+  void work();
+
+  std::vector<Job> jobs_;
+  int64_t max_bytes_;
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<Slot> slots_;   // jobs started and not consumed, in order
+  size_t started_ = 0;       // jobs handed to workers
+  size_t consumed_ = 0;      // jobs returned by next()
+  int64_t held_bytes_ = 0;   // decoded or being decoded, not consumed
+  bool stopping_ = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace framefit::data

@@ -1,0 +1,51 @@
+#pragma once
+// Per-frame phase labels and the lists of videos to train on: Cholec80-style annotation files
+// (`Frame<TAB>Phase` lines), a class list mapping phase names to ids, and a CSV manifest.
+// Every error names the file and line.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace framefit::data {
+
+class ClassList {
+ public:
+  ClassList() = default;
+  explicit ClassList(std::vector<std::string> names);  // unique, non-empty names
+  const std::vector<std::string>& names() const& { return names_; }
+  // By value on a temporary, so `for (auto& n : demo_classes().names())` does not dangle.
+  std::vector<std::string> names() && { return std::move(names_); }
+  int64_t size() const { return static_cast<int64_t>(names_.size()); }
+  // -1 when unknown.
+  int64_t find(const std::string& name) const;
+
+ private:
+  std::vector<std::string> names_;
+};
+
+// One label per source frame, in frame order. The file has a header line (`Frame<TAB>Phase`)
+// and one line per frame numbered 0, 1, 2, ... without gaps; tabs or spaces separate the
+// columns. Unknown phase names, gaps, repeats and malformed lines are errors naming the line.
+std::vector<int64_t> read_phase_annotations(const std::string& path, const ClassList& classes);
+void write_phase_annotations(const std::string& path, const std::vector<int64_t>& labels,
+                             const ClassList& classes);
+
+// A video: a file (mp4, avi, mkv, ...) or a folder of frame images, with its annotation file.
+struct VideoEntry {
+  std::string name;
+  std::string video;   // path, resolved against the manifest's folder when relative
+  std::string labels;  // annotation file, same
+  std::string split;   // train | val | test (any name)
+  double fps = 0;      // source frame rate of a frame folder (video files know theirs); 0: unset
+};
+
+// CSV with a header naming the columns: `video` and `labels` are required; `name`, `split` and
+// `fps` are optional (name defaults to the video's file name, split to "train"). Quoted fields
+// ("a, b") are supported. Errors name the file and line.
+std::vector<VideoEntry> read_manifest(const std::string& path);
+void write_manifest(const std::string& path, const std::vector<VideoEntry>& entries);
+
+// The entries of one split.
+std::vector<VideoEntry> select_split(const std::vector<VideoEntry>& entries, const std::string& split);
+
+}  // namespace framefit::data

@@ -1,0 +1,82 @@
+#pragma once
+// A training run's configuration: a YAML file whose keys are all listed in one table
+// (config_keys()), each overridable from the command line as `--set key=value`. Unknown keys and
+// bad values are errors naming the file (or override) and the key.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace framefit::train {
+
+struct ModelConfig {
+  std::string encoder = "resnet18";  // resnet18 | resnet34 | resnet50
+  std::string norm = "group_norm";   // bn | frozen_bn | group_norm
+  int64_t groups = 32;
+  std::string freeze;                // last frozen stage (conv1, layer1..layer4), "" for none
+  std::string head = "lstm";         // lstm | tcn | linear
+  std::string weights;               // torchvision state_dict for the encoder, "" for random
+  bool channels_last = false;
+};
+
+struct DataConfig {
+  std::string manifest;              // CSV (name, video, labels, split, fps)
+  std::vector<std::string> classes;  // phase names, in label-id order
+  double fps = 1;                    // sampling rate; 0 keeps every frame
+  int64_t resize = 0;                // shorter side; 0 keeps
+  int64_t crop = 0;                  // square crop; 0 none
+  bool augment = true;               // training: random crop offset and horizontal flip
+  std::string on_error = "fail";     // fail | skip
+  int64_t workers = 2;               // decoding threads
+  int64_t prefetch_bytes = 256ll << 20;
+  std::string train_split = "train";
+  std::string val_split = "val";
+  std::string test_split = "test";
+};
+
+struct TrainConfig {
+  int64_t epochs = 10;
+  int64_t max_steps = 0;  // optimizer steps; 0: epochs decide
+  std::string optimizer = "adamw";  // sgd | adam | adamw
+  double lr = 1e-3;
+  double weight_decay = 1e-4;
+  double momentum = 0.9;
+  std::string schedule = "cosine";  // constant | step | cosine
+  int64_t warmup_steps = 0;
+  int64_t step_size = 0;  // step schedule: steps between decays (0: one epoch)
+  double gamma = 0.1;
+  double min_lr = 0;      // cosine floor
+  std::string precision = "auto";  // auto | fp32 | bf16 | fp16
+  int64_t budget = 0;              // bytes; 0: the device's free memory
+  std::string chunk = "auto";      // auto | 0 (naive) | frames
+  std::string keep = "auto";       // auto | chunks
+  int64_t accumulate = 1;          // videos per optimizer step
+  double clip_grad_norm = 0;
+  double smoothing = 0;            // MS-TCN smoothing loss weight
+  bool class_weights = false;      // weight classes by inverse frequency in the training split
+  uint64_t seed = 0;
+  std::string out_dir = "runs/train";
+  int64_t keep_last = 2;           // checkpoints kept besides the best
+  int64_t checkpoint_every = 0;    // optimizer steps; 0: at the end of each epoch
+  bool validate = true;            // evaluate the validation split after each epoch
+};
+
+struct Config {
+  ModelConfig model;
+  DataConfig data;
+  TrainConfig train;
+  std::string device = "cpu";
+};
+
+struct ConfigKey {
+  std::string name;  // "train.lr"
+  std::string help;
+};
+const std::vector<ConfigKey>& config_keys();
+
+// `overrides` are "key=value" (value in YAML syntax: 0.001, bf16, [a, b]).
+Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+Config parse_config(const std::string& yaml_text, const std::string& source,
+                    const std::vector<std::string>& overrides = {});
+std::string to_yaml(const Config& config);  // every key, loadable by parse_config
+
+}  // namespace framefit::train

@@ -1,0 +1,89 @@
+#pragma once
+// Training runs: a model from a config, trained through the planner-chosen chunked step on a
+// video data set, validated each epoch, checkpointed atomically (keep-last-N plus best) and
+// resumable exactly; evaluation, prediction and export from checkpoints. The library never
+// prints: everything worth saying arrives as an Event; files go to train.out_dir
+// (checkpoints/, best.pt, log.jsonl, config.yaml).
+#include <torch/types.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "framefit/data/dataset.h"
+#include "framefit/engine/amp.h"
+#include "framefit/models/heads.h"
+#include "framefit/models/resnet.h"
+#include "framefit/models/weights.h"
+#include "framefit/train/config.h"
+#include "framefit/train/metrics.h"
+
+namespace framefit::train {
+
+struct Event {
+  enum class Kind { Info, Warning, Step, Epoch, Evaluate };
+  Kind kind = Kind::Info;
+  std::string message;  // Info and Warning
+  // Step: after each optimizer step. Evaluate: after each evaluated video (step = videos done).
+  int64_t step = 0, total_steps = 0;
+  int64_t epoch = 0, epochs = 0;  // 1-based
+  double loss = 0, lr = 0;
+  double frames_per_second = 0, elapsed_seconds = 0, eta_seconds = 0;
+  int64_t peak_bytes = 0;  // tracked tensor peak of the step
+  int64_t rss_bytes = 0;   // resident set size now
+  // Epoch: the epoch's mean training loss and, when validated, the metrics.
+  bool validated = false;
+  bool best = false;  // this epoch's validation is the best so far (best.pt written)
+  PhaseMetrics metrics;
+};
+using EventCallback = std::function<void(const Event&)>;
+
+struct TrainResult {
+  int64_t steps = 0;
+  double seconds = 0;
+  bool validated = false;
+  PhaseMetrics best;  // best validation metrics (frame accuracy decides)
+  std::string best_checkpoint;
+  std::string last_checkpoint;
+  int64_t skipped_videos = 0;  // data.on_error: skip
+};
+
+// resume: "" starts afresh (refusing an out_dir that holds checkpoints), "auto" continues from
+// the newest checkpoint in out_dir, anything else is a checkpoint path.
+TrainResult train(const Config& config, const std::string& resume = "",
+                  const EventCallback& on_event = {});
+
+// A trained (or freshly initialised) model and the config it came from.
+struct Model {
+  Config config;
+  data::ClassList classes;
+  models::ResNet encoder{nullptr};
+  std::shared_ptr<models::TemporalHead> head;
+  torch::Device device = torch::kCPU;
+  engine::Precision precision = engine::Precision::FP32;  // inference autocast
+  int64_t chunk = 64;                                      // inference chunk
+};
+Model build_model(const Config& config);  // initialised from train.seed (and model.weights)
+// The model saved in a checkpoint; device "" keeps the checkpoint config's device.
+Model load_model(const std::string& checkpoint, const std::string& device = "");
+
+// Per-frame predictions for one video's frames [T,3,H,W] uint8: ids [T] and probabilities
+// [T,C] (the last stage of a multi-stage head).
+struct Prediction {
+  torch::Tensor labels;
+  torch::Tensor probabilities;
+};
+Prediction predict(Model& model, const torch::Tensor& frames);
+
+// Every video of `dataset` (center crop, no flip), under inference mode.
+PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset, const EventCallback& on_event = {});
+
+// The data set of `split` as the config describes it (training augmentation off).
+data::VideoDataset make_dataset(const Config& config, const std::string& split, bool training,
+                                const EventCallback& on_event = {});
+
+// Weights as a PyTorch state_dict: "encoder.<torchvision name>" and "head.<name>".
+models::StateDict export_state_dict(const Model& model);
+
+}  // namespace framefit::train

@@ -1,0 +1,241 @@
+// make-demo, train, eval, predict, export: the library does the work and reports through
+// events; this file renders them (a progress bar on a terminal, plain lines otherwise).
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "commands.h"
+#include "framefit/data/dataset.h"
+#include "framefit/data/demo.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/train/trainer.h"
+
+namespace framefit::cli {
+
+namespace {
+
+std::string clock_text(double seconds) {
+  const auto s = static_cast<int64_t>(std::max(0.0, seconds));
+  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+                   : fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+std::string percent(double v) { return std::isnan(v) ? "  -  " : fmt::format("{:5.1f}", 100 * v); }
+
+void print_metrics(const train::PhaseMetrics& m, const data::ClassList& classes) {
+  fmt::print("  frame accuracy {:.2f}% over {} frames\n", 100 * m.accuracy, m.frames);
+  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", "phase", "precision", "recall", "F1", "Jaccard");
+  for (int64_t k = 0; k < classes.size(); ++k) {
+    fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", classes.names()[k], percent(m.precision[k]),
+               percent(m.recall[k]), percent(m.f1[k]), percent(m.jaccard[k]));
+  }
+  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", "macro", percent(m.macro_precision),
+             percent(m.macro_recall), percent(m.macro_f1), percent(m.macro_jaccard));
+}
+
+nlohmann::json metrics_json(const train::PhaseMetrics& m, const data::ClassList& classes) {
+  auto number = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
+  nlohmann::json phases = nlohmann::json::object();
+  for (int64_t k = 0; k < classes.size(); ++k) {
+    phases[classes.names()[k]] = {{"precision", number(m.precision[k])}, {"recall", number(m.recall[k])},
+                                  {"f1", number(m.f1[k])}, {"jaccard", number(m.jaccard[k])}};
+  }
+  return {{"frames", m.frames},           {"accuracy", m.accuracy},
+          {"macro_precision", m.macro_precision}, {"macro_recall", m.macro_recall},
+          {"macro_f1", m.macro_f1},       {"macro_jaccard", m.macro_jaccard},
+          {"phases", phases}};
+}
+
+// Renders training and evaluation events on stderr: one redrawn line on a terminal, plain
+// lines (about 20 per epoch) otherwise.
+class ProgressPrinter {
+ public:
+  explicit ProgressPrinter(std::string command) : command_(std::move(command)), tty_(isatty(2) != 0) {}
+  ~ProgressPrinter() { end_line(); }
+
+  void operator()(const train::Event& e) {
+    using Kind = train::Event::Kind;
+    switch (e.kind) {
+      case Kind::Info:
+        end_line();
+        fmt::print(stderr, "framefit {}: {}\n", command_, e.message);
+        break;
+      case Kind::Warning:
+        end_line();
+        fmt::print(stderr, "framefit {}: warning: {}\n", command_, e.message);
+        break;
+      case Kind::Step: {
+        const std::string text = fmt::format(
+            "epoch {}/{} step {}/{} {} loss {:.4f} lr {:.2e} {:.1f} frames/s mem {} rss {} ETA {}",
+            e.epoch, e.epochs, e.step, e.total_steps, bar(e.step, e.total_steps), e.loss, e.lr,
+            e.frames_per_second, memory::format_bytes(e.peak_bytes), memory::format_bytes(e.rss_bytes),
+            clock_text(e.eta_seconds));
+        const int64_t every = std::max<int64_t>(1, e.total_steps / (20 * std::max<int64_t>(1, e.epochs)));
+        show(text, e.step % every == 0 || e.step == e.total_steps);
+        break;
+      }
+      case Kind::Evaluate:
+        show(fmt::format("evaluating {}/{} videos {} {:.1f} frames/s", e.step, e.total_steps,
+                         bar(e.step, e.total_steps), e.frames_per_second),
+             e.step == e.total_steps);
+        break;
+      case Kind::Epoch:
+        end_line();
+        if (e.validated) {
+          fmt::print(stderr,
+                     "framefit {}: epoch {}/{} done at {}: train loss {:.4f}, validation accuracy "
+                     "{:.2f}%, macro F1 {:.2f}%{}\n",
+                     command_, e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss,
+                     100 * e.metrics.accuracy, 100 * e.metrics.macro_f1, e.best ? " (best so far)" : "");
+        } else {
+          fmt::print(stderr, "framefit {}: epoch {}/{} done at {}: train loss {:.4f}\n", command_,
+                     e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss);
+        }
+        break;
+    }
+  }
+
+ private:
+  static std::string bar(int64_t done, int64_t total) {
+    const int width = 20;
+    const int filled = total > 0 ? static_cast<int>(width * done / total) : 0;
+    return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
+  }
+  void show(const std::string& text, bool plain_line) {
+    if (tty_) {
+      fmt::print(stderr, "\r\033[K{}", text);
+      open_ = true;
+    } else if (plain_line) {
+      fmt::print(stderr, "framefit {}: {}\n", command_, text);
+    }
+  }
+  void end_line() {
+    if (open_) fmt::print(stderr, "\n");
+    open_ = false;
+  }
+  std::string command_;
+  bool tty_;
+  bool open_ = false;
+};
+
+}  // namespace
+
+int run_make_demo(const Args& args) {
+  data::DemoOptions options;
+  options.train_videos = args.integer("train-videos");
+  options.val_videos = args.integer("val-videos");
+  options.test_videos = args.integer("test-videos");
+  options.min_frames = args.integer("min-frames");
+  options.max_frames = args.integer("max-frames");
+  options.frame_folders = !args.on("no-frame-folders");
+  options.seed = static_cast<uint64_t>(args.integer("seed"));
+  const auto summary = data::make_demo(args.text("out"), options, [](const std::string& name, int64_t frames) {
+    fmt::print(stderr, "framefit make-demo: {} ({} frames)\n", name, frames);
+  });
+  fmt::print("wrote {} videos ({} frames) to {}\n  manifest (MP4):           {}\n", summary.videos,
+             summary.frames, args.text("out"), summary.manifest);
+  if (!summary.frames_manifest.empty()) {
+    fmt::print("  manifest (frame folders): {}\n", summary.frames_manifest);
+  }
+  std::string classes;
+  const auto demo_classes = data::demo_classes();
+  for (const auto& name : demo_classes.names()) classes += (classes.empty() ? "" : ", ") + name;
+  fmt::print("  classes: [{}]\n", classes);
+  return 0;
+}
+
+int run_train(const Args& args) {
+  const auto config = train::load_config(args.text("config"), args.list("set"));
+  ProgressPrinter printer("train");
+  const auto result = train::train(config, args.has("resume") ? args.text("resume") : "",
+                                   [&](const train::Event& e) { printer(e); });
+  const data::ClassList classes(config.data.classes);
+  if (args.on("json")) {
+    nlohmann::json out = {{"steps", result.steps}, {"seconds", result.seconds},
+                          {"best_checkpoint", result.best_checkpoint},
+                          {"last_checkpoint", result.last_checkpoint},
+                          {"skipped_videos", result.skipped_videos}};
+    if (result.validated) out["best_validation"] = metrics_json(result.best, classes);
+    fmt::print("{}\n", out.dump(2));
+    return 0;
+  }
+  fmt::print("trained {} steps in {}; checkpoints in {}\n", result.steps, clock_text(result.seconds),
+             config.train.out_dir);
+  if (result.validated) {
+    fmt::print("best validation (written to {}):\n", result.best_checkpoint);
+    print_metrics(result.best, classes);
+  }
+  if (result.skipped_videos > 0) fmt::print("skipped {} bad videos\n", result.skipped_videos);
+  return 0;
+}
+
+int run_eval(const Args& args) {
+  auto model = train::load_model(args.text("checkpoint"));
+  if (args.has("set")) {
+    // Overrides apply to the checkpoint's own config (e.g. another data.manifest).
+    model.config = train::parse_config(train::to_yaml(model.config), "the checkpoint's config", args.list("set"));
+  }
+  const std::string split = args.has("split") ? args.text("split") : model.config.data.test_split;
+  ProgressPrinter printer("eval");
+  auto on_event = [&](const train::Event& e) { printer(e); };
+  const auto dataset = train::make_dataset(model.config, split, false, on_event);
+  TORCH_CHECK(dataset.size() > 0, "no videos in split \"", split, "\" of ", model.config.data.manifest);
+  const auto metrics = train::evaluate(model, dataset, on_event);
+  const auto json = metrics_json(metrics, model.classes);
+  if (args.has("out")) std::ofstream(args.text("out")) << json.dump(2) << "\n";
+  if (args.on("json")) {
+    fmt::print("{}\n", json.dump(2));
+  } else {
+    fmt::print("{} on split \"{}\" ({} videos):\n", args.text("checkpoint"), split, dataset.size());
+    print_metrics(metrics, model.classes);
+  }
+  return 0;
+}
+
+int run_predict(const Args& args) {
+  auto model = train::load_model(args.text("checkpoint"));
+  if (args.has("set")) {
+    model.config = train::parse_config(train::to_yaml(model.config), "the checkpoint's config", args.list("set"));
+  }
+  data::DataOptions options;
+  options.fps = model.config.data.fps;
+  options.transform.resize = model.config.data.resize;
+  options.transform.crop = model.config.data.crop;
+  double folder_fps = 0;
+  if (args.has("fps")) folder_fps = std::stod(args.text("fps"));
+  const auto video = data::decode_video(args.text("video"), folder_fps, options);
+  const auto prediction = train::predict(model, video.frames);
+  std::string csv = "frame,time_seconds,phase,confidence\n";
+  const auto labels = prediction.labels.accessor<int64_t, 1>();
+  const auto probabilities = prediction.probabilities.accessor<float, 2>();
+  for (int64_t t = 0; t < labels.size(0); ++t) {
+    const int64_t source = video.source_frames[t];
+    const double time = video.source_fps > 0 ? source / video.source_fps : 0;
+    csv += fmt::format("{},{:.3f},{},{:.4f}\n", source, time, model.classes.names()[labels[t]],
+                       probabilities[t][labels[t]]);
+  }
+  if (args.has("out")) {
+    std::ofstream out(args.text("out"));
+    TORCH_CHECK(out.good(), "cannot write ", args.text("out"));
+    out << csv;
+    fmt::print(stderr, "framefit predict: {} frames -> {}\n", labels.size(0), args.text("out"));
+  } else {
+    fmt::print("{}", csv);
+  }
+  return 0;
+}
+
+int run_export(const Args& args) {
+  const auto model = train::load_model(args.text("checkpoint"), "cpu");
+  const auto state = train::export_state_dict(model);
+  models::write_state_dict(state, args.text("out"));
+  fmt::print("wrote {} tensors to {} (encoder.* in torchvision names, head.*)\n", state.size(),
+             args.text("out"));
+  return 0;
+}
+
+}  // namespace framefit::cli

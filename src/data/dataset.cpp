@@ -1,0 +1,300 @@
+#include "framefit/data/dataset.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cctype>
+#include <random>
+
+#include "framefit/data/media.h"
+
+namespace framefit::data {
+
+namespace {
+
+// splitmix64: turns (seed, epoch, video) into independent generator seeds.
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+bool is_directory(const std::string& path) {
+  struct stat info {};
+  return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
+}
+
+bool is_image_name(const std::string& name) {
+  const auto dot = name.rfind('.');
+  if (dot == std::string::npos) return false;
+  std::string ext = name.substr(dot + 1);
+  for (auto& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return ext == "jpg" || ext == "jpeg" || ext == "png" || ext == "bmp";
+}
+
+// A frame folder's images sorted by name (POSIX listing: pip's LibTorch exports its own
+// std::filesystem, which crashed our directory walks when linked against it).
+std::vector<std::string> list_frames(const std::string& folder) {
+  DIR* dir = ::opendir(folder.c_str());
+  TORCH_CHECK(dir != nullptr, "frame folder ", folder, ": cannot open");
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(dir)) {
+    const std::string name = e->d_name;
+    if (name[0] != '.' && is_image_name(name)) names.push_back(name);
+  }
+  ::closedir(dir);
+  std::sort(names.begin(), names.end());
+  for (auto& n : names) n = folder + "/" + n;
+  return names;
+}
+
+}  // namespace
+
+Augmentation draw_augmentation(const TransformOptions& options, int64_t height, int64_t width,
+                               uint64_t seed, int64_t epoch, int64_t video) {
+  Augmentation a;
+  std::mt19937_64 rng(mix(mix(mix(seed) ^ static_cast<uint64_t>(epoch)) ^ static_cast<uint64_t>(video)));
+  if (options.random_crop && options.crop > 0) {
+    a.top = static_cast<int64_t>(rng() % static_cast<uint64_t>(height - options.crop + 1));
+    a.left = static_cast<int64_t>(rng() % static_cast<uint64_t>(width - options.crop + 1));
+  }
+  if (options.flip) a.flip = (rng() & 1) != 0;
+  return a;
+}
+
+std::vector<int64_t> epoch_order(int64_t count, uint64_t seed, int64_t epoch, bool shuffle) {
+  std::vector<int64_t> order(count);
+  for (int64_t i = 0; i < count; ++i) order[i] = i;
+  if (!shuffle) return order;
+  std::mt19937_64 rng(mix(mix(seed) ^ mix(static_cast<uint64_t>(epoch) + 1)));
+  for (int64_t i = count - 1; i > 0; --i) {
+    std::swap(order[i], order[rng() % static_cast<uint64_t>(i + 1)]);
+  }
+  return order;
+}
+
+VideoDataset::VideoDataset(std::vector<VideoEntry> entries, ClassList classes, DataOptions options,
+                           const std::function<void(const std::string&)>& on_warning)
+    : classes_(std::move(classes)), options_(options) {
+  TORCH_CHECK(classes_.size() > 0, "a data set needs a class list (data.classes)");
+  TORCH_CHECK(options_.fps >= 0, "data.fps must be >= 0 (0 keeps every frame), got ", options_.fps);
+  TORCH_CHECK(options_.transform.resize >= 0 && options_.transform.crop >= 0,
+              "data.resize and data.crop must be >= 0");
+  int64_t total = 0;
+  for (auto& entry : entries) {
+    try {
+      videos_.push_back(probe(entry));
+    } catch (const c10::Error& e) {
+      if (!options_.skip_bad) throw;
+      ++skipped_;
+      if (on_warning) on_warning(std::string("skipping video ") + entry.name + ": " + e.what_without_backtrace());
+      continue;
+    }
+    total += static_cast<int64_t>(videos_.back().sampled.size());
+    offsets_.push_back(total);
+  }
+}
+
+namespace {
+
+// What decoding a video needs to know: its frames (file or folder), rate and size.
+struct Source {
+  std::string path;
+  std::vector<std::string> frame_files;  // a frame folder's images, sorted
+  int64_t frames = 0;
+  double fps = 0;
+  int64_t height = 0, width = 0;  // as stored
+};
+
+Source open_source(const std::string& path, double folder_fps, double sample_fps) {
+  Source source;
+  source.path = path;
+  if (is_directory(path)) {
+    source.frame_files = list_frames(path);
+    TORCH_CHECK(!source.frame_files.empty(), "frame folder ", path, ": no JPEG or PNG frames");
+    source.frames = static_cast<int64_t>(source.frame_files.size());
+    source.fps = folder_fps;
+    TORCH_CHECK(sample_fps == 0 || source.fps > 0, "frame folder ", path,
+                ": its frame rate is unknown; give it in the manifest's fps column (or --fps)");
+    std::tie(source.height, source.width) = image_size(source.frame_files.front());
+  } else {
+    VideoReader reader(path);
+    const auto& info = reader.info();
+    source.frames = info.frames;
+    source.fps = info.fps;
+    source.height = info.height;
+    source.width = info.width;
+  }
+  return source;
+}
+
+// Decodes `sampled` source frames at (height, width), then crops and flips.
+torch::Tensor decode_source(const Source& source, const std::vector<int64_t>& sampled, int64_t height,
+                            int64_t width, const DataOptions& options, const Augmentation& augmentation) {
+  const int64_t t = static_cast<int64_t>(sampled.size());
+  auto frames = torch::empty({t, 3, height, width},
+                             torch::TensorOptions(torch::kUInt8).pinned_memory(options.pinned));
+  if (!source.frame_files.empty()) {
+    for (int64_t k = 0; k < t; ++k) read_image(source.frame_files[sampled[k]], frames[k]);
+  } else {
+    VideoReader reader(source.path, options.decoder_threads);
+    reader.read(sampled, frames);
+  }
+  const int64_t crop = options.transform.crop;
+  if (crop > 0 && (crop != height || crop != width)) {
+    const int64_t top = augmentation.top >= 0 ? augmentation.top : (height - crop) / 2;
+    const int64_t left = augmentation.left >= 0 ? augmentation.left : (width - crop) / 2;
+    TORCH_CHECK(top + crop <= height && left + crop <= width, "crop offset outside the frame");
+    frames = frames.narrow(2, top, crop).narrow(3, left, crop).contiguous();
+  }
+  if (augmentation.flip) frames = frames.flip({3});
+  return frames;
+}
+
+void check_crop(const std::string& path, int64_t crop, int64_t height, int64_t width) {
+  TORCH_CHECK(crop <= std::min(height, width), "video ", path, ": crop ", crop,
+              " is larger than its frames (", height, "x", width,
+              " after resizing); lower data.crop or raise data.resize");
+}
+
+}  // namespace
+
+DecodedVideo decode_video(const std::string& path, double folder_fps, const DataOptions& options) {
+  const auto source = open_source(path, folder_fps, options.fps);
+  DecodedVideo out;
+  out.source_fps = source.fps;
+  out.source_frames = sample_indices(source.frames, source.fps, options.fps);
+  const auto [height, width] = resized_hw(source.height, source.width, options.transform.resize);
+  check_crop(path, options.transform.crop, height, width);
+  out.frames = decode_source(source, out.source_frames, height, width, options, {});
+  return out;
+}
+
+VideoDataset::Item VideoDataset::probe(const VideoEntry& entry) const {
+  const auto source = open_source(entry.video, entry.fps, options_.fps);
+  Item item;
+  item.entry = entry;
+  item.frame_files = source.frame_files;
+  item.labels = read_phase_annotations(entry.labels, classes_);
+  TORCH_CHECK(static_cast<int64_t>(item.labels.size()) == source.frames, "annotation file ",
+              entry.labels, " has ", item.labels.size(), " frames but ", entry.video, " has ",
+              source.frames, ": they must describe the same frames");
+  item.sampled = sample_indices(source.frames, source.fps, options_.fps);
+  std::tie(item.height, item.width) = resized_hw(source.height, source.width, options_.transform.resize);
+  check_crop(entry.video, options_.transform.crop, item.height, item.width);
+  return item;
+}
+
+int64_t VideoDataset::frames(int64_t i) const {
+  return static_cast<int64_t>(videos_.at(i).sampled.size());
+}
+
+std::pair<int64_t, int64_t> VideoDataset::frame_size(int64_t i) const {
+  const auto& v = videos_.at(i);
+  const int64_t crop = options_.transform.crop;
+  return crop > 0 ? std::make_pair(crop, crop) : std::make_pair(v.height, v.width);
+}
+
+int64_t VideoDataset::frame_bytes(int64_t i) const {
+  const auto& v = videos_.at(i);
+  return frames(i) * 3 * v.height * v.width;  // as decoded, before cropping
+}
+
+std::pair<int64_t, int64_t> VideoDataset::locate(int64_t global_frame) const {
+  TORCH_CHECK(global_frame >= 0 && global_frame < total_frames(), "frame ", global_frame,
+              " is outside the data set's ", total_frames(), " frames");
+  const auto it = std::upper_bound(offsets_.begin(), offsets_.end(), global_frame);
+  const int64_t video = it - offsets_.begin();
+  const int64_t start = video == 0 ? 0 : offsets_[video - 1];
+  return {video, global_frame - start};
+}
+
+torch::Tensor VideoDataset::labels(int64_t i) const {
+  const auto& v = videos_.at(i);
+  auto out = torch::empty({static_cast<int64_t>(v.sampled.size())}, torch::kLong);
+  auto* p = out.data_ptr<int64_t>();
+  for (size_t k = 0; k < v.sampled.size(); ++k) p[k] = v.labels[v.sampled[k]];
+  return out;
+}
+
+Augmentation VideoDataset::augmentation(int64_t i, uint64_t seed, int64_t epoch) const {
+  const auto& v = videos_.at(i);
+  return draw_augmentation(options_.transform, v.height, v.width, seed, epoch, i);
+}
+
+engine::Video VideoDataset::load(int64_t i, const Augmentation& augmentation) const {
+  const auto& v = videos_.at(i);
+  Source source;
+  source.path = v.entry.video;
+  source.frame_files = v.frame_files;
+  return {decode_source(source, v.sampled, v.height, v.width, options_, augmentation), labels(i),
+          v.entry.name};
+}
+
+// ---------------------------------------------------------------------------------------------
+
+Prefetcher::Prefetcher(std::vector<Job> jobs, int workers, int64_t max_bytes)
+    : jobs_(std::move(jobs)), max_bytes_(max_bytes) {
+  TORCH_CHECK(workers >= 1, "prefetch needs at least one worker thread (data.workers), got ", workers);
+  for (int w = 0; w < workers; ++w) workers_.emplace_back([this] { work(); });
+}
+
+Prefetcher::~Prefetcher() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+bool Prefetcher::done() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return consumed_ == jobs_.size();
+}
+
+void Prefetcher::work() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    changed_.wait(lock, [&] {
+      return stopping_ || (started_ < jobs_.size() &&
+                           (held_bytes_ == 0 || held_bytes_ + jobs_[started_].bytes <= max_bytes_));
+    });
+    if (stopping_) return;
+    const size_t job = started_++;
+    held_bytes_ += jobs_[job].bytes;
+    slots_.emplace_back();
+    lock.unlock();
+    Slot result;
+    try {
+      result.video = jobs_[job].load();
+    } catch (...) {
+      result.error = std::current_exception();
+    }
+    lock.lock();
+    auto& slot = slots_[job - consumed_];
+    slot.video = std::move(result.video);
+    slot.error = result.error;
+    slot.ready = true;
+    changed_.notify_all();
+  }
+}
+
+engine::Video Prefetcher::next() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  TORCH_CHECK(consumed_ < jobs_.size(), "prefetch: no videos left");
+  changed_.wait(lock, [&] { return !slots_.empty() && slots_.front().ready; });
+  Slot slot = std::move(slots_.front());
+  slots_.pop_front();
+  held_bytes_ -= jobs_[consumed_].bytes;
+  ++consumed_;
+  lock.unlock();
+  changed_.notify_all();
+  if (slot.error) std::rethrow_exception(slot.error);
+  return std::move(slot.video);
+}
+
+}  // namespace framefit::data

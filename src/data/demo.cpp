@@ -1,0 +1,158 @@
+#include "framefit/data/demo.h"
+
+#include <sys/stat.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "framefit/data/media.h"
+
+namespace framefit::data {
+
+namespace {
+
+// Phase -> look. Preparation and Irrigation share look 0 (stripes), Dissection and Inspection
+// look 1 (a moving disk); Suturing alone has look 2 (a checkerboard). Only the order tells the
+// pairs apart: Irrigation comes after Dissection, Inspection after Suturing.
+constexpr int kLookOfPhase[] = {0, 1, 0, 2, 1};
+
+struct Style {  // per video, so appearance varies between videos but not between paired phases
+  float tint[3][3];     // colour of each look
+  float background[3];  // background colour
+  float frequency;      // stripes and checkerboard
+  float speed;          // drift per frame
+  float radius;         // disk
+  float noise;          // pixel noise standard deviation
+};
+
+Style draw_style(std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> u(0, 1);
+  Style s{};
+  const float base[3][3] = {{220, 90, 70}, {230, 210, 80}, {70, 120, 220}};
+  for (int look = 0; look < 3; ++look) {
+    for (int c = 0; c < 3; ++c) s.tint[look][c] = base[look][c] + 40 * (u(rng) - 0.5f);
+  }
+  for (int c = 0; c < 3; ++c) s.background[c] = 30 + 40 * u(rng);
+  s.frequency = 3 + 2 * u(rng);
+  s.speed = 0.01f + 0.03f * u(rng);
+  s.radius = 0.15f + 0.1f * u(rng);
+  s.noise = 6 + 8 * u(rng);
+  return s;
+}
+
+torch::Tensor render(int look, const Style& s, int64_t t, const torch::Tensor& yy,
+                     const torch::Tensor& xx, torch::Generator& gen) {
+  const double phase = s.speed * static_cast<double>(t);
+  torch::Tensor mask;
+  if (look == 0) {
+    mask = 0.5 + 0.5 * torch::sin(2 * M_PI * (yy * s.frequency + phase));
+  } else if (look == 1) {
+    const double cy = 0.5 + 0.25 * std::sin(phase * 3), cx = 0.5 + 0.3 * std::cos(phase * 2);
+    const auto d2 = (yy - cy).pow(2) + (xx - cx).pow(2);
+    mask = torch::sigmoid((s.radius * s.radius - d2) * 400);
+  } else {
+    mask = 0.5 + 0.5 * torch::sign(torch::sin(2 * M_PI * (xx * s.frequency + phase)) *
+                                   torch::sin(2 * M_PI * yy * s.frequency));
+  }
+  auto tint = torch::tensor({s.tint[look][0], s.tint[look][1], s.tint[look][2]}).view({3, 1, 1});
+  auto background =
+      torch::tensor({s.background[0], s.background[1], s.background[2]}).view({3, 1, 1});
+  auto image = background + (tint - background) * mask.unsqueeze(0);
+  image = image + torch::randn(image.sizes(), gen) * s.noise;
+  return image.clamp(0, 255).round().to(torch::kUInt8);
+}
+
+void make_directory(const std::string& path) {
+  if (::mkdir(path.c_str(), 0755) != 0) {
+    struct stat info {};
+    TORCH_CHECK(::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode), "cannot create directory ",
+                path);
+  }
+}
+
+}  // namespace
+
+ClassList demo_classes() {
+  return ClassList({"Preparation", "Dissection", "Irrigation", "Suturing", "Inspection"});
+}
+
+DemoSummary make_demo(const std::string& out_dir, const DemoOptions& options,
+                      const std::function<void(const std::string&, int64_t)>& on_video) {
+  TORCH_CHECK(options.width % 2 == 0 && options.height % 2 == 0 && options.width >= 16 &&
+                  options.height >= 16,
+              "demo frames must have even sizes of at least 16 pixels");
+  TORCH_CHECK(options.min_frames >= 25 && options.max_frames >= options.min_frames,
+              "demo videos need min_frames >= 25 and max_frames >= min_frames");
+  const auto classes = demo_classes();
+  for (const char* sub : {"", "/videos", "/labels", "/frames"}) make_directory(out_dir + sub);
+
+  std::mt19937_64 rng(options.seed);
+  auto gen = at::detail::createCPUGenerator(options.seed);
+  const auto yy = torch::linspace(0, 1, options.height).view({-1, 1}).expand({options.height, options.width});
+  const auto xx = torch::linspace(0, 1, options.width).view({1, -1}).expand({options.height, options.width});
+  std::vector<VideoEntry> videos, folders;
+  DemoSummary summary;
+  const int64_t count = options.train_videos + options.val_videos + options.test_videos;
+  for (int64_t v = 0; v < count; ++v) {
+    const std::string split = v < options.train_videos ? "train"
+                              : v < options.train_videos + options.val_videos ? "val"
+                                                                              : "test";
+    char name[32];
+    std::snprintf(name, sizeof(name), "video%02lld", static_cast<long long>(v + 1));
+    std::uniform_int_distribution<int64_t> length(options.min_frames, options.max_frames);
+    const int64_t frames = length(rng);
+    // Phase lengths: random shares of the video, each at least 5% of it.
+    std::uniform_real_distribution<double> share(0.5, 1.5);
+    std::vector<double> weights(classes.size());
+    double total = 0;
+    for (auto& w : weights) total += (w = share(rng));
+    std::vector<int64_t> labels;
+    for (int64_t p = 0; p < classes.size(); ++p) {
+      const int64_t end = p + 1 == classes.size()
+                              ? frames
+                              : static_cast<int64_t>(std::llround(frames * [&] {
+                                  double s = 0;
+                                  for (int64_t q = 0; q <= p; ++q) s += weights[q];
+                                  return s / total;
+                                }()));
+      while (static_cast<int64_t>(labels.size()) < end) labels.push_back(p);
+    }
+    const Style style = draw_style(rng);
+
+    const std::string video_path = out_dir + "/videos/" + name + ".mp4";
+    const std::string label_path = out_dir + "/labels/" + name + ".txt";
+    const std::string folder = out_dir + "/frames/" + name;
+    if (options.frame_folders) make_directory(folder);
+    VideoWriter writer(video_path, options.width, options.height, options.fps);
+    for (int64_t t = 0; t < frames; ++t) {
+      const auto image = render(kLookOfPhase[labels[t]], style, t, yy, xx, gen);
+      writer.write(image);
+      if (options.frame_folders) {
+        char file[32];
+        std::snprintf(file, sizeof(file), "/%06lld.jpg", static_cast<long long>(t));
+        write_image(folder + file, image);
+      }
+    }
+    writer.finish();
+    write_phase_annotations(label_path, labels, classes);
+    // Manifest paths are relative to the manifest, so the folder can be moved.
+    videos.push_back({name, std::string("videos/") + name + ".mp4", std::string("labels/") + name + ".txt",
+                      split, 0});
+    folders.push_back({name, std::string("frames/") + name, std::string("labels/") + name + ".txt",
+                       split, options.fps});
+    summary.frames += frames;
+    ++summary.videos;
+    if (on_video) on_video(name, frames);
+  }
+  summary.manifest = out_dir + "/manifest.csv";
+  write_manifest(summary.manifest, videos);
+  if (options.frame_folders) {
+    summary.frames_manifest = out_dir + "/manifest_frames.csv";
+    write_manifest(summary.frames_manifest, folders);
+  }
+  return summary;
+}
+
+}  // namespace framefit::data

@@ -1,0 +1,215 @@
+#include "framefit/data/labels.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+namespace framefit::data {
+
+ClassList::ClassList(std::vector<std::string> names) : names_(std::move(names)) {
+  for (size_t i = 0; i < names_.size(); ++i) {
+    TORCH_CHECK(!names_[i].empty(), "class list: class ", i, " has an empty name");
+    TORCH_CHECK(std::find(names_.begin(), names_.begin() + i, names_[i]) == names_.begin() + i,
+                "class list: \"", names_[i], "\" appears twice");
+  }
+}
+
+int64_t ClassList::find(const std::string& name) const {
+  const auto it = std::find(names_.begin(), names_.end(), name);
+  return it == names_.end() ? -1 : static_cast<int64_t>(it - names_.begin());
+}
+
+namespace {
+
+std::ifstream open_for_reading(const std::string& path, const char* what) {
+  std::ifstream in(path);
+  TORCH_CHECK(in.good(), what, " ", path, ": cannot open (", std::strerror(errno), ")");
+  return in;
+}
+
+std::string trim(const std::string& s) {
+  const auto begin = s.find_first_not_of(" \t\r\n");
+  if (begin == std::string::npos) return "";
+  const auto end = s.find_last_not_of(" \t\r\n");
+  return s.substr(begin, end - begin + 1);
+}
+
+std::string join(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+// Splits a CSV line; fields may be quoted ("a, b" and "" for a quote inside).
+std::vector<std::string> split_csv(const std::string& line, const std::string& where) {
+  std::vector<std::string> fields(1);
+  bool quoted = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
+        fields.back() += '"';
+        ++i;
+      } else if (c == '"') {
+        quoted = false;
+      } else {
+        fields.back() += c;
+      }
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == ',') {
+      fields.emplace_back();
+    } else if (c != '\r') {
+      fields.back() += c;
+    }
+  }
+  TORCH_CHECK(!quoted, where, ": unterminated quoted field");
+  for (auto& f : fields) f = trim(f);
+  return fields;
+}
+
+std::string csv_field(const std::string& value) {
+  if (value.find_first_of(",\"") == std::string::npos) return value;
+  std::string out = "\"";
+  for (const char c : value) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+}  // namespace
+
+std::vector<int64_t> read_phase_annotations(const std::string& path, const ClassList& classes) {
+  auto in = open_for_reading(path, "annotation file");
+  std::vector<int64_t> labels;
+  std::string line;
+  int64_t line_number = 0;
+  bool header_seen = false;
+  while (std::getline(in, line)) {
+    ++line_number;
+    const auto text = trim(line);
+    if (text.empty()) continue;
+    std::istringstream fields(text);
+    std::string frame_text, phase;
+    fields >> frame_text >> phase;
+    std::string extra;
+    fields >> extra;
+    const std::string where = path + ":" + std::to_string(line_number);
+    if (!header_seen) {
+      header_seen = true;
+      if (frame_text == "Frame") continue;  // Cholec80's header
+    }
+    TORCH_CHECK(!phase.empty() && extra.empty(), where, ": expected `<frame><TAB><phase>`, got \"",
+                text, "\"");
+    char* end = nullptr;
+    const long long frame = std::strtoll(frame_text.c_str(), &end, 10);
+    TORCH_CHECK(end != frame_text.c_str() && *end == '\0' && frame >= 0, where,
+                ": frame number \"", frame_text, "\" is not a non-negative integer");
+    TORCH_CHECK(frame == static_cast<long long>(labels.size()), where, ": frame ", frame,
+                " where frame ", labels.size(), " was expected (frames must be numbered 0, 1, 2, ... ",
+                "without gaps or repeats)");
+    const int64_t id = classes.find(phase);
+    TORCH_CHECK(id >= 0, where, ": unknown phase \"", phase, "\"; the class list has: ",
+                join(classes.names()));
+    labels.push_back(id);
+  }
+  TORCH_CHECK(!labels.empty(), "annotation file ", path, ": no frames");
+  return labels;
+}
+
+void write_phase_annotations(const std::string& path, const std::vector<int64_t>& labels,
+                             const ClassList& classes) {
+  std::ofstream out(path);
+  TORCH_CHECK(out.good(), "annotation file ", path, ": cannot write");
+  out << "Frame\tPhase\n";
+  for (size_t i = 0; i < labels.size(); ++i) {
+    TORCH_CHECK(labels[i] >= 0 && labels[i] < classes.size(), "label ", labels[i], " of frame ", i,
+                " is not a class id");
+    out << i << '\t' << classes.names()[labels[i]] << '\n';
+  }
+  TORCH_CHECK(out.good(), "annotation file ", path, ": write failed");
+}
+
+std::vector<VideoEntry> read_manifest(const std::string& path) {
+  auto in = open_for_reading(path, "manifest");
+  const auto folder = std::filesystem::path(path).parent_path();
+  auto resolve = [&](const std::string& p) {
+    if (p.empty() || std::filesystem::path(p).is_absolute()) return p;
+    return (folder / p).lexically_normal().string();
+  };
+  std::string line;
+  int64_t line_number = 0;
+  std::map<std::string, size_t> column;
+  size_t columns = 0;
+  std::vector<VideoEntry> entries;
+  while (std::getline(in, line)) {
+    ++line_number;
+    if (trim(line).empty() || trim(line)[0] == '#') continue;
+    const std::string where = path + ":" + std::to_string(line_number);
+    const auto fields = split_csv(line, where);
+    if (column.empty()) {
+      for (size_t i = 0; i < fields.size(); ++i) {
+        TORCH_CHECK(column.emplace(fields[i], i).second, where, ": column \"", fields[i],
+                    "\" appears twice");
+        static const std::vector<std::string> known = {"name", "video", "labels", "split", "fps"};
+        TORCH_CHECK(std::find(known.begin(), known.end(), fields[i]) != known.end(), where,
+                    ": unknown column \"", fields[i], "\" (known: name, video, labels, split, fps)");
+      }
+      TORCH_CHECK(column.count("video") && column.count("labels"), where,
+                  ": the header must name the columns `video` and `labels`");
+      columns = fields.size();
+      continue;
+    }
+    TORCH_CHECK(fields.size() == columns, where, ": ", fields.size(), " fields where the header has ",
+                columns);
+    auto get = [&](const char* name) {
+      const auto it = column.find(name);
+      return it == column.end() ? std::string() : fields[it->second];
+    };
+    VideoEntry entry;
+    entry.video = resolve(get("video"));
+    entry.labels = resolve(get("labels"));
+    TORCH_CHECK(!entry.video.empty() && !entry.labels.empty(), where,
+                ": `video` and `labels` must not be empty");
+    entry.name = get("name");
+    if (entry.name.empty()) entry.name = std::filesystem::path(entry.video).stem().string();
+    entry.split = get("split");
+    if (entry.split.empty()) entry.split = "train";
+    const auto fps = get("fps");
+    if (!fps.empty()) {
+      char* end = nullptr;
+      entry.fps = std::strtod(fps.c_str(), &end);
+      TORCH_CHECK(*end == '\0' && entry.fps > 0, where, ": fps \"", fps, "\" is not a positive number");
+    }
+    entries.push_back(std::move(entry));
+  }
+  TORCH_CHECK(!column.empty(), "manifest ", path, ": empty (expected a header line and one line per video)");
+  return entries;
+}
+
+void write_manifest(const std::string& path, const std::vector<VideoEntry>& entries) {
+  std::ofstream out(path);
+  TORCH_CHECK(out.good(), "manifest ", path, ": cannot write");
+  out << "name,video,labels,split,fps\n";
+  for (const auto& e : entries) {
+    out << csv_field(e.name) << ',' << csv_field(e.video) << ',' << csv_field(e.labels) << ','
+        << csv_field(e.split) << ',';
+    if (e.fps > 0) out << e.fps;
+    out << '\n';
+  }
+  TORCH_CHECK(out.good(), "manifest ", path, ": write failed");
+}
+
+std::vector<VideoEntry> select_split(const std::vector<VideoEntry>& entries, const std::string& split) {
+  std::vector<VideoEntry> out;
+  for (const auto& e : entries) {
+    if (e.split == split) out.push_back(e);
+  }
+  return out;
+}
+
+}  // namespace framefit::data

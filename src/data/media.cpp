@@ -1,0 +1,850 @@
+#include "framefit/data/media.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#ifdef FRAMEFIT_WITH_FFMPEG
+extern "C" {
+#include <libavcodec/avcodec.h>
+#include <libavformat/avformat.h>
+#include <libavutil/mem.h>
+#include <libavutil/pixdesc.h>
+#include <libswscale/swscale.h>
+}
+#endif
+
+namespace framefit::data {
+
+std::vector<int64_t> sample_indices(int64_t source_frames, double source_fps, double target_fps) {
+  TORCH_CHECK(source_frames >= 0, "sample_indices: source_frames must be >= 0, got ",
+              source_frames);
+  std::vector<int64_t> indices;
+  if (target_fps <= 0 || target_fps >= source_fps) {
+    indices.resize(static_cast<size_t>(source_frames));
+    for (int64_t i = 0; i < source_frames; ++i) indices[static_cast<size_t>(i)] = i;
+    return indices;
+  }
+  TORCH_CHECK(source_fps > 0 && std::isfinite(source_fps),
+              "sample_indices: source_fps must be a positive frame rate, got ", source_fps);
+  // The small slack keeps exact ratios (50 frames at 25 -> 5 fps: 10 frames; 1.5 + 0.5 rounds up)
+  // exact despite floating-point error.
+  constexpr double kSlack = 1e-9;
+  const auto count =
+      static_cast<int64_t>(std::ceil(source_frames * target_fps / source_fps - kSlack));
+  indices.reserve(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    const auto j = static_cast<int64_t>(std::floor(i * source_fps / target_fps + 0.5 + kSlack));
+    indices.push_back(std::min(j, source_frames - 1));
+  }
+  return indices;
+}
+
+std::pair<int64_t, int64_t> resized_hw(int64_t height, int64_t width, int64_t shorter_side) {
+  TORCH_CHECK(height > 0 && width > 0, "resized_hw: the source size must be positive, got ", height,
+              "x", width, " (height x width)");
+  if (shorter_side <= 0) return {height, width};
+  // round(longer * shorter_side / shorter) with halves up, in integers.
+  auto scale = [&](int64_t longer, int64_t shorter) {
+    return std::max<int64_t>(1, (2 * longer * shorter_side + shorter) / (2 * shorter));
+  };
+  if (height <= width) return {shorter_side, scale(width, height)};
+  return {scale(height, width), shorter_side};
+}
+
+#ifdef FRAMEFIT_WITH_FFMPEG
+
+namespace {
+
+void quiet_ffmpeg() {
+  // FFmpeg logs to stderr by default; errors reach the caller as exceptions instead.
+  static const bool quiet = [] {
+    av_log_set_level(AV_LOG_QUIET);
+    return true;
+  }();
+  (void)quiet;
+}
+
+// av_err2str is a C compound-literal macro, not usable from C++.
+std::string av_error(int err) {
+  char buf[AV_ERROR_MAX_STRING_SIZE] = {0};
+  if (av_strerror(err, buf, sizeof(buf)) < 0) return "FFmpeg error " + std::to_string(err);
+  return buf;
+}
+
+struct InputDeleter {
+  void operator()(AVFormatContext* p) const { avformat_close_input(&p); }
+};
+struct OutputDeleter {
+  void operator()(AVFormatContext* p) const {
+    if (p->pb && !(p->oformat->flags & AVFMT_NOFILE)) avio_closep(&p->pb);
+    avformat_free_context(p);
+  }
+};
+struct CodecDeleter {
+  void operator()(AVCodecContext* p) const { avcodec_free_context(&p); }
+};
+struct FrameDeleter {
+  void operator()(AVFrame* p) const { av_frame_free(&p); }
+};
+struct PacketDeleter {
+  void operator()(AVPacket* p) const { av_packet_free(&p); }
+};
+struct SwsDeleter {
+  void operator()(SwsContext* p) const { sws_freeContext(p); }
+};
+struct AvFree {
+  void operator()(uint8_t* p) const { av_free(p); }
+};
+using InputPtr = std::unique_ptr<AVFormatContext, InputDeleter>;
+using OutputPtr = std::unique_ptr<AVFormatContext, OutputDeleter>;
+using CodecPtr = std::unique_ptr<AVCodecContext, CodecDeleter>;
+using FramePtr = std::unique_ptr<AVFrame, FrameDeleter>;
+using PacketPtr = std::unique_ptr<AVPacket, PacketDeleter>;
+using SwsPtr = std::unique_ptr<SwsContext, SwsDeleter>;
+
+FramePtr new_frame() {
+  FramePtr frame(av_frame_alloc());
+  TORCH_CHECK(frame, "FFmpeg: out of memory allocating a frame");
+  return frame;
+}
+PacketPtr new_packet() {
+  PacketPtr packet(av_packet_alloc());
+  TORCH_CHECK(packet, "FFmpeg: out of memory allocating a packet");
+  return packet;
+}
+CodecPtr new_codec_context(const AVCodec* codec) {
+  CodecPtr context(avcodec_alloc_context3(codec));
+  TORCH_CHECK(context, "FFmpeg: out of memory allocating a codec context");
+  return context;
+}
+
+// A frame's decoder reported concealed errors or marked it corrupt.
+bool damaged(const AVFrame* frame) {
+  return frame->decode_error_flags != 0 || (frame->flags & AV_FRAME_FLAG_CORRUPT) != 0;
+}
+
+// Checks that `t` is a contiguous CPU uint8 tensor of `dims` dimensions whose first sizes match
+// `expected` (-1: any positive size); `what` names the file, `shape` the shape expected.
+void check_frames_tensor(const torch::Tensor& t, const std::vector<int64_t>& expected,
+                         const std::string& what, const std::string& shape) {
+  TORCH_CHECK(t.defined(), what, ": the output tensor is undefined; expected uint8 ", shape);
+  bool ok = t.scalar_type() == torch::kUInt8 && t.device().is_cpu() && t.is_contiguous() &&
+            t.dim() == static_cast<int64_t>(expected.size());
+  for (size_t d = 0; ok && d < expected.size(); ++d) {
+    ok = expected[d] < 0 ? t.size(static_cast<int64_t>(d)) > 0
+                         : t.size(static_cast<int64_t>(d)) == expected[d];
+  }
+  TORCH_CHECK(ok, what, ": expected a contiguous CPU uint8 tensor of shape ", shape, ", got ",
+              t.scalar_type(), " ", t.sizes(), " on ", t.device(),
+              t.is_contiguous() ? "" : " (not contiguous: call .contiguous())");
+}
+
+// The YUV format with full range instead of a deprecated "J" format; swscale's cached contexts
+// would otherwise be rebuilt for every J frame.
+AVPixelFormat without_jpeg_range(AVPixelFormat format, bool* full_range) {
+  switch (format) {
+    case AV_PIX_FMT_YUVJ420P: *full_range = true; return AV_PIX_FMT_YUV420P;
+    case AV_PIX_FMT_YUVJ422P: *full_range = true; return AV_PIX_FMT_YUV422P;
+    case AV_PIX_FMT_YUVJ444P: *full_range = true; return AV_PIX_FMT_YUV444P;
+    case AV_PIX_FMT_YUVJ440P: *full_range = true; return AV_PIX_FMT_YUV440P;
+    case AV_PIX_FMT_YUVJ411P: *full_range = true; return AV_PIX_FMT_YUV411P;
+    default: return format;
+  }
+}
+
+bool is_yuv(AVPixelFormat format) {
+  const auto* desc = av_pix_fmt_desc_get(format);
+  return desc && !(desc->flags & (AV_PIX_FMT_FLAG_RGB | AV_PIX_FMT_FLAG_PAL)) &&
+         desc->nb_components >= 3;
+}
+
+// Converts decoded frames of any pixel format and size to planar RGB of the output's size.
+// swscale writes planar GBRP into an aligned, padded scratch buffer (its SIMD code may write past
+// a row's end, so never straight into the tensor) and the rows are then copied out in RGB order.
+class ToRgb {
+ public:
+  void convert(const AVFrame* frame, uint8_t* out, int height, int width, const std::string& what) {
+    bool full_range = frame->color_range == AVCOL_RANGE_JPEG;
+    const auto format = without_jpeg_range(static_cast<AVPixelFormat>(frame->format), &full_range);
+    Key key;
+    key.src_w = frame->width;
+    key.src_h = frame->height;
+    key.src_format = format;
+    key.dst_w = width;
+    key.dst_h = height;
+    key.colorspace = frame->colorspace;
+    key.full_range = full_range;
+    if (!sws_ || !(key == key_)) configure(key, what);
+    const auto plane = static_cast<size_t>(stride_) * static_cast<size_t>(height);
+    uint8_t* r = scratch_.get();
+    uint8_t* dst[4] = {r + plane, r + 2 * plane, r, nullptr};  // GBRP plane order
+    const int dst_stride[4] = {stride_, stride_, stride_, 0};
+    const int rows =
+        sws_scale(sws_.get(), frame->data, frame->linesize, 0, frame->height, dst, dst_stride);
+    TORCH_CHECK(rows == height, what, ": cannot convert a ", frame->width, "x", frame->height,
+                " frame to ", width, "x", height, " RGB");
+    for (size_t c = 0; c < 3; ++c) {
+      for (int y = 0; y < height; ++y) {
+        std::memcpy(out + (c * static_cast<size_t>(height) + y) * static_cast<size_t>(width),
+                    r + c * plane + static_cast<size_t>(y) * stride_, static_cast<size_t>(width));
+      }
+    }
+  }
+
+ private:
+  struct Key {
+    int src_w = 0, src_h = 0;
+    AVPixelFormat src_format = AV_PIX_FMT_NONE;
+    int dst_w = 0, dst_h = 0;
+    AVColorSpace colorspace = AVCOL_SPC_UNSPECIFIED;
+    bool full_range = false;
+    bool operator==(const Key& o) const {
+      return src_w == o.src_w && src_h == o.src_h && src_format == o.src_format &&
+             dst_w == o.dst_w && dst_h == o.dst_h && colorspace == o.colorspace &&
+             full_range == o.full_range;
+    }
+  };
+
+  void configure(const Key& key, const std::string& what) {
+    const char* name = av_get_pix_fmt_name(key.src_format);
+    // SWS_AREA averages when shrinking (no aliasing) and is bilinear when enlarging.
+    sws_.reset(sws_getContext(key.src_w, key.src_h, key.src_format, key.dst_w, key.dst_h,
+                              AV_PIX_FMT_GBRP, SWS_AREA, nullptr, nullptr, nullptr));
+    TORCH_CHECK(sws_, what, ": cannot convert ", key.src_w, "x", key.src_h,
+                " frames of pixel format ", name ? name : "unknown", " to ", key.dst_w, "x",
+                key.dst_h, " RGB");
+    if (is_yuv(key.src_format)) {
+      // The frame's matrix (BT.601 when unspecified) and range, instead of swscale's defaults.
+      int *inv_table = nullptr, *table = nullptr;
+      int src_range = 0, dst_range = 0, brightness = 0, contrast = 0, saturation = 0;
+      if (sws_getColorspaceDetails(sws_.get(), &inv_table, &src_range, &table, &dst_range,
+                                   &brightness, &contrast, &saturation) >= 0) {
+        sws_setColorspaceDetails(sws_.get(), sws_getCoefficients(key.colorspace), key.full_range,
+                                 table, dst_range, brightness, contrast, saturation);
+      }
+    }
+    stride_ = FFALIGN(key.dst_w, 64);
+    // Padding past the last plane for SIMD writes beyond the end of a row.
+    const size_t bytes = 3 * static_cast<size_t>(stride_) * key.dst_h + 256;
+    scratch_.reset(static_cast<uint8_t*>(av_malloc(bytes)));
+    TORCH_CHECK(scratch_, what, ": out of memory allocating ", bytes, " bytes");
+    key_ = key;
+  }
+
+  SwsPtr sws_;
+  Key key_;
+  int stride_ = 0;
+  std::unique_ptr<uint8_t, AvFree> scratch_;
+};
+
+// Copies a [3,H,W] uint8 frame into `dst` (any pixel format, same size) via swscale.
+class FromRgb {
+ public:
+  FromRgb(int width, int height, AVPixelFormat dst_format, const std::string& what)
+      : rgb_(new_frame()) {
+    rgb_->format = AV_PIX_FMT_GBRP;
+    rgb_->width = width;
+    rgb_->height = height;
+    // av_frame_get_buffer pads the planes, so swscale may read past a row's end.
+    TORCH_CHECK(av_frame_get_buffer(rgb_.get(), 0) >= 0, what, ": out of memory for a ", width, "x",
+                height, " frame");
+    sws_.reset(sws_getContext(width, height, AV_PIX_FMT_GBRP, width, height, dst_format,
+                              SWS_BILINEAR, nullptr, nullptr, nullptr));
+    TORCH_CHECK(sws_, what, ": cannot convert RGB to ", av_get_pix_fmt_name(dst_format));
+  }
+
+  void convert(const torch::Tensor& frame, AVFrame* dst, const std::string& what) {
+    const auto f = frame.contiguous();
+    const auto* src = f.data_ptr<uint8_t>();
+    const auto width = static_cast<size_t>(rgb_->width), height = static_cast<size_t>(rgb_->height);
+    const int plane_of_channel[3] = {2, 0, 1};  // R, G, B -> GBRP planes
+    for (size_t c = 0; c < 3; ++c) {
+      auto* plane = rgb_->data[plane_of_channel[c]];
+      for (size_t y = 0; y < height; ++y) {
+        std::memcpy(plane + y * rgb_->linesize[plane_of_channel[c]], src + (c * height + y) * width,
+                    width);
+      }
+    }
+    const int rows = sws_scale(sws_.get(), rgb_->data, rgb_->linesize, 0, rgb_->height, dst->data,
+                               dst->linesize);
+    TORCH_CHECK(rows == rgb_->height, what, ": cannot convert the frame from RGB");
+  }
+
+ private:
+  FramePtr rgb_;
+  SwsPtr sws_;
+};
+
+std::vector<uint8_t> read_file(const std::string& path, const std::string& what) {
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "rb"),
+                                                       &std::fclose);
+  TORCH_CHECK(file, what, ": cannot open: ", std::strerror(errno));
+  std::vector<uint8_t> bytes;
+  uint8_t buf[1 << 16];
+  size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof(buf), file.get())) > 0) {
+    bytes.insert(bytes.end(), buf, buf + n);
+  }
+  TORCH_CHECK(!std::ferror(file.get()), what, ": cannot read: ", std::strerror(errno));
+  TORCH_CHECK(!bytes.empty(), what, ": the file is empty");
+  return bytes;
+}
+
+bool starts_with(const std::vector<uint8_t>& bytes, const char* magic, size_t offset = 0) {
+  const size_t n = std::strlen(magic);
+  return bytes.size() >= offset + n && std::memcmp(bytes.data() + offset, magic, n) == 0;
+}
+
+AVCodecID image_codec(const std::vector<uint8_t>& bytes) {
+  if (bytes.size() >= 3 && bytes[0] == 0xFF && bytes[1] == 0xD8 && bytes[2] == 0xFF) {
+    return AV_CODEC_ID_MJPEG;
+  }
+  if (starts_with(bytes, "\x89PNG\r\n\x1a\n")) return AV_CODEC_ID_PNG;
+  if (starts_with(bytes, "BM")) return AV_CODEC_ID_BMP;
+  if (starts_with(bytes, "RIFF") && starts_with(bytes, "WEBP", 8)) return AV_CODEC_ID_WEBP;
+  return AV_CODEC_ID_NONE;
+}
+
+// Decodes the one picture of an image file; every decoder complaint is an error.
+FramePtr decode_image(const std::string& path) {
+  quiet_ffmpeg();
+  const std::string what = "image " + path;
+  const auto bytes = read_file(path, what);
+  const auto id = image_codec(bytes);
+  TORCH_CHECK(id != AV_CODEC_ID_NONE, what,
+              ": cannot decode (corrupt or not an image): not a JPEG, PNG, BMP or WebP file");
+  const AVCodec* codec = avcodec_find_decoder(id);
+  TORCH_CHECK(codec, what, ": this FFmpeg has no ", avcodec_get_name(id), " decoder");
+  auto context = new_codec_context(codec);
+  // The MJPEG decoder conceals damaged data unless told to fail; CRCCHECK verifies PNG chunks.
+  context->err_recognition = AV_EF_EXPLODE | AV_EF_CRCCHECK;
+  context->thread_count = 1;
+  int err = avcodec_open2(context.get(), codec, nullptr);
+  TORCH_CHECK(err >= 0, what, ": cannot open the ", codec->name, " decoder: ", av_error(err));
+
+  auto packet = new_packet();
+  TORCH_CHECK(av_new_packet(packet.get(), static_cast<int>(bytes.size())) >= 0, what,
+              ": out of memory for ", bytes.size(), " bytes");
+  std::memcpy(packet->data, bytes.data(), bytes.size());
+  packet->flags |= AV_PKT_FLAG_KEY;
+  auto frame = new_frame();
+  err = avcodec_send_packet(context.get(), packet.get());
+  if (err >= 0) err = avcodec_send_packet(context.get(), nullptr);
+  if (err >= 0) err = avcodec_receive_frame(context.get(), frame.get());
+  TORCH_CHECK(err != AVERROR_EOF && err != AVERROR(EAGAIN), what,
+              ": cannot decode (corrupt or not an image): the decoder found no picture");
+  TORCH_CHECK(err >= 0, what, ": cannot decode (corrupt or not an image): ", av_error(err));
+  TORCH_CHECK(!damaged(frame.get()), what,
+              ": cannot decode (corrupt or not an image): the picture is damaged");
+  TORCH_CHECK(frame->width > 0 && frame->height > 0, what,
+              ": cannot decode (corrupt or not an image): the picture has no size");
+  return frame;
+}
+
+uint32_t big_endian(const uint8_t* p, int bytes) {
+  uint32_t v = 0;
+  for (int i = 0; i < bytes; ++i) v = (v << 8) | p[i];
+  return v;
+}
+
+// {height, width} from a JPEG's start-of-frame marker, or {0, 0} when there is none.
+std::pair<int64_t, int64_t> jpeg_size(const std::vector<uint8_t>& b) {
+  size_t pos = 2;  // after SOI
+  while (pos + 4 <= b.size()) {
+    if (b[pos] != 0xFF) return {0, 0};
+    const uint8_t marker = b[pos + 1];
+    if (marker == 0xFF) {  // fill byte
+      ++pos;
+      continue;
+    }
+    pos += 2;
+    if (marker == 0x01 || (marker >= 0xD0 && marker <= 0xD8)) continue;  // no length
+    if (marker == 0xD9 || marker == 0xDA) return {0, 0};  // end or scan before a frame header
+    const size_t length = big_endian(&b[pos], 2);
+    if (length < 2 || pos + length > b.size()) return {0, 0};
+    const bool start_of_frame =
+        marker >= 0xC0 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC;
+    if (start_of_frame) {
+      if (length < 7) return {0, 0};
+      return {big_endian(&b[pos + 3], 2), big_endian(&b[pos + 5], 2)};
+    }
+    pos += length;
+  }
+  return {0, 0};
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// VideoReader
+
+struct VideoReader::State {
+  std::string path, what;
+  int threads = 1;
+  VideoInfo info;
+  InputPtr input;
+  int stream = -1;
+  CodecPtr decoder;
+  PacketPtr packet = new_packet();
+  FramePtr frame = new_frame();
+  ToRgb to_rgb;
+  int64_t next = 0;        // index of the next frame the decoder returns
+  bool flushed = false;    // end of input reached and the decoder told so
+  bool truncated = false;  // the input ended inside a packet
+  bool ended = false;      // decode_next() returned false
+  bool reusable = false;   // the decoder is positioned after a successful read
+  // Timestamps of consecutive frames, to notice frames missing from a truncated file.
+  int64_t start_pts = AV_NOPTS_VALUE, expected_pts = AV_NOPTS_VALUE;
+  double pts_step = 0;
+
+  // Opens (or reopens) the file and decoder at the first frame.
+  void open() {
+    reusable = false;
+    decoder.reset();
+    input.reset();
+    AVFormatContext* raw = nullptr;
+    int err = avformat_open_input(&raw, path.c_str(), nullptr, nullptr);
+    // An MP4 cut short before its index (at the end unless written with +faststart) lands here.
+    TORCH_CHECK(err >= 0, what, ": cannot open: ", av_error(err),
+                err == AVERROR_INVALIDDATA ? " (not a video, or a damaged or truncated file)" : "");
+    input.reset(raw);
+    err = avformat_find_stream_info(input.get(), nullptr);
+    TORCH_CHECK(err >= 0, what,
+                ": cannot read the stream information (damaged file?): ", av_error(err));
+    const AVCodec* codec = nullptr;
+    stream = av_find_best_stream(input.get(), AVMEDIA_TYPE_VIDEO, -1, -1, &codec, 0);
+    TORCH_CHECK(stream != AVERROR_STREAM_NOT_FOUND, what, ": the file has no video stream");
+    const AVStream* s = input->streams[stream];
+    TORCH_CHECK(stream >= 0 && codec, what, ": this FFmpeg has no decoder for its ",
+                avcodec_get_name(s->codecpar->codec_id), " video");
+    decoder = new_codec_context(codec);
+    err = avcodec_parameters_to_context(decoder.get(), s->codecpar);
+    TORCH_CHECK(err >= 0, what, ": bad codec parameters: ", av_error(err));
+    // Damaged packets are errors rather than concealed frames.
+    decoder->err_recognition = AV_EF_EXPLODE;
+    decoder->thread_count = threads;
+    err = avcodec_open2(decoder.get(), codec, nullptr);
+    TORCH_CHECK(err >= 0, what, ": cannot open the ", codec->name, " decoder: ", av_error(err));
+    // Only the decoder is told the rest of the streams do not matter.
+    for (unsigned i = 0; i < input->nb_streams; ++i) {
+      if (static_cast<int>(i) != stream) input->streams[i]->discard = AVDISCARD_ALL;
+    }
+
+    info.codec = avcodec_get_name(s->codecpar->codec_id);
+    info.width = s->codecpar->width;
+    info.height = s->codecpar->height;
+    TORCH_CHECK(info.width > 0 && info.height > 0, what, ": the video stream has no frame size");
+    AVRational rate = s->avg_frame_rate;
+    if (rate.num <= 0 || rate.den <= 0) rate = s->r_frame_rate;
+    info.fps = rate.num > 0 && rate.den > 0 ? av_q2d(rate) : 0;
+    double duration = 0;
+    if (s->duration != AV_NOPTS_VALUE && s->duration > 0) {
+      duration = static_cast<double>(s->duration) * av_q2d(s->time_base);
+    } else if (input->duration != AV_NOPTS_VALUE && input->duration > 0) {
+      duration = static_cast<double>(input->duration) / AV_TIME_BASE;
+    }
+    info.frames = s->nb_frames > 0 ? s->nb_frames : std::llround(duration * info.fps);
+
+    next = 0;
+    flushed = truncated = ended = false;
+    start_pts = expected_pts = s->start_time;
+    pts_step = info.fps > 0 ? 1 / (info.fps * av_q2d(s->time_base)) : 0;
+  }
+
+  // Whether `frame` is the one that follows the previous frame (the first: the stream's start)
+  // in time; false when that cannot be known.
+  bool follows(const AVFrame* f) const {
+    const int64_t pts = f->best_effort_timestamp;
+    return pts != AV_NOPTS_VALUE && expected_pts != AV_NOPTS_VALUE && pts_step > 0 &&
+           std::abs(static_cast<double>(pts - expected_pts)) <= pts_step / 2;
+  }
+
+  // Decodes the next frame into `frame`; false at the end of the stream.
+  bool decode_next() {
+    if (ended) return false;
+    for (;;) {
+      int err = avcodec_receive_frame(decoder.get(), frame.get());
+      if (err >= 0) {
+        TORCH_CHECK(!damaged(frame.get()), what, ": frame ", next,
+                    " is damaged (the decoder concealed errors in it)");
+        // Frames are counted, so after a cut, where the decoder releases the frames it holds
+        // without the ones whose data is missing (B-frames shown before a later P-frame), only
+        // the frames that follow without a gap are frames `next`, `next + 1`, ...
+        if (truncated && !follows(frame.get())) {
+          av_frame_unref(frame.get());
+          ended = true;
+          return false;
+        }
+        const int64_t pts = frame->best_effort_timestamp;
+        expected_pts = pts != AV_NOPTS_VALUE ? pts + std::llround(pts_step) : AV_NOPTS_VALUE;
+        return true;
+      }
+      if (err == AVERROR_EOF) {
+        ended = true;
+        return false;
+      }
+      TORCH_CHECK(err == AVERROR(EAGAIN), what, ": cannot decode the data after frame ", next,
+                  " (damaged data): ", av_error(err));
+      TORCH_CHECK(!flushed, what, ": the decoder stalled after the end of the stream");
+      err = av_read_frame(input.get(), packet.get());
+      if (err == AVERROR_EOF) {
+        err = avcodec_send_packet(decoder.get(), nullptr);  // drains the delayed frames
+        TORCH_CHECK(err >= 0, what, ": cannot finish decoding: ", av_error(err));
+        flushed = true;
+        continue;
+      }
+      TORCH_CHECK(err >= 0, what, ": cannot read the packet after frame ", next, ": ",
+                  av_error(err));
+      const bool ours = packet->stream_index == stream;
+      // A packet cut short by the end of the file is what a truncated file ends with; it is not
+      // decoded, the frames before it are.
+      if (ours && (packet->flags & AV_PKT_FLAG_CORRUPT) && input->pb && avio_feof(input->pb)) {
+        truncated = true;
+      }
+      if (ours && !truncated) err = avcodec_send_packet(decoder.get(), packet.get());
+      const std::string where = err < 0 ? packet_frame() : "";
+      av_packet_unref(packet.get());
+      TORCH_CHECK(err >= 0, what, ": cannot decode ", where, " (damaged data): ", av_error(err));
+    }
+  }
+
+  // The frame `packet` holds, by its timestamp: packets come in decode order, not frame order.
+  std::string packet_frame() const {
+    if (packet->pts == AV_NOPTS_VALUE || start_pts == AV_NOPTS_VALUE || pts_step <= 0) {
+      return "the data after frame " + std::to_string(next);
+    }
+    return "frame " + std::to_string(std::llround((packet->pts - start_pts) / pts_step));
+  }
+};
+
+VideoReader::VideoReader(const std::string& path, int decoder_threads)
+    : state_(std::make_unique<State>()) {
+  quiet_ffmpeg();
+  TORCH_CHECK(decoder_threads >= 0, "video ", path, ": decoder_threads must be >= 0, got ",
+              decoder_threads);
+  state_->path = path;
+  state_->what = "video " + path;
+  state_->threads = decoder_threads;
+  state_->open();
+  state_->reusable = true;
+}
+
+VideoReader::~VideoReader() = default;
+
+const VideoInfo& VideoReader::info() const { return state_->info; }
+const std::string& VideoReader::path() const { return state_->path; }
+
+void VideoReader::read(const std::vector<int64_t>& indices, torch::Tensor out) {
+  auto& s = *state_;
+  const auto n = static_cast<int64_t>(indices.size());
+  check_frames_tensor(out, {n, 3, -1, -1}, s.what,
+                      "[" + std::to_string(n) + ",3,H,W] (one frame per index)");
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(indices[i] >= 0 && (i == 0 || indices[i] >= indices[i - 1]), s.what,
+                ": frame indices must be >= 0 and ascending; index ", i, " is ", indices[i],
+                i > 0 ? " after " + std::to_string(indices[i - 1]) : std::string());
+  }
+  if (n == 0) return;
+  if (!s.reusable || indices.front() < s.next) s.open();
+  s.reusable = false;  // until this read succeeds
+
+  const int height = static_cast<int>(out.size(2)), width = static_cast<int>(out.size(3));
+  const auto frame_bytes = static_cast<size_t>(3) * height * width;
+  auto* base = out.data_ptr<uint8_t>();
+  int64_t i = 0;
+  while (i < n) {
+    if (!s.decode_next()) {
+      const int64_t wanted = indices[n - 1];
+      TORCH_CHECK(s.next >= s.info.frames && !s.truncated, s.what, ": stream ended after ", s.next,
+                  " of ", std::max(s.info.frames, wanted + 1), " frames",
+                  s.truncated ? " (truncated file)" : " (truncated or damaged file)");
+      TORCH_CHECK(false, s.what, ": frame ", wanted, " was requested but the video has ", s.next,
+                  " frames");
+    }
+    const int64_t index = s.next++;
+    if (index == indices[i]) {
+      auto* dst = base + static_cast<size_t>(i) * frame_bytes;
+      s.to_rgb.convert(s.frame.get(), dst, height, width, s.what);
+      // Repeated indices get a copy of the same frame.
+      for (++i; i < n && indices[i] == index; ++i) {
+        std::memcpy(base + static_cast<size_t>(i) * frame_bytes, dst, frame_bytes);
+      }
+    }
+    av_frame_unref(s.frame.get());
+  }
+  s.reusable = true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Images
+
+std::pair<int64_t, int64_t> image_size(const std::string& path) {
+  quiet_ffmpeg();
+  const std::string what = "image " + path;
+  const auto bytes = read_file(path, what);
+  switch (image_codec(bytes)) {
+    case AV_CODEC_ID_MJPEG: {
+      const auto hw = jpeg_size(bytes);
+      TORCH_CHECK(hw.first > 0 && hw.second > 0, what,
+                  ": damaged JPEG (no valid frame header with the picture size)");
+      return hw;
+    }
+    case AV_CODEC_ID_PNG: {
+      TORCH_CHECK(bytes.size() >= 24 && std::memcmp(&bytes[12], "IHDR", 4) == 0, what,
+                  ": damaged PNG (no IHDR header)");
+      const int64_t width = big_endian(&bytes[16], 4), height = big_endian(&bytes[20], 4);
+      TORCH_CHECK(width > 0 && height > 0, what, ": damaged PNG (its header has size ", width, "x",
+                  height, ")");
+      return {height, width};
+    }
+    default: {
+      const auto frame = decode_image(path);
+      return {frame->height, frame->width};
+    }
+  }
+}
+
+void read_image(const std::string& path, torch::Tensor out) {
+  const std::string what = "image " + path;
+  check_frames_tensor(out, {3, -1, -1}, what, "[3,H,W]");
+  const auto frame = decode_image(path);
+  ToRgb to_rgb;
+  to_rgb.convert(frame.get(), out.data_ptr<uint8_t>(), static_cast<int>(out.size(1)),
+                 static_cast<int>(out.size(2)), what);
+}
+
+void write_image(const std::string& path, const torch::Tensor& frame, int quality) {
+  quiet_ffmpeg();
+  const std::string what = "image " + path;
+  TORCH_CHECK(frame.defined() && frame.scalar_type() == torch::kUInt8 && frame.dim() == 3 &&
+                  frame.size(0) == 3 && frame.size(1) > 0 && frame.size(2) > 0,
+              what, ": expected a uint8 tensor of shape [3,H,W], got ",
+              frame.defined() ? c10::toString(frame.scalar_type()) : "undefined", " ",
+              frame.defined() ? frame.sizes() : c10::IntArrayRef{});
+  std::string ext = path.substr(std::min(path.size(), path.find_last_of('.')));
+  std::transform(ext.begin(), ext.end(), ext.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
+  const bool jpeg = ext == ".jpg" || ext == ".jpeg";
+  TORCH_CHECK(jpeg || ext == ".png", what, ": unknown image extension '", ext,
+              "' (use .jpg, .jpeg or .png)");
+  TORCH_CHECK(!jpeg || (quality >= 1 && quality <= 31), what,
+              ": JPEG quality must be 1-31 (lower is better), got ", quality);
+
+  const AVCodec* codec = avcodec_find_encoder(jpeg ? AV_CODEC_ID_MJPEG : AV_CODEC_ID_PNG);
+  TORCH_CHECK(codec, what, ": this FFmpeg has no ", jpeg ? "JPEG" : "PNG", " encoder");
+  const int height = static_cast<int>(frame.size(1)), width = static_cast<int>(frame.size(2));
+  auto context = new_codec_context(codec);
+  context->width = width;
+  context->height = height;
+  context->time_base = AVRational{1, 25};  // required by encoders, meaningless for one picture
+  // JPEG: full-range 4:2:0, what JPEG files usually hold.
+  context->pix_fmt = jpeg ? AV_PIX_FMT_YUVJ420P : AV_PIX_FMT_RGB24;
+  context->color_range = jpeg ? AVCOL_RANGE_JPEG : AVCOL_RANGE_UNSPECIFIED;
+  if (jpeg) {
+    context->flags |= AV_CODEC_FLAG_QSCALE;
+    context->global_quality = quality * FF_QP2LAMBDA;
+  }
+  int err = avcodec_open2(context.get(), codec, nullptr);
+  TORCH_CHECK(err >= 0, what, ": cannot open the ", codec->name, " encoder: ", av_error(err));
+
+  auto picture = new_frame();
+  picture->format = context->pix_fmt;
+  picture->width = width;
+  picture->height = height;
+  picture->color_range = context->color_range;
+  picture->quality = context->global_quality;
+  TORCH_CHECK(av_frame_get_buffer(picture.get(), 0) >= 0, what, ": out of memory for a ", width,
+              "x", height, " picture");
+  FromRgb(width, height, context->pix_fmt, what).convert(frame.cpu(), picture.get(), what);
+
+  auto packet = new_packet();
+  err = avcodec_send_frame(context.get(), picture.get());
+  if (err >= 0) err = avcodec_send_frame(context.get(), nullptr);
+  if (err >= 0) err = avcodec_receive_packet(context.get(), packet.get());
+  TORCH_CHECK(err >= 0, what, ": cannot encode: ", av_error(err));
+
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "wb"),
+                                                       &std::fclose);
+  TORCH_CHECK(file, what, ": cannot create: ", std::strerror(errno));
+  const auto size = static_cast<size_t>(packet->size);
+  const bool written = std::fwrite(packet->data, 1, size, file.get()) == size;
+  const bool closed = std::fclose(file.release()) == 0;
+  TORCH_CHECK(written && closed, what, ": cannot write: ", std::strerror(errno));
+}
+
+// ---------------------------------------------------------------------------------------------
+// VideoWriter
+
+struct VideoWriter::State {
+  std::string path, what;
+  OutputPtr output;
+  CodecPtr encoder;
+  AVStream* stream = nullptr;
+  FramePtr yuv = new_frame();
+  PacketPtr packet = new_packet();
+  std::unique_ptr<FromRgb> from_rgb;
+  int64_t frames = 0;
+  bool finished = false;
+
+  // Sends `frame` (nullptr: end of stream) and muxes the packets the encoder has ready.
+  void encode(const AVFrame* frame) {
+    int err = avcodec_send_frame(encoder.get(), frame);
+    TORCH_CHECK(err >= 0, what, ": cannot encode frame ", frames, ": ", av_error(err));
+    for (;;) {
+      err = avcodec_receive_packet(encoder.get(), packet.get());
+      if (err == AVERROR(EAGAIN) || err == AVERROR_EOF) return;
+      TORCH_CHECK(err >= 0, what, ": cannot encode frame ", frames, ": ", av_error(err));
+      av_packet_rescale_ts(packet.get(), encoder->time_base, stream->time_base);
+      packet->stream_index = stream->index;
+      err = av_interleaved_write_frame(output.get(), packet.get());  // takes the packet's data
+      TORCH_CHECK(err >= 0, what, ": cannot write: ", av_error(err));
+    }
+  }
+};
+
+VideoWriter::VideoWriter(const std::string& path, int64_t width, int64_t height, double fps)
+    : state_(std::make_unique<State>()) {
+  quiet_ffmpeg();
+  auto& s = *state_;
+  s.path = path;
+  s.what = "video " + path;
+  TORCH_CHECK(width > 0 && height > 0 && width % 2 == 0 && height % 2 == 0 && width <= 16384 &&
+                  height <= 16384,
+              s.what, ": width and height must be even and positive (4:2:0 video), got ", width,
+              "x", height);
+  TORCH_CHECK(fps > 0 && std::isfinite(fps), s.what, ": fps must be positive, got ", fps);
+
+  AVFormatContext* raw = nullptr;
+  int err = avformat_alloc_output_context2(&raw, nullptr, nullptr, path.c_str());
+  TORCH_CHECK(err >= 0 && raw, s.what,
+              ": no container format for this file name (use .mp4, .avi or .mkv)");
+  s.output.reset(raw);
+  const AVOutputFormat* format = s.output->oformat;
+
+  const AVCodec* codec = avcodec_find_encoder_by_name("libx264");
+  if (!codec || avformat_query_codec(format, codec->id, FF_COMPLIANCE_NORMAL) != 1) {
+    codec = avcodec_find_encoder(AV_CODEC_ID_MPEG4);
+  }
+  TORCH_CHECK(codec, s.what, ": this FFmpeg has neither a libx264 nor an MPEG-4 encoder");
+  s.encoder = new_codec_context(codec);
+  auto* enc = s.encoder.get();
+  enc->width = static_cast<int>(width);
+  enc->height = static_cast<int>(height);
+  enc->pix_fmt = AV_PIX_FMT_YUV420P;
+  enc->framerate = av_d2q(fps, 1 << 20);
+  enc->time_base = av_inv_q(enc->framerate);
+  // BT.601 limited range, which readers (and ours) assume for unlabelled video.
+  enc->color_range = AVCOL_RANGE_MPEG;
+  enc->colorspace = AVCOL_SPC_SMPTE170M;
+  if (codec->id == AV_CODEC_ID_MPEG4) {
+    // MPEG-4's default is a low constant bitrate; a fixed quantiser keeps quality like x264's CRF.
+    enc->flags |= AV_CODEC_FLAG_QSCALE;
+    enc->global_quality = 3 * FF_QP2LAMBDA;
+  }
+  if (format->flags & AVFMT_GLOBALHEADER) enc->flags |= AV_CODEC_FLAG_GLOBAL_HEADER;
+  err = avcodec_open2(enc, codec, nullptr);
+  TORCH_CHECK(err >= 0, s.what, ": cannot open the ", codec->name, " encoder: ", av_error(err));
+
+  s.stream = avformat_new_stream(s.output.get(), nullptr);
+  TORCH_CHECK(s.stream, s.what, ": out of memory adding a stream");
+  s.stream->time_base = enc->time_base;
+  s.stream->avg_frame_rate = enc->framerate;
+  err = avcodec_parameters_from_context(s.stream->codecpar, enc);
+  TORCH_CHECK(err >= 0, s.what, ": bad codec parameters: ", av_error(err));
+
+  if (!(format->flags & AVFMT_NOFILE)) {
+    err = avio_open(&s.output->pb, path.c_str(), AVIO_FLAG_WRITE);
+    TORCH_CHECK(err >= 0, s.what, ": cannot create: ", av_error(err));
+  }
+  err = avformat_write_header(s.output.get(), nullptr);
+  TORCH_CHECK(err >= 0, s.what, ": cannot write the header: ", av_error(err));
+
+  s.yuv->format = enc->pix_fmt;
+  s.yuv->width = enc->width;
+  s.yuv->height = enc->height;
+  s.yuv->color_range = enc->color_range;
+  s.yuv->colorspace = enc->colorspace;
+  TORCH_CHECK(av_frame_get_buffer(s.yuv.get(), 0) >= 0, s.what, ": out of memory for a frame");
+  s.from_rgb = std::make_unique<FromRgb>(enc->width, enc->height, enc->pix_fmt, s.what);
+}
+
+VideoWriter::~VideoWriter() {
+  try {
+    finish();
+  } catch (const std::exception&) {
+    // A destructor must not throw; call finish() to see the error.
+  }
+}
+
+void VideoWriter::write(const torch::Tensor& frame) {
+  auto& s = *state_;
+  TORCH_CHECK(!s.finished, s.what, ": write() after finish()");
+  const int64_t height = s.encoder->height, width = s.encoder->width;
+  TORCH_CHECK(frame.defined() && frame.scalar_type() == torch::kUInt8 && frame.dim() == 3 &&
+                  frame.size(0) == 3 && frame.size(1) == height && frame.size(2) == width,
+              s.what, ": expected a uint8 frame of shape [3,", height, ",", width, "], got ",
+              frame.defined() ? c10::toString(frame.scalar_type()) : "undefined", " ",
+              frame.defined() ? frame.sizes() : c10::IntArrayRef{});
+  // The encoder may still hold the previous frame's buffer.
+  const int err = av_frame_make_writable(s.yuv.get());
+  TORCH_CHECK(err >= 0, s.what, ": out of memory for a frame: ", av_error(err));
+  s.from_rgb->convert(frame.cpu(), s.yuv.get(), s.what);
+  s.yuv->pts = s.frames;
+  s.encode(s.yuv.get());
+  ++s.frames;
+}
+
+void VideoWriter::finish() {
+  auto& s = *state_;
+  if (s.finished) return;
+  s.finished = true;  // even if it fails: the file cannot be finished twice
+  s.encode(nullptr);
+  const int err = av_write_trailer(s.output.get());
+  TORCH_CHECK(err >= 0, s.what, ": cannot write the trailer: ", av_error(err));
+  if (!(s.output->oformat->flags & AVFMT_NOFILE)) {
+    const int closed = avio_closep(&s.output->pb);
+    TORCH_CHECK(closed >= 0, s.what, ": cannot write: ", av_error(closed));
+  }
+}
+
+#else  // FRAMEFIT_WITH_FFMPEG
+
+namespace {
+[[noreturn]] void no_ffmpeg() {
+  TORCH_CHECK(false,
+              "framefit was built without FFmpeg (configure with -DFRAMEFIT_WITH_FFMPEG=ON and "
+              "the libavformat/libavcodec/libswscale development packages)");
+  std::abort();  // not reached; TORCH_CHECK(false) throws
+}
+}  // namespace
+
+struct VideoReader::State {
+  VideoInfo info;
+  std::string path;
+};
+VideoReader::VideoReader(const std::string&, int) { no_ffmpeg(); }
+VideoReader::~VideoReader() = default;
+const VideoInfo& VideoReader::info() const { return state_->info; }
+const std::string& VideoReader::path() const { return state_->path; }
+void VideoReader::read(const std::vector<int64_t>&, torch::Tensor) { no_ffmpeg(); }
+
+std::pair<int64_t, int64_t> image_size(const std::string&) { no_ffmpeg(); }
+void read_image(const std::string&, torch::Tensor) { no_ffmpeg(); }
+void write_image(const std::string&, const torch::Tensor&, int) { no_ffmpeg(); }
+
+struct VideoWriter::State {};
+VideoWriter::VideoWriter(const std::string&, int64_t, int64_t, double) { no_ffmpeg(); }
+VideoWriter::~VideoWriter() = default;
+void VideoWriter::write(const torch::Tensor&) { no_ffmpeg(); }
+void VideoWriter::finish() { no_ffmpeg(); }
+
+#endif  // FRAMEFIT_WITH_FFMPEG
+
+}  // namespace framefit::data

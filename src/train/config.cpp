@@ -1,0 +1,321 @@
+#include "framefit/train/config.h"
+
+#include <c10/util/Exception.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include "framefit/memory/tracker.h"
+
+namespace framefit::train {
+
+namespace {
+
+struct Entry {
+  ConfigKey key;
+  std::function<void(Config&, const YAML::Node&, const std::string&)> set;
+  std::function<YAML::Node(const Config&)> get;
+};
+
+template <class T>
+T convert(const YAML::Node& node, const std::string& where, const char* expected) {
+  TORCH_CHECK(node.IsScalar(), where, ": expected ", expected, ", got a ",
+              node.IsSequence() ? "list" : node.IsMap() ? "mapping" : "null");
+  try {
+    return node.as<T>();
+  } catch (const YAML::Exception&) {
+    TORCH_CHECK(false, where, ": expected ", expected, ", got \"", node.Scalar(), "\"");
+  }
+}
+
+template <class T>
+Entry field(std::string name, std::string help, T& (*member)(Config&), const char* expected,
+            std::function<void(const T&, const std::string&)> check = {}) {
+  Entry e;
+  e.key = {std::move(name), std::move(help)};
+  e.set = [member, expected, check](Config& c, const YAML::Node& n, const std::string& where) {
+    T value = convert<T>(n, where, expected);
+    if (check) check(value, where);
+    member(c) = value;
+  };
+  e.get = [member](const Config& c) { return YAML::Node(member(const_cast<Config&>(c))); };
+  return e;
+}
+
+Entry choice(std::string name, std::string help, std::string& (*member)(Config&),
+             std::vector<std::string> choices) {
+  std::string list;
+  for (const auto& c : choices) list += (list.empty() ? "" : " | ") + c;
+  return field<std::string>(std::move(name), help + " (" + list + ")", member, "a string",
+                            [choices, list](const std::string& v, const std::string& where) {
+                              TORCH_CHECK(std::find(choices.begin(), choices.end(), v) != choices.end(),
+                                          where, ": \"", v, "\" is not one of ", list);
+                            });
+}
+
+std::function<void(const int64_t&, const std::string&)> at_least(int64_t minimum) {
+  return [minimum](const int64_t& v, const std::string& where) {
+    TORCH_CHECK(v >= minimum, where, ": must be at least ", minimum, ", got ", v);
+  };
+}
+std::function<void(const double&, const std::string&)> non_negative() {
+  return [](const double& v, const std::string& where) {
+    TORCH_CHECK(v >= 0, where, ": must not be negative, got ", v);
+  };
+}
+std::function<void(const std::string&, const std::string&)> auto_or_count() {
+  return [](const std::string& v, const std::string& where) {
+    if (v == "auto") return;
+    char* end = nullptr;
+    const long long n = std::strtoll(v.c_str(), &end, 10);
+    TORCH_CHECK(!v.empty() && *end == '\0' && n >= 0, where, ": expected auto or a count >= 0, got \"",
+                v, "\"");
+  };
+}
+
+Entry bytes(std::string name, std::string help, int64_t& (*member)(Config&)) {
+  Entry e;
+  e.key = {std::move(name), std::move(help)};
+  e.set = [member](Config& c, const YAML::Node& n, const std::string& where) {
+    const auto text = convert<std::string>(n, where, "a size such as 1GiB or 512MiB");
+    try {
+      member(c) = memory::parse_bytes(text);
+    } catch (const c10::Error& error) {
+      TORCH_CHECK(false, where, ": ", error.what_without_backtrace());
+    }
+  };
+  e.get = [member](const Config& c) {
+    return YAML::Node(std::to_string(member(const_cast<Config&>(c))));
+  };
+  return e;
+}
+
+#define FRAMEFIT_MEMBER(type, path) +[](Config& c) -> type& { return c.path; }
+
+const std::vector<Entry>& entries() {
+  static const std::vector<Entry> table = [] {
+    std::vector<Entry> t;
+    // model
+    t.push_back(choice("model.encoder", "per-frame CNN", FRAMEFIT_MEMBER(std::string, model.encoder),
+                       {"resnet18", "resnet34", "resnet50"}));
+    t.push_back(choice("model.norm", "normalisation layers of the encoder",
+                       FRAMEFIT_MEMBER(std::string, model.norm), {"bn", "frozen_bn", "group_norm"}));
+    t.push_back(field<int64_t>("model.groups", "GroupNorm groups", FRAMEFIT_MEMBER(int64_t, model.groups),
+                               "an integer", at_least(1)));
+    t.push_back(choice("model.freeze", "last frozen encoder stage, empty for none",
+                       FRAMEFIT_MEMBER(std::string, model.freeze),
+                       {"", "conv1", "layer1", "layer2", "layer3", "layer4"}));
+    t.push_back(choice("model.head", "temporal head", FRAMEFIT_MEMBER(std::string, model.head),
+                       {"lstm", "tcn", "linear"}));
+    t.push_back(field<std::string>("model.weights",
+                                   "torchvision state_dict (.pt/.pth) to start the encoder from",
+                                   FRAMEFIT_MEMBER(std::string, model.weights), "a path"));
+    t.push_back(field<bool>("model.channels_last", "channels-last memory layout for the encoder",
+                            FRAMEFIT_MEMBER(bool, model.channels_last), "true or false"));
+    // data
+    t.push_back(field<std::string>("data.manifest", "CSV listing videos, label files and splits",
+                                   FRAMEFIT_MEMBER(std::string, data.manifest), "a path"));
+    {
+      Entry e;
+      e.key = {"data.classes", "phase names in label-id order, e.g. [Preparation, Dissection]"};
+      e.set = [](Config& c, const YAML::Node& n, const std::string& where) {
+        TORCH_CHECK(n.IsSequence(), where, ": expected a list of phase names, e.g. [a, b]");
+        c.data.classes.clear();
+        for (const auto& item : n) c.data.classes.push_back(convert<std::string>(item, where, "a name"));
+      };
+      e.get = [](const Config& c) {
+        YAML::Node n(YAML::NodeType::Sequence);
+        for (const auto& name : c.data.classes) n.push_back(name);
+        return n;
+      };
+      t.push_back(e);
+    }
+    t.push_back(field<double>("data.fps", "frames per second sampled from each video; 0: all",
+                              FRAMEFIT_MEMBER(double, data.fps), "a number", non_negative()));
+    t.push_back(field<int64_t>("data.resize", "shorter side after decoding, pixels; 0: keep",
+                               FRAMEFIT_MEMBER(int64_t, data.resize), "an integer", at_least(0)));
+    t.push_back(field<int64_t>("data.crop", "square crop side, pixels; 0: none",
+                               FRAMEFIT_MEMBER(int64_t, data.crop), "an integer", at_least(0)));
+    t.push_back(field<bool>("data.augment", "training: random crop offset and flip per video",
+                            FRAMEFIT_MEMBER(bool, data.augment), "true or false"));
+    t.push_back(choice("data.on_error", "a bad video: stop with an error, or skip it with a warning",
+                       FRAMEFIT_MEMBER(std::string, data.on_error), {"fail", "skip"}));
+    t.push_back(field<int64_t>("data.workers", "decoding threads", FRAMEFIT_MEMBER(int64_t, data.workers),
+                               "an integer", at_least(1)));
+    t.push_back(bytes("data.prefetch_bytes", "decoded frames held ahead of training",
+                      FRAMEFIT_MEMBER(int64_t, data.prefetch_bytes)));
+    t.push_back(field<std::string>("data.train_split", "manifest split trained on",
+                                   FRAMEFIT_MEMBER(std::string, data.train_split), "a name"));
+    t.push_back(field<std::string>("data.val_split", "split evaluated after each epoch",
+                                   FRAMEFIT_MEMBER(std::string, data.val_split), "a name"));
+    t.push_back(field<std::string>("data.test_split", "split `framefit eval` uses by default",
+                                   FRAMEFIT_MEMBER(std::string, data.test_split), "a name"));
+    // train
+    t.push_back(field<int64_t>("train.epochs", "passes over the training split",
+                               FRAMEFIT_MEMBER(int64_t, train.epochs), "an integer", at_least(1)));
+    t.push_back(field<int64_t>("train.max_steps", "stop after this many optimizer steps; 0: epochs decide",
+                               FRAMEFIT_MEMBER(int64_t, train.max_steps), "an integer", at_least(0)));
+    t.push_back(choice("train.optimizer", "optimizer", FRAMEFIT_MEMBER(std::string, train.optimizer),
+                       {"sgd", "adam", "adamw"}));
+    t.push_back(field<double>("train.lr", "peak learning rate", FRAMEFIT_MEMBER(double, train.lr),
+                              "a number", non_negative()));
+    t.push_back(field<double>("train.weight_decay", "weight decay", FRAMEFIT_MEMBER(double, train.weight_decay),
+                              "a number", non_negative()));
+    t.push_back(field<double>("train.momentum", "SGD momentum", FRAMEFIT_MEMBER(double, train.momentum),
+                              "a number", non_negative()));
+    t.push_back(choice("train.schedule", "learning-rate schedule after warm-up",
+                       FRAMEFIT_MEMBER(std::string, train.schedule), {"constant", "step", "cosine"}));
+    t.push_back(field<int64_t>("train.warmup_steps", "linear warm-up from 0, optimizer steps",
+                               FRAMEFIT_MEMBER(int64_t, train.warmup_steps), "an integer", at_least(0)));
+    t.push_back(field<int64_t>("train.step_size", "step schedule: steps between decays; 0: one epoch",
+                               FRAMEFIT_MEMBER(int64_t, train.step_size), "an integer", at_least(0)));
+    t.push_back(field<double>("train.gamma", "step schedule: decay factor", FRAMEFIT_MEMBER(double, train.gamma),
+                              "a number", non_negative()));
+    t.push_back(field<double>("train.min_lr", "cosine schedule: final learning rate",
+                              FRAMEFIT_MEMBER(double, train.min_lr), "a number", non_negative()));
+    t.push_back(choice("train.precision", "autocast precision; auto lets the planner choose",
+                       FRAMEFIT_MEMBER(std::string, train.precision), {"auto", "fp32", "bf16", "fp16"}));
+    t.push_back(bytes("train.budget", "memory budget for tensors, e.g. 1GiB; 0: the free memory",
+                      FRAMEFIT_MEMBER(int64_t, train.budget)));
+    t.push_back(field<std::string>("train.chunk", "frames per encoder chunk: auto, 0 (naive) or a count",
+                                   FRAMEFIT_MEMBER(std::string, train.chunk), "auto or a count",
+                                   auto_or_count()));
+    t.push_back(field<std::string>("train.keep", "chunks whose graph is kept: auto or a count",
+                                   FRAMEFIT_MEMBER(std::string, train.keep), "auto or a count",
+                                   auto_or_count()));
+    t.push_back(field<int64_t>("train.accumulate", "videos per optimizer step (gradients averaged)",
+                               FRAMEFIT_MEMBER(int64_t, train.accumulate), "an integer", at_least(1)));
+    t.push_back(field<double>("train.clip_grad_norm", "clip the gradient norm; 0: off",
+                              FRAMEFIT_MEMBER(double, train.clip_grad_norm), "a number", non_negative()));
+    t.push_back(field<double>("train.smoothing", "MS-TCN smoothing loss weight; 0: off",
+                              FRAMEFIT_MEMBER(double, train.smoothing), "a number", non_negative()));
+    t.push_back(field<bool>("train.class_weights", "weight the loss by inverse class frequency",
+                            FRAMEFIT_MEMBER(bool, train.class_weights), "true or false"));
+    t.push_back(field<uint64_t>("train.seed", "initialisation, data order and augmentation",
+                                FRAMEFIT_MEMBER(uint64_t, train.seed), "a non-negative integer"));
+    t.push_back(field<std::string>("train.out_dir", "checkpoints, log.jsonl and config.yaml go here",
+                                   FRAMEFIT_MEMBER(std::string, train.out_dir), "a path"));
+    t.push_back(field<int64_t>("train.keep_last", "checkpoints kept besides the best",
+                               FRAMEFIT_MEMBER(int64_t, train.keep_last), "an integer", at_least(1)));
+    t.push_back(field<int64_t>("train.checkpoint_every", "optimizer steps between checkpoints; 0: each epoch",
+                               FRAMEFIT_MEMBER(int64_t, train.checkpoint_every), "an integer", at_least(0)));
+    t.push_back(field<bool>("train.validate", "evaluate the validation split after each epoch",
+                            FRAMEFIT_MEMBER(bool, train.validate), "true or false"));
+    t.push_back(field<std::string>("device", "cpu, cuda or cuda:N", FRAMEFIT_MEMBER(std::string, device),
+                                   "a device name",
+                                   [](const std::string& v, const std::string& where) {
+                                     TORCH_CHECK(v == "cpu" || v.rfind("cuda", 0) == 0, where,
+                                                 ": expected cpu, cuda or cuda:N, got \"", v, "\"");
+                                   }));
+    return t;
+  }();
+  return table;
+}
+
+#undef FRAMEFIT_MEMBER
+
+const Entry* find_entry(const std::string& name) {
+  for (const auto& e : entries()) {
+    if (e.key.name == name) return &e;
+  }
+  return nullptr;
+}
+
+std::string unknown_key_message(const std::string& name) {
+  // Lists the keys of the same section (or the sections), so a typo is easy to fix.
+  const auto dot = name.find('.');
+  const std::string section = dot == std::string::npos ? "" : name.substr(0, dot + 1);
+  std::string known;
+  for (const auto& e : entries()) {
+    if (!section.empty() && e.key.name.rfind(section, 0) != 0) continue;
+    known += (known.empty() ? "" : ", ") + e.key.name;
+  }
+  if (known.empty()) known = "model.*, data.*, train.*, device";
+  return "unknown key `" + name + "` (known: " + known + ")";
+}
+
+void apply(Config& config, const YAML::Node& node, const std::string& prefix, const std::string& source) {
+  for (const auto& item : node) {
+    const auto key = item.first.as<std::string>();
+    const std::string name = prefix.empty() ? key : prefix + "." + key;
+    if (const Entry* e = find_entry(name)) {
+      e->set(config, item.second, source + ": " + name);
+    } else if (item.second.IsMap()) {
+      apply(config, item.second, name, source);
+    } else {
+      TORCH_CHECK(false, source, ": ", unknown_key_message(name));
+    }
+  }
+}
+
+}  // namespace
+
+const std::vector<ConfigKey>& config_keys() {
+  static const std::vector<ConfigKey> keys = [] {
+    std::vector<ConfigKey> k;
+    for (const auto& e : entries()) k.push_back(e.key);
+    return k;
+  }();
+  return keys;
+}
+
+Config parse_config(const std::string& yaml_text, const std::string& source,
+                    const std::vector<std::string>& overrides) {
+  Config config;
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    TORCH_CHECK(false, source, ": not valid YAML: line ", e.mark.line + 1, ", column ",
+                e.mark.column + 1, ": ", e.msg);
+  }
+  if (root.IsDefined() && !root.IsNull()) {
+    TORCH_CHECK(root.IsMap(), source, ": expected a mapping of sections (model, data, train, device)");
+    apply(config, root, "", source);
+  }
+  for (const auto& text : overrides) {
+    const auto eq = text.find('=');
+    TORCH_CHECK(eq != std::string::npos && eq > 0, "--set ", text, ": expected key=value");
+    const std::string name = text.substr(0, eq);
+    const Entry* e = find_entry(name);
+    TORCH_CHECK(e != nullptr, "--set ", text, ": ", unknown_key_message(name));
+    YAML::Node value;
+    try {
+      value = YAML::Load(text.substr(eq + 1));
+    } catch (const YAML::Exception& error) {
+      TORCH_CHECK(false, "--set ", text, ": the value is not valid YAML: ", error.msg);
+    }
+    if (value.IsNull()) value = YAML::Node(std::string());  // `--set model.freeze=` clears
+    e->set(config, value, "--set " + name);
+  }
+  return config;
+}
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path);
+  TORCH_CHECK(in.good(), "config ", path, ": cannot open");
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse_config(text.str(), "config " + path, overrides);
+}
+
+std::string to_yaml(const Config& config) {
+  YAML::Node root;
+  for (const auto& e : entries()) {
+    const auto& name = e.key.name;
+    const auto dot = name.find('.');
+    if (dot == std::string::npos) {
+      root[name] = e.get(config);
+    } else {
+      root[name.substr(0, dot)][name.substr(dot + 1)] = e.get(config);
+    }
+  }
+  YAML::Emitter out;
+  out << root;
+  return std::string(out.c_str()) + "\n";
+}
+
+}  // namespace framefit::train

@@ -1,0 +1,692 @@
+#include "framefit/train/trainer.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "framefit/engine/chunked.h"
+#include "framefit/engine/step.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/plan/calibration.h"
+#include "framefit/plan/planner.h"
+
+namespace framefit::train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+void make_directories(const std::string& path) {
+  std::string partial;
+  std::stringstream parts(path);
+  std::string part;
+  if (!path.empty() && path[0] == '/') partial = "/";
+  while (std::getline(parts, part, '/')) {
+    if (part.empty()) continue;
+    partial += part + "/";
+    if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+      TORCH_CHECK(false, "cannot create directory ", partial, ": ", std::strerror(errno));
+    }
+  }
+}
+
+std::vector<std::string> list_files(const std::string& folder, const std::string& prefix,
+                                    const std::string& suffix) {
+  std::vector<std::string> names;
+  if (DIR* dir = ::opendir(folder.c_str())) {
+    while (const dirent* e = ::readdir(dir)) {
+      const std::string name = e->d_name;
+      if (name.rfind(prefix, 0) == 0 && name.size() >= suffix.size() &&
+          name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+        names.push_back(folder + "/" + name);
+      }
+    }
+    ::closedir(dir);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Written to a temporary file, flushed to disk, then renamed over the target: a crash at any
+// point leaves either the old file or the new one, never a partial checkpoint.
+void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path) {
+  const std::string temp = path + ".tmp";
+  archive.save_to(temp);
+  const int fd = ::open(temp.c_str(), O_RDONLY);
+  TORCH_CHECK(fd >= 0 && ::fsync(fd) == 0, "checkpoint ", temp, ": cannot flush to disk");
+  ::close(fd);
+  TORCH_CHECK(std::rename(temp.c_str(), path.c_str()) == 0, "checkpoint ", path,
+              ": cannot rename the temporary file into place: ", std::strerror(errno));
+  const auto slash = path.rfind('/');
+  const std::string folder = slash == std::string::npos ? "." : path.substr(0, slash);
+  const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dir >= 0) {
+    ::fsync(dir);  // the rename itself
+    ::close(dir);
+  }
+}
+
+plan::ModelSpec model_spec(const Config& config, int64_t size, torch::Device device) {
+  plan::ModelSpec spec;
+  spec.model = config.model.encoder;
+  spec.head = config.model.head;
+  spec.classes = static_cast<int64_t>(config.data.classes.size());
+  spec.norm = config.model.norm;
+  spec.groups = config.model.groups;
+  spec.freeze = config.model.freeze;
+  spec.channels_last = config.model.channels_last;
+  spec.size = size;
+  spec.optimizer = config.train.optimizer;
+  spec.device = device;
+  return spec;
+}
+
+std::optional<int64_t> fixed_count(const std::string& text) {
+  if (text == "auto") return std::nullopt;
+  return std::stoll(text);
+}
+
+// What a checkpoint records about the run's position and settings.
+struct Progress {
+  int64_t step = 0;
+  int64_t epoch = 0;     // 0-based epoch in progress
+  int64_t position = 0;  // videos of that epoch's order already used
+  int64_t skipped = 0;
+  double best_accuracy = -1;
+  double seconds = 0;
+  plan::StepSettings settings;
+};
+
+void write_model(torch::serialize::OutputArchive& archive, const Model& model) {
+  archive.write("format", c10::IValue(std::string("framefit-checkpoint-1")));
+  archive.write("config", c10::IValue(to_yaml(model.config)));
+  torch::serialize::OutputArchive encoder, head;
+  model.encoder->save(encoder);
+  model.head->save(head);
+  archive.write("encoder", encoder);
+  archive.write("head", head);
+}
+
+torch::Tensor generator_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+void set_generator_state(const torch::Tensor& state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+torch::Tensor settings_tensor(const Progress& p) {
+  return torch::tensor({p.step, p.epoch, p.position, p.skipped, p.settings.chunk, p.settings.keep,
+                        static_cast<int64_t>(p.settings.cache_frozen),
+                        static_cast<int64_t>(p.settings.precision)},
+                       torch::kLong);
+}
+
+void save_checkpoint(const std::string& path, const Model& model, torch::optim::Optimizer& optimizer,
+                     engine::TrainingStep& step, const Progress& progress) {
+  torch::serialize::OutputArchive archive;
+  write_model(archive, model);
+  torch::serialize::OutputArchive optimizer_archive;
+  optimizer.save(optimizer_archive);
+  archive.write("optimizer", optimizer_archive);
+  archive.write("scaler", step.scaler().state());
+  archive.write("rng", generator_state());
+  archive.write("progress", settings_tensor(progress));
+  archive.write("progress_real", torch::tensor({progress.best_accuracy, progress.seconds}, torch::kDouble));
+  save_atomically(archive, path);
+}
+
+Progress read_progress(torch::serialize::InputArchive& archive) {
+  torch::Tensor p, r;
+  archive.read("progress", p);
+  archive.read("progress_real", r);
+  const auto* v = p.data_ptr<int64_t>();
+  Progress progress;
+  progress.step = v[0];
+  progress.epoch = v[1];
+  progress.position = v[2];
+  progress.skipped = v[3];
+  progress.settings.chunk = v[4];
+  progress.settings.keep = v[5];
+  progress.settings.cache_frozen = v[6] != 0;
+  progress.settings.precision = static_cast<engine::Precision>(v[7]);
+  progress.best_accuracy = r[0].item<double>();
+  progress.seconds = r[1].item<double>();
+  return progress;
+}
+
+Config read_config(torch::serialize::InputArchive& archive, const std::string& path) {
+  c10::IValue format, text;
+  TORCH_CHECK(archive.try_read("format", format) && format.isString() &&
+                  format.toStringRef() == "framefit-checkpoint-1",
+              path, " is not a framefit checkpoint (to load plain weights, use model.weights)");
+  archive.read("config", text);
+  return parse_config(text.toStringRef(), "the config stored in " + path);
+}
+
+torch::serialize::InputArchive open_archive(const std::string& path) {
+  struct stat info {};
+  TORCH_CHECK(::stat(path.c_str(), &info) == 0, "checkpoint ", path, ": no such file");
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "checkpoint ", path, " cannot be read (damaged or not a checkpoint): ",
+                e.what_without_backtrace());
+  }
+  return archive;
+}
+
+// Keeps the newest `keep` step checkpoints.
+void prune_checkpoints(const std::string& folder, int64_t keep) {
+  auto files = list_files(folder, "step_", ".pt");
+  for (size_t i = 0; i + keep < files.size(); ++i) std::remove(files[i].c_str());
+}
+
+// The log of steps and epochs; on resume, records after the checkpoint are dropped first, so
+// the log reads as if the run had never stopped.
+class JsonlLog {
+ public:
+  JsonlLog(const std::string& path, int64_t resume_step, bool resuming) : path_(path) {
+    std::vector<std::string> kept;
+    if (resuming) {
+      std::ifstream in(path);
+      std::string line;
+      while (std::getline(in, line)) {
+        const auto record = nlohmann::json::parse(line, nullptr, false);
+        if (!record.is_discarded() && record.value("step", int64_t{0}) <= resume_step) kept.push_back(line);
+      }
+    }
+    out_.open(path, std::ios::trunc);
+    TORCH_CHECK(out_.good(), "cannot write the training log ", path);
+    for (const auto& line : kept) out_ << line << '\n';
+    out_.flush();
+  }
+  void write(const nlohmann::json& record) {
+    out_ << record.dump() << '\n';
+    out_.flush();
+  }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+nlohmann::json metrics_json(const PhaseMetrics& m, const data::ClassList& classes) {
+  nlohmann::json per_phase = nlohmann::json::object();
+  auto number = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
+  for (int64_t k = 0; k < classes.size(); ++k) {
+    per_phase[classes.names()[k]] = {{"precision", number(m.precision[k])},
+                                     {"recall", number(m.recall[k])},
+                                     {"f1", number(m.f1[k])},
+                                     {"jaccard", number(m.jaccard[k])}};
+  }
+  return {{"frames", m.frames},
+          {"accuracy", m.accuracy},
+          {"macro_precision", m.macro_precision},
+          {"macro_recall", m.macro_recall},
+          {"macro_f1", m.macro_f1},
+          {"macro_jaccard", m.macro_jaccard},
+          {"phases", per_phase}};
+}
+
+int64_t frame_size_for_planning(const data::VideoDataset& dataset) {
+  // The memory model assumes square frames; use the side with the same pixel count.
+  int64_t largest = 1;
+  for (int64_t i = 0; i < dataset.size(); ++i) {
+    const auto [h, w] = dataset.frame_size(i);
+    largest = std::max<int64_t>(largest, std::llround(std::sqrt(static_cast<double>(h * w))));
+  }
+  return largest;
+}
+
+// Sets the tracker's budget for the run and lifts it when the run ends, however it ends.
+class BudgetScope {
+ public:
+  BudgetScope(memory::Tracker& tracker, int64_t bytes) : tracker_(tracker) { tracker_.set_budget(bytes); }
+  ~BudgetScope() { tracker_.set_budget(0); }
+
+ private:
+  memory::Tracker& tracker_;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+data::VideoDataset make_dataset(const Config& config, const std::string& split, bool training,
+                                const EventCallback& on_event) {
+  TORCH_CHECK(!config.data.manifest.empty(), "data.manifest is not set: name the CSV listing the videos");
+  TORCH_CHECK(!config.data.classes.empty(), "data.classes is not set: list the phase names in label order");
+  auto entries = data::select_split(data::read_manifest(config.data.manifest), split);
+  data::DataOptions options;
+  options.fps = config.data.fps;
+  options.transform.resize = config.data.resize;
+  options.transform.crop = config.data.crop;
+  options.transform.random_crop = training && config.data.augment;
+  options.transform.flip = training && config.data.augment;
+  options.skip_bad = config.data.on_error == "skip";
+  options.pinned = torch::Device(config.device).is_cuda();
+  return data::VideoDataset(std::move(entries), data::ClassList(config.data.classes), options,
+                            [&](const std::string& message) {
+                              if (on_event) on_event({Event::Kind::Warning, message});
+                            });
+}
+
+Model build_model(const Config& config) {
+  Model model;
+  model.config = config;
+  model.classes = data::ClassList(config.data.classes);
+  model.device = torch::Device(config.device);
+  torch::manual_seed(config.train.seed);
+  const auto spec = model_spec(config, 64, model.device);
+  model.encoder = models::ResNet(spec.encoder_options());
+  if (!config.model.weights.empty()) {
+    models::LoadOptions options;
+    options.ignore_prefixes = {"fc."};
+    models::load_state_dict(*model.encoder, models::read_state_dict(config.model.weights), options);
+  }
+  model.head = models::make_head(config.model.head, model.encoder->feature_dim(), model.classes.size());
+  model.encoder->to(model.device);
+  model.head->to(model.device);
+  return model;
+}
+
+Model load_model(const std::string& checkpoint, const std::string& device) {
+  auto archive = open_archive(checkpoint);
+  Config config = read_config(archive, checkpoint);
+  config.model.weights.clear();  // the checkpoint has the weights
+  if (!device.empty()) config.device = device;
+  Model model = build_model(config);
+  torch::serialize::InputArchive encoder, head;
+  archive.read("encoder", encoder);
+  archive.read("head", head);
+  model.encoder->load(encoder);
+  model.head->load(head);
+  model.encoder->to(model.device);
+  model.head->to(model.device);
+  torch::Tensor progress;
+  if (archive.try_read("progress", progress)) {
+    model.precision = static_cast<engine::Precision>(progress[7].item<int64_t>());
+    if (model.device.is_cpu() && model.precision == engine::Precision::FP16) {
+      model.precision = engine::Precision::FP32;  // fp16 autocast is not a CPU thing
+    }
+  }
+  return model;
+}
+
+Prediction predict(Model& model, const torch::Tensor& frames) {
+  TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3, "predict expects frames [T,3,H,W], got ",
+              frames.sizes());
+  torch::InferenceMode inference;
+  model.encoder->eval();
+  model.head->eval();
+  engine::ChunkedOptions options;
+  options.chunk = model.chunk;
+  options.keep = 0;
+  options.device = model.device;
+  options.channels_last = model.config.model.channels_last;
+  engine::AutocastGuard autocast(model.device, model.precision);
+  const auto features = engine::chunked_encode(engine::frame_encoder(model.encoder.ptr()), frames, options);
+  auto logits = model.head->forward(features.to(torch::kFloat32));
+  if (logits.dim() == 3) logits = logits[-1];
+  Prediction p;
+  p.probabilities = torch::softmax(logits.to(torch::kFloat32), -1).cpu();
+  p.labels = p.probabilities.argmax(-1);
+  return p;
+}
+
+PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset, const EventCallback& on_event) {
+  ConfusionMatrix confusion(model.classes.size());
+  std::vector<data::Prefetcher::Job> jobs;
+  for (int64_t i = 0; i < dataset.size(); ++i) {
+    jobs.push_back({[&dataset, i] { return dataset.load(i); }, dataset.frame_bytes(i)});
+  }
+  data::Prefetcher prefetcher(std::move(jobs), std::max<int64_t>(1, model.config.data.workers),
+                              model.config.data.prefetch_bytes);
+  const auto start = Clock::now();
+  int64_t frames = 0;
+  for (int64_t i = 0; i < dataset.size(); ++i) {
+    engine::Video video;
+    try {
+      video = prefetcher.next();
+    } catch (const c10::Error& e) {
+      if (!dataset.options().skip_bad) throw;
+      if (on_event) on_event({Event::Kind::Warning, std::string("skipping ") + e.what_without_backtrace()});
+      continue;
+    }
+    const auto prediction = predict(model, video.frames);
+    confusion.add(prediction.labels, video.labels);
+    frames += video.labels.numel();
+    if (on_event) {
+      Event e;
+      e.kind = Event::Kind::Evaluate;
+      e.step = i + 1;
+      e.total_steps = dataset.size();
+      e.elapsed_seconds = seconds_since(start);
+      e.frames_per_second = frames / std::max(1e-9, e.elapsed_seconds);
+      on_event(e);
+    }
+  }
+  return confusion.metrics();
+}
+
+models::StateDict export_state_dict(const Model& model) {
+  models::StateDict out;
+  for (auto& [name, tensor] : models::state_dict(*model.encoder)) {
+    out.emplace_back("encoder." + name, tensor.cpu());
+  }
+  for (auto& [name, tensor] : models::state_dict(*model.head)) {
+    out.emplace_back("head." + name, tensor.cpu());
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TrainResult train(const Config& config, const std::string& resume, const EventCallback& on_event) {
+  auto emit = [&](Event e) {
+    if (on_event) on_event(e);
+  };
+  auto info = [&](const std::string& message) { emit({Event::Kind::Info, message}); };
+  const auto& tc = config.train;
+  const std::string out_dir = tc.out_dir;
+  const std::string checkpoint_dir = out_dir + "/checkpoints";
+  make_directories(checkpoint_dir);
+
+  std::string resume_path;
+  if (resume == "auto") {
+    const auto files = list_files(checkpoint_dir, "step_", ".pt");
+    TORCH_CHECK(!files.empty(), "--resume: no checkpoint in ", checkpoint_dir, " to resume from");
+    resume_path = files.back();
+  } else if (!resume.empty()) {
+    resume_path = resume;
+  } else {
+    TORCH_CHECK(list_files(checkpoint_dir, "step_", ".pt").empty(), out_dir,
+                " already holds checkpoints: resume it with --resume, or choose another "
+                "train.out_dir");
+  }
+
+  const torch::Device device(config.device);
+  auto train_set = make_dataset(config, config.data.train_split, true, on_event);
+  TORCH_CHECK(train_set.size() > 0, "no videos in split \"", config.data.train_split, "\" of ",
+              config.data.manifest);
+  std::optional<data::VideoDataset> val_set;
+  if (tc.validate) {
+    auto candidate = make_dataset(config, config.data.val_split, false, on_event);
+    if (candidate.size() > 0) val_set.emplace(std::move(candidate));
+  }
+  info("data: " + std::to_string(train_set.size()) + " training videos (" +
+       std::to_string(train_set.total_frames()) + " frames)" +
+       (val_set ? ", " + std::to_string(val_set->size()) + " validation videos" : std::string()) +
+       (train_set.skipped() ? ", " + std::to_string(train_set.skipped()) + " skipped" : std::string()));
+
+  std::ofstream(out_dir + "/config.yaml") << to_yaml(config);
+
+  // Plan the step for the longest training video under the budget, minus what prefetching holds.
+  auto& tracker = memory::Tracker::of(device);
+  const int64_t budget = tc.budget > 0 ? tc.budget : tracker.available_bytes();
+  int64_t longest = 0;
+  for (int64_t i = 0; i < train_set.size(); ++i) longest = std::max(longest, train_set.frames(i));
+  plan::PlanRequest request;
+  const data::ClassList classes(config.data.classes);
+  request.model = model_spec(config, frame_size_for_planning(train_set), device);
+  request.frames = longest;
+  request.videos = tc.accumulate;
+  request.accumulate = 1;
+  request.chunk = fixed_count(tc.chunk);
+  request.keep = fixed_count(tc.keep);
+  request.precisions = tc.precision == "auto" ? plan::candidate_precisions(device)
+                                              : std::vector<engine::Precision>{engine::parse_precision(tc.precision)};
+  const auto sizes = plan::static_sizes(request.model);
+  const int64_t step_budget = budget - std::min(config.data.prefetch_bytes, budget / 4);
+  // With chunk, keep and precision all fixed there is nothing to choose: no calibration, and an
+  // out-of-memory step falls back to halving the chunk. Otherwise the planner decides.
+  const bool planned = !request.chunk || !request.keep || request.precisions.size() > 1;
+  std::map<engine::Precision, plan::ChunkCosts> costs;
+  plan::Plan chosen;
+  if (planned) {
+    plan::CalibrationCache cache(plan::CalibrationCache::default_path());
+    costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
+    chosen = plan::fit(request, sizes, costs, step_budget, 0.1);
+    TORCH_CHECK(chosen.fits, "training does not fit in train.budget ", memory::format_bytes(budget),
+                ": ", chosen.advice);
+  } else {
+    chosen.settings.frames = request.frames;
+    chosen.settings.chunk = *request.chunk;
+    chosen.settings.keep = *request.keep;
+    chosen.settings.precision = request.precisions.front();
+  }
+
+  // Built after calibration, which seeds the global generator for its probes: the model's
+  // initialisation and the generator state training starts from must not depend on whether
+  // the calibration was cached.
+  Model model = build_model(config);
+  Progress progress;
+  progress.settings = chosen.settings;
+  std::optional<torch::serialize::InputArchive> resumed;
+  if (!resume_path.empty()) {
+    resumed.emplace(open_archive(resume_path));
+    read_config(*resumed, resume_path);  // is a checkpoint
+    progress = read_progress(*resumed);
+    info("resuming from " + resume_path + " at step " + std::to_string(progress.step));
+  }
+  if (planned) {
+    info("plan: " + plan::describe(progress.settings) + ", predicted peak " +
+         memory::format_bytes(chosen.breakdown.peak_bytes) + " of " + memory::format_bytes(step_budget) +
+         " (budget " + memory::format_bytes(budget) + " less prefetch)");
+  } else {
+    info("settings: " + plan::describe(progress.settings) + " (fixed by the config; not planned)");
+  }
+
+  engine::StepOptions options;
+  options.chunked.chunk = progress.settings.chunk;
+  options.chunked.keep = progress.settings.keep;
+  options.chunked.cache_frozen = progress.settings.cache_frozen;
+  options.chunked.device = device;
+  options.chunked.channels_last = config.model.channels_last;
+  options.precision = progress.settings.precision;
+  options.clip_grad_norm = tc.clip_grad_norm;
+  options.loss.smoothing = tc.smoothing;
+  if (tc.class_weights) {
+    auto counts = torch::zeros({model.classes.size()}, torch::kDouble);
+    for (int64_t i = 0; i < train_set.size(); ++i) {
+      counts += torch::bincount(train_set.labels(i), {}, model.classes.size()).to(torch::kDouble);
+    }
+    options.loss.class_weights =
+        (counts.sum() / (counts.clamp_min(1) * model.classes.size())).to(torch::kFloat32).to(device);
+  }
+  auto encoder = engine::frame_encoder(model.encoder.ptr());
+  auto parameters = encoder.parameters;
+  for (auto& p : model.head->parameters()) parameters.push_back(p);
+  engine::OptimizerOptions optimizer_options;
+  optimizer_options.kind = tc.optimizer;
+  optimizer_options.lr = tc.lr;
+  optimizer_options.weight_decay = tc.weight_decay;
+  optimizer_options.momentum = tc.momentum;
+  auto optimizer = engine::make_optimizer(parameters, optimizer_options);
+  engine::TrainingStep step(encoder, model.head, optimizer, options);
+  if (planned) {
+    step.replan = plan::make_replanner(request, sizes, costs.at(progress.settings.precision),
+                                       progress.settings.precision, step_budget, 0.1);
+  }
+
+  if (resumed) {
+    torch::serialize::InputArchive encoder_archive, head_archive, optimizer_archive;
+    resumed->read("encoder", encoder_archive);
+    resumed->read("head", head_archive);
+    resumed->read("optimizer", optimizer_archive);
+    model.encoder->load(encoder_archive);
+    model.head->load(head_archive);
+    model.encoder->to(device);
+    model.head->to(device);
+    optimizer->load(optimizer_archive);
+    torch::Tensor scaler, rng;
+    resumed->read("scaler", scaler);
+    resumed->read("rng", rng);
+    step.scaler().load_state(scaler);
+    set_generator_state(rng);
+  }
+
+  const int64_t videos = train_set.size();
+  const int64_t steps_per_epoch = (videos + tc.accumulate - 1) / tc.accumulate;
+  const int64_t total_steps = tc.max_steps > 0 ? tc.max_steps : tc.epochs * steps_per_epoch;
+  const int64_t epochs = (total_steps + steps_per_epoch - 1) / steps_per_epoch;
+  Schedule schedule;
+  schedule.kind = tc.schedule;
+  schedule.lr = tc.lr;
+  schedule.warmup = tc.warmup_steps;
+  schedule.step_size = tc.step_size > 0 ? tc.step_size : steps_per_epoch;
+  schedule.gamma = tc.gamma;
+  schedule.min_lr = tc.min_lr;
+
+  JsonlLog log(out_dir + "/log.jsonl", progress.step, resumed.has_value());
+  TrainResult result;
+  result.best_checkpoint = out_dir + "/best.pt";
+  const auto start = Clock::now();
+  const int64_t first_step = progress.step;
+  BudgetScope budget_scope(tracker, budget);
+
+  int64_t last_saved_step = resumed ? progress.step : -1;
+  auto checkpoint = [&](Progress saved) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "/step_%08lld.pt", static_cast<long long>(saved.step));
+    result.last_checkpoint = checkpoint_dir + name;
+    saved.seconds += seconds_since(start);
+    save_checkpoint(result.last_checkpoint, model, *optimizer, step, saved);
+    prune_checkpoints(checkpoint_dir, tc.keep_last);
+    last_saved_step = saved.step;
+  };
+
+  for (; progress.epoch < epochs && progress.step < total_steps; ++progress.epoch) {
+    const auto order = data::epoch_order(videos, tc.seed, progress.epoch, true);
+    std::vector<data::Prefetcher::Job> jobs;
+    for (int64_t k = progress.position; k < videos; ++k) {
+      const int64_t v = order[k];
+      const auto augmentation = train_set.augmentation(v, tc.seed, progress.epoch);
+      jobs.push_back({[&train_set, v, augmentation] { return train_set.load(v, augmentation); },
+                      train_set.frame_bytes(v)});
+    }
+    data::Prefetcher prefetcher(std::move(jobs), static_cast<int>(config.data.workers),
+                                config.data.prefetch_bytes);
+    double loss_sum = 0;
+    int64_t loss_count = 0;
+    while (progress.position < videos && progress.step < total_steps) {
+      std::vector<engine::Video> batch;
+      while (static_cast<int64_t>(batch.size()) < tc.accumulate && progress.position < videos) {
+        ++progress.position;
+        try {
+          batch.push_back(prefetcher.next());
+        } catch (const c10::Error& e) {
+          if (!train_set.options().skip_bad) throw;
+          ++progress.skipped;
+          emit({Event::Kind::Warning, std::string("skipping a video: ") + e.what_without_backtrace()});
+        }
+      }
+      if (batch.empty()) continue;
+      const double lr = learning_rate(schedule, progress.step, total_steps);
+      for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
+      const auto report = step.step(batch);
+      ++progress.step;
+      loss_sum += report.loss;
+      ++loss_count;
+      for (const auto& r : report.replans) emit({Event::Kind::Warning, r});
+
+      Event e;
+      e.kind = Event::Kind::Step;
+      e.step = progress.step;
+      e.total_steps = total_steps;
+      e.epoch = progress.epoch + 1;
+      e.epochs = epochs;
+      e.loss = report.loss;
+      e.lr = lr;
+      e.frames_per_second = report.frames / std::max(1e-9, report.seconds);
+      e.elapsed_seconds = progress.seconds + seconds_since(start);
+      const double per_step = seconds_since(start) / static_cast<double>(progress.step - first_step);
+      e.eta_seconds = per_step * static_cast<double>(total_steps - progress.step);
+      e.peak_bytes = report.peak_bytes;
+      e.rss_bytes = memory::process_memory().rss_bytes;
+      emit(e);
+      log.write({{"type", "step"}, {"step", e.step}, {"epoch", e.epoch}, {"loss", e.loss},
+                 {"lr", lr}, {"frames", report.frames}, {"seconds", report.seconds},
+                 {"peak_bytes", report.peak_bytes}, {"rss_bytes", e.rss_bytes},
+                 {"skipped_optimizer_step", report.overflow_skipped}});
+      // A checkpoint that completes the epoch is written after its validation, below.
+      if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 &&
+          progress.position < videos) {
+        checkpoint(progress);
+      }
+    }
+    if (progress.position < videos) break;  // max_steps reached mid-epoch
+
+    Event epoch_event;
+    epoch_event.kind = Event::Kind::Epoch;
+    epoch_event.step = progress.step;
+    epoch_event.total_steps = total_steps;
+    epoch_event.epoch = progress.epoch + 1;
+    epoch_event.epochs = epochs;
+    epoch_event.loss = loss_count ? loss_sum / loss_count : 0;
+    epoch_event.elapsed_seconds = progress.seconds + seconds_since(start);
+    nlohmann::json record = {{"type", "epoch"}, {"step", progress.step}, {"epoch", progress.epoch + 1},
+                             {"loss", epoch_event.loss}};
+    if (val_set) {
+      epoch_event.metrics = evaluate(model, *val_set);
+      epoch_event.validated = true;
+      record["val"] = metrics_json(epoch_event.metrics, model.classes);
+      if (epoch_event.metrics.accuracy > progress.best_accuracy) {
+        progress.best_accuracy = epoch_event.metrics.accuracy;
+        epoch_event.best = true;
+        torch::serialize::OutputArchive archive;
+        write_model(archive, model);
+        Progress best = progress;
+        archive.write("progress", settings_tensor(best));
+        archive.write("progress_real", torch::tensor({best.best_accuracy, best.seconds}, torch::kDouble));
+        save_atomically(archive, result.best_checkpoint);
+        result.best = epoch_event.metrics;
+        result.validated = true;
+      }
+      record["best"] = epoch_event.best;
+    }
+    emit(epoch_event);
+    log.write(record);
+    progress.position = 0;
+    if (tc.checkpoint_every == 0 || progress.step % tc.checkpoint_every == 0) {
+      Progress next = progress;
+      ++next.epoch;
+      checkpoint(next);
+    }
+  }
+  if (last_saved_step != progress.step) checkpoint(progress);
+  if (!val_set) {  // nothing to choose the best by: the last weights are the best
+    torch::serialize::OutputArchive archive;
+    write_model(archive, model);
+    archive.write("progress", settings_tensor(progress));
+    archive.write("progress_real", torch::tensor({progress.best_accuracy, progress.seconds}, torch::kDouble));
+    save_atomically(archive, result.best_checkpoint);
+  }
+  result.steps = progress.step;
+  result.seconds = seconds_since(start);
+  result.skipped_videos = progress.skipped + train_set.skipped();
+  return result;
+}
+
+}  // namespace framefit::train

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# make-demo, train, eval, predict and export end to end on a tiny demo, with the bad-input
+# cases; `resume` mode kills a run with SIGKILL and checks the resumed run's weights against an
+# uninterrupted one.
+#   train_cli_test.sh {tiny|resume} FRAMEFIT PYTHON WORKDIR
+set -euo pipefail
+mode=$1 framefit=$2 python=$3 work=$4
+rm -rf "$work" && mkdir -p "$work" && cd "$work"
+export FRAMEFIT_CACHE_DIR="$work/cache"
+
+fail() { echo "FAIL: $*"; exit 1; }
+# expect_error "fragment" command...: the command fails and says `fragment` on stderr.
+expect_error() {
+  local fragment=$1; shift
+  if "$@" 2> err.txt; then fail "expected an error from: $*"; fi
+  grep -qF -- "$fragment" err.txt || { cat err.txt; fail "expected '$fragment' in the error"; }
+}
+
+"$framefit" make-demo --out demo --train-videos 3 --val-videos 1 --test-videos 1 \
+  --min-frames 40 --max-frames 60 --threads 2 > make.txt
+test -f demo/manifest.csv && test -f demo/manifest_frames.csv && test -f demo/videos/video05.mp4
+test "$(ls demo/frames/video01 | wc -l)" -eq "$(($(wc -l < demo/labels/video01.txt) - 1))"
+
+cat > tiny.yaml <<'EOF'
+model: {encoder: resnet18, norm: group_norm, groups: 8, head: lstm}
+data:
+  manifest: demo/manifest.csv
+  classes: [Preparation, Dissection, Irrigation, Suturing, Inspection]
+  fps: 12.5
+  resize: 32
+  crop: 32
+train: {epochs: 2, lr: 0.001, precision: fp32, budget: 1GiB, chunk: auto, seed: 0, out_dir: run}
+EOF
+
+if [ "$mode" = resume ]; then
+  # Checkpoint every step; slow enough (64 px frames) that the kill lands mid-run.
+  common=(--config tiny.yaml --threads 2 --set train.checkpoint_every=1 --set train.epochs=4
+          --set data.resize=64 --set data.crop=56 --set model.head=tcn --set train.chunk=8)
+  "$framefit" train "${common[@]}" --set train.out_dir=straight > straight.txt 2>&1
+  "$framefit" train "${common[@]}" --set train.out_dir=killed > killed.txt 2>&1 &
+  pid=$!
+  for _ in $(seq 1 600); do
+    [ -f killed/checkpoints/step_00000004.pt ] && break
+    sleep 0.05
+  done
+  kill -9 "$pid" 2>/dev/null || fail "the run finished before it could be killed"
+  wait "$pid" 2>/dev/null || true
+  [ -f killed/checkpoints/step_00000012.pt ] && fail "the killed run had already finished"
+  ls killed/checkpoints
+  "$framefit" train "${common[@]}" --set train.out_dir=killed --resume auto > resumed.txt 2>&1 \
+    || { cat resumed.txt; fail "resume failed"; }
+  grep -q "resuming from" resumed.txt || fail "did not resume"
+  ls killed/checkpoints/*.tmp 2>/dev/null && fail "a temporary checkpoint was left behind"
+  "$framefit" export --checkpoint straight/checkpoints/step_00000012.pt --out straight.pt > /dev/null
+  "$framefit" export --checkpoint killed/checkpoints/step_00000012.pt --out killed.pt > /dev/null
+  "$python" - <<'PY'
+import torch
+a, b = torch.load("straight.pt"), torch.load("killed.pt")
+assert list(a) == list(b), "different keys"
+different = [k for k in a if not torch.equal(a[k], b[k])]
+assert not different, f"weights differ after kill and resume: {different[:5]}"
+print(f"kill -9 and --resume: {len(a)} tensors identical to the uninterrupted run")
+PY
+  exit 0
+fi
+
+# Train; the JSON result names the checkpoints; the log has steps and epochs.
+"$framefit" train --config tiny.yaml --threads 2 --json > train.json 2> train.err
+grep -q "plan:" train.err || fail "no plan line"
+test -f run/best.pt && test -f run/config.yaml && test -s run/log.jsonl
+# Eval on the test split (MP4) and on the same videos as JPEG frame folders.
+"$framefit" eval --checkpoint run/best.pt --json --out metrics.json > eval.json
+"$framefit" eval --checkpoint run/best.pt --set data.manifest=demo/manifest_frames.csv --json \
+  > eval_frames.json
+"$framefit" predict --checkpoint run/best.pt --video demo/videos/video05.mp4 --out phases.csv
+"$framefit" predict --checkpoint run/best.pt --video demo/frames/video05 --fps 25 > phases_frames.csv
+"$framefit" export --checkpoint run/best.pt --out weights.pt > /dev/null
+"$python" - <<'PY'
+import json, torch, torchvision
+result = json.load(open("train.json"))
+assert result["steps"] == 6 and result["best_checkpoint"].endswith("best.pt"), result
+log = [json.loads(line) for line in open("run/log.jsonl")]
+assert [r["type"] for r in log].count("step") == 6 and [r["type"] for r in log].count("epoch") == 2
+assert "val" in log[-1] and "accuracy" in log[-1]["val"]
+metrics = json.load(open("eval.json"))
+assert metrics == json.load(open("metrics.json"))
+for key in ("accuracy", "macro_precision", "macro_recall", "macro_f1", "macro_jaccard", "phases"):
+    assert key in metrics, key
+frames = json.load(open("eval_frames.json"))
+assert frames["frames"] == metrics["frames"], (frames["frames"], metrics["frames"])
+labels = open("demo/labels/video05.txt").read().split("\n")[1:]
+rows = open("phases.csv").read().strip().split("\n")
+assert rows[0] == "frame,time_seconds,phase,confidence"
+expected = len(range(0, len([l for l in labels if l]), 2))  # 25 fps sampled at 12.5
+assert len(rows) - 1 == expected, (len(rows) - 1, expected)
+assert len(open("phases_frames.csv").read().strip().split("\n")) == len(rows)
+# The exported encoder loads into torchvision's ResNet-18 (GroupNorm, no classifier) strictly.
+state = torch.load("weights.pt")
+encoder = {k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")}
+model = torchvision.models.resnet18(norm_layer=lambda c: torch.nn.GroupNorm(8, c))
+model.fc = torch.nn.Identity()
+model.load_state_dict(encoder, strict=True)
+assert any(k.startswith("head.") for k in state)
+print("train/eval/predict/export: ok, test accuracy", metrics["accuracy"])
+PY
+
+# Bad input: each error names what is wrong.
+expect_error "unknown key \`train.lrr\`" "$framefit" train --config tiny.yaml --set train.lrr=1
+expect_error "train.lr: expected a number" "$framefit" train --config tiny.yaml --set train.lr=fast
+printf 'train:\n  epochs: [1\n' > broken.yaml
+expect_error "broken.yaml: not valid YAML" "$framefit" train --config broken.yaml
+expect_error "already holds checkpoints" "$framefit" train --config tiny.yaml
+expect_error "nowhere.csv" "$framefit" train --config tiny.yaml --set data.manifest=nowhere.csv \
+  --set train.out_dir=run2
+# A label file one frame short, and a truncated video: fail by default, skipped with on_error.
+mkdir -p bad && cp demo/labels/video01.txt bad/short.txt && sed -i '$d' bad/short.txt
+head -c 3000 demo/videos/video02.mp4 > bad/truncated.mp4
+{ echo "name,video,labels,split"
+  echo "short,demo/videos/video01.mp4,bad/short.txt,train"
+  echo "truncated,bad/truncated.mp4,demo/labels/video02.txt,train"
+  echo "good,demo/videos/video03.mp4,demo/labels/video03.txt,train"; } > bad.csv
+sed -i 's#demo/#../demo/#g; s#bad/#../bad/#g' bad.csv && mkdir -p m && mv bad.csv m/bad.csv
+expect_error "short.txt has" "$framefit" train --config tiny.yaml --set data.manifest=m/bad.csv \
+  --set train.out_dir=run3
+"$framefit" train --config tiny.yaml --set data.manifest=m/bad.csv --set data.on_error=skip \
+  --set train.out_dir=run4 --set train.validate=false --json > skip.json 2> skip.err
+grep -q "warning: skipping video short" skip.err || { cat skip.err; fail "no warning for short"; }
+grep -q "truncated" skip.err || { cat skip.err; fail "no warning for the truncated video"; }
+"$python" -c "import json; r = json.load(open('skip.json')); assert r['skipped_videos'] == 2, r"
+echo "bad input: ok"

@@ -1,0 +1,290 @@
+// Labels, manifests, data sets (video files and frame folders), sampling, transforms, epoch
+// orders, prefetching, and every bad-input case of the data pipeline.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <fstream>
+#include <set>
+
+#include "test_util.h"
+
+#include "framefit/data/dataset.h"
+#include "framefit/data/labels.h"
+
+using namespace framefit;
+
+namespace {
+
+const std::string kMedia = std::string(FRAMEFIT_SOURCE_DIR) + "/tests/media";
+
+// A scratch folder per test, removed afterwards.
+class DataTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = "/tmp/framefit_data_test_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    test_util::remove_tree(dir_);
+    ::mkdir(dir_.c_str(), 0755);
+  }
+  void TearDown() override { test_util::remove_tree(dir_); }
+  std::string write(const std::string& name, const std::string& text) {
+    const auto path = dir_ + "/" + name;
+    std::ofstream(path) << text;
+    return path;
+  }
+  // Annotations for `frames` frames: the first half phase a, the rest b.
+  std::string labels(const std::string& name, int64_t frames, const std::string& a = "a",
+                     const std::string& b = "b") {
+    std::string text = "Frame\tPhase\n";
+    for (int64_t i = 0; i < frames; ++i) text += std::to_string(i) + "\t" + (i < frames / 2 ? a : b) + "\n";
+    return write(name, text);
+  }
+  std::string dir_;
+  const data::ClassList classes_{{"a", "b"}};
+};
+
+bool skip_without_ffmpeg() {
+#ifdef FRAMEFIT_WITH_FFMPEG
+  return false;
+#else
+  return true;
+#endif
+}
+
+}  // namespace
+
+TEST_F(DataTest, AnnotationsParseAndExplainEveryProblem) {
+  const auto good = write("good.txt", "Frame\tPhase\n0\ta\n1 b\n2\tb\n");
+  const auto ids = data::read_phase_annotations(good, classes_);
+  EXPECT_EQ(ids, (std::vector<int64_t>{0, 1, 1}));
+
+  auto error = [&](const std::string& text) {
+    const auto path = write("bad.txt", text);
+    return test_util::error_message([&] { data::read_phase_annotations(path, classes_); });
+  };
+  EXPECT_NE(error("Frame\tPhase\n0\ta\n1\tc\n").find("bad.txt:3: unknown phase \"c\""), std::string::npos)
+      << error("Frame\tPhase\n0\ta\n1\tc\n");
+  EXPECT_NE(error("Frame\tPhase\n0\ta\n2\tb\n").find("bad.txt:3: frame 2 where frame 1"), std::string::npos);
+  EXPECT_NE(error("Frame\tPhase\n0\ta\n0\tb\n").find("bad.txt:3"), std::string::npos);
+  EXPECT_NE(error("Frame\tPhase\n0\ta b\n").find("bad.txt:2"), std::string::npos);
+  EXPECT_NE(error("Frame\tPhase\nx\ta\n").find("not a non-negative integer"), std::string::npos);
+  EXPECT_NE(error("Frame\tPhase\n").find("no frames"), std::string::npos);
+  EXPECT_NE(test_util::error_message([&] { data::read_phase_annotations(dir_ + "/none.txt", classes_); })
+                .find("none.txt: cannot open"),
+            std::string::npos);
+  EXPECT_NE(test_util::error_message([] { data::ClassList({"a", "a"}); }).find("twice"), std::string::npos);
+
+  // Written annotations read back.
+  data::write_phase_annotations(dir_ + "/out.txt", {1, 0, 1}, classes_);
+  EXPECT_EQ(data::read_phase_annotations(dir_ + "/out.txt", classes_), (std::vector<int64_t>{1, 0, 1}));
+}
+
+TEST_F(DataTest, ManifestResolvesPathsAndNamesBadLines) {
+  const auto path = write("m.csv",
+                          "video,labels,split,fps\n"
+                          "v1.mp4,l1.txt,train,\n"
+                          "\"with, comma.mp4\",/abs/l2.txt,val,25\n");
+  const auto entries = data::read_manifest(path);
+  ASSERT_EQ(entries.size(), 2u);
+  EXPECT_EQ(entries[0].video, dir_ + "/v1.mp4");
+  EXPECT_EQ(entries[0].name, "v1");
+  EXPECT_EQ(entries[0].split, "train");
+  EXPECT_EQ(entries[1].video, dir_ + "/with, comma.mp4");
+  EXPECT_EQ(entries[1].labels, "/abs/l2.txt");
+  EXPECT_DOUBLE_EQ(entries[1].fps, 25);
+  EXPECT_EQ(data::select_split(entries, "val").size(), 1u);
+
+  // Round trip.
+  data::write_manifest(dir_ + "/w.csv", entries);
+  const auto again = data::read_manifest(dir_ + "/w.csv");
+  ASSERT_EQ(again.size(), 2u);
+  EXPECT_EQ(again[1].video, entries[1].video);
+
+  auto error = [&](const std::string& text) {
+    const auto p = write("bad.csv", text);
+    return test_util::error_message([&] { data::read_manifest(p); });
+  };
+  EXPECT_NE(error("video,split\nx,train\n").find("bad.csv:1"), std::string::npos);
+  EXPECT_NE(error("video,labels,colour\n").find("unknown column \"colour\""), std::string::npos);
+  EXPECT_NE(error("video,labels\na.mp4\n").find("bad.csv:2: 1 fields where the header has 2"),
+            std::string::npos);
+  EXPECT_NE(error("video,labels,fps\na,b,-3\n").find("bad.csv:2: fps"), std::string::npos);
+  EXPECT_NE(error("").find("empty"), std::string::npos);
+}
+
+TEST_F(DataTest, VideoFileSampledResizedCroppedAndLocated) {
+  if (skip_without_ffmpeg()) GTEST_SKIP() << "built without FFmpeg";
+  const auto l = labels("clip.txt", 50);
+  data::DataOptions options;
+  options.fps = 5;  // 25 fps source: every 5th frame
+  options.transform.resize = 24;  // 64x48 -> 32x24
+  options.transform.crop = 20;
+  std::vector<data::VideoEntry> entries = {{"clip", kMedia + "/clip_25fps.mp4", l, "train", 0},
+                                           {"clip2", kMedia + "/clip_25fps.mp4", l, "train", 0}};
+  data::VideoDataset set(entries, classes_, options);
+  ASSERT_EQ(set.size(), 2);
+  EXPECT_EQ(set.frames(0), 10);
+  EXPECT_EQ(set.total_frames(), 20);
+  EXPECT_EQ(set.frame_size(0), std::make_pair(int64_t{20}, int64_t{20}));
+  const auto video = set.load(0);
+  EXPECT_EQ(video.frames.sizes(), (std::vector<int64_t>{10, 3, 20, 20}));
+  EXPECT_EQ(video.frames.scalar_type(), torch::kUInt8);
+  // Source frames 0, 5, ..., 45: the first half (frames < 25) are phase a.
+  EXPECT_TRUE(torch::equal(video.labels, torch::tensor({0, 0, 0, 0, 0, 1, 1, 1, 1, 1}, torch::kLong)));
+  EXPECT_EQ(set.locate(0), std::make_pair(int64_t{0}, int64_t{0}));
+  EXPECT_EQ(set.locate(9), std::make_pair(int64_t{0}, int64_t{9}));
+  EXPECT_EQ(set.locate(10), std::make_pair(int64_t{1}, int64_t{0}));
+  EXPECT_EQ(set.locate(19), std::make_pair(int64_t{1}, int64_t{9}));
+  EXPECT_NE(test_util::error_message([&] { set.locate(20); }).find("outside"), std::string::npos);
+
+  // A crop and flip apply to every frame of the video alike.
+  data::Augmentation flip_and_corner{0, 0, true};
+  const auto augmented = set.load(0, flip_and_corner);
+  data::DataOptions uncropped = options;
+  uncropped.transform.crop = 0;
+  const auto full = data::VideoDataset(entries, classes_, uncropped).load(0);
+  EXPECT_TRUE(torch::equal(augmented.frames, full.frames.narrow(2, 0, 20).narrow(3, 0, 20).flip({3})));
+
+  // Inference decoding (no labels) gives the same frames, center-cropped.
+  const auto decoded = data::decode_video(kMedia + "/clip_25fps.mp4", 0, options);
+  EXPECT_TRUE(torch::equal(decoded.frames, video.frames));
+  EXPECT_EQ(decoded.source_frames.back(), 45);
+  EXPECT_DOUBLE_EQ(decoded.source_fps, 25);
+}
+
+TEST_F(DataTest, FrameFolderNeedsItsRateAndReadsInNameOrder) {
+  if (skip_without_ffmpeg()) GTEST_SKIP() << "built without FFmpeg";
+  const auto l = labels("frames.txt", 5);
+  data::DataOptions options;
+  options.fps = 0;  // every frame
+  data::VideoDataset set({{"f", kMedia + "/frames", l, "train", 0}}, classes_, options);
+  const auto video = set.load(0);
+  EXPECT_EQ(video.frames.sizes(), (std::vector<int64_t>{5, 3, 24, 32}));
+  // Frame 3 of the folder is 000003.jpg, decoded alone into the same size.
+  data::DataOptions one = options;
+  const auto alone = data::decode_video(kMedia + "/frames", 0, one).frames[2];
+  EXPECT_TRUE(torch::equal(alone, video.frames[2]));
+
+  options.fps = 2;
+  EXPECT_NE(test_util::error_message([&] {
+              data::VideoDataset({{"f", kMedia + "/frames", l, "train", 0}}, classes_, options);
+            }).find("fps column"),
+            std::string::npos);
+  data::VideoDataset sampled({{"f", kMedia + "/frames", l, "train", 4}}, classes_, options);
+  EXPECT_EQ(sampled.frames(0), 3);  // 4 fps -> 2 fps: frames 0, 2, 4
+}
+
+TEST_F(DataTest, BadVideosAreNamedOrSkipped) {
+  if (skip_without_ffmpeg()) GTEST_SKIP() << "built without FFmpeg";
+  const auto l50 = labels("l50.txt", 50);
+  const auto l49 = labels("l49.txt", 49);
+  const auto unknown = labels("unknown.txt", 50, "a", "zebra");
+  data::DataOptions options;
+
+  auto construct_error = [&](const data::VideoEntry& e) {
+    return test_util::error_message([&] { data::VideoDataset({e}, classes_, options); });
+  };
+  // Annotation count differs from the video's frames.
+  const auto count = construct_error({"v", kMedia + "/clip_25fps.mp4", l49, "train", 0});
+  EXPECT_NE(count.find("l49.txt has 49 frames but"), std::string::npos) << count;
+  EXPECT_NE(count.find("clip_25fps.mp4 has 50"), std::string::npos) << count;
+  // Unknown phase name: file and line.
+  EXPECT_NE(construct_error({"v", kMedia + "/clip_25fps.mp4", unknown, "train", 0}).find("unknown.txt:27"),
+            std::string::npos);
+  // Missing video.
+  EXPECT_NE(construct_error({"v", dir_ + "/missing.mp4", l50, "train", 0}).find("missing.mp4"),
+            std::string::npos);
+
+  // Truncated video: the container promises 50 frames, decoding finds fewer.
+  data::VideoDataset truncated({{"t", kMedia + "/truncated.mp4", l50, "train", 0}}, classes_, options);
+  const auto message = test_util::error_message([&] { truncated.load(0); });
+  EXPECT_NE(message.find("truncated.mp4"), std::string::npos) << message;
+
+  // A corrupt frame in a folder: found when decoding, named.
+  const auto folder = dir_ + "/frames";
+  ::mkdir(folder.c_str(), 0755);
+  for (const char* name : {"000001.jpg", "000002.jpg"}) {
+    std::ifstream in(kMedia + "/frames/" + name, std::ios::binary);
+    std::ofstream(folder + "/" + name, std::ios::binary) << in.rdbuf();
+  }
+  {
+    std::ifstream in(kMedia + "/corrupt.jpg", std::ios::binary);
+    std::ofstream(folder + "/000003.jpg", std::ios::binary) << in.rdbuf();
+  }
+  const auto l3 = labels("l3.txt", 3);
+  data::VideoDataset corrupt({{"c", folder, l3, "train", 0}}, classes_, options);
+  EXPECT_NE(test_util::error_message([&] { corrupt.load(0); }).find("000003.jpg"), std::string::npos);
+
+  // on_error: skip drops the videos that fail probing, with a warning each.
+  options.skip_bad = true;
+  std::vector<std::string> warnings;
+  data::VideoDataset skipping({{"bad", kMedia + "/clip_25fps.mp4", l49, "train", 0},
+                               {"good", kMedia + "/clip_25fps.mp4", l50, "train", 0}},
+                              classes_, options, [&](const std::string& w) { warnings.push_back(w); });
+  EXPECT_EQ(skipping.size(), 1);
+  EXPECT_EQ(skipping.skipped(), 1);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("bad"), std::string::npos);
+}
+
+TEST(Sampling, EpochOrdersAndAugmentationAreReproducible) {
+  const auto a = data::epoch_order(20, 7, 0, true);
+  EXPECT_EQ(a, data::epoch_order(20, 7, 0, true));
+  EXPECT_NE(a, data::epoch_order(20, 7, 1, true));
+  EXPECT_NE(a, data::epoch_order(20, 8, 0, true));
+  EXPECT_EQ(std::set<int64_t>(a.begin(), a.end()).size(), 20u);
+  EXPECT_EQ(data::epoch_order(3, 7, 0, false), (std::vector<int64_t>{0, 1, 2}));
+
+  data::TransformOptions t;
+  t.crop = 20;
+  t.random_crop = true;
+  t.flip = true;
+  const auto x = data::draw_augmentation(t, 24, 32, 1, 2, 3);
+  const auto y = data::draw_augmentation(t, 24, 32, 1, 2, 3);
+  EXPECT_EQ(x.top, y.top);
+  EXPECT_EQ(x.left, y.left);
+  EXPECT_EQ(x.flip, y.flip);
+  std::set<int64_t> tops;
+  int flips = 0;
+  for (int64_t v = 0; v < 200; ++v) {
+    const auto d = data::draw_augmentation(t, 24, 32, 1, 2, v);
+    EXPECT_GE(d.top, 0);
+    EXPECT_LE(d.top, 4);
+    EXPECT_LE(d.left, 12);
+    tops.insert(d.top);
+    flips += d.flip;
+  }
+  EXPECT_EQ(tops.size(), 5u);
+  EXPECT_GT(flips, 60);
+  EXPECT_LT(flips, 140);
+}
+
+TEST(Prefetch, DeliversInOrderWithinTheMemoryBoundAndRethrows) {
+  std::atomic<int64_t> held{0}, most{0};
+  std::vector<data::Prefetcher::Job> jobs;
+  for (int i = 0; i < 12; ++i) {
+    jobs.push_back({[i, &held, &most] {
+                      const int64_t now = held += 100;
+                      int64_t seen = most;
+                      while (now > seen && !most.compare_exchange_weak(seen, now)) {
+                      }
+                      if (i == 7) throw c10::Error({__func__, __FILE__, __LINE__}, "video 7 is broken");
+                      return engine::Video{torch::full({1}, i), torch::zeros({1}, torch::kLong), std::to_string(i)};
+                    },
+                    100});
+  }
+  data::Prefetcher prefetcher(std::move(jobs), 3, 250);  // at most two 100-byte videos ahead
+  for (int i = 0; i < 12; ++i) {
+    if (i == 7) {
+      EXPECT_NE(test_util::error_message([&] { prefetcher.next(); }).find("video 7 is broken"),
+                std::string::npos);
+    } else {
+      const auto v = prefetcher.next();
+      EXPECT_EQ(v.name, std::to_string(i));
+    }
+    held -= 100;
+  }
+  EXPECT_TRUE(prefetcher.done());
+  EXPECT_LE(most.load(), 300) << "decoded ahead beyond the bound (+1 being consumed)";
+}

@@ -1,0 +1,494 @@
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <array>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+
+#include "test_util.h"
+
+#include "framefit/data/media.h"
+
+using namespace framefit;
+using data::VideoReader;
+using data::VideoWriter;
+
+namespace {
+
+#ifdef FRAMEFIT_WITH_FFMPEG
+#define REQUIRE_FFMPEG()
+#else
+#define REQUIRE_FFMPEG() GTEST_SKIP() << "built without FFmpeg"
+#endif
+
+std::string media(const std::string& name) {
+  return std::string(FRAMEFIT_SOURCE_DIR) + "/tests/media/" + name;
+}
+
+// A fresh temporary directory, removed when the test ends.
+struct TempDir {
+  std::string path;
+  explicit TempDir(const std::string& name)
+      : path((std::filesystem::temp_directory_path() /
+              ("framefit_" + name + "_" + std::to_string(getpid())))
+                 .string()) {
+    test_util::remove_tree(path);
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() { test_util::remove_tree(path); }
+  std::string file(const std::string& name) const { return path + "/" + name; }
+};
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+std::vector<int64_t> range(int64_t n) {
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = i;
+  return v;
+}
+
+torch::Tensor decode_all(const std::string& path, int64_t n, int64_t height, int64_t width) {
+  auto out = torch::empty({n, 3, height, width}, torch::kUInt8);
+  VideoReader(path).read(range(n), out);
+  return out;
+}
+
+double mean_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a.to(torch::kFloat) - b.to(torch::kFloat)).abs().mean().item<double>();
+}
+
+}  // namespace
+
+TEST(Media, SampleIndicesKeepTheNearestFrame) {
+  EXPECT_EQ(data::sample_indices(50, 25, 5),
+            (std::vector<int64_t>{0, 5, 10, 15, 20, 25, 30, 35, 40, 45}));
+  // 30 -> 25 fps: round(i * 1.2).
+  EXPECT_EQ(data::sample_indices(30, 30, 25),
+            (std::vector<int64_t>{0,  1,  2,  4,  5,  6,  7,  8,  10, 11, 12, 13, 14,
+                                  16, 17, 18, 19, 20, 22, 23, 24, 25, 26, 28, 29}));
+  // Halves round up: round(i * 1.5).
+  EXPECT_EQ(data::sample_indices(9, 30, 20), (std::vector<int64_t>{0, 2, 3, 5, 6, 8}));
+  // NTSC rates: 29.97 -> 10 fps keeps about every third frame.
+  EXPECT_EQ(data::sample_indices(10, 30000.0 / 1001, 10), (std::vector<int64_t>{0, 3, 6, 9}));
+}
+
+TEST(Media, SampleIndicesCountCoversTheVideo) {
+  // ceil(frames * target / source): every output time before the end of the video.
+  EXPECT_EQ(data::sample_indices(51, 25, 5).size(), 11u);
+  EXPECT_EQ(data::sample_indices(51, 25, 5).back(), 50);
+  EXPECT_EQ(data::sample_indices(49, 25, 5).size(), 10u);
+  EXPECT_EQ(data::sample_indices(49, 25, 5).back(), 45);
+  EXPECT_EQ(data::sample_indices(1, 25, 5), (std::vector<int64_t>{0}));
+  EXPECT_TRUE(data::sample_indices(0, 25, 5).empty());
+  // Target 0 (keep the source rate) or at least the source rate: every frame.
+  EXPECT_EQ(data::sample_indices(7, 25, 0), range(7));
+  EXPECT_EQ(data::sample_indices(7, 25, 25), range(7));
+  EXPECT_EQ(data::sample_indices(7, 25, 60), range(7));
+  EXPECT_EQ(data::sample_indices(7, 0, 5), range(7));  // unknown source rate
+  EXPECT_TRUE(contains(test_util::error_message([] { data::sample_indices(7, std::nan(""), 5); }),
+                       "source_fps"));
+  EXPECT_TRUE(
+      contains(test_util::error_message([] { data::sample_indices(-1, 25, 5); }), "source_frames"));
+}
+
+TEST(Media, ResizedSizeRoundsTheLongerSide) {
+  using HW = std::pair<int64_t, int64_t>;
+  EXPECT_EQ(data::resized_hw(48, 64, 112), (HW{112, 149}));  // 149.33
+  EXPECT_EQ(data::resized_hw(64, 48, 112), (HW{149, 112}));
+  EXPECT_EQ(data::resized_hw(1080, 1920, 112), (HW{112, 199}));  // 199.11
+  EXPECT_EQ(data::resized_hw(240, 320, 112), (HW{112, 149}));
+  EXPECT_EQ(data::resized_hw(2, 3, 3), (HW{3, 5}));  // 4.5 rounds up
+  EXPECT_EQ(data::resized_hw(3, 5, 2), (HW{2, 3}));  // 3.33
+  EXPECT_EQ(data::resized_hw(100, 100, 50), (HW{50, 50}));
+  EXPECT_EQ(data::resized_hw(48, 64, 0), (HW{48, 64}));
+  EXPECT_EQ(data::resized_hw(48, 64, -1), (HW{48, 64}));
+  EXPECT_EQ(data::resized_hw(1, 1000, 1), (HW{1, 1000}));
+  EXPECT_TRUE(contains(test_util::error_message([] { data::resized_hw(0, 64, 112); }), "positive"));
+}
+
+#ifndef FRAMEFIT_WITH_FFMPEG
+TEST(Media, WithoutFfmpegEveryCallSaysHowToEnableIt) {
+  for (const auto& message : {
+           test_util::error_message([] { VideoReader reader(media("clip_25fps.mp4")); }),
+           test_util::error_message([] { VideoWriter writer("/tmp/x.mp4", 64, 48, 25); }),
+           test_util::error_message([] { data::image_size(media("frame.png")); }),
+           test_util::error_message([] {
+             data::read_image(media("frame.png"), torch::empty({3, 24, 32}, torch::kUInt8));
+           }),
+           test_util::error_message([] {
+             data::write_image("/tmp/x.png", torch::zeros({3, 2, 2}, torch::kUInt8));
+           }),
+       }) {
+    EXPECT_TRUE(contains(message, "-DFRAMEFIT_WITH_FFMPEG=ON")) << message;
+  }
+}
+#endif
+
+TEST(VideoReader, ProbesTheContainer) {
+  REQUIRE_FFMPEG();
+  VideoReader reader(media("clip_25fps.mp4"));
+  EXPECT_EQ(reader.path(), media("clip_25fps.mp4"));
+  const auto& info = reader.info();
+  EXPECT_EQ(info.frames, 50);
+  EXPECT_DOUBLE_EQ(info.fps, 25.0);
+  EXPECT_EQ(info.width, 64);
+  EXPECT_EQ(info.height, 48);
+  EXPECT_EQ(info.codec, "h264");
+}
+
+TEST(VideoReader, SampledFramesAreTheFullDecodesFrames) {
+  REQUIRE_FFMPEG();
+  const auto path = media("clip_25fps.mp4");
+  const auto all = decode_all(path, 50, 48, 64);
+  // tests/media/README.md: a white 4x8 bar at rows 20-27 moves one column right per frame over a
+  // darker picture (its left edge at column k + 1 in frame k), so its position tells the frame.
+  const auto whiteness = std::get<0>(all.slice(2, 20, 28).min(1)).to(torch::kFloat).sum(1);
+  const auto rise = whiteness.slice(1, 1) - whiteness.slice(1, 0, -1);
+  for (int64_t k = 0; k < 50; ++k) {
+    EXPECT_EQ(rise[k].argmax().item<int64_t>() + 1, k + 1) << "frame " << k;
+  }
+  // Channels in RGB order and video levels expanded: frame 0 scaled down is close to the same
+  // test pattern frame stored losslessly as a 32x24 PNG (and far from it with R and B swapped).
+  auto small = torch::empty({1, 3, 24, 32}, torch::kUInt8);
+  VideoReader(path).read({0}, small);
+  auto png = torch::empty({3, 24, 32}, torch::kUInt8);
+  data::read_image(media("frame.png"), png);
+  EXPECT_LT(mean_abs_diff(small[0], png), 12);
+  EXPECT_GT(mean_abs_diff(small[0].flip(0), png), 30);
+
+  const auto indices = data::sample_indices(50, 25, 5);
+  auto sampled = torch::empty({static_cast<int64_t>(indices.size()), 3, 48, 64}, torch::kUInt8);
+  VideoReader reader(path);
+  reader.read(indices, sampled);
+  for (size_t k = 0; k < indices.size(); ++k) {
+    EXPECT_TRUE(sampled[k].equal(all[indices[k]])) << "sampled frame " << k;
+  }
+  // Later reads continue, an earlier index restarts; repeated indices repeat the frame.
+  const std::vector<std::vector<int64_t>> reads = {{46, 47}, {49}, {0, 0, 3}, {3, 48}};
+  for (const auto& read : reads) {
+    auto out = torch::empty({static_cast<int64_t>(read.size()), 3, 48, 64}, torch::kUInt8);
+    reader.read(read, out);
+    for (size_t k = 0; k < read.size(); ++k) {
+      EXPECT_TRUE(out[k].equal(all[read[k]])) << "frame " << read[k];
+    }
+  }
+  auto none = torch::empty({0, 3, 48, 64}, torch::kUInt8);
+  reader.read({}, none);
+}
+
+TEST(VideoReader, ResizesIntoTheOutputSize) {
+  REQUIRE_FFMPEG();
+  const auto path = media("clip_25fps.mp4");
+  const auto full = decode_all(path, 50, 48, 64);
+  const auto [height, width] = data::resized_hw(48, 64, 112);
+  for (const auto& size : {std::vector<int64_t>{height, width}, std::vector<int64_t>{24, 32},
+                           std::vector<int64_t>{112, 112}}) {
+    auto out = torch::empty({2, 3, size[0], size[1]}, torch::kUInt8);
+    VideoReader(path, /*decoder_threads=*/2).read({10, 40}, out);
+    // Resizing keeps each channel's mean and the picture.
+    const auto expected =
+        torch::nn::functional::interpolate(
+            full.index_select(0, torch::tensor({10, 40})).to(torch::kFloat),
+            torch::nn::functional::InterpolateFuncOptions().size(size).mode(torch::kArea))
+            .round();
+    EXPECT_LT(mean_abs_diff(out, expected), 10) << size;
+    const auto channel_means = [](const torch::Tensor& t) {
+      return t.to(torch::kFloat).mean({2, 3});
+    };
+    EXPECT_LT((channel_means(out) - channel_means(full.index_select(0, torch::tensor({10, 40}))))
+                  .abs()
+                  .max()
+                  .item<double>(),
+              3)
+        << size;
+  }
+}
+
+TEST(VideoReader, TruncatedFileDecodesUpToTheCut) {
+  REQUIRE_FFMPEG();
+  // tests/media/README.md: the clip with its index first, cut to 75% of its bytes. It opens with
+  // the header's 50 frames; decoding stops where the data ends.
+  const auto path = media("truncated.mp4");
+  VideoReader reader(path);
+  EXPECT_EQ(reader.info().frames, 50);
+  auto all = torch::empty({50, 3, 48, 64}, torch::kUInt8);
+  const auto message = test_util::error_message([&] { reader.read(range(50), all); });
+  EXPECT_TRUE(contains(message, "video " + path + ": stream ended after ")) << message;
+  // 18: the data ends inside frame 18's packet; frame 19, decoded before it, is not counted as 18.
+  EXPECT_TRUE(contains(message, ": stream ended after 18 of 50 frames (truncated file)"))
+      << message;
+  // The frames before the cut are the complete clip's.
+  const auto complete = decode_all(media("clip_25fps.mp4"), 50, 48, 64);
+  auto first = torch::empty({18, 3, 48, 64}, torch::kUInt8);
+  reader.read(range(18), first);
+  EXPECT_TRUE(first.equal(complete.slice(0, 0, 18)));
+}
+
+TEST(VideoReader, DamagedPacketIsAnErrorNamingTheFrame) {
+  REQUIRE_FFMPEG();
+  const auto path = media("damaged.mp4");
+  VideoReader reader(path);
+  auto all = torch::empty({50, 3, 48, 64}, torch::kUInt8);
+  // tests/media/README.md: 16 bytes zeroed in frame 25's packet, which the decoder reads while it
+  // returns frame 22 (it holds two frames back to reorder B-frames).
+  const auto message = test_util::error_message([&] { reader.read(range(50), all); });
+  EXPECT_TRUE(contains(message, "video " + path + ": cannot decode frame 25 (damaged data): "))
+      << message;
+  // The frames before it decode and match the undamaged clip.
+  auto first = torch::empty({20, 3, 48, 64}, torch::kUInt8);
+  reader.read(range(20), first);
+  EXPECT_TRUE(first.equal(decode_all(media("clip_25fps.mp4"), 20, 48, 64)));
+}
+
+TEST(VideoReader, BadFilesAndArgumentsAreErrorsNamingTheFile) {
+  REQUIRE_FFMPEG();
+  const auto missing = media("no_such_video.mp4");
+  EXPECT_EQ(test_util::error_message([&] { VideoReader reader(missing); }),
+            "video " + missing + ": cannot open: No such file or directory");
+  const auto no_video =
+      test_util::error_message([&] { VideoReader reader(media("ordered_dict_state.pt")); });
+  EXPECT_TRUE(contains(no_video, "video " + media("ordered_dict_state.pt") + ": ")) << no_video;
+  // An MP4 cut before its index, which is at the end of the file, does not open.
+  TempDir dir("video_reader_errors");
+  const auto cut = dir.file("cut.mp4");
+  const auto clip = read_bytes(media("clip_25fps.mp4"));
+  write_bytes(cut, clip.substr(0, clip.size() * 6 / 10));
+  EXPECT_EQ(test_util::error_message([&] { VideoReader reader(cut); }),
+            "video " + cut +
+                ": cannot open: Invalid data found when processing input (not a video, or a "
+                "damaged or truncated file)");
+
+  const auto path = media("clip_25fps.mp4");
+  VideoReader reader(path);
+  const auto read_error = [&](std::vector<int64_t> indices, torch::Tensor out) {
+    return test_util::error_message([&] { reader.read(indices, out); });
+  };
+  auto message = read_error({0, 1}, torch::empty({2, 3, 48, 64}, torch::kFloat));
+  EXPECT_TRUE(contains(message, "video " + path +
+                                    ": expected a contiguous CPU uint8 tensor of "
+                                    "shape [2,3,H,W]"))
+      << message;
+  EXPECT_TRUE(contains(message, "Float")) << message;
+  message = read_error({0, 1}, torch::empty({3, 3, 48, 64}, torch::kUInt8));
+  EXPECT_TRUE(contains(message, "[2,3,H,W]")) << message;
+  message = read_error({0, 1}, torch::empty({2, 48, 64, 3}, torch::kUInt8));
+  EXPECT_TRUE(contains(message, "[2,3,H,W]")) << message;
+  message = read_error({0, 1}, torch::empty({2, 48, 64, 3}, torch::kUInt8).permute({0, 3, 1, 2}));
+  EXPECT_TRUE(contains(message, "not contiguous")) << message;
+  message = read_error({5, 1}, torch::empty({2, 3, 48, 64}, torch::kUInt8));
+  EXPECT_TRUE(contains(message, "ascending")) << message;
+  message = read_error({-1}, torch::empty({1, 3, 48, 64}, torch::kUInt8));
+  EXPECT_TRUE(contains(message, "ascending")) << message;
+  message = read_error({49, 50}, torch::empty({2, 3, 48, 64}, torch::kUInt8));
+  EXPECT_EQ(message, "video " + path + ": frame 50 was requested but the video has 50 frames");
+  // The reader is still usable after errors.
+  auto out = torch::empty({1, 3, 48, 64}, torch::kUInt8);
+  reader.read({7}, out);
+  EXPECT_TRUE(out[0].equal(decode_all(path, 8, 48, 64)[7]));
+}
+
+TEST(VideoWriter, SolidColorsSurviveTheRoundTrip) {
+  REQUIRE_FFMPEG();
+  TempDir dir("video_writer");
+  const std::vector<std::array<int, 3>> colors = {
+      {255, 0, 0},     {0, 255, 0},   {0, 0, 255},   {255, 255, 255}, {0, 0, 0},
+      {128, 128, 128}, {255, 255, 0}, {0, 255, 255}, {255, 0, 255},   {255, 128, 0}};
+  const auto n = static_cast<int64_t>(colors.size());
+  auto frames = torch::empty({n, 3, 48, 64}, torch::kUInt8);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t c = 0; c < 3; ++c) frames[i][c].fill_(colors[i][c]);
+  }
+  for (const std::string name : {"solid.mp4", "solid.mkv", "solid.avi"}) {
+    const auto path = dir.file(name);
+    {
+      VideoWriter writer(path, 64, 48, 25);
+      for (int64_t i = 0; i < n; ++i) writer.write(frames[i]);
+      if (name != "solid.avi") writer.finish();  // the destructor finishes the avi
+    }
+    VideoReader reader(path);
+    EXPECT_EQ(reader.info().width, 64) << name;
+    EXPECT_EQ(reader.info().height, 48) << name;
+    EXPECT_NEAR(reader.info().fps, 25.0, 1e-6) << name;
+    EXPECT_EQ(reader.info().frames, n) << name;
+    auto back = torch::empty({n, 3, 48, 64}, torch::kUInt8);
+    reader.read(range(n), back);
+    const auto error = (back.to(torch::kInt) - frames.to(torch::kInt)).abs();
+    for (int64_t i = 0; i < n; ++i) {
+      EXPECT_LE(error[i].max().item<int>(), 10)
+          << name << " frame " << i << " color " << colors[i][0] << "," << colors[i][1] << ","
+          << colors[i][2];
+    }
+  }
+}
+
+TEST(VideoWriter, BadArgumentsAreErrorsNamingTheFile) {
+  REQUIRE_FFMPEG();
+  TempDir dir("video_writer_errors");
+  const auto path = dir.file("x.mp4");
+  auto message = test_util::error_message([&] { VideoWriter writer(path, 63, 48, 25); });
+  EXPECT_TRUE(contains(message, "video " + path + ": width and height must be even")) << message;
+  message = test_util::error_message([&] { VideoWriter writer(path, 64, 48, 0); });
+  EXPECT_TRUE(contains(message, "fps")) << message;
+  message =
+      test_util::error_message([&] { VideoWriter writer(dir.file("x.unknown"), 64, 48, 25); });
+  EXPECT_TRUE(contains(message, "x.unknown: no container format")) << message;
+  message =
+      test_util::error_message([&] { VideoWriter writer(dir.file("missing/x.mp4"), 64, 48, 25); });
+  EXPECT_TRUE(contains(message, "missing/x.mp4: cannot create: No such file or directory"))
+      << message;
+
+  VideoWriter writer(path, 64, 48, 25);
+  message = test_util::error_message([&] {
+    writer.write(torch::zeros({3, 48, 62}, torch::kUInt8));
+  });
+  EXPECT_TRUE(contains(message, "video " + path + ": expected a uint8 frame of shape [3,48,64]"))
+      << message;
+  message = test_util::error_message([&] { writer.write(torch::zeros({3, 48, 64})); });
+  EXPECT_TRUE(contains(message, "[3,48,64], got Float")) << message;
+  writer.write(torch::zeros({3, 48, 64}, torch::kUInt8));
+  writer.finish();
+  writer.finish();  // a second finish does nothing
+  message = test_util::error_message([&] {
+    writer.write(torch::zeros({3, 48, 64}, torch::kUInt8));
+  });
+  EXPECT_TRUE(contains(message, "write() after finish()")) << message;
+}
+
+TEST(Images, ReadsJpegFramesAndSizes) {
+  REQUIRE_FFMPEG();
+  std::vector<torch::Tensor> frames;
+  for (int i = 1; i <= 5; ++i) {
+    const auto path = media("frames/00000" + std::to_string(i) + ".jpg");
+    EXPECT_EQ(data::image_size(path), (std::pair<int64_t, int64_t>{24, 32}));
+    frames.push_back(torch::empty({3, 24, 32}, torch::kUInt8));
+    data::read_image(path, frames.back());
+    if (i > 1) {
+      EXPECT_FALSE(frames[i - 1].equal(frames[i - 2])) << path;
+    }
+  }
+  // frames/000001.jpg and frame.png are the same frame, lossy and lossless. JPEG's half-size
+  // chroma costs this tiny saturated picture about 16 levels (FFmpeg's CLI decodes it the same);
+  // swapped channels would cost 60.
+  EXPECT_EQ(data::image_size(media("frame.png")), (std::pair<int64_t, int64_t>{24, 32}));
+  auto png = torch::empty({3, 24, 32}, torch::kUInt8);
+  data::read_image(media("frame.png"), png);
+  EXPECT_LT(mean_abs_diff(frames[0], png), 18);
+  EXPECT_GT(mean_abs_diff(frames[0], png.flip(0)), 40);
+  // Resized on read.
+  auto small = torch::empty({3, 12, 16}, torch::kUInt8);
+  data::read_image(media("frame.png"), small);
+  EXPECT_LT((small.to(torch::kFloat).mean({1, 2}) - png.to(torch::kFloat).mean({1, 2}))
+                .abs()
+                .max()
+                .item<double>(),
+            2);
+}
+
+TEST(Images, WriteReadRoundTrip) {
+  REQUIRE_FFMPEG();
+  TempDir dir("images");
+  torch::manual_seed(0);
+  // Odd sizes; PNG is lossless.
+  const auto noise = torch::randint(0, 256, {3, 17, 23}, torch::kUInt8);
+  data::write_image(dir.file("noise.png"), noise);
+  EXPECT_EQ(data::image_size(dir.file("noise.png")), (std::pair<int64_t, int64_t>{17, 23}));
+  auto back = torch::empty({3, 17, 23}, torch::kUInt8);
+  data::read_image(dir.file("noise.png"), back);
+  EXPECT_TRUE(back.equal(noise));
+
+  // JPEG of smooth content is close; better quality is closer.
+  const auto y = torch::arange(48).view({48, 1}).expand({48, 64});
+  const auto x = torch::arange(64).view({1, 64}).expand({48, 64});
+  const auto smooth = torch::stack({x * 3 + 20, y * 4 + 10, (x + y) * 2}).to(torch::kUInt8);
+  double previous = 1e9;
+  for (int quality : {20, 2}) {
+    const auto path = dir.file("smooth_q" + std::to_string(quality) + ".JPEG");
+    data::write_image(path, smooth, quality);
+    EXPECT_EQ(data::image_size(path), (std::pair<int64_t, int64_t>{48, 64}));
+    auto jpeg = torch::empty({3, 48, 64}, torch::kUInt8);
+    data::read_image(path, jpeg);
+    const double error = mean_abs_diff(jpeg, smooth);
+    EXPECT_LT(error, quality == 2 ? 4 : 10) << path;
+    EXPECT_LT(error, previous) << path;
+    previous = error;
+  }
+}
+
+TEST(Images, CorruptJpegIsAnErrorNotGarbage) {
+  REQUIRE_FFMPEG();
+  // tests/media/README.md: a frame with 64 bytes of its picture data zeroed. FFmpeg would conceal
+  // the damage and return a picture unless told to fail.
+  const auto path = media("corrupt.jpg");
+  EXPECT_EQ(data::image_size(path), (std::pair<int64_t, int64_t>{24, 32})) << "header intact";
+  auto out = torch::empty({3, 24, 32}, torch::kUInt8);
+  auto message = test_util::error_message([&] { data::read_image(path, out); });
+  EXPECT_TRUE(contains(message, "image " + path + ": cannot decode (corrupt or not an image): "))
+      << message;
+
+  TempDir dir("corrupt_images");
+  const auto jpeg = read_bytes(media("frames/000003.jpg"));
+  const auto png = read_bytes(media("frame.png"));
+  const std::map<std::string, std::string> damaged = {
+      {"cut.jpg", jpeg.substr(0, 450)},
+      {"header_only.jpg", jpeg.substr(0, 200)},
+      {"empty.jpg", ""},
+      {"text.png", "not an image\n"},
+      {"cut.png", png.substr(0, png.size() / 2)},
+      {"flipped.png", png.substr(0, 100) + static_cast<char>(png[100] ^ 0x55) + png.substr(101)},
+  };
+  for (const auto& [name, bytes] : damaged) {
+    const auto file = dir.file(name);
+    write_bytes(file, bytes);
+    message = test_util::error_message([&] { data::read_image(file, out); });
+    EXPECT_TRUE(contains(message, "image " + file + ": ")) << name << ": " << message;
+    EXPECT_TRUE(contains(message, name == "empty.jpg" ? "empty" : "cannot decode"))
+        << name << ": " << message;
+  }
+}
+
+TEST(Images, BadFilesAndArgumentsAreErrorsNamingTheFile) {
+  REQUIRE_FFMPEG();
+  const auto missing = media("no_such_image.jpg");
+  auto out = torch::empty({3, 24, 32}, torch::kUInt8);
+  EXPECT_EQ(test_util::error_message([&] { data::read_image(missing, out); }),
+            "image " + missing + ": cannot open: No such file or directory");
+  EXPECT_EQ(test_util::error_message([&] { data::image_size(missing); }),
+            "image " + missing + ": cannot open: No such file or directory");
+  const auto path = media("frame.png");
+  auto message = test_util::error_message([&] {
+    data::read_image(path, torch::empty({1, 3, 24, 32}, torch::kUInt8));
+  });
+  EXPECT_TRUE(contains(message, "image " + path +
+                                    ": expected a contiguous CPU uint8 tensor of "
+                                    "shape [3,H,W]"))
+      << message;
+  message = test_util::error_message([&] { data::read_image(path, torch::empty({3, 24, 32})); });
+  EXPECT_TRUE(contains(message, "got Float")) << message;
+
+  TempDir dir("image_errors");
+  const auto frame = torch::zeros({3, 4, 4}, torch::kUInt8);
+  message = test_util::error_message([&] { data::write_image(dir.file("x.gif"), frame); });
+  EXPECT_TRUE(contains(message, "x.gif: unknown image extension '.gif'")) << message;
+  message = test_util::error_message([&] { data::write_image(dir.file("x.jpg"), frame, 0); });
+  EXPECT_TRUE(contains(message, "quality must be 1-31")) << message;
+  message = test_util::error_message([&] {
+    data::write_image(dir.file("x.png"), torch::zeros({4, 4, 3}, torch::kUInt8));
+  });
+  EXPECT_TRUE(contains(message, "shape [3,H,W]")) << message;
+  message = test_util::error_message([&] { data::write_image(dir.file("no/x.png"), frame); });
+  EXPECT_TRUE(contains(message, "no/x.png: cannot create: No such file or directory")) << message;
+}

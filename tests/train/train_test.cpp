@@ -1,0 +1,249 @@
+// Configs, metrics, schedules, and training runs on a tiny demo data set: learning, checkpoints,
+// exact resume, evaluation, prediction and export.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "test_util.h"
+
+#include "framefit/data/demo.h"
+#include "framefit/train/config.h"
+#include "framefit/train/metrics.h"
+#include "framefit/train/trainer.h"
+
+using namespace framefit;
+
+TEST(Config, DefaultsFileOverridesAndRoundTrip) {
+  const auto c = train::parse_config(
+      "model:\n  head: tcn\ndata:\n  classes: [a, b]\n  fps: 2.5\ntrain:\n  budget: 1GiB\n", "test",
+      {"train.lr=0.0005", "model.freeze=layer2", "train.chunk=16"});
+  EXPECT_EQ(c.model.head, "tcn");
+  EXPECT_EQ(c.model.encoder, "resnet18");  // default
+  EXPECT_EQ(c.data.classes, (std::vector<std::string>{"a", "b"}));
+  EXPECT_DOUBLE_EQ(c.data.fps, 2.5);
+  EXPECT_EQ(c.train.budget, int64_t{1} << 30);
+  EXPECT_DOUBLE_EQ(c.train.lr, 0.0005);
+  EXPECT_EQ(c.model.freeze, "layer2");
+  EXPECT_EQ(c.train.chunk, "16");
+  const auto again = train::parse_config(train::to_yaml(c), "round trip");
+  EXPECT_EQ(train::to_yaml(again), train::to_yaml(c));
+  EXPECT_GE(train::config_keys().size(), 40u);
+}
+
+TEST(Config, BadKeysAndValuesAreNamed) {
+  auto error = [](const std::string& yaml, std::vector<std::string> overrides = {}) {
+    return test_util::error_message([&] { train::parse_config(yaml, "config f.yaml", overrides); });
+  };
+  const auto typo = error("train:\n  lrr: 0.1\n");
+  EXPECT_NE(typo.find("config f.yaml: unknown key `train.lrr`"), std::string::npos) << typo;
+  EXPECT_NE(typo.find("train.lr,"), std::string::npos) << "lists the section's keys: " << typo;
+  EXPECT_NE(error("train:\n  lr: fast\n").find("train.lr: expected a number, got \"fast\""),
+            std::string::npos);
+  EXPECT_NE(error("model:\n  head: gru\n").find("model.head: \"gru\" is not one of lstm | tcn | linear"),
+            std::string::npos);
+  EXPECT_NE(error("train:\n  epochs: 0\n").find("train.epochs: must be at least 1"), std::string::npos);
+  EXPECT_NE(error("train:\n  chunk: big\n").find("train.chunk"), std::string::npos);
+  EXPECT_NE(error("train:\n  budget: 12XB\n").find("train.budget"), std::string::npos);
+  EXPECT_NE(error("data:\n  classes: a\n").find("data.classes: expected a list"), std::string::npos);
+  EXPECT_NE(error("train: [1\n").find("not valid YAML: line"), std::string::npos);
+  EXPECT_NE(error("", {"train.lrr=1"}).find("--set train.lrr=1: unknown key"), std::string::npos);
+  EXPECT_NE(error("", {"train.lr"}).find("expected key=value"), std::string::npos);
+  EXPECT_NE(error("", {"device=tpu"}).find("--set device"), std::string::npos);
+  EXPECT_NE(test_util::error_message([] { train::load_config("/no/such.yaml"); }).find("/no/such.yaml"),
+            std::string::npos);
+}
+
+TEST(Metrics, FromAKnownConfusionMatrix) {
+  train::ConfusionMatrix m(3);
+  // truth:      0 0 0 1 1 2 2 2
+  // prediction: 0 0 1 1 1 2 2 0
+  m.add(torch::tensor({0, 0, 1, 1, 1, 2, 2, 0}), torch::tensor({0, 0, 0, 1, 1, 2, 2, 2}));
+  const auto r = m.metrics();
+  EXPECT_EQ(r.frames, 8);
+  EXPECT_DOUBLE_EQ(r.accuracy, 6.0 / 8);
+  EXPECT_DOUBLE_EQ(r.precision[0], 2.0 / 3);
+  EXPECT_DOUBLE_EQ(r.recall[0], 2.0 / 3);
+  EXPECT_DOUBLE_EQ(r.precision[1], 2.0 / 3);
+  EXPECT_DOUBLE_EQ(r.recall[1], 1.0);
+  EXPECT_DOUBLE_EQ(r.f1[1], 0.8);
+  EXPECT_DOUBLE_EQ(r.jaccard[2], 2.0 / 3);
+  EXPECT_DOUBLE_EQ(r.macro_recall, (2.0 / 3 + 1.0 + 2.0 / 3) / 3);
+  // A phase absent from truth and predictions is left out of the averages.
+  train::ConfusionMatrix n(3);
+  n.add(torch::tensor({0, 1}), torch::tensor({0, 1}));
+  EXPECT_TRUE(std::isnan(n.metrics().f1[2]));
+  EXPECT_DOUBLE_EQ(n.metrics().macro_f1, 1.0);
+  EXPECT_NE(test_util::error_message([&] { n.add(torch::tensor({0, 3}), torch::tensor({0, 1})); }).find("[0, 3)"),
+            std::string::npos);
+}
+
+TEST(Schedule, WarmupStepAndCosine) {
+  train::Schedule s;
+  s.lr = 1.0;
+  s.warmup = 4;
+  s.kind = "cosine";
+  EXPECT_DOUBLE_EQ(train::learning_rate(s, 0, 14), 0.25);
+  EXPECT_DOUBLE_EQ(train::learning_rate(s, 3, 14), 1.0);
+  EXPECT_DOUBLE_EQ(train::learning_rate(s, 4, 14), 1.0);
+  EXPECT_NEAR(train::learning_rate(s, 9, 14), 0.5, 1e-12);
+  EXPECT_NEAR(train::learning_rate(s, 14, 14), 0.0, 1e-12);
+  s.kind = "step";
+  s.step_size = 3;
+  s.gamma = 0.5;
+  EXPECT_DOUBLE_EQ(train::learning_rate(s, 6, 100), 1.0);
+  EXPECT_DOUBLE_EQ(train::learning_rate(s, 7, 100), 0.5);
+  EXPECT_DOUBLE_EQ(train::learning_rate(s, 10, 100), 0.25);
+  s.kind = "constant";
+  EXPECT_DOUBLE_EQ(train::learning_rate(s, 50, 100), 1.0);
+}
+
+#ifdef FRAMEFIT_WITH_FFMPEG
+namespace {
+
+// A tiny demo data set written once for the training tests.
+const std::string& tiny_demo() {
+  static const std::string dir = [] {
+    const std::string d = "/tmp/framefit_train_test_demo";
+    test_util::remove_tree(d);
+    data::DemoOptions o;
+    o.train_videos = 3;
+    o.val_videos = 1;
+    o.test_videos = 1;
+    o.min_frames = 30;
+    o.max_frames = 60;
+    o.width = 32;
+    o.height = 32;
+    o.frame_folders = false;
+    data::make_demo(d, o);
+    return d;
+  }();
+  return dir;
+}
+
+train::Config tiny_config(const std::string& out_dir) {
+  train::Config c;
+  c.model.groups = 8;
+  c.data.manifest = tiny_demo() + "/manifest.csv";
+  for (const auto& n : data::demo_classes().names()) c.data.classes.push_back(n);
+  c.data.fps = 12.5;
+  c.data.workers = 2;
+  c.train.epochs = 2;
+  c.train.lr = 1e-3;
+  c.train.schedule = "cosine";
+  c.train.warmup_steps = 1;
+  c.train.precision = "fp32";
+  c.train.chunk = "8";
+  c.train.keep = "1";
+  c.train.budget = int64_t{2} << 30;
+  c.train.out_dir = out_dir;
+  test_util::remove_tree(out_dir);
+  return c;
+}
+
+std::vector<torch::Tensor> weights(const train::Model& m) {
+  std::vector<torch::Tensor> out;
+  for (auto& [name, t] : train::export_state_dict(m)) out.push_back(t.clone());
+  return out;
+}
+
+bool identical(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!torch::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
+  auto config = tiny_config("/tmp/framefit_train_test_run");
+  std::vector<train::Event> events;
+  const auto result = train::train(config, "", [&](const train::Event& e) { events.push_back(e); });
+  EXPECT_EQ(result.steps, 6);  // 3 videos x 2 epochs
+  EXPECT_TRUE(result.validated);
+  int steps = 0, epochs = 0;
+  for (const auto& e : events) {
+    steps += e.kind == train::Event::Kind::Step;
+    epochs += e.kind == train::Event::Kind::Epoch;
+    if (e.kind == train::Event::Kind::Step) EXPECT_TRUE(std::isfinite(e.loss));
+  }
+  EXPECT_EQ(steps, 6);
+  EXPECT_EQ(epochs, 2);
+  // log.jsonl: one line per step and per epoch.
+  std::ifstream log(config.train.out_dir + "/log.jsonl");
+  int lines = 0;
+  for (std::string line; std::getline(log, line);) ++lines;
+  EXPECT_EQ(lines, 8);
+  // keep_last 2 step checkpoints and best.pt; no temporary files left.
+  struct stat info {};
+  EXPECT_EQ(::stat((config.train.out_dir + "/best.pt").c_str(), &info), 0);
+  EXPECT_EQ(::stat((config.train.out_dir + "/checkpoints/step_00000006.pt").c_str(), &info), 0);
+  EXPECT_EQ(::stat((config.train.out_dir + "/checkpoints/step_00000003.pt").c_str(), &info), 0);
+  EXPECT_NE(::stat((config.train.out_dir + "/checkpoints/step_00000006.pt.tmp").c_str(), &info), 0);
+
+  // Starting again in the same folder without --resume is refused.
+  EXPECT_NE(test_util::error_message([&] { train::train(config); }).find("--resume"), std::string::npos);
+
+  auto model = train::load_model(config.train.out_dir + "/checkpoints/step_00000006.pt");
+  const auto test_set = train::make_dataset(model.config, "test", false);
+  ASSERT_EQ(test_set.size(), 1);
+  const auto metrics = train::evaluate(model, test_set);
+  EXPECT_EQ(metrics.frames, test_set.frames(0));
+  const auto video = test_set.load(0);
+  const auto prediction = train::predict(model, video.frames);
+  EXPECT_EQ(prediction.labels.size(0), video.frames.size(0));
+  EXPECT_NEAR(prediction.probabilities.sum(-1).mean().item<double>(), 1.0, 1e-5);
+  const double accuracy = prediction.labels.eq(video.labels).to(torch::kDouble).mean().item<double>();
+  EXPECT_NEAR(accuracy, metrics.accuracy, 1e-12);
+
+  const auto state = train::export_state_dict(model);
+  EXPECT_EQ(state.front().first, "encoder.conv1.weight");
+  EXPECT_EQ(state.back().first.rfind("head.", 0), 0u);
+  test_util::remove_tree(config.train.out_dir);
+}
+
+TEST(Training, ResumedRunEndsWithIdenticalWeights) {
+  // Uninterrupted: 5 steps. Interrupted: stopped after step 2 (checkpoint every step), then
+  // resumed to 5. Augmentation, data order, dropout (TCN) and the optimizer state must all agree.
+  auto base = tiny_config("/tmp/framefit_resume_a");
+  base.model.head = "tcn";
+  base.data.augment = true;
+  base.data.resize = 40;
+  base.data.crop = 32;
+  base.train.max_steps = 5;
+  base.train.schedule = "constant";  // the interrupted run's max_steps must not change the lr
+  base.train.checkpoint_every = 1;
+  train::train(base);
+  const auto uninterrupted = weights(train::load_model(base.train.out_dir + "/checkpoints/step_00000005.pt"));
+
+  auto first = tiny_config("/tmp/framefit_resume_b");
+  first.model.head = "tcn";
+  first.data.augment = true;
+  first.data.resize = 40;
+  first.data.crop = 32;
+  first.train.schedule = "constant";
+  first.train.checkpoint_every = 1;
+  first.train.max_steps = 2;
+  train::train(first);
+  auto rest = first;
+  rest.train.max_steps = 5;
+  // Another process would start from scratch: scramble the global generator first.
+  torch::manual_seed(12345);
+  const auto result = train::train(rest, "auto");
+  EXPECT_EQ(result.steps, 5);
+  const auto resumed = weights(train::load_model(first.train.out_dir + "/checkpoints/step_00000005.pt"));
+  EXPECT_TRUE(identical(uninterrupted, resumed));
+
+  // The log reads as one run: steps 1..5 once each.
+  std::ifstream log(first.train.out_dir + "/log.jsonl");
+  int step_lines = 0;
+  for (std::string line; std::getline(log, line);) step_lines += line.find("\"type\":\"step\"") != std::string::npos;
+  EXPECT_EQ(step_lines, 5);
+  test_util::remove_tree(base.train.out_dir);
+  test_util::remove_tree(first.train.out_dir);
+}
+#endif
