@@ -1,29 +1,53 @@
 #!/usr/bin/env bash
-# The main job until the trainer lands (issue #5): per-frame features of a whole synthetic video
-# with torchvision-layout ResNet-18 weights, memory bounded by the chunk, checked against
-# torchvision; then one end-to-end training step (ResNet-18 + LSTM) over all 600 frames, chunked
-# and naive, side by side. Run scripts/setup.sh first (the README's command does).
+# The main job (README command 1, after scripts/setup.sh): write the demo videos, train
+# ResNet-18 + a causal LSTM on them end to end within a 1 GiB budget, evaluate on the held-out
+# test videos, then train the same encoder with a per-frame linear head for comparison, and
+# finally predict one video's phases and export the weights for PyTorch.
+#   FRAMEFIT_DEMO_BASELINE=0 scripts/demo.sh   skips the linear-head comparison
 set -euo pipefail
 cd "$(dirname "$0")/.."
-work=${FRAMEFIT_DEMO_DIR:-build/demo}
+framefit=build/src/cli/framefit
 python=/usr/bin/python3
-mkdir -p "$work"
-echo "== demo data: random-weight ResNet-18 (torch.save of its state_dict) and a 600-frame video"
-"$python" tests/python/reference.py make "$work"
-"$python" tests/python/reference.py frames "$work/video.pt" 600 112 112
-echo "== framefit extract, 16 frames per chunk"
-build/src/cli/framefit extract --model resnet18 --weights "$work/resnet18.pt" \
-  --input "$work/video.pt" --output "$work/features.pt" --chunk 16
-echo "== the same with all 600 frames in one pass, for comparison"
-build/src/cli/framefit extract --model resnet18 --weights "$work/resnet18.pt" \
-  --input "$work/video.pt" --output "$work/features_one_pass.pt" --chunk 600
-echo "== torchvision on the same frames"
-"$python" tests/python/reference.py check-features resnet18 "$work/resnet18.pt" \
-  "$work/video.pt" "$work/features.pt"
-echo "== one training step over all 600 frames: ResNet-18 + LSTM head, recomputing 32-frame chunks"
-build/src/cli/framefit bench-step --model resnet18 --head lstm --frames 600 --size 112 --chunk 32
-echo "== the same step trained naively (every frame's activations kept for backward)"
-build/src/cli/framefit bench-step --model resnet18 --head lstm --frames 600 --size 112 --chunk 0
-echo "== the planner: seeds/000 at full size (ResNet-50 + LSTM, 2,000 frames of 224x224) in 8 GiB"
-build/src/cli/framefit plan --model resnet50 --head lstm --frames 2000 --size 224 --budget 8GiB \
-  --precision auto
+start=$SECONDS
+
+if [ ! -f demo/manifest.csv ]; then
+  echo "== framefit make-demo: 19 videos (12 train, 3 validation, 4 test), MP4 + JPEG folders"
+  "$framefit" make-demo --out demo > /dev/null
+fi
+
+echo "== framefit train: ResNet-18 + LSTM, 1 GiB budget (configs/demo.yaml)"
+rm -rf runs/demo-lstm
+"$framefit" train --config configs/demo.yaml
+echo "== framefit eval: held-out test videos"
+"$framefit" eval --checkpoint runs/demo-lstm/best.pt --out runs/demo-lstm/test_metrics.json
+
+if [ "${FRAMEFIT_DEMO_BASELINE:-1}" != 0 ]; then
+  echo "== the same encoder with a per-frame linear head (no temporal context)"
+  rm -rf runs/demo-linear
+  "$framefit" train --config configs/demo.yaml --set model.head=linear \
+    --set train.out_dir=runs/demo-linear > /dev/null
+  "$framefit" eval --checkpoint runs/demo-linear/best.pt --out runs/demo-linear/test_metrics.json
+fi
+
+echo "== framefit predict and export"
+"$framefit" predict --checkpoint runs/demo-lstm/best.pt --video demo/videos/video19.mp4 \
+  --out runs/demo-lstm/video19_phases.csv
+"$framefit" export --checkpoint runs/demo-lstm/best.pt --out runs/demo-lstm/weights.pt
+"$python" - <<'PY'
+import json, torch, torchvision
+state = torch.load("runs/demo-lstm/weights.pt")
+encoder = {k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")}
+model = torchvision.models.resnet18(norm_layer=lambda c: torch.nn.GroupNorm(32, c))
+model.fc = torch.nn.Identity()
+model.load_state_dict(encoder)
+print(f"PyTorch: the exported encoder loads into torchvision's resnet18 ({len(encoder)} tensors)")
+lstm = json.load(open("runs/demo-lstm/test_metrics.json"))["accuracy"]
+line = f"test frame accuracy: LSTM head {100 * lstm:.1f}%"
+try:
+    linear = json.load(open("runs/demo-linear/test_metrics.json"))["accuracy"]
+    line += f", per-frame linear head {100 * linear:.1f}%"
+except FileNotFoundError:
+    pass
+print(line)
+PY
+echo "main job finished in $((SECONDS - start)) s"

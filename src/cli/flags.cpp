@@ -39,6 +39,9 @@ const std::vector<Command>& command_table() {
        "per-phase precision, recall, F1 and Jaccard, macro averages)."},
       {"predict",
        "Per-frame phase predictions for one video file or frame folder, as CSV."},
+      {"bench-data",
+       "Decoding and transform throughput of a config's data set: every video of a split "
+       "through the prefetching workers, as training reads it (frames/s, tracked bytes, RSS)."},
       {"export",
        "Write a checkpoint's weights as a state_dict PyTorch loads (torch.load): "
        "encoder.<torchvision name> and head.<name>."},
@@ -165,16 +168,17 @@ const std::vector<Flag>& flag_table() {
        "Write MP4 files only, no JPEG frame folders.", ""},
       {"seed", {"make-demo"}, FlagType::Int, "Random seed.", "0", false, {}, 0},
       // train, eval, predict, export
-      {"config", {"train"}, FlagType::ExistingFile,
+      {"config", {"train", "bench-data"}, FlagType::ExistingFile,
        "YAML config: model.*, data.*, train.*, device (see docs/training.md for every key).", "",
        true},
-      {"set", {"train", "eval", "predict"}, FlagType::Repeated,
+      {"set", {"train", "eval", "predict", "bench-data"}, FlagType::Repeated,
        "Override a config key: --set train.lr=0.0005 (repeatable; the value is YAML).", ""},
       {"resume", {"train"}, FlagType::Text,
        "Continue a stopped run: auto (the newest checkpoint in train.out_dir) or a checkpoint "
        "path. Model, optimizer, loss scaler, RNG, data order and step are restored.", ""},
       {"checkpoint", {"eval", "predict", "export"}, FlagType::ExistingFile,
        "Checkpoint written by framefit train (best.pt or checkpoints/step_*.pt).", "", true},
+      {"split", {"bench-data"}, FlagType::Text, "Manifest split to decode.", "train"},
       {"split", {"eval"}, FlagType::Text,
        "Manifest split to evaluate (default: the config's data.test_split).", ""},
       {"video", {"predict"}, FlagType::Text, "Video file or folder of frame images.", "", true},
@@ -184,8 +188,8 @@ const std::vector<Flag>& flag_table() {
        "eval: also write the metrics as JSON here; predict: the CSV (default: standard output).",
        ""},
       {"out", {"export"}, FlagType::Path, "The state_dict file to write (.pt).", "", true},
-      {"json", {"eval", "train"}, FlagType::Switch, "Print the result as JSON.", ""},
-      {"threads", {"make-demo", "train", "eval", "predict", "export"}, FlagType::Int,
+      {"json", {"eval", "train", "bench-data"}, FlagType::Switch, "Print the result as JSON.", ""},
+      {"threads", {"make-demo", "train", "eval", "predict", "export", "bench-data"}, FlagType::Int,
        "Compute threads; 0 = all cores.", "0", false, {}, 0},
   };
   return flags;

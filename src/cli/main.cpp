@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
       {"eval", cli::run_eval},
       {"predict", cli::run_predict},
       {"export", cli::run_export},
+      {"bench-data", cli::run_bench_data},
   };
   try {
     RuntimeOptions runtime;

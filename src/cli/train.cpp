@@ -5,11 +5,13 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <fstream>
 
 #include "commands.h"
 #include "framefit/data/dataset.h"
+#include "framefit/core/runtime.h"
 #include "framefit/data/demo.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/train/trainer.h"
@@ -38,16 +40,7 @@ void print_metrics(const train::PhaseMetrics& m, const data::ClassList& classes)
 }
 
 nlohmann::json metrics_json(const train::PhaseMetrics& m, const data::ClassList& classes) {
-  auto number = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
-  nlohmann::json phases = nlohmann::json::object();
-  for (int64_t k = 0; k < classes.size(); ++k) {
-    phases[classes.names()[k]] = {{"precision", number(m.precision[k])}, {"recall", number(m.recall[k])},
-                                  {"f1", number(m.f1[k])}, {"jaccard", number(m.jaccard[k])}};
-  }
-  return {{"frames", m.frames},           {"accuracy", m.accuracy},
-          {"macro_precision", m.macro_precision}, {"macro_recall", m.macro_recall},
-          {"macro_f1", m.macro_f1},       {"macro_jaccard", m.macro_jaccard},
-          {"phases", phases}};
+  return nlohmann::json::parse(train::to_json(m, classes.names()));
 }
 
 // Renders training and evaluation events on stderr: one redrawn line on a terminal, plain
@@ -174,11 +167,8 @@ int run_train(const Args& args) {
 }
 
 int run_eval(const Args& args) {
-  auto model = train::load_model(args.text("checkpoint"));
-  if (args.has("set")) {
-    // Overrides apply to the checkpoint's own config (e.g. another data.manifest).
-    model.config = train::parse_config(train::to_yaml(model.config), "the checkpoint's config", args.list("set"));
-  }
+  // Overrides apply to the checkpoint's own config (device, another data.manifest, ...).
+  auto model = train::load_model(args.text("checkpoint"), args.list("set"));
   const std::string split = args.has("split") ? args.text("split") : model.config.data.test_split;
   ProgressPrinter printer("eval");
   auto on_event = [&](const train::Event& e) { printer(e); };
@@ -197,16 +187,18 @@ int run_eval(const Args& args) {
 }
 
 int run_predict(const Args& args) {
-  auto model = train::load_model(args.text("checkpoint"));
-  if (args.has("set")) {
-    model.config = train::parse_config(train::to_yaml(model.config), "the checkpoint's config", args.list("set"));
-  }
+  // Overrides apply to the checkpoint's own config (device, another data.manifest, ...).
+  auto model = train::load_model(args.text("checkpoint"), args.list("set"));
   data::DataOptions options;
   options.fps = model.config.data.fps;
   options.transform.resize = model.config.data.resize;
   options.transform.crop = model.config.data.crop;
   double folder_fps = 0;
-  if (args.has("fps")) folder_fps = std::stod(args.text("fps"));
+  if (args.has("fps")) {
+    char* end = nullptr;
+    folder_fps = std::strtod(args.text("fps").c_str(), &end);
+    TORCH_CHECK(*end == '\0' && folder_fps > 0, "--fps ", args.text("fps"), ": expected a positive frame rate");
+  }
   const auto video = data::decode_video(args.text("video"), folder_fps, options);
   const auto prediction = train::predict(model, video.frames);
   std::string csv = "frame,time_seconds,phase,confidence\n";
@@ -229,8 +221,52 @@ int run_predict(const Args& args) {
   return 0;
 }
 
+int run_bench_data(const Args& args) {
+  const auto config = train::load_config(args.text("config"), args.list("set"));
+  ProgressPrinter printer("bench-data");
+  const auto dataset = train::make_dataset(config, args.text("split"), true,
+                                           [&](const train::Event& e) { printer(e); });
+  TORCH_CHECK(dataset.size() > 0, "no videos in split \"", args.text("split"), "\"");
+  auto& tracker = memory::Tracker::cpu();
+  tracker.reset_peak();
+  memory::reset_rss_peak();
+  std::vector<data::Prefetcher::Job> jobs;
+  for (int64_t i = 0; i < dataset.size(); ++i) {
+    const auto augmentation = dataset.augmentation(i, config.train.seed, 0);
+    jobs.push_back({[&dataset, i, augmentation] { return dataset.load(i, augmentation); },
+                    dataset.frame_bytes(i)});
+  }
+  const auto start = std::chrono::steady_clock::now();
+  data::Prefetcher prefetcher(std::move(jobs), static_cast<int>(config.data.workers),
+                              config.data.prefetch_bytes);
+  int64_t frames = 0;
+  while (!prefetcher.done()) frames += prefetcher.next().frames.size(0);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const auto [height, width] = dataset.frame_size(0);
+  nlohmann::json out = {{"videos", dataset.size()},
+                        {"frames", frames},
+                        {"seconds", seconds},
+                        {"frames_per_second", frames / seconds},
+                        {"frame_height", height},
+                        {"frame_width", width},
+                        {"workers", config.data.workers},
+                        {"peak_bytes", tracker.peak_bytes()},
+                        {"rss_peak_bytes", memory::process_memory().rss_peak_bytes},
+                        {"machine", machine_info().describe()}};
+  if (args.on("json")) {
+    fmt::print("{}\n", out.dump(2));
+  } else {
+    fmt::print("decoded {} videos, {} frames of {}x{} in {:.2f} s: {:.0f} frames/s with {} workers\n"
+               "  peak tensors {}, peak RSS {}\n  {}\n",
+               dataset.size(), frames, height, width, seconds, frames / seconds, config.data.workers,
+               memory::format_bytes(tracker.peak_bytes()),
+               memory::format_bytes(memory::process_memory().rss_peak_bytes), machine_info().describe());
+  }
+  return 0;
+}
+
 int run_export(const Args& args) {
-  const auto model = train::load_model(args.text("checkpoint"), "cpu");
+  const auto model = train::load_model(args.text("checkpoint"), {"device=cpu"});
   const auto state = train::export_state_dict(model);
   models::write_state_dict(state, args.text("out"));
   fmt::print("wrote {} tensors to {} (encoder.* in torchvision names, head.*)\n", state.size(),

@@ -114,7 +114,7 @@ Source open_source(const std::string& path, double folder_fps, double sample_fps
   source.path = path;
   if (is_directory(path)) {
     source.frame_files = list_frames(path);
-    TORCH_CHECK(!source.frame_files.empty(), "frame folder ", path, ": no JPEG or PNG frames");
+    TORCH_CHECK(!source.frame_files.empty(), "frame folder ", path, ": no frame images (.jpg, .jpeg, .png, .bmp)");
     source.frames = static_cast<int64_t>(source.frame_files.size());
     source.fps = folder_fps;
     TORCH_CHECK(sample_fps == 0 || source.fps > 0, "frame folder ", path,

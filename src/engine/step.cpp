@@ -34,6 +34,14 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<torch:
 namespace {
 // Without a planner: half the effective chunk (a chunk of 0 or of at least the longest video is
 // one pass over all frames), nothing kept, down to one frame per chunk.
+
+LossScalerOptions scaler_options(const StepOptions& options) {
+  auto scaler = options.scaler;
+  scaler.enabled = scaler.enabled && options.precision == Precision::FP16;
+  return scaler;
+}
+}  // namespace
+
 std::optional<RetrySettings> halve_chunk(const OutOfMemoryEvent& event) {
   const int64_t effective =
       event.chunk == 0 ? event.longest_video : std::min(event.chunk, event.longest_video);
@@ -43,13 +51,6 @@ std::optional<RetrySettings> halve_chunk(const OutOfMemoryEvent& event) {
   retry.keep = 0;
   return retry;
 }
-
-LossScalerOptions scaler_options(const StepOptions& options) {
-  auto scaler = options.scaler;
-  scaler.enabled = scaler.enabled && options.precision == Precision::FP16;
-  return scaler;
-}
-}  // namespace
 
 TrainingStep::TrainingStep(FrameEncoder encoder, std::shared_ptr<models::TemporalHead> head,
                            std::shared_ptr<torch::optim::Optimizer> optimizer, StepOptions options)

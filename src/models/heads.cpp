@@ -101,10 +101,10 @@ TCNHeadImpl::TCNHeadImpl(const TCNHeadOptions& options) : options_(options) {
   }
 }
 
-int64_t TCNHeadImpl::receptive_field() const {
+int64_t TCNHeadImpl::receptive_field(const TCNHeadOptions& options) {
   // Each layer with dilation d adds 2d frames; stages stack.
-  const int64_t per_stage = 2 * ((int64_t(1) << options_.layers()) - 1);
-  return options_.stages() * per_stage + 1;
+  const int64_t per_stage = 2 * ((int64_t(1) << options.layers()) - 1);
+  return options.stages() * per_stage + 1;
 }
 
 torch::Tensor TCNHeadImpl::forward(const torch::Tensor& features) {

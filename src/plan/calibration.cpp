@@ -192,10 +192,15 @@ ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision,
   const double h2 = static_cast<double>(options.head_frames[1]);
   costs.head_peak = Linear::through(h1, head_probe[0].peak, h2, head_probe[1].peak);
   costs.head_seconds = Linear::through(h1, head_probe[0].seconds, h2, head_probe[1].seconds);
-  // Times cannot shrink with more frames; noise on tiny probes can make a slope negative.
+  // Times cannot shrink with more frames, and a chunk cannot take negative time: noise on tiny
+  // probes (or a per-frame cost that grows with the batch) can make a slope or an intercept
+  // negative, and a negative intercept made one-frame chunks look fastest. Both are clamped,
+  // keeping the larger probe's time.
   for (auto* t : {&costs.nograd_seconds, &costs.grad_seconds, &costs.backward_seconds,
                   &costs.frozen_seconds, &costs.head_seconds}) {
-    if (t->slope < 0) *t = Linear{std::max(0.0, t->intercept + t->slope * n2), 0.0};
+    const double n = t == &costs.head_seconds ? h2 : n2;
+    if (t->slope < 0) *t = Linear{std::max(0.0, t->intercept + t->slope * n), 0.0};
+    if (t->intercept < 0) *t = Linear{0.0, std::max(0.0, t->intercept + t->slope * n) / n};
   }
   return costs;
 }

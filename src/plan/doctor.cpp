@@ -104,7 +104,7 @@ std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) 
   }
   if (spec.head == "tcn") {
     const models::TCNHeadOptions tcn(sizes.feature_dim, spec.classes);
-    const int64_t field = tcn.stages() * 2 * ((int64_t(1) << tcn.layers()) - 1) + 1;
+    const int64_t field = models::TCNHeadImpl::receptive_field(tcn);
     if (field > request.frames) {
       findings.push_back(warning(c10::str("the TCN head sees ", field, " frames but videos have ",
                                           request.frames, ": its deepest layers see only padding"),

@@ -240,13 +240,9 @@ engine::Replanner make_replanner(PlanRequest request, StaticSizes sizes, ChunkCo
     // Below the smallest plan's peak nothing can succeed (the optimizer's state, created by the
     // first step, would not fit): give up with the error rather than retry smaller chunks.
     if (smallest > budget) return std::nullopt;
-    const int64_t effective = event.chunk == 0 ? event.longest_video
-                                               : std::min(event.chunk, event.longest_video);
-    if (effective <= 1 && event.keep == 0 && !event.cache_frozen) return std::nullopt;
-    settings.chunk = std::max<int64_t>(1, effective / 2);
-    settings.keep = 0;
-    settings.reason = "the corrected memory model finds nothing smaller that fits; halving the chunk";
-    return settings;
+    auto halved = engine::halve_chunk(event);
+    if (halved) halved->reason = "the corrected memory model finds nothing smaller that fits; halving the chunk";
+    return halved;
   };
 }
 

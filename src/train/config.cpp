@@ -7,6 +7,7 @@
 #include <fstream>
 #include <functional>
 #include <sstream>
+#include <type_traits>
 
 #include "framefit/memory/tracker.h"
 
@@ -22,6 +23,9 @@ struct Entry {
 
 template <class T>
 T convert(const YAML::Node& node, const std::string& where, const char* expected) {
+  if constexpr (std::is_same_v<T, std::string>) {
+    if (node.IsNull()) return "";  // `freeze:` with no value, as `--set model.freeze=`
+  }
   TORCH_CHECK(node.IsScalar(), where, ": expected ", expected, ", got a ",
               node.IsSequence() ? "list" : node.IsMap() ? "mapping" : "null");
   try {
@@ -207,8 +211,11 @@ const std::vector<Entry>& entries() {
     t.push_back(field<std::string>("device", "cpu, cuda or cuda:N", FRAMEFIT_MEMBER(std::string, device),
                                    "a device name",
                                    [](const std::string& v, const std::string& where) {
-                                     TORCH_CHECK(v == "cpu" || v.rfind("cuda", 0) == 0, where,
-                                                 ": expected cpu, cuda or cuda:N, got \"", v, "\"");
+                                     bool ok = v == "cpu" || v == "cuda";
+                                     if (!ok && v.rfind("cuda:", 0) == 0 && v.size() > 5) {
+                                       ok = v.find_first_not_of("0123456789", 5) == std::string::npos;
+                                     }
+                                     TORCH_CHECK(ok, where, ": expected cpu, cuda or cuda:N, got \"", v, "\"");
                                    }));
     return t;
   }();

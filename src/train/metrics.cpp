@@ -1,5 +1,6 @@
 #include "framefit/train/metrics.h"
 
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -71,6 +72,27 @@ PhaseMetrics ConfusionMatrix::metrics() const {
     out.macro_jaccard = sums[3] / present;
   }
   return out;
+}
+
+std::string to_json(const PhaseMetrics& m, const std::vector<std::string>& phase_names) {
+  TORCH_CHECK(phase_names.size() == m.f1.size(), "to_json: ", phase_names.size(), " names for ",
+              m.f1.size(), " phases");
+  auto number = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
+  nlohmann::json phases = nlohmann::json::object();
+  for (size_t k = 0; k < phase_names.size(); ++k) {
+    phases[phase_names[k]] = {{"precision", number(m.precision[k])},
+                              {"recall", number(m.recall[k])},
+                              {"f1", number(m.f1[k])},
+                              {"jaccard", number(m.jaccard[k])}};
+  }
+  return nlohmann::json{{"frames", m.frames},
+                        {"accuracy", m.accuracy},
+                        {"macro_precision", m.macro_precision},
+                        {"macro_recall", m.macro_recall},
+                        {"macro_f1", m.macro_f1},
+                        {"macro_jaccard", m.macro_jaccard},
+                        {"phases", phases}}
+      .dump();
 }
 
 double learning_rate(const Schedule& s, int64_t step, int64_t total) {

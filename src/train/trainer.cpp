@@ -141,17 +141,30 @@ torch::Tensor settings_tensor(const Progress& p) {
                        torch::kLong);
 }
 
+void write_progress(torch::serialize::OutputArchive& archive, const Progress& progress) {
+  archive.write("progress", settings_tensor(progress));
+  archive.write("progress_real", torch::tensor({progress.best_accuracy, progress.seconds}, torch::kDouble));
+}
+
+// best.pt: what eval, predict and export need.
+void save_model(const std::string& path, const Model& model, const Progress& progress) {
+  torch::serialize::OutputArchive archive;
+  write_model(archive, model);
+  write_progress(archive, progress);
+  save_atomically(archive, path);
+}
+
+// A step checkpoint: the model and everything resuming needs.
 void save_checkpoint(const std::string& path, const Model& model, torch::optim::Optimizer& optimizer,
                      engine::TrainingStep& step, const Progress& progress) {
   torch::serialize::OutputArchive archive;
   write_model(archive, model);
+  write_progress(archive, progress);
   torch::serialize::OutputArchive optimizer_archive;
   optimizer.save(optimizer_archive);
   archive.write("optimizer", optimizer_archive);
   archive.write("scaler", step.scaler().state());
   archive.write("rng", generator_state());
-  archive.write("progress", settings_tensor(progress));
-  archive.write("progress_real", torch::tensor({progress.best_accuracy, progress.seconds}, torch::kDouble));
   save_atomically(archive, path);
 }
 
@@ -231,24 +244,6 @@ class JsonlLog {
   std::ofstream out_;
 };
 
-nlohmann::json metrics_json(const PhaseMetrics& m, const data::ClassList& classes) {
-  nlohmann::json per_phase = nlohmann::json::object();
-  auto number = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
-  for (int64_t k = 0; k < classes.size(); ++k) {
-    per_phase[classes.names()[k]] = {{"precision", number(m.precision[k])},
-                                     {"recall", number(m.recall[k])},
-                                     {"f1", number(m.f1[k])},
-                                     {"jaccard", number(m.jaccard[k])}};
-  }
-  return {{"frames", m.frames},
-          {"accuracy", m.accuracy},
-          {"macro_precision", m.macro_precision},
-          {"macro_recall", m.macro_recall},
-          {"macro_f1", m.macro_f1},
-          {"macro_jaccard", m.macro_jaccard},
-          {"phases", per_phase}};
-}
-
 int64_t frame_size_for_planning(const data::VideoDataset& dataset) {
   // The memory model assumes square frames; use the side with the same pixel count.
   int64_t largest = 1;
@@ -311,11 +306,11 @@ Model build_model(const Config& config) {
   return model;
 }
 
-Model load_model(const std::string& checkpoint, const std::string& device) {
+Model load_model(const std::string& checkpoint, const std::vector<std::string>& overrides) {
   auto archive = open_archive(checkpoint);
   Config config = read_config(archive, checkpoint);
+  if (!overrides.empty()) config = parse_config(to_yaml(config), "the config stored in " + checkpoint, overrides);
   config.model.weights.clear();  // the checkpoint has the weights
-  if (!device.empty()) config.device = device;
   Model model = build_model(config);
   torch::serialize::InputArchive encoder, head;
   archive.read("encoder", encoder);
@@ -440,7 +435,11 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
        (val_set ? ", " + std::to_string(val_set->size()) + " validation videos" : std::string()) +
        (train_set.skipped() ? ", " + std::to_string(train_set.skipped()) + " skipped" : std::string()));
 
-  std::ofstream(out_dir + "/config.yaml") << to_yaml(config);
+  {
+    std::ofstream out(out_dir + "/config.yaml");
+    out << to_yaml(config);
+    TORCH_CHECK(out.good(), "cannot write ", out_dir, "/config.yaml");
+  }
 
   // Plan the step for the longest training video under the budget, minus what prefetching holds.
   auto& tracker = memory::Tracker::of(device);
@@ -457,6 +456,20 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   request.keep = fixed_count(tc.keep);
   request.precisions = tc.precision == "auto" ? plan::candidate_precisions(device)
                                               : std::vector<engine::Precision>{engine::parse_precision(tc.precision)};
+  // A resumed run continues with the checkpoint's settings (the plan it was trained with, and
+  // any re-planning after out-of-memory), so its steps are those of the uninterrupted run.
+  std::optional<torch::serialize::InputArchive> resumed;
+  std::optional<Progress> saved;
+  if (!resume_path.empty()) {
+    resumed.emplace(open_archive(resume_path));
+    read_config(*resumed, resume_path);  // is a checkpoint
+    saved = read_progress(*resumed);
+    request.chunk = saved->settings.chunk;
+    request.keep = saved->settings.keep;
+    request.cache_frozen = saved->settings.cache_frozen;
+    request.precisions = {saved->settings.precision};
+    info("resuming from " + resume_path + " at step " + std::to_string(saved->step));
+  }
   const auto sizes = plan::static_sizes(request.model);
   const int64_t step_budget = budget - std::min(config.data.prefetch_bytes, budget / 4);
   // With chunk, keep and precision all fixed there is nothing to choose: no calibration, and an
@@ -474,6 +487,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     chosen.settings.frames = request.frames;
     chosen.settings.chunk = *request.chunk;
     chosen.settings.keep = *request.keep;
+    chosen.settings.cache_frozen = request.cache_frozen.value_or(false);
     chosen.settings.precision = request.precisions.front();
   }
 
@@ -483,19 +497,15 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   Model model = build_model(config);
   Progress progress;
   progress.settings = chosen.settings;
-  std::optional<torch::serialize::InputArchive> resumed;
-  if (!resume_path.empty()) {
-    resumed.emplace(open_archive(resume_path));
-    read_config(*resumed, resume_path);  // is a checkpoint
-    progress = read_progress(*resumed);
-    info("resuming from " + resume_path + " at step " + std::to_string(progress.step));
-  }
+  if (saved) progress = *saved;
+  progress.settings.frames = longest;
   if (planned) {
     info("plan: " + plan::describe(progress.settings) + ", predicted peak " +
          memory::format_bytes(chosen.breakdown.peak_bytes) + " of " + memory::format_bytes(step_budget) +
          " (budget " + memory::format_bytes(budget) + " less prefetch)");
   } else {
-    info("settings: " + plan::describe(progress.settings) + " (fixed by the config; not planned)");
+    info("settings: " + plan::describe(progress.settings) +
+         (saved ? " (from the checkpoint)" : " (fixed by the config; not planned)"));
   }
 
   engine::StepOptions options;
@@ -577,6 +587,22 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     last_saved_step = saved.step;
   };
 
+  auto save_best = [&] {
+    Progress best = progress;
+    best.seconds += seconds_since(start);
+    save_model(result.best_checkpoint, model, best);
+  };
+  auto progress_event = [&](Event::Kind kind) {
+    Event e;
+    e.kind = kind;
+    e.step = progress.step;
+    e.total_steps = total_steps;
+    e.epoch = progress.epoch + 1;
+    e.epochs = epochs;
+    e.elapsed_seconds = progress.seconds + seconds_since(start);
+    return e;
+  };
+
   for (; progress.epoch < epochs && progress.step < total_steps; ++progress.epoch) {
     const auto order = data::epoch_order(videos, tc.seed, progress.epoch, true);
     std::vector<data::Prefetcher::Job> jobs;
@@ -605,22 +631,23 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
       if (batch.empty()) continue;
       const double lr = learning_rate(schedule, progress.step, total_steps);
       for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
+      model.encoder->train();  // validation and prediction leave the model in eval mode
+      model.head->train();
       const auto report = step.step(batch);
       ++progress.step;
+      // A step that ran out of memory was retried with new settings: later steps and
+      // checkpoints (so a resumed run) use them.
+      progress.settings.chunk = step.options().chunked.chunk;
+      progress.settings.keep = step.options().chunked.keep;
+      progress.settings.cache_frozen = step.options().chunked.cache_frozen;
       loss_sum += report.loss;
       ++loss_count;
       for (const auto& r : report.replans) emit({Event::Kind::Warning, r});
 
-      Event e;
-      e.kind = Event::Kind::Step;
-      e.step = progress.step;
-      e.total_steps = total_steps;
-      e.epoch = progress.epoch + 1;
-      e.epochs = epochs;
+      Event e = progress_event(Event::Kind::Step);
       e.loss = report.loss;
       e.lr = lr;
       e.frames_per_second = report.frames / std::max(1e-9, report.seconds);
-      e.elapsed_seconds = progress.seconds + seconds_since(start);
       const double per_step = seconds_since(start) / static_cast<double>(progress.step - first_step);
       e.eta_seconds = per_step * static_cast<double>(total_steps - progress.step);
       e.peak_bytes = report.peak_bytes;
@@ -638,29 +665,20 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     }
     if (progress.position < videos) break;  // max_steps reached mid-epoch
 
-    Event epoch_event;
-    epoch_event.kind = Event::Kind::Epoch;
-    epoch_event.step = progress.step;
-    epoch_event.total_steps = total_steps;
-    epoch_event.epoch = progress.epoch + 1;
-    epoch_event.epochs = epochs;
+    Event epoch_event = progress_event(Event::Kind::Epoch);
     epoch_event.loss = loss_count ? loss_sum / loss_count : 0;
-    epoch_event.elapsed_seconds = progress.seconds + seconds_since(start);
     nlohmann::json record = {{"type", "epoch"}, {"step", progress.step}, {"epoch", progress.epoch + 1},
                              {"loss", epoch_event.loss}};
     if (val_set) {
+      model.precision = progress.settings.precision;  // validate as `framefit eval` will
+      if (device.is_cpu() && model.precision == engine::Precision::FP16) model.precision = engine::Precision::FP32;
       epoch_event.metrics = evaluate(model, *val_set);
       epoch_event.validated = true;
-      record["val"] = metrics_json(epoch_event.metrics, model.classes);
+      record["val"] = nlohmann::json::parse(to_json(epoch_event.metrics, model.classes.names()));
       if (epoch_event.metrics.accuracy > progress.best_accuracy) {
         progress.best_accuracy = epoch_event.metrics.accuracy;
         epoch_event.best = true;
-        torch::serialize::OutputArchive archive;
-        write_model(archive, model);
-        Progress best = progress;
-        archive.write("progress", settings_tensor(best));
-        archive.write("progress_real", torch::tensor({best.best_accuracy, best.seconds}, torch::kDouble));
-        save_atomically(archive, result.best_checkpoint);
+        save_best();
         result.best = epoch_event.metrics;
         result.validated = true;
       }
@@ -677,11 +695,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   }
   if (last_saved_step != progress.step) checkpoint(progress);
   if (!val_set) {  // nothing to choose the best by: the last weights are the best
-    torch::serialize::OutputArchive archive;
-    write_model(archive, model);
-    archive.write("progress", settings_tensor(progress));
-    archive.write("progress_real", torch::tensor({progress.best_accuracy, progress.seconds}, torch::kDouble));
-    save_atomically(archive, result.best_checkpoint);
+    save_best();
   }
   result.steps = progress.step;
   result.seconds = seconds_since(start);

@@ -69,6 +69,9 @@ struct RetrySettings {
 };
 // nullopt gives up: the error propagates.
 using Replanner = std::function<std::optional<RetrySettings>(const OutOfMemoryEvent&)>;
+// The fallback: half the chunk that ran out (the video's length when naive), nothing kept;
+// nullopt at one frame with nothing kept or cached.
+std::optional<RetrySettings> halve_chunk(const OutOfMemoryEvent& event);
 
 struct StepReport {
   double loss = 0;  // mean over this call's videos

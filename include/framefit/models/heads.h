@@ -91,7 +91,9 @@ class TCNHeadImpl : public TemporalHead {
   torch::Tensor forward(const torch::Tensor& features) override;
   int64_t num_classes() const override { return options_.num_classes(); }
   // How many past frames (or past and future, when not causal) one output sees.
-  int64_t receptive_field() const;
+  int64_t receptive_field() const { return receptive_field(options_); }
+  // Frames each output sees, from the options alone (the doctor checks it without building).
+  static int64_t receptive_field(const TCNHeadOptions& options);
 
  private:
   TCNHeadOptions options_;

@@ -28,7 +28,7 @@ ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision,
 // {key: costs}}. A file of another version is ignored (and rewritten), never misread.
 class CalibrationCache {
  public:
-  static constexpr int kVersion = 2;  // 2: accumulate_peak
+  static constexpr int kVersion = 3;  // 2: accumulate_peak; 3: time lines clamped at 0
   // The default file: $FRAMEFIT_CACHE_DIR/calibration.json, else
   // $XDG_CACHE_HOME/framefit/calibration.json, else ~/.cache/framefit/calibration.json.
   static std::string default_path();

@@ -16,6 +16,10 @@ struct PhaseMetrics {
   double macro_precision = 0, macro_recall = 0, macro_f1 = 0, macro_jaccard = 0;
 };
 
+// {"frames", "accuracy", "macro_precision", "macro_recall", "macro_f1", "macro_jaccard",
+// "phases": {name: {"precision", "recall", "f1", "jaccard"}}} as JSON text; NaN becomes null.
+std::string to_json(const PhaseMetrics& metrics, const std::vector<std::string>& phase_names);
+
 class ConfusionMatrix {
  public:
   explicit ConfusionMatrix(int64_t classes);

@@ -65,8 +65,9 @@ struct Model {
   int64_t chunk = 64;                                      // inference chunk
 };
 Model build_model(const Config& config);  // initialised from train.seed (and model.weights)
-// The model saved in a checkpoint; device "" keeps the checkpoint config's device.
-Model load_model(const std::string& checkpoint, const std::string& device = "");
+// The model saved in a checkpoint. `overrides` ("key=value", as --set) change its stored
+// config first: device=cpu evaluates a CUDA checkpoint on a CPU, data.manifest another data set.
+Model load_model(const std::string& checkpoint, const std::vector<std::string>& overrides = {});
 
 // Per-frame predictions for one video's frames [T,3,H,W] uint8: ids [T] and probabilities
 // [T,C] (the last stage of a multi-stage head).
