@@ -35,6 +35,29 @@ bool is_image_name(const std::string& name) {
   return ext == "jpg" || ext == "jpeg" || ext == "png" || ext == "bmp";
 }
 
+// The number at the end of a file name's stem ("frame_000123.jpg" -> 123), or -1.
+int64_t trailing_number(const std::string& name) {
+  const auto dot = name.rfind('.');
+  const std::string stem = name.substr(0, dot);
+  size_t begin = stem.size();
+  while (begin > 0 && std::isdigit(static_cast<unsigned char>(stem[begin - 1]))) --begin;
+  if (begin == stem.size() || stem.size() - begin > 18) return -1;
+  return std::stoll(stem.substr(begin));
+}
+
+// Numbered frames must be consecutive: a gap is a missing frame, which would shift every later
+// label by one.
+void check_numbering(const std::string& folder, const std::vector<std::string>& names) {
+  for (size_t i = 1; i < names.size(); ++i) {
+    const int64_t previous = trailing_number(names[i - 1]);
+    const int64_t current = trailing_number(names[i]);
+    if (previous < 0 || current < 0) return;  // not numbered: name order is all there is
+    TORCH_CHECK(current == previous + 1, "frame folder ", folder, ": frame ", previous + 1,
+                " is missing (", names[i - 1], " is followed by ", names[i],
+                "); every frame needs its image for the labels to line up");
+  }
+}
+
 // A frame folder's images sorted by name (POSIX listing: pip's LibTorch exports its own
 // std::filesystem, which crashed our directory walks when linked against it).
 std::vector<std::string> list_frames(const std::string& folder) {
@@ -47,6 +70,7 @@ std::vector<std::string> list_frames(const std::string& folder) {
   }
   ::closedir(dir);
   std::sort(names.begin(), names.end());
+  check_numbering(folder, names);
   for (auto& n : names) n = folder + "/" + n;
   return names;
 }

@@ -216,6 +216,12 @@ TEST_F(DataTest, BadVideosAreNamedOrSkipped) {
   data::VideoDataset corrupt({{"c", folder, l3, "train", 0}}, classes_, options);
   EXPECT_NE(test_util::error_message([&] { corrupt.load(0); }).find("000003.jpg"), std::string::npos);
 
+  // A missing frame: a gap in the numbering is named (it would shift every later label).
+  std::rename((folder + "/000002.jpg").c_str(), (folder + "/000004.jpg").c_str());
+  const auto gap = construct_error({"c", folder, l3, "train", 0});
+  EXPECT_NE(gap.find("frame 2 is missing (000001.jpg is followed by 000003.jpg)"), std::string::npos)
+      << gap;
+
   // on_error: skip drops the videos that fail probing, with a warning each.
   options.skip_bad = true;
   std::vector<std::string> warnings;

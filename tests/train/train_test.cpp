@@ -2,6 +2,7 @@
 // exact resume, evaluation, prediction and export.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -103,10 +104,17 @@ TEST(Schedule, WarmupStepAndCosine) {
 #ifdef FRAMEFIT_WITH_FFMPEG
 namespace {
 
-// A tiny demo data set written once for the training tests.
+// A tiny demo data set written once per process (ctest runs the tests of this file in parallel
+// processes) and removed at exit.
+struct TinyDemo {
+  std::string dir = "/tmp/framefit_train_test_demo_" + std::to_string(::getpid());
+  ~TinyDemo() { test_util::remove_tree(dir); }
+};
+
 const std::string& tiny_demo() {
+  static const TinyDemo demo;
   static const std::string dir = [] {
-    const std::string d = "/tmp/framefit_train_test_demo";
+    const std::string d = demo.dir;
     test_util::remove_tree(d);
     data::DemoOptions o;
     o.train_videos = 3;
@@ -123,7 +131,8 @@ const std::string& tiny_demo() {
   return dir;
 }
 
-train::Config tiny_config(const std::string& out_dir) {
+train::Config tiny_config(const std::string& name) {
+  const std::string out_dir = name + "_" + std::to_string(::getpid());
   train::Config c;
   c.model.groups = 8;
   c.data.manifest = tiny_demo() + "/manifest.csv";
