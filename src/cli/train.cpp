@@ -1,17 +1,17 @@
 // make-demo, train, eval, predict, export: the library does the work and reports through
 // events; this file renders them (a progress bar on a terminal, plain lines otherwise).
 #include <fmt/core.h>
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cmath>
 #include <fstream>
 
 #include "commands.h"
-#include "framefit/data/dataset.h"
 #include "framefit/core/runtime.h"
+#include "framefit/data/dataset.h"
 #include "framefit/data/demo.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/train/trainer.h"
@@ -47,7 +47,8 @@ nlohmann::json metrics_json(const train::PhaseMetrics& m, const data::ClassList&
 // lines (about 20 per epoch) otherwise.
 class ProgressPrinter {
  public:
-  explicit ProgressPrinter(std::string command) : command_(std::move(command)), tty_(isatty(2) != 0) {}
+  explicit ProgressPrinter(std::string command)
+      : command_(std::move(command)), tty_(isatty(2) != 0) {}
   ~ProgressPrinter() { end_line(); }
 
   void operator()(const train::Event& e) {
@@ -65,9 +66,10 @@ class ProgressPrinter {
         const std::string text = fmt::format(
             "epoch {}/{} step {}/{} {} loss {:.4f} lr {:.2e} {:.1f} frames/s mem {} rss {} ETA {}",
             e.epoch, e.epochs, e.step, e.total_steps, bar(e.step, e.total_steps), e.loss, e.lr,
-            e.frames_per_second, memory::format_bytes(e.peak_bytes), memory::format_bytes(e.rss_bytes),
-            clock_text(e.eta_seconds));
-        const int64_t every = std::max<int64_t>(1, e.total_steps / (20 * std::max<int64_t>(1, e.epochs)));
+            e.frames_per_second, memory::format_bytes(e.peak_bytes),
+            memory::format_bytes(e.rss_bytes), clock_text(e.eta_seconds));
+        const int64_t every =
+            std::max<int64_t>(1, e.total_steps / (20 * std::max<int64_t>(1, e.epochs)));
         show(text, e.step % every == 0 || e.step == e.total_steps);
         break;
       }
@@ -83,7 +85,8 @@ class ProgressPrinter {
                      "framefit {}: epoch {}/{} done at {}: train loss {:.4f}, validation accuracy "
                      "{:.2f}%, macro F1 {:.2f}%{}\n",
                      command_, e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss,
-                     100 * e.metrics.accuracy, 100 * e.metrics.macro_f1, e.best ? " (best so far)" : "");
+                     100 * e.metrics.accuracy, 100 * e.metrics.macro_f1,
+                     e.best ? " (best so far)" : "");
         } else {
           fmt::print(stderr, "framefit {}: epoch {}/{} done at {}: train loss {:.4f}\n", command_,
                      e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss);
@@ -126,9 +129,10 @@ int run_make_demo(const Args& args) {
   options.max_frames = args.integer("max-frames");
   options.frame_folders = !args.on("no-frame-folders");
   options.seed = static_cast<uint64_t>(args.integer("seed"));
-  const auto summary = data::make_demo(args.text("out"), options, [](const std::string& name, int64_t frames) {
-    fmt::print(stderr, "framefit make-demo: {} ({} frames)\n", name, frames);
-  });
+  const auto summary =
+      data::make_demo(args.text("out"), options, [](const std::string& name, int64_t frames) {
+        fmt::print(stderr, "framefit make-demo: {} ({} frames)\n", name, frames);
+      });
   fmt::print("wrote {} videos ({} frames) to {}\n  manifest (MP4):           {}\n", summary.videos,
              summary.frames, args.text("out"), summary.manifest);
   if (!summary.frames_manifest.empty()) {
@@ -148,7 +152,8 @@ int run_train(const Args& args) {
                                    [&](const train::Event& e) { printer(e); });
   const data::ClassList classes(config.data.classes);
   if (args.on("json")) {
-    nlohmann::json out = {{"steps", result.steps}, {"seconds", result.seconds},
+    nlohmann::json out = {{"steps", result.steps},
+                          {"seconds", result.seconds},
                           {"best_checkpoint", result.best_checkpoint},
                           {"last_checkpoint", result.last_checkpoint},
                           {"skipped_videos", result.skipped_videos}};
@@ -156,8 +161,8 @@ int run_train(const Args& args) {
     fmt::print("{}\n", out.dump(2));
     return 0;
   }
-  fmt::print("trained {} steps in {}; checkpoints in {}\n", result.steps, clock_text(result.seconds),
-             config.train.out_dir);
+  fmt::print("trained {} steps in {}; checkpoints in {}\n", result.steps,
+             clock_text(result.seconds), config.train.out_dir);
   if (result.validated) {
     fmt::print("best validation (written to {}):\n", result.best_checkpoint);
     print_metrics(result.best, classes);
@@ -173,7 +178,8 @@ int run_eval(const Args& args) {
   ProgressPrinter printer("eval");
   auto on_event = [&](const train::Event& e) { printer(e); };
   const auto dataset = train::make_dataset(model.config, split, false, on_event);
-  TORCH_CHECK(dataset.size() > 0, "no videos in split \"", split, "\" of ", model.config.data.manifest);
+  TORCH_CHECK(dataset.size() > 0, "no videos in split \"", split, "\" of ",
+              model.config.data.manifest);
   const auto metrics = train::evaluate(model, dataset, on_event);
   const auto json = metrics_json(metrics, model.classes);
   if (args.has("out")) std::ofstream(args.text("out")) << json.dump(2) << "\n";
@@ -197,7 +203,8 @@ int run_predict(const Args& args) {
   if (args.has("fps")) {
     char* end = nullptr;
     folder_fps = std::strtod(args.text("fps").c_str(), &end);
-    TORCH_CHECK(*end == '\0' && folder_fps > 0, "--fps ", args.text("fps"), ": expected a positive frame rate");
+    TORCH_CHECK(*end == '\0' && folder_fps > 0, "--fps ", args.text("fps"),
+                ": expected a positive frame rate");
   }
   const auto video = data::decode_video(args.text("video"), folder_fps, options);
   const auto prediction = train::predict(model, video.frames);
@@ -241,7 +248,8 @@ int run_bench_data(const Args& args) {
                               config.data.prefetch_bytes);
   int64_t frames = 0;
   while (!prefetcher.done()) frames += prefetcher.next().frames.size(0);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const auto [height, width] = dataset.frame_size(0);
   nlohmann::json out = {{"videos", dataset.size()},
                         {"frames", frames},
@@ -256,11 +264,12 @@ int run_bench_data(const Args& args) {
   if (args.on("json")) {
     fmt::print("{}\n", out.dump(2));
   } else {
-    fmt::print("decoded {} videos, {} frames of {}x{} in {:.2f} s: {:.0f} frames/s with {} workers\n"
-               "  peak tensors {}, peak RSS {}\n  {}\n",
-               dataset.size(), frames, height, width, seconds, frames / seconds, config.data.workers,
-               memory::format_bytes(tracker.peak_bytes()),
-               memory::format_bytes(memory::process_memory().rss_peak_bytes), machine_info().describe());
+    fmt::print(
+        "decoded {} videos, {} frames of {}x{} in {:.2f} s: {:.0f} frames/s with {} workers\n"
+        "  peak tensors {}, peak RSS {}\n  {}\n",
+        dataset.size(), frames, height, width, seconds, frames / seconds, config.data.workers,
+        memory::format_bytes(tracker.peak_bytes()),
+        memory::format_bytes(memory::process_memory().rss_peak_bytes), machine_info().describe());
   }
   return 0;
 }

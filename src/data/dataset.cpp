@@ -80,7 +80,8 @@ std::vector<std::string> list_frames(const std::string& folder) {
 Augmentation draw_augmentation(const TransformOptions& options, int64_t height, int64_t width,
                                uint64_t seed, int64_t epoch, int64_t video) {
   Augmentation a;
-  std::mt19937_64 rng(mix(mix(mix(seed) ^ static_cast<uint64_t>(epoch)) ^ static_cast<uint64_t>(video)));
+  std::mt19937_64 rng(
+      mix(mix(mix(seed) ^ static_cast<uint64_t>(epoch)) ^ static_cast<uint64_t>(video)));
   if (options.random_crop && options.crop > 0) {
     a.top = static_cast<int64_t>(rng() % static_cast<uint64_t>(height - options.crop + 1));
     a.left = static_cast<int64_t>(rng() % static_cast<uint64_t>(width - options.crop + 1));
@@ -114,7 +115,8 @@ VideoDataset::VideoDataset(std::vector<VideoEntry> entries, ClassList classes, D
     } catch (const c10::Error& e) {
       if (!options_.skip_bad) throw;
       ++skipped_;
-      if (on_warning) on_warning(std::string("skipping video ") + entry.name + ": " + e.what_without_backtrace());
+      if (on_warning)
+        on_warning(std::string("skipping video ") + entry.name + ": " + e.what_without_backtrace());
       continue;
     }
     total += static_cast<int64_t>(videos_.back().sampled.size());
@@ -138,7 +140,8 @@ Source open_source(const std::string& path, double folder_fps, double sample_fps
   source.path = path;
   if (is_directory(path)) {
     source.frame_files = list_frames(path);
-    TORCH_CHECK(!source.frame_files.empty(), "frame folder ", path, ": no frame images (.jpg, .jpeg, .png, .bmp)");
+    TORCH_CHECK(!source.frame_files.empty(), "frame folder ", path,
+                ": no frame images (.jpg, .jpeg, .png, .bmp)");
     source.frames = static_cast<int64_t>(source.frame_files.size());
     source.fps = folder_fps;
     TORCH_CHECK(sample_fps == 0 || source.fps > 0, "frame folder ", path,
@@ -156,8 +159,9 @@ Source open_source(const std::string& path, double folder_fps, double sample_fps
 }
 
 // Decodes `sampled` source frames at (height, width), then crops and flips.
-torch::Tensor decode_source(const Source& source, const std::vector<int64_t>& sampled, int64_t height,
-                            int64_t width, const DataOptions& options, const Augmentation& augmentation) {
+torch::Tensor decode_source(const Source& source, const std::vector<int64_t>& sampled,
+                            int64_t height, int64_t width, const DataOptions& options,
+                            const Augmentation& augmentation) {
   const int64_t t = static_cast<int64_t>(sampled.size());
   auto frames = torch::empty({t, 3, height, width},
                              torch::TensorOptions(torch::kUInt8).pinned_memory(options.pinned));
@@ -207,7 +211,8 @@ VideoDataset::Item VideoDataset::probe(const VideoEntry& entry) const {
               entry.labels, " has ", item.labels.size(), " frames but ", entry.video, " has ",
               source.frames, ": they must describe the same frames");
   item.sampled = sample_indices(source.frames, source.fps, options_.fps);
-  std::tie(item.height, item.width) = resized_hw(source.height, source.width, options_.transform.resize);
+  std::tie(item.height, item.width) =
+      resized_hw(source.height, source.width, options_.transform.resize);
   check_crop(entry.video, options_.transform.crop, item.height, item.width);
   return item;
 }
@@ -262,7 +267,8 @@ engine::Video VideoDataset::load(int64_t i, const Augmentation& augmentation) co
 
 Prefetcher::Prefetcher(std::vector<Job> jobs, int workers, int64_t max_bytes)
     : jobs_(std::move(jobs)), max_bytes_(max_bytes) {
-  TORCH_CHECK(workers >= 1, "prefetch needs at least one worker thread (data.workers), got ", workers);
+  TORCH_CHECK(workers >= 1, "prefetch needs at least one worker thread (data.workers), got ",
+              workers);
   for (int w = 0; w < workers; ++w) workers_.emplace_back([this] { work(); });
 }
 

@@ -18,8 +18,8 @@ namespace {
 // pairs apart: Irrigation comes after Dissection, Inspection after Suturing.
 constexpr int kLookOfPhase[] = {0, 1, 0, 2, 1};
 
-struct Style {  // per video, so appearance varies between videos but not between paired phases
-  float tint[3][3];     // colour of each look
+struct Style {       // per video, so appearance varies between videos but not between paired phases
+  float tint[3][3];  // colour of each look
   float background[3];  // background colour
   float frequency;      // stripes and checkerboard
   float speed;          // drift per frame
@@ -67,8 +67,8 @@ torch::Tensor render(int look, const Style& s, int64_t t, const torch::Tensor& y
 void make_directory(const std::string& path) {
   if (::mkdir(path.c_str(), 0755) != 0) {
     struct stat info {};
-    TORCH_CHECK(::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode), "cannot create directory ",
-                path);
+    TORCH_CHECK(::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode),
+                "cannot create directory ", path);
   }
 }
 
@@ -90,13 +90,15 @@ DemoSummary make_demo(const std::string& out_dir, const DemoOptions& options,
 
   std::mt19937_64 rng(options.seed);
   auto gen = at::detail::createCPUGenerator(options.seed);
-  const auto yy = torch::linspace(0, 1, options.height).view({-1, 1}).expand({options.height, options.width});
-  const auto xx = torch::linspace(0, 1, options.width).view({1, -1}).expand({options.height, options.width});
+  const auto yy =
+      torch::linspace(0, 1, options.height).view({-1, 1}).expand({options.height, options.width});
+  const auto xx =
+      torch::linspace(0, 1, options.width).view({1, -1}).expand({options.height, options.width});
   std::vector<VideoEntry> videos, folders;
   DemoSummary summary;
   const int64_t count = options.train_videos + options.val_videos + options.test_videos;
   for (int64_t v = 0; v < count; ++v) {
-    const std::string split = v < options.train_videos ? "train"
+    const std::string split = v < options.train_videos                        ? "train"
                               : v < options.train_videos + options.val_videos ? "val"
                                                                               : "test";
     char name[32];
@@ -110,13 +112,12 @@ DemoSummary make_demo(const std::string& out_dir, const DemoOptions& options,
     for (auto& w : weights) total += (w = share(rng));
     std::vector<int64_t> labels;
     for (int64_t p = 0; p < classes.size(); ++p) {
-      const int64_t end = p + 1 == classes.size()
-                              ? frames
-                              : static_cast<int64_t>(std::llround(frames * [&] {
-                                  double s = 0;
-                                  for (int64_t q = 0; q <= p; ++q) s += weights[q];
-                                  return s / total;
-                                }()));
+      const int64_t end =
+          p + 1 == classes.size() ? frames : static_cast<int64_t>(std::llround(frames * [&] {
+            double s = 0;
+            for (int64_t q = 0; q <= p; ++q) s += weights[q];
+            return s / total;
+          }()));
       while (static_cast<int64_t>(labels.size()) < end) labels.push_back(p);
     }
     const Style style = draw_style(rng);
@@ -138,8 +139,8 @@ DemoSummary make_demo(const std::string& out_dir, const DemoOptions& options,
     writer.finish();
     write_phase_annotations(label_path, labels, classes);
     // Manifest paths are relative to the manifest, so the folder can be moved.
-    videos.push_back({name, std::string("videos/") + name + ".mp4", std::string("labels/") + name + ".txt",
-                      split, 0});
+    videos.push_back({name, std::string("videos/") + name + ".mp4",
+                      std::string("labels/") + name + ".txt", split, 0});
     folders.push_back({name, std::string("frames/") + name, std::string("labels/") + name + ".txt",
                        split, options.fps});
     summary.frames += frames;

@@ -107,14 +107,14 @@ std::vector<int64_t> read_phase_annotations(const std::string& path, const Class
                 text, "\"");
     char* end = nullptr;
     const long long frame = std::strtoll(frame_text.c_str(), &end, 10);
-    TORCH_CHECK(end != frame_text.c_str() && *end == '\0' && frame >= 0, where,
-                ": frame number \"", frame_text, "\" is not a non-negative integer");
+    TORCH_CHECK(end != frame_text.c_str() && *end == '\0' && frame >= 0, where, ": frame number \"",
+                frame_text, "\" is not a non-negative integer");
     TORCH_CHECK(frame == static_cast<long long>(labels.size()), where, ": frame ", frame,
-                " where frame ", labels.size(), " was expected (frames must be numbered 0, 1, 2, ... ",
-                "without gaps or repeats)");
+                " where frame ", labels.size(),
+                " was expected (frames must be numbered 0, 1, 2, ... ", "without gaps or repeats)");
     const int64_t id = classes.find(phase);
-    TORCH_CHECK(id >= 0, where, ": unknown phase \"", phase, "\"; the class list has: ",
-                join(classes.names()));
+    TORCH_CHECK(id >= 0, where, ": unknown phase \"", phase,
+                "\"; the class list has: ", join(classes.names()));
     labels.push_back(id);
   }
   TORCH_CHECK(!labels.empty(), "annotation file ", path, ": no frames");
@@ -157,15 +157,16 @@ std::vector<VideoEntry> read_manifest(const std::string& path) {
                     "\" appears twice");
         static const std::vector<std::string> known = {"name", "video", "labels", "split", "fps"};
         TORCH_CHECK(std::find(known.begin(), known.end(), fields[i]) != known.end(), where,
-                    ": unknown column \"", fields[i], "\" (known: name, video, labels, split, fps)");
+                    ": unknown column \"", fields[i],
+                    "\" (known: name, video, labels, split, fps)");
       }
       TORCH_CHECK(column.count("video") && column.count("labels"), where,
                   ": the header must name the columns `video` and `labels`");
       columns = fields.size();
       continue;
     }
-    TORCH_CHECK(fields.size() == columns, where, ": ", fields.size(), " fields where the header has ",
-                columns);
+    TORCH_CHECK(fields.size() == columns, where, ": ", fields.size(),
+                " fields where the header has ", columns);
     auto get = [&](const char* name) {
       const auto it = column.find(name);
       return it == column.end() ? std::string() : fields[it->second];
@@ -183,11 +184,13 @@ std::vector<VideoEntry> read_manifest(const std::string& path) {
     if (!fps.empty()) {
       char* end = nullptr;
       entry.fps = std::strtod(fps.c_str(), &end);
-      TORCH_CHECK(*end == '\0' && entry.fps > 0, where, ": fps \"", fps, "\" is not a positive number");
+      TORCH_CHECK(*end == '\0' && entry.fps > 0, where, ": fps \"", fps,
+                  "\" is not a positive number");
     }
     entries.push_back(std::move(entry));
   }
-  TORCH_CHECK(!column.empty(), "manifest ", path, ": empty (expected a header line and one line per video)");
+  TORCH_CHECK(!column.empty(), "manifest ", path,
+              ": empty (expected a header line and one line per video)");
   return entries;
 }
 
@@ -204,7 +207,8 @@ void write_manifest(const std::string& path, const std::vector<VideoEntry>& entr
   TORCH_CHECK(out.good(), "manifest ", path, ": write failed");
 }
 
-std::vector<VideoEntry> select_split(const std::vector<VideoEntry>& entries, const std::string& split) {
+std::vector<VideoEntry> select_split(const std::vector<VideoEntry>& entries,
+                                     const std::string& split) {
   std::vector<VideoEntry> out;
   for (const auto& e : entries) {
     if (e.split == split) out.push_back(e);

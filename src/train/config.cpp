@@ -27,7 +27,9 @@ T convert(const YAML::Node& node, const std::string& where, const char* expected
     if (node.IsNull()) return "";  // `freeze:` with no value, as `--set model.freeze=`
   }
   TORCH_CHECK(node.IsScalar(), where, ": expected ", expected, ", got a ",
-              node.IsSequence() ? "list" : node.IsMap() ? "mapping" : "null");
+              node.IsSequence() ? "list"
+              : node.IsMap()    ? "mapping"
+                                : "null");
   try {
     return node.as<T>();
   } catch (const YAML::Exception&) {
@@ -55,8 +57,9 @@ Entry choice(std::string name, std::string help, std::string& (*member)(Config&)
   for (const auto& c : choices) list += (list.empty() ? "" : " | ") + c;
   return field<std::string>(std::move(name), help + " (" + list + ")", member, "a string",
                             [choices, list](const std::string& v, const std::string& where) {
-                              TORCH_CHECK(std::find(choices.begin(), choices.end(), v) != choices.end(),
-                                          where, ": \"", v, "\" is not one of ", list);
+                              TORCH_CHECK(
+                                  std::find(choices.begin(), choices.end(), v) != choices.end(),
+                                  where, ": \"", v, "\" is not one of ", list);
                             });
 }
 
@@ -75,8 +78,8 @@ std::function<void(const std::string&, const std::string&)> auto_or_count() {
     if (v == "auto") return;
     char* end = nullptr;
     const long long n = std::strtoll(v.c_str(), &end, 10);
-    TORCH_CHECK(!v.empty() && *end == '\0' && n >= 0, where, ": expected auto or a count >= 0, got \"",
-                v, "\"");
+    TORCH_CHECK(!v.empty() && *end == '\0' && n >= 0, where,
+                ": expected auto or a count >= 0, got \"", v, "\"");
   };
 }
 
@@ -103,12 +106,14 @@ const std::vector<Entry>& entries() {
   static const std::vector<Entry> table = [] {
     std::vector<Entry> t;
     // model
-    t.push_back(choice("model.encoder", "per-frame CNN", FRAMEFIT_MEMBER(std::string, model.encoder),
+    t.push_back(choice("model.encoder", "per-frame CNN",
+                       FRAMEFIT_MEMBER(std::string, model.encoder),
                        {"resnet18", "resnet34", "resnet50"}));
     t.push_back(choice("model.norm", "normalisation layers of the encoder",
-                       FRAMEFIT_MEMBER(std::string, model.norm), {"bn", "frozen_bn", "group_norm"}));
-    t.push_back(field<int64_t>("model.groups", "GroupNorm groups", FRAMEFIT_MEMBER(int64_t, model.groups),
-                               "an integer", at_least(1)));
+                       FRAMEFIT_MEMBER(std::string, model.norm),
+                       {"bn", "frozen_bn", "group_norm"}));
+    t.push_back(field<int64_t>("model.groups", "GroupNorm groups",
+                               FRAMEFIT_MEMBER(int64_t, model.groups), "an integer", at_least(1)));
     t.push_back(choice("model.freeze", "last frozen encoder stage, empty for none",
                        FRAMEFIT_MEMBER(std::string, model.freeze),
                        {"", "conv1", "layer1", "layer2", "layer3", "layer4"}));
@@ -128,7 +133,8 @@ const std::vector<Entry>& entries() {
       e.set = [](Config& c, const YAML::Node& n, const std::string& where) {
         TORCH_CHECK(n.IsSequence(), where, ": expected a list of phase names, e.g. [a, b]");
         c.data.classes.clear();
-        for (const auto& item : n) c.data.classes.push_back(convert<std::string>(item, where, "a name"));
+        for (const auto& item : n)
+          c.data.classes.push_back(convert<std::string>(item, where, "a name"));
       };
       e.get = [](const Config& c) {
         YAML::Node n(YAML::NodeType::Sequence);
@@ -145,10 +151,11 @@ const std::vector<Entry>& entries() {
                                FRAMEFIT_MEMBER(int64_t, data.crop), "an integer", at_least(0)));
     t.push_back(field<bool>("data.augment", "training: random crop offset and flip per video",
                             FRAMEFIT_MEMBER(bool, data.augment), "true or false"));
-    t.push_back(choice("data.on_error", "a bad video: stop with an error, or skip it with a warning",
+    t.push_back(choice("data.on_error",
+                       "a bad video: stop with an error, or skip it with a warning",
                        FRAMEFIT_MEMBER(std::string, data.on_error), {"fail", "skip"}));
-    t.push_back(field<int64_t>("data.workers", "decoding threads", FRAMEFIT_MEMBER(int64_t, data.workers),
-                               "an integer", at_least(1)));
+    t.push_back(field<int64_t>("data.workers", "decoding threads",
+                               FRAMEFIT_MEMBER(int64_t, data.workers), "an integer", at_least(1)));
     t.push_back(bytes("data.prefetch_bytes", "decoded frames held ahead of training",
                       FRAMEFIT_MEMBER(int64_t, data.prefetch_bytes)));
     t.push_back(field<std::string>("data.train_split", "manifest split trained on",
@@ -160,63 +167,75 @@ const std::vector<Entry>& entries() {
     // train
     t.push_back(field<int64_t>("train.epochs", "passes over the training split",
                                FRAMEFIT_MEMBER(int64_t, train.epochs), "an integer", at_least(1)));
-    t.push_back(field<int64_t>("train.max_steps", "stop after this many optimizer steps; 0: epochs decide",
-                               FRAMEFIT_MEMBER(int64_t, train.max_steps), "an integer", at_least(0)));
-    t.push_back(choice("train.optimizer", "optimizer", FRAMEFIT_MEMBER(std::string, train.optimizer),
-                       {"sgd", "adam", "adamw"}));
+    t.push_back(
+        field<int64_t>("train.max_steps", "stop after this many optimizer steps; 0: epochs decide",
+                       FRAMEFIT_MEMBER(int64_t, train.max_steps), "an integer", at_least(0)));
+    t.push_back(choice("train.optimizer", "optimizer",
+                       FRAMEFIT_MEMBER(std::string, train.optimizer), {"sgd", "adam", "adamw"}));
     t.push_back(field<double>("train.lr", "peak learning rate", FRAMEFIT_MEMBER(double, train.lr),
                               "a number", non_negative()));
-    t.push_back(field<double>("train.weight_decay", "weight decay", FRAMEFIT_MEMBER(double, train.weight_decay),
-                              "a number", non_negative()));
-    t.push_back(field<double>("train.momentum", "SGD momentum", FRAMEFIT_MEMBER(double, train.momentum),
-                              "a number", non_negative()));
+    t.push_back(field<double>("train.weight_decay", "weight decay",
+                              FRAMEFIT_MEMBER(double, train.weight_decay), "a number",
+                              non_negative()));
+    t.push_back(field<double>("train.momentum", "SGD momentum",
+                              FRAMEFIT_MEMBER(double, train.momentum), "a number", non_negative()));
     t.push_back(choice("train.schedule", "learning-rate schedule after warm-up",
-                       FRAMEFIT_MEMBER(std::string, train.schedule), {"constant", "step", "cosine"}));
+                       FRAMEFIT_MEMBER(std::string, train.schedule),
+                       {"constant", "step", "cosine"}));
     t.push_back(field<int64_t>("train.warmup_steps", "linear warm-up from 0, optimizer steps",
-                               FRAMEFIT_MEMBER(int64_t, train.warmup_steps), "an integer", at_least(0)));
-    t.push_back(field<int64_t>("train.step_size", "step schedule: steps between decays; 0: one epoch",
-                               FRAMEFIT_MEMBER(int64_t, train.step_size), "an integer", at_least(0)));
-    t.push_back(field<double>("train.gamma", "step schedule: decay factor", FRAMEFIT_MEMBER(double, train.gamma),
-                              "a number", non_negative()));
+                               FRAMEFIT_MEMBER(int64_t, train.warmup_steps), "an integer",
+                               at_least(0)));
+    t.push_back(
+        field<int64_t>("train.step_size", "step schedule: steps between decays; 0: one epoch",
+                       FRAMEFIT_MEMBER(int64_t, train.step_size), "an integer", at_least(0)));
+    t.push_back(field<double>("train.gamma", "step schedule: decay factor",
+                              FRAMEFIT_MEMBER(double, train.gamma), "a number", non_negative()));
     t.push_back(field<double>("train.min_lr", "cosine schedule: final learning rate",
                               FRAMEFIT_MEMBER(double, train.min_lr), "a number", non_negative()));
     t.push_back(choice("train.precision", "autocast precision; auto lets the planner choose",
-                       FRAMEFIT_MEMBER(std::string, train.precision), {"auto", "fp32", "bf16", "fp16"}));
+                       FRAMEFIT_MEMBER(std::string, train.precision),
+                       {"auto", "fp32", "bf16", "fp16"}));
     t.push_back(bytes("train.budget", "memory budget for tensors, e.g. 1GiB; 0: the free memory",
                       FRAMEFIT_MEMBER(int64_t, train.budget)));
-    t.push_back(field<std::string>("train.chunk", "frames per encoder chunk: auto, 0 (naive) or a count",
-                                   FRAMEFIT_MEMBER(std::string, train.chunk), "auto or a count",
-                                   auto_or_count()));
+    t.push_back(field<std::string>(
+        "train.chunk", "frames per encoder chunk: auto, 0 (naive) or a count",
+        FRAMEFIT_MEMBER(std::string, train.chunk), "auto or a count", auto_or_count()));
     t.push_back(field<std::string>("train.keep", "chunks whose graph is kept: auto or a count",
                                    FRAMEFIT_MEMBER(std::string, train.keep), "auto or a count",
                                    auto_or_count()));
     t.push_back(field<int64_t>("train.accumulate", "videos per optimizer step (gradients averaged)",
-                               FRAMEFIT_MEMBER(int64_t, train.accumulate), "an integer", at_least(1)));
+                               FRAMEFIT_MEMBER(int64_t, train.accumulate), "an integer",
+                               at_least(1)));
     t.push_back(field<double>("train.clip_grad_norm", "clip the gradient norm; 0: off",
-                              FRAMEFIT_MEMBER(double, train.clip_grad_norm), "a number", non_negative()));
+                              FRAMEFIT_MEMBER(double, train.clip_grad_norm), "a number",
+                              non_negative()));
     t.push_back(field<double>("train.smoothing", "MS-TCN smoothing loss weight; 0: off",
-                              FRAMEFIT_MEMBER(double, train.smoothing), "a number", non_negative()));
+                              FRAMEFIT_MEMBER(double, train.smoothing), "a number",
+                              non_negative()));
     t.push_back(field<bool>("train.class_weights", "weight the loss by inverse class frequency",
                             FRAMEFIT_MEMBER(bool, train.class_weights), "true or false"));
     t.push_back(field<uint64_t>("train.seed", "initialisation, data order and augmentation",
                                 FRAMEFIT_MEMBER(uint64_t, train.seed), "a non-negative integer"));
-    t.push_back(field<std::string>("train.out_dir", "checkpoints, log.jsonl and config.yaml go here",
+    t.push_back(field<std::string>("train.out_dir",
+                                   "checkpoints, log.jsonl and config.yaml go here",
                                    FRAMEFIT_MEMBER(std::string, train.out_dir), "a path"));
     t.push_back(field<int64_t>("train.keep_last", "checkpoints kept besides the best",
-                               FRAMEFIT_MEMBER(int64_t, train.keep_last), "an integer", at_least(1)));
-    t.push_back(field<int64_t>("train.checkpoint_every", "optimizer steps between checkpoints; 0: each epoch",
-                               FRAMEFIT_MEMBER(int64_t, train.checkpoint_every), "an integer", at_least(0)));
+                               FRAMEFIT_MEMBER(int64_t, train.keep_last), "an integer",
+                               at_least(1)));
+    t.push_back(field<int64_t>(
+        "train.checkpoint_every", "optimizer steps between checkpoints; 0: each epoch",
+        FRAMEFIT_MEMBER(int64_t, train.checkpoint_every), "an integer", at_least(0)));
     t.push_back(field<bool>("train.validate", "evaluate the validation split after each epoch",
                             FRAMEFIT_MEMBER(bool, train.validate), "true or false"));
-    t.push_back(field<std::string>("device", "cpu, cuda or cuda:N", FRAMEFIT_MEMBER(std::string, device),
-                                   "a device name",
-                                   [](const std::string& v, const std::string& where) {
-                                     bool ok = v == "cpu" || v == "cuda";
-                                     if (!ok && v.rfind("cuda:", 0) == 0 && v.size() > 5) {
-                                       ok = v.find_first_not_of("0123456789", 5) == std::string::npos;
-                                     }
-                                     TORCH_CHECK(ok, where, ": expected cpu, cuda or cuda:N, got \"", v, "\"");
-                                   }));
+    t.push_back(field<std::string>(
+        "device", "cpu, cuda or cuda:N", FRAMEFIT_MEMBER(std::string, device), "a device name",
+        [](const std::string& v, const std::string& where) {
+          bool ok = v == "cpu" || v == "cuda";
+          if (!ok && v.rfind("cuda:", 0) == 0 && v.size() > 5) {
+            ok = v.find_first_not_of("0123456789", 5) == std::string::npos;
+          }
+          TORCH_CHECK(ok, where, ": expected cpu, cuda or cuda:N, got \"", v, "\"");
+        }));
     return t;
   }();
   return table;
@@ -244,7 +263,8 @@ std::string unknown_key_message(const std::string& name) {
   return "unknown key `" + name + "` (known: " + known + ")";
 }
 
-void apply(Config& config, const YAML::Node& node, const std::string& prefix, const std::string& source) {
+void apply(Config& config, const YAML::Node& node, const std::string& prefix,
+           const std::string& source) {
   for (const auto& item : node) {
     const auto key = item.first.as<std::string>();
     const std::string name = prefix.empty() ? key : prefix + "." + key;
@@ -280,7 +300,8 @@ Config parse_config(const std::string& yaml_text, const std::string& source,
                 e.mark.column + 1, ": ", e.msg);
   }
   if (root.IsDefined() && !root.IsNull()) {
-    TORCH_CHECK(root.IsMap(), source, ": expected a mapping of sections (model, data, train, device)");
+    TORCH_CHECK(root.IsMap(), source,
+                ": expected a mapping of sections (model, data, train, device)");
     apply(config, root, "", source);
   }
   for (const auto& text : overrides) {

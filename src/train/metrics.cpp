@@ -1,7 +1,7 @@
 #include "framefit/train/metrics.h"
 
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <limits>

@@ -6,8 +6,8 @@
 #include <unistd.h>
 
 #include <ATen/CPUGeneratorImpl.h>
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -135,15 +135,16 @@ void set_generator_state(const torch::Tensor& state) {
 }
 
 torch::Tensor settings_tensor(const Progress& p) {
-  return torch::tensor({p.step, p.epoch, p.position, p.skipped, p.settings.chunk, p.settings.keep,
-                        static_cast<int64_t>(p.settings.cache_frozen),
-                        static_cast<int64_t>(p.settings.precision)},
-                       torch::kLong);
+  return torch::tensor(
+      {p.step, p.epoch, p.position, p.skipped, p.settings.chunk, p.settings.keep,
+       static_cast<int64_t>(p.settings.cache_frozen), static_cast<int64_t>(p.settings.precision)},
+      torch::kLong);
 }
 
 void write_progress(torch::serialize::OutputArchive& archive, const Progress& progress) {
   archive.write("progress", settings_tensor(progress));
-  archive.write("progress_real", torch::tensor({progress.best_accuracy, progress.seconds}, torch::kDouble));
+  archive.write("progress_real",
+                torch::tensor({progress.best_accuracy, progress.seconds}, torch::kDouble));
 }
 
 // best.pt: what eval, predict and export need.
@@ -155,8 +156,9 @@ void save_model(const std::string& path, const Model& model, const Progress& pro
 }
 
 // A step checkpoint: the model and everything resuming needs.
-void save_checkpoint(const std::string& path, const Model& model, torch::optim::Optimizer& optimizer,
-                     engine::TrainingStep& step, const Progress& progress) {
+void save_checkpoint(const std::string& path, const Model& model,
+                     torch::optim::Optimizer& optimizer, engine::TrainingStep& step,
+                     const Progress& progress) {
   torch::serialize::OutputArchive archive;
   write_model(archive, model);
   write_progress(archive, progress);
@@ -203,8 +205,8 @@ torch::serialize::InputArchive open_archive(const std::string& path) {
   try {
     archive.load_from(path);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "checkpoint ", path, " cannot be read (damaged or not a checkpoint): ",
-                e.what_without_backtrace());
+    TORCH_CHECK(false, "checkpoint ", path,
+                " cannot be read (damaged or not a checkpoint): ", e.what_without_backtrace());
   }
   return archive;
 }
@@ -226,7 +228,8 @@ class JsonlLog {
       std::string line;
       while (std::getline(in, line)) {
         const auto record = nlohmann::json::parse(line, nullptr, false);
-        if (!record.is_discarded() && record.value("step", int64_t{0}) <= resume_step) kept.push_back(line);
+        if (!record.is_discarded() && record.value("step", int64_t{0}) <= resume_step)
+          kept.push_back(line);
       }
     }
     out_.open(path, std::ios::trunc);
@@ -257,7 +260,9 @@ int64_t frame_size_for_planning(const data::VideoDataset& dataset) {
 // Sets the tracker's budget for the run and lifts it when the run ends, however it ends.
 class BudgetScope {
  public:
-  BudgetScope(memory::Tracker& tracker, int64_t bytes) : tracker_(tracker) { tracker_.set_budget(bytes); }
+  BudgetScope(memory::Tracker& tracker, int64_t bytes) : tracker_(tracker) {
+    tracker_.set_budget(bytes);
+  }
   ~BudgetScope() { tracker_.set_budget(0); }
 
  private:
@@ -270,8 +275,10 @@ class BudgetScope {
 
 data::VideoDataset make_dataset(const Config& config, const std::string& split, bool training,
                                 const EventCallback& on_event) {
-  TORCH_CHECK(!config.data.manifest.empty(), "data.manifest is not set: name the CSV listing the videos");
-  TORCH_CHECK(!config.data.classes.empty(), "data.classes is not set: list the phase names in label order");
+  TORCH_CHECK(!config.data.manifest.empty(),
+              "data.manifest is not set: name the CSV listing the videos");
+  TORCH_CHECK(!config.data.classes.empty(),
+              "data.classes is not set: list the phase names in label order");
   auto entries = data::select_split(data::read_manifest(config.data.manifest), split);
   data::DataOptions options;
   options.fps = config.data.fps;
@@ -283,7 +290,7 @@ data::VideoDataset make_dataset(const Config& config, const std::string& split, 
   options.pinned = torch::Device(config.device).is_cuda();
   return data::VideoDataset(std::move(entries), data::ClassList(config.data.classes), options,
                             [&](const std::string& message) {
-                              if (on_event) on_event({Event::Kind::Warning, message});
+                              if (on_event) on_event(Event::note(Event::Kind::Warning, message));
                             });
 }
 
@@ -300,7 +307,8 @@ Model build_model(const Config& config) {
     options.ignore_prefixes = {"fc."};
     models::load_state_dict(*model.encoder, models::read_state_dict(config.model.weights), options);
   }
-  model.head = models::make_head(config.model.head, model.encoder->feature_dim(), model.classes.size());
+  model.head =
+      models::make_head(config.model.head, model.encoder->feature_dim(), model.classes.size());
   model.encoder->to(model.device);
   model.head->to(model.device);
   return model;
@@ -309,7 +317,8 @@ Model build_model(const Config& config) {
 Model load_model(const std::string& checkpoint, const std::vector<std::string>& overrides) {
   auto archive = open_archive(checkpoint);
   Config config = read_config(archive, checkpoint);
-  if (!overrides.empty()) config = parse_config(to_yaml(config), "the config stored in " + checkpoint, overrides);
+  if (!overrides.empty())
+    config = parse_config(to_yaml(config), "the config stored in " + checkpoint, overrides);
   config.model.weights.clear();  // the checkpoint has the weights
   Model model = build_model(config);
   torch::serialize::InputArchive encoder, head;
@@ -341,7 +350,8 @@ Prediction predict(Model& model, const torch::Tensor& frames) {
   options.device = model.device;
   options.channels_last = model.config.model.channels_last;
   engine::AutocastGuard autocast(model.device, model.precision);
-  const auto features = engine::chunked_encode(engine::frame_encoder(model.encoder.ptr()), frames, options);
+  const auto features =
+      engine::chunked_encode(engine::frame_encoder(model.encoder.ptr()), frames, options);
   auto logits = model.head->forward(features.to(torch::kFloat32));
   if (logits.dim() == 3) logits = logits[-1];
   Prediction p;
@@ -350,7 +360,8 @@ Prediction predict(Model& model, const torch::Tensor& frames) {
   return p;
 }
 
-PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset, const EventCallback& on_event) {
+PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
+                      const EventCallback& on_event) {
   ConfusionMatrix confusion(model.classes.size());
   std::vector<data::Prefetcher::Job> jobs;
   for (int64_t i = 0; i < dataset.size(); ++i) {
@@ -366,7 +377,9 @@ PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset, const Eve
       video = prefetcher.next();
     } catch (const c10::Error& e) {
       if (!dataset.options().skip_bad) throw;
-      if (on_event) on_event({Event::Kind::Warning, std::string("skipping ") + e.what_without_backtrace()});
+      if (on_event)
+        on_event(Event::note(Event::Kind::Warning,
+                             std::string("skipping ") + e.what_without_backtrace()));
       continue;
     }
     const auto prediction = predict(model, video.frames);
@@ -402,7 +415,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   auto emit = [&](Event e) {
     if (on_event) on_event(e);
   };
-  auto info = [&](const std::string& message) { emit({Event::Kind::Info, message}); };
+  auto info = [&](const std::string& message) { emit(Event::note(Event::Kind::Info, message)); };
   const auto& tc = config.train;
   const std::string out_dir = tc.out_dir;
   const std::string checkpoint_dir = out_dir + "/checkpoints";
@@ -433,7 +446,8 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   info("data: " + std::to_string(train_set.size()) + " training videos (" +
        std::to_string(train_set.total_frames()) + " frames)" +
        (val_set ? ", " + std::to_string(val_set->size()) + " validation videos" : std::string()) +
-       (train_set.skipped() ? ", " + std::to_string(train_set.skipped()) + " skipped" : std::string()));
+       (train_set.skipped() ? ", " + std::to_string(train_set.skipped()) + " skipped"
+                            : std::string()));
 
   {
     std::ofstream out(out_dir + "/config.yaml");
@@ -454,8 +468,9 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   request.accumulate = 1;
   request.chunk = fixed_count(tc.chunk);
   request.keep = fixed_count(tc.keep);
-  request.precisions = tc.precision == "auto" ? plan::candidate_precisions(device)
-                                              : std::vector<engine::Precision>{engine::parse_precision(tc.precision)};
+  request.precisions = tc.precision == "auto"
+                           ? plan::candidate_precisions(device)
+                           : std::vector<engine::Precision>{engine::parse_precision(tc.precision)};
   // A resumed run continues with the checkpoint's settings (the plan it was trained with, and
   // any re-planning after out-of-memory), so its steps are those of the uninterrupted run.
   std::optional<torch::serialize::InputArchive> resumed;
@@ -501,8 +516,9 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   progress.settings.frames = longest;
   if (planned) {
     info("plan: " + plan::describe(progress.settings) + ", predicted peak " +
-         memory::format_bytes(chosen.breakdown.peak_bytes) + " of " + memory::format_bytes(step_budget) +
-         " (budget " + memory::format_bytes(budget) + " less prefetch)");
+         memory::format_bytes(chosen.breakdown.peak_bytes) + " of " +
+         memory::format_bytes(step_budget) + " (budget " + memory::format_bytes(budget) +
+         " less prefetch)");
   } else {
     info("settings: " + plan::describe(progress.settings) +
          (saved ? " (from the checkpoint)" : " (fixed by the config; not planned)"));
@@ -522,8 +538,9 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     for (int64_t i = 0; i < train_set.size(); ++i) {
       counts += torch::bincount(train_set.labels(i), {}, model.classes.size()).to(torch::kDouble);
     }
-    options.loss.class_weights =
-        (counts.sum() / (counts.clamp_min(1) * model.classes.size())).to(torch::kFloat32).to(device);
+    options.loss.class_weights = (counts.sum() / (counts.clamp_min(1) * model.classes.size()))
+                                     .to(torch::kFloat32)
+                                     .to(device);
   }
   auto encoder = engine::frame_encoder(model.encoder.ptr());
   auto parameters = encoder.parameters;
@@ -625,7 +642,8 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
         } catch (const c10::Error& e) {
           if (!train_set.options().skip_bad) throw;
           ++progress.skipped;
-          emit({Event::Kind::Warning, std::string("skipping a video: ") + e.what_without_backtrace()});
+          emit(Event::note(Event::Kind::Warning,
+                           std::string("skipping a video: ") + e.what_without_backtrace()));
         }
       }
       if (batch.empty()) continue;
@@ -642,20 +660,27 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
       progress.settings.cache_frozen = step.options().chunked.cache_frozen;
       loss_sum += report.loss;
       ++loss_count;
-      for (const auto& r : report.replans) emit({Event::Kind::Warning, r});
+      for (const auto& r : report.replans) emit(Event::note(Event::Kind::Warning, r));
 
       Event e = progress_event(Event::Kind::Step);
       e.loss = report.loss;
       e.lr = lr;
       e.frames_per_second = report.frames / std::max(1e-9, report.seconds);
-      const double per_step = seconds_since(start) / static_cast<double>(progress.step - first_step);
+      const double per_step =
+          seconds_since(start) / static_cast<double>(progress.step - first_step);
       e.eta_seconds = per_step * static_cast<double>(total_steps - progress.step);
       e.peak_bytes = report.peak_bytes;
       e.rss_bytes = memory::process_memory().rss_bytes;
       emit(e);
-      log.write({{"type", "step"}, {"step", e.step}, {"epoch", e.epoch}, {"loss", e.loss},
-                 {"lr", lr}, {"frames", report.frames}, {"seconds", report.seconds},
-                 {"peak_bytes", report.peak_bytes}, {"rss_bytes", e.rss_bytes},
+      log.write({{"type", "step"},
+                 {"step", e.step},
+                 {"epoch", e.epoch},
+                 {"loss", e.loss},
+                 {"lr", lr},
+                 {"frames", report.frames},
+                 {"seconds", report.seconds},
+                 {"peak_bytes", report.peak_bytes},
+                 {"rss_bytes", e.rss_bytes},
                  {"skipped_optimizer_step", report.overflow_skipped}});
       // A checkpoint that completes the epoch is written after its validation, below.
       if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 &&
@@ -667,11 +692,14 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
 
     Event epoch_event = progress_event(Event::Kind::Epoch);
     epoch_event.loss = loss_count ? loss_sum / loss_count : 0;
-    nlohmann::json record = {{"type", "epoch"}, {"step", progress.step}, {"epoch", progress.epoch + 1},
+    nlohmann::json record = {{"type", "epoch"},
+                             {"step", progress.step},
+                             {"epoch", progress.epoch + 1},
                              {"loss", epoch_event.loss}};
     if (val_set) {
       model.precision = progress.settings.precision;  // validate as `framefit eval` will
-      if (device.is_cpu() && model.precision == engine::Precision::FP16) model.precision = engine::Precision::FP32;
+      if (device.is_cpu() && model.precision == engine::Precision::FP16)
+        model.precision = engine::Precision::FP32;
       epoch_event.metrics = evaluate(model, *val_set);
       epoch_event.validated = true;
       record["val"] = nlohmann::json::parse(to_json(epoch_event.metrics, model.classes.names()));

@@ -23,7 +23,8 @@ const std::string kMedia = std::string(FRAMEFIT_SOURCE_DIR) + "/tests/media";
 class DataTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = "/tmp/framefit_data_test_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = "/tmp/framefit_data_test_" +
+           std::string(::testing::UnitTest::GetInstance()->current_test_info()->name());
     test_util::remove_tree(dir_);
     ::mkdir(dir_.c_str(), 0755);
   }
@@ -37,7 +38,8 @@ class DataTest : public ::testing::Test {
   std::string labels(const std::string& name, int64_t frames, const std::string& a = "a",
                      const std::string& b = "b") {
     std::string text = "Frame\tPhase\n";
-    for (int64_t i = 0; i < frames; ++i) text += std::to_string(i) + "\t" + (i < frames / 2 ? a : b) + "\n";
+    for (int64_t i = 0; i < frames; ++i)
+      text += std::to_string(i) + "\t" + (i < frames / 2 ? a : b) + "\n";
     return write(name, text);
   }
   std::string dir_;
@@ -63,21 +65,28 @@ TEST_F(DataTest, AnnotationsParseAndExplainEveryProblem) {
     const auto path = write("bad.txt", text);
     return test_util::error_message([&] { data::read_phase_annotations(path, classes_); });
   };
-  EXPECT_NE(error("Frame\tPhase\n0\ta\n1\tc\n").find("bad.txt:3: unknown phase \"c\""), std::string::npos)
+  EXPECT_NE(error("Frame\tPhase\n0\ta\n1\tc\n").find("bad.txt:3: unknown phase \"c\""),
+            std::string::npos)
       << error("Frame\tPhase\n0\ta\n1\tc\n");
-  EXPECT_NE(error("Frame\tPhase\n0\ta\n2\tb\n").find("bad.txt:3: frame 2 where frame 1"), std::string::npos);
+  EXPECT_NE(error("Frame\tPhase\n0\ta\n2\tb\n").find("bad.txt:3: frame 2 where frame 1"),
+            std::string::npos);
   EXPECT_NE(error("Frame\tPhase\n0\ta\n0\tb\n").find("bad.txt:3"), std::string::npos);
   EXPECT_NE(error("Frame\tPhase\n0\ta b\n").find("bad.txt:2"), std::string::npos);
   EXPECT_NE(error("Frame\tPhase\nx\ta\n").find("not a non-negative integer"), std::string::npos);
   EXPECT_NE(error("Frame\tPhase\n").find("no frames"), std::string::npos);
-  EXPECT_NE(test_util::error_message([&] { data::read_phase_annotations(dir_ + "/none.txt", classes_); })
-                .find("none.txt: cannot open"),
+  EXPECT_NE(test_util::error_message([&] {
+              data::read_phase_annotations(dir_ + "/none.txt", classes_);
+            }).find("none.txt: cannot open"),
             std::string::npos);
-  EXPECT_NE(test_util::error_message([] { data::ClassList({"a", "a"}); }).find("twice"), std::string::npos);
+  EXPECT_NE(test_util::error_message([] {
+              data::ClassList({"a", "a"});
+            }).find("twice"),
+            std::string::npos);
 
   // Written annotations read back.
   data::write_phase_annotations(dir_ + "/out.txt", {1, 0, 1}, classes_);
-  EXPECT_EQ(data::read_phase_annotations(dir_ + "/out.txt", classes_), (std::vector<int64_t>{1, 0, 1}));
+  EXPECT_EQ(data::read_phase_annotations(dir_ + "/out.txt", classes_),
+            (std::vector<int64_t>{1, 0, 1}));
 }
 
 TEST_F(DataTest, ManifestResolvesPathsAndNamesBadLines) {
@@ -117,7 +126,7 @@ TEST_F(DataTest, VideoFileSampledResizedCroppedAndLocated) {
   if (skip_without_ffmpeg()) GTEST_SKIP() << "built without FFmpeg";
   const auto l = labels("clip.txt", 50);
   data::DataOptions options;
-  options.fps = 5;  // 25 fps source: every 5th frame
+  options.fps = 5;                // 25 fps source: every 5th frame
   options.transform.resize = 24;  // 64x48 -> 32x24
   options.transform.crop = 20;
   std::vector<data::VideoEntry> entries = {{"clip", kMedia + "/clip_25fps.mp4", l, "train", 0},
@@ -131,7 +140,8 @@ TEST_F(DataTest, VideoFileSampledResizedCroppedAndLocated) {
   EXPECT_EQ(video.frames.sizes(), (std::vector<int64_t>{10, 3, 20, 20}));
   EXPECT_EQ(video.frames.scalar_type(), torch::kUInt8);
   // Source frames 0, 5, ..., 45: the first half (frames < 25) are phase a.
-  EXPECT_TRUE(torch::equal(video.labels, torch::tensor({0, 0, 0, 0, 0, 1, 1, 1, 1, 1}, torch::kLong)));
+  EXPECT_TRUE(
+      torch::equal(video.labels, torch::tensor({0, 0, 0, 0, 0, 1, 1, 1, 1, 1}, torch::kLong)));
   EXPECT_EQ(set.locate(0), std::make_pair(int64_t{0}, int64_t{0}));
   EXPECT_EQ(set.locate(9), std::make_pair(int64_t{0}, int64_t{9}));
   EXPECT_EQ(set.locate(10), std::make_pair(int64_t{1}, int64_t{0}));
@@ -144,7 +154,8 @@ TEST_F(DataTest, VideoFileSampledResizedCroppedAndLocated) {
   data::DataOptions uncropped = options;
   uncropped.transform.crop = 0;
   const auto full = data::VideoDataset(entries, classes_, uncropped).load(0);
-  EXPECT_TRUE(torch::equal(augmented.frames, full.frames.narrow(2, 0, 20).narrow(3, 0, 20).flip({3})));
+  EXPECT_TRUE(
+      torch::equal(augmented.frames, full.frames.narrow(2, 0, 20).narrow(3, 0, 20).flip({3})));
 
   // Inference decoding (no labels) gives the same frames, center-cropped.
   const auto decoded = data::decode_video(kMedia + "/clip_25fps.mp4", 0, options);
@@ -190,14 +201,16 @@ TEST_F(DataTest, BadVideosAreNamedOrSkipped) {
   EXPECT_NE(count.find("l49.txt has 49 frames but"), std::string::npos) << count;
   EXPECT_NE(count.find("clip_25fps.mp4 has 50"), std::string::npos) << count;
   // Unknown phase name: file and line.
-  EXPECT_NE(construct_error({"v", kMedia + "/clip_25fps.mp4", unknown, "train", 0}).find("unknown.txt:27"),
+  EXPECT_NE(construct_error({"v", kMedia + "/clip_25fps.mp4", unknown, "train", 0})
+                .find("unknown.txt:27"),
             std::string::npos);
   // Missing video.
   EXPECT_NE(construct_error({"v", dir_ + "/missing.mp4", l50, "train", 0}).find("missing.mp4"),
             std::string::npos);
 
   // Truncated video: the container promises 50 frames, decoding finds fewer.
-  data::VideoDataset truncated({{"t", kMedia + "/truncated.mp4", l50, "train", 0}}, classes_, options);
+  data::VideoDataset truncated({{"t", kMedia + "/truncated.mp4", l50, "train", 0}}, classes_,
+                               options);
   const auto message = test_util::error_message([&] { truncated.load(0); });
   EXPECT_NE(message.find("truncated.mp4"), std::string::npos) << message;
 
@@ -214,12 +227,14 @@ TEST_F(DataTest, BadVideosAreNamedOrSkipped) {
   }
   const auto l3 = labels("l3.txt", 3);
   data::VideoDataset corrupt({{"c", folder, l3, "train", 0}}, classes_, options);
-  EXPECT_NE(test_util::error_message([&] { corrupt.load(0); }).find("000003.jpg"), std::string::npos);
+  EXPECT_NE(test_util::error_message([&] { corrupt.load(0); }).find("000003.jpg"),
+            std::string::npos);
 
   // A missing frame: a gap in the numbering is named (it would shift every later label).
   std::rename((folder + "/000002.jpg").c_str(), (folder + "/000004.jpg").c_str());
   const auto gap = construct_error({"c", folder, l3, "train", 0});
-  EXPECT_NE(gap.find("frame 2 is missing (000001.jpg is followed by 000003.jpg)"), std::string::npos)
+  EXPECT_NE(gap.find("frame 2 is missing (000001.jpg is followed by 000003.jpg)"),
+            std::string::npos)
       << gap;
 
   // on_error: skip drops the videos that fail probing, with a warning each.
@@ -227,7 +242,8 @@ TEST_F(DataTest, BadVideosAreNamedOrSkipped) {
   std::vector<std::string> warnings;
   data::VideoDataset skipping({{"bad", kMedia + "/clip_25fps.mp4", l49, "train", 0},
                                {"good", kMedia + "/clip_25fps.mp4", l50, "train", 0}},
-                              classes_, options, [&](const std::string& w) { warnings.push_back(w); });
+                              classes_, options,
+                              [&](const std::string& w) { warnings.push_back(w); });
   EXPECT_EQ(skipping.size(), 1);
   EXPECT_EQ(skipping.skipped(), 1);
   ASSERT_EQ(warnings.size(), 1u);
@@ -275,8 +291,10 @@ TEST(Prefetch, DeliversInOrderWithinTheMemoryBoundAndRethrows) {
                       int64_t seen = most;
                       while (now > seen && !most.compare_exchange_weak(seen, now)) {
                       }
-                      if (i == 7) throw c10::Error({__func__, __FILE__, __LINE__}, "video 7 is broken");
-                      return engine::Video{torch::full({1}, i), torch::zeros({1}, torch::kLong), std::to_string(i)};
+                      if (i == 7)
+                        throw c10::Error({__func__, __FILE__, __LINE__}, "video 7 is broken");
+                      return engine::Video{torch::full({1}, i), torch::zeros({1}, torch::kLong),
+                                           std::to_string(i)};
                     },
                     100});
   }

@@ -2,8 +2,8 @@
 // exact resume, evaluation, prediction and export.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
-#include <unistd.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <fstream>
@@ -43,18 +43,22 @@ TEST(Config, BadKeysAndValuesAreNamed) {
   EXPECT_NE(typo.find("train.lr,"), std::string::npos) << "lists the section's keys: " << typo;
   EXPECT_NE(error("train:\n  lr: fast\n").find("train.lr: expected a number, got \"fast\""),
             std::string::npos);
-  EXPECT_NE(error("model:\n  head: gru\n").find("model.head: \"gru\" is not one of lstm | tcn | linear"),
+  EXPECT_NE(
+      error("model:\n  head: gru\n").find("model.head: \"gru\" is not one of lstm | tcn | linear"),
+      std::string::npos);
+  EXPECT_NE(error("train:\n  epochs: 0\n").find("train.epochs: must be at least 1"),
             std::string::npos);
-  EXPECT_NE(error("train:\n  epochs: 0\n").find("train.epochs: must be at least 1"), std::string::npos);
   EXPECT_NE(error("train:\n  chunk: big\n").find("train.chunk"), std::string::npos);
   EXPECT_NE(error("train:\n  budget: 12XB\n").find("train.budget"), std::string::npos);
-  EXPECT_NE(error("data:\n  classes: a\n").find("data.classes: expected a list"), std::string::npos);
+  EXPECT_NE(error("data:\n  classes: a\n").find("data.classes: expected a list"),
+            std::string::npos);
   EXPECT_NE(error("train: [1\n").find("not valid YAML: line"), std::string::npos);
   EXPECT_NE(error("", {"train.lrr=1"}).find("--set train.lrr=1: unknown key"), std::string::npos);
   EXPECT_NE(error("", {"train.lr"}).find("expected key=value"), std::string::npos);
   EXPECT_NE(error("", {"device=tpu"}).find("--set device"), std::string::npos);
-  EXPECT_NE(test_util::error_message([] { train::load_config("/no/such.yaml"); }).find("/no/such.yaml"),
-            std::string::npos);
+  EXPECT_NE(
+      test_util::error_message([] { train::load_config("/no/such.yaml"); }).find("/no/such.yaml"),
+      std::string::npos);
 }
 
 TEST(Metrics, FromAKnownConfusionMatrix) {
@@ -77,7 +81,9 @@ TEST(Metrics, FromAKnownConfusionMatrix) {
   n.add(torch::tensor({0, 1}), torch::tensor({0, 1}));
   EXPECT_TRUE(std::isnan(n.metrics().f1[2]));
   EXPECT_DOUBLE_EQ(n.metrics().macro_f1, 1.0);
-  EXPECT_NE(test_util::error_message([&] { n.add(torch::tensor({0, 3}), torch::tensor({0, 1})); }).find("[0, 3)"),
+  EXPECT_NE(test_util::error_message([&] {
+              n.add(torch::tensor({0, 3}), torch::tensor({0, 1}));
+            }).find("[0, 3)"),
             std::string::npos);
 }
 
@@ -195,7 +201,8 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
   EXPECT_NE(::stat((config.train.out_dir + "/checkpoints/step_00000006.pt.tmp").c_str(), &info), 0);
 
   // Starting again in the same folder without --resume is refused.
-  EXPECT_NE(test_util::error_message([&] { train::train(config); }).find("--resume"), std::string::npos);
+  EXPECT_NE(test_util::error_message([&] { train::train(config); }).find("--resume"),
+            std::string::npos);
 
   auto model = train::load_model(config.train.out_dir + "/checkpoints/step_00000006.pt");
   const auto test_set = train::make_dataset(model.config, "test", false);
@@ -206,7 +213,8 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
   const auto prediction = train::predict(model, video.frames);
   EXPECT_EQ(prediction.labels.size(0), video.frames.size(0));
   EXPECT_NEAR(prediction.probabilities.sum(-1).mean().item<double>(), 1.0, 1e-5);
-  const double accuracy = prediction.labels.eq(video.labels).to(torch::kDouble).mean().item<double>();
+  const double accuracy =
+      prediction.labels.eq(video.labels).to(torch::kDouble).mean().item<double>();
   EXPECT_NEAR(accuracy, metrics.accuracy, 1e-12);
 
   const auto state = train::export_state_dict(model);
@@ -227,7 +235,8 @@ TEST(Training, ResumedRunEndsWithIdenticalWeights) {
   base.train.schedule = "constant";  // the interrupted run's max_steps must not change the lr
   base.train.checkpoint_every = 1;
   train::train(base);
-  const auto uninterrupted = weights(train::load_model(base.train.out_dir + "/checkpoints/step_00000005.pt"));
+  const auto uninterrupted =
+      weights(train::load_model(base.train.out_dir + "/checkpoints/step_00000005.pt"));
 
   auto first = tiny_config("/tmp/framefit_resume_b");
   first.model.head = "tcn";
@@ -244,13 +253,15 @@ TEST(Training, ResumedRunEndsWithIdenticalWeights) {
   torch::manual_seed(12345);
   const auto result = train::train(rest, "auto");
   EXPECT_EQ(result.steps, 5);
-  const auto resumed = weights(train::load_model(first.train.out_dir + "/checkpoints/step_00000005.pt"));
+  const auto resumed =
+      weights(train::load_model(first.train.out_dir + "/checkpoints/step_00000005.pt"));
   EXPECT_TRUE(identical(uninterrupted, resumed));
 
   // The log reads as one run: steps 1..5 once each.
   std::ifstream log(first.train.out_dir + "/log.jsonl");
   int step_lines = 0;
-  for (std::string line; std::getline(log, line);) step_lines += line.find("\"type\":\"step\"") != std::string::npos;
+  for (std::string line; std::getline(log, line);)
+    step_lines += line.find("\"type\":\"step\"") != std::string::npos;
   EXPECT_EQ(step_lines, 5);
   test_util::remove_tree(base.train.out_dir);
   test_util::remove_tree(first.train.out_dir);

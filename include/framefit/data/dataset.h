@@ -134,10 +134,10 @@ class Prefetcher {
   int64_t max_bytes_;
   mutable std::mutex mutex_;
   std::condition_variable changed_;
-  std::deque<Slot> slots_;   // jobs started and not consumed, in order
-  size_t started_ = 0;       // jobs handed to workers
-  size_t consumed_ = 0;      // jobs returned by next()
-  int64_t held_bytes_ = 0;   // decoded or being decoded, not consumed
+  std::deque<Slot> slots_;  // jobs started and not consumed, in order
+  size_t started_ = 0;      // jobs handed to workers
+  size_t consumed_ = 0;     // jobs returned by next()
+  int64_t held_bytes_ = 0;  // decoded or being decoded, not consumed
   bool stopping_ = false;
   std::vector<std::thread> workers_;
 };

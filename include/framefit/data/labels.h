@@ -46,6 +46,7 @@ std::vector<VideoEntry> read_manifest(const std::string& path);
 void write_manifest(const std::string& path, const std::vector<VideoEntry>& entries);
 
 // The entries of one split.
-std::vector<VideoEntry> select_split(const std::vector<VideoEntry>& entries, const std::string& split);
+std::vector<VideoEntry> select_split(const std::vector<VideoEntry>& entries,
+                                     const std::string& split);
 
 }  // namespace framefit::data

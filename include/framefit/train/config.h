@@ -12,9 +12,9 @@ struct ModelConfig {
   std::string encoder = "resnet18";  // resnet18 | resnet34 | resnet50
   std::string norm = "group_norm";   // bn | frozen_bn | group_norm
   int64_t groups = 32;
-  std::string freeze;                // last frozen stage (conv1, layer1..layer4), "" for none
-  std::string head = "lstm";         // lstm | tcn | linear
-  std::string weights;               // torchvision state_dict for the encoder, "" for random
+  std::string freeze;         // last frozen stage (conv1, layer1..layer4), "" for none
+  std::string head = "lstm";  // lstm | tcn | linear
+  std::string weights;        // torchvision state_dict for the encoder, "" for random
   bool channels_last = false;
 };
 
@@ -35,7 +35,7 @@ struct DataConfig {
 
 struct TrainConfig {
   int64_t epochs = 10;
-  int64_t max_steps = 0;  // optimizer steps; 0: epochs decide
+  int64_t max_steps = 0;            // optimizer steps; 0: epochs decide
   std::string optimizer = "adamw";  // sgd | adam | adamw
   double lr = 1e-3;
   double weight_decay = 1e-4;
@@ -44,20 +44,20 @@ struct TrainConfig {
   int64_t warmup_steps = 0;
   int64_t step_size = 0;  // step schedule: steps between decays (0: one epoch)
   double gamma = 0.1;
-  double min_lr = 0;      // cosine floor
+  double min_lr = 0;               // cosine floor
   std::string precision = "auto";  // auto | fp32 | bf16 | fp16
   int64_t budget = 0;              // bytes; 0: the device's free memory
   std::string chunk = "auto";      // auto | 0 (naive) | frames
   std::string keep = "auto";       // auto | chunks
   int64_t accumulate = 1;          // videos per optimizer step
   double clip_grad_norm = 0;
-  double smoothing = 0;            // MS-TCN smoothing loss weight
-  bool class_weights = false;      // weight classes by inverse frequency in the training split
+  double smoothing = 0;        // MS-TCN smoothing loss weight
+  bool class_weights = false;  // weight classes by inverse frequency in the training split
   uint64_t seed = 0;
   std::string out_dir = "runs/train";
-  int64_t keep_last = 2;           // checkpoints kept besides the best
-  int64_t checkpoint_every = 0;    // optimizer steps; 0: at the end of each epoch
-  bool validate = true;            // evaluate the validation split after each epoch
+  int64_t keep_last = 2;         // checkpoints kept besides the best
+  int64_t checkpoint_every = 0;  // optimizer steps; 0: at the end of each epoch
+  bool validate = true;          // evaluate the validation split after each epoch
 };
 
 struct Config {

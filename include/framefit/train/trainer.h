@@ -36,6 +36,13 @@ struct Event {
   bool validated = false;
   bool best = false;  // this epoch's validation is the best so far (best.pt written)
   PhaseMetrics metrics;
+
+  static Event note(Kind kind, std::string text) {
+    Event e;
+    e.kind = kind;
+    e.message = std::move(text);
+    return e;
+  }
 };
 using EventCallback = std::function<void(const Event&)>;
 
@@ -62,7 +69,7 @@ struct Model {
   std::shared_ptr<models::TemporalHead> head;
   torch::Device device = torch::kCPU;
   engine::Precision precision = engine::Precision::FP32;  // inference autocast
-  int64_t chunk = 64;                                      // inference chunk
+  int64_t chunk = 64;                                     // inference chunk
 };
 Model build_model(const Config& config);  // initialised from train.seed (and model.weights)
 // The model saved in a checkpoint. `overrides` ("key=value", as --set) change its stored
@@ -78,7 +85,8 @@ struct Prediction {
 Prediction predict(Model& model, const torch::Tensor& frames);
 
 // Every video of `dataset` (center crop, no flip), under inference mode.
-PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset, const EventCallback& on_event = {});
+PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
+                      const EventCallback& on_event = {});
 
 // The data set of `split` as the config describes it (training augmentation off).
 data::VideoDataset make_dataset(const Config& config, const std::string& split, bool training,
