@@ -461,7 +461,6 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   int64_t longest = 0;
   for (int64_t i = 0; i < train_set.size(); ++i) longest = std::max(longest, train_set.frames(i));
   plan::PlanRequest request;
-  const data::ClassList classes(config.data.classes);
   request.model = model_spec(config, frame_size_for_planning(train_set), device);
   request.frames = longest;
   request.videos = tc.accumulate;
