@@ -11,6 +11,7 @@
 #include "framefit/models/resnet.h"
 #include "framefit/plan/calibration.h"
 #include "framefit/plan/planner.h"
+#include "plan/tiny_plan.h"
 
 using namespace framefit;
 
@@ -80,19 +81,9 @@ TEST_F(CudaEngine, Fp16StepWithLossScaling) {
 // The planner on CUDA: costs calibrated on the GPU, a plan for a budget between the smallest
 // plan and naive training, and real steps under that budget (CUDA's tracker enforces it).
 TEST_F(CudaEngine, PlannedStepFitsTheBudgetAndMatchesThePrediction) {
-  plan::ModelSpec spec;
-  spec.model = "resnet18";
-  spec.head = "linear";
-  spec.classes = 3;
-  spec.norm = "group_norm";
-  spec.groups = 8;
-  spec.size = 64;
-  spec.optimizer = "sgd";
-  spec.device = cuda;
-  plan::CalibrationOptions calibration;
-  calibration.chunk_frames = {2, 6};
-  calibration.head_frames = {16, 48};
-  const auto costs = plan::calibrate(spec, engine::Precision::FP32, calibration);
+  const auto spec = test_util::tiny_plan_spec(cuda);
+  const auto costs =
+      plan::calibrate(spec, engine::Precision::FP32, test_util::quick_calibration());
   const auto sizes = plan::static_sizes(spec);
   const std::map<engine::Precision, plan::ChunkCosts> by_precision = {{engine::Precision::FP32, costs}};
   plan::PlanRequest request;

@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "test_util.h"
+#include "plan/tiny_plan.h"
 
 #include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
@@ -27,25 +28,8 @@ int64_t count(const std::vector<torch::Tensor>& tensors, bool trained_only) {
   return n;
 }
 
-// A tiny configuration that calibrates in a second or two.
-plan::ModelSpec tiny_spec() {
-  plan::ModelSpec spec;
-  spec.model = "resnet18";
-  spec.head = "linear";
-  spec.classes = 3;
-  spec.norm = "group_norm";
-  spec.groups = 8;
-  spec.size = 64;  // activations large enough against the parameters to make chunking matter
-  spec.optimizer = "sgd";
-  return spec;
-}
-
-plan::CalibrationOptions quick_calibration() {
-  plan::CalibrationOptions options;
-  options.chunk_frames = {2, 6};
-  options.head_frames = {16, 48};
-  return options;
-}
+plan::ModelSpec tiny_spec() { return test_util::tiny_plan_spec(); }
+using test_util::quick_calibration;
 
 struct Model {
   models::ResNet encoder{nullptr};
