@@ -743,6 +743,10 @@ VideoWriter::VideoWriter(const std::string& path, int64_t width, int64_t height,
   // BT.601 limited range, which readers (and ours) assume for unlabelled video.
   enc->color_range = AVCOL_RANGE_MPEG;
   enc->colorspace = AVCOL_SPC_SMPTE170M;
+  // One encoder thread: with x264's automatic threading the same frames encoded to different
+  // bytes from run to run (measured: 14 of 19 demo videos), so the demo data, and what is
+  // trained on them, were not reproducible.
+  enc->thread_count = 1;
   if (codec->id == AV_CODEC_ID_MPEG4) {
     // MPEG-4's default is a low constant bitrate; a fixed quantiser keeps quality like x264's CRF.
     enc->flags |= AV_CODEC_FLAG_QSCALE;
