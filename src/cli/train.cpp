@@ -195,10 +195,7 @@ int run_eval(const Args& args) {
 int run_predict(const Args& args) {
   // Overrides apply to the checkpoint's own config (device, another data.manifest, ...).
   auto model = train::load_model(args.text("checkpoint"), args.list("set"));
-  data::DataOptions options;
-  options.fps = model.config.data.fps;
-  options.transform.resize = model.config.data.resize;
-  options.transform.crop = model.config.data.crop;
+  const auto options = train::data_options(model.config, false);
   double folder_fps = 0;
   if (args.has("fps")) {
     char* end = nullptr;

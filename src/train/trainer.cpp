@@ -273,13 +273,7 @@ class BudgetScope {
 
 // ---------------------------------------------------------------------------------------------
 
-data::VideoDataset make_dataset(const Config& config, const std::string& split, bool training,
-                                const EventCallback& on_event) {
-  TORCH_CHECK(!config.data.manifest.empty(),
-              "data.manifest is not set: name the CSV listing the videos");
-  TORCH_CHECK(!config.data.classes.empty(),
-              "data.classes is not set: list the phase names in label order");
-  auto entries = data::select_split(data::read_manifest(config.data.manifest), split);
+data::DataOptions data_options(const Config& config, bool training) {
   data::DataOptions options;
   options.fps = config.data.fps;
   options.transform.resize = config.data.resize;
@@ -288,8 +282,18 @@ data::VideoDataset make_dataset(const Config& config, const std::string& split, 
   options.transform.flip = training && config.data.augment;
   options.skip_bad = config.data.on_error == "skip";
   options.pinned = torch::Device(config.device).is_cuda();
-  return data::VideoDataset(std::move(entries), data::ClassList(config.data.classes), options,
-                            [&](const std::string& message) {
+  return options;
+}
+
+data::VideoDataset make_dataset(const Config& config, const std::string& split, bool training,
+                                const EventCallback& on_event) {
+  TORCH_CHECK(!config.data.manifest.empty(),
+              "data.manifest is not set: name the CSV listing the videos");
+  TORCH_CHECK(!config.data.classes.empty(),
+              "data.classes is not set: list the phase names in label order");
+  auto entries = data::select_split(data::read_manifest(config.data.manifest), split);
+  return data::VideoDataset(std::move(entries), data::ClassList(config.data.classes),
+                            data_options(config, training), [&](const std::string& message) {
                               if (on_event) on_event(Event::note(Event::Kind::Warning, message));
                             });
 }

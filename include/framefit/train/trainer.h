@@ -88,6 +88,9 @@ Prediction predict(Model& model, const torch::Tensor& frames);
 PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
                       const EventCallback& on_event = {});
 
+// How the config's data.* keys decode videos; training adds the random crop and flip.
+data::DataOptions data_options(const Config& config, bool training);
+
 // The data set of `split` as the config describes it (training augmentation off).
 data::VideoDataset make_dataset(const Config& config, const std::string& split, bool training,
                                 const EventCallback& on_event = {});
