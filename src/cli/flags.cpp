@@ -2,6 +2,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <sstream>
 
 #include "framefit/memory/tracker.h"
@@ -22,7 +23,9 @@ const std::vector<Command>& command_table() {
        "left auto). Calibrates the memory model once per model and machine."},
       {"doctor",
        "Check a training configuration before allocating anything: input too small, a budget "
-       "below the static minimum, BatchNorm on tiny chunks, fp16 on a CPU, and more."},
+       "below the static minimum, BatchNorm on tiny chunks, fp16 on a CPU, and more. With "
+       "--config, a layer-list network: a Linear sized for the wrong input, a parameter larger "
+       "than the budget, the largest batch that fits."},
       {"bench-memory",
        "Measured peak memory (tracked and RSS) and step time across chunk sizes, next to the "
        "memory model's predictions and their error."},
@@ -37,8 +40,7 @@ const std::vector<Command>& command_table() {
       {"eval",
        "Phase-recognition metrics of a checkpoint on a split of its data set (frame accuracy, "
        "per-phase precision, recall, F1 and Jaccard, macro averages)."},
-      {"predict",
-       "Per-frame phase predictions for one video file or frame folder, as CSV."},
+      {"predict", "Per-frame phase predictions for one video file or frame folder, as CSV."},
       {"bench-data",
        "Decoding and transform throughput of a config's data set: every video of a split "
        "through the prefetching workers, as training reads it (frames/s, tracked bytes, RSS)."},
@@ -57,102 +59,225 @@ const std::vector<Flag>& flag_table() {
     return a;
   };
   static const std::vector<Flag> flags = {
-      {"model", with({"extract"}, step), FlagType::Choice,
-       "Encoder architecture (torchvision layout).", "", true,
+      {"model",
+       with({"extract"}, step),
+       FlagType::Choice,
+       "Encoder architecture (torchvision layout).",
+       "",
+       true,
        {"resnet18", "resnet34", "resnet50"}},
-      {"weights", {"extract"}, FlagType::ExistingFile,
+      {"weights",
+       {"extract"},
+       FlagType::ExistingFile,
        "state_dict file from torch.save(model.state_dict(), path); fc.* entries are ignored. "
-       "Without it the encoder has random (torchvision-style) weights from --seed.", ""},
-      {"input", {"extract"}, FlagType::ExistingFile,
+       "Without it the encoder has random (torchvision-style) weights from --seed.",
+       ""},
+      {"input",
+       {"extract"},
+       FlagType::ExistingFile,
        "Video tensor [T,3,H,W] saved with torch.save: uint8 (normalised with ImageNet statistics "
-       "here) or float (taken as already normalised).", "", true},
-      {"output", {"extract"}, FlagType::Path,
-       "Where to write the [T,D] float32 features (torch.save format; torch.load reads it).", "",
+       "here) or float (taken as already normalised).",
+       "",
+       true},
+      {"output",
+       {"extract"},
+       FlagType::Path,
+       "Where to write the [T,D] float32 features (torch.save format; torch.load reads it).",
+       "",
        true},
       {"chunk", {"extract"}, FlagType::Int, "Frames per forward pass.", "64", false, {}, 1},
-      {"head", step, FlagType::Choice,
+      {"head",
+       step,
+       FlagType::Choice,
        "Temporal head: lstm (seeds/000: LSTM 512 + fc), tcn (causal MS-TCN), linear (per frame).",
-       "", true, {"lstm", "tcn", "linear"}},
+       "",
+       true,
+       {"lstm", "tcn", "linear"}},
       {"frames", step, FlagType::Int, "Frames per video (T).", "", true, {}, 1},
       {"size", step, FlagType::Int, "Frame height and width in pixels.", "", true, {}, 16},
       {"classes", step, FlagType::Int, "Phase classes.", "7", false, {}, 2},
-      {"chunk", {"bench-step", "plan", "doctor"}, FlagType::IntOrAuto,
+      {"chunk",
+       {"bench-step", "plan", "doctor"},
+       FlagType::IntOrAuto,
        "Frames per chunk: a count, 0 for naive training (all frames with grad), or auto (the "
        "planner's choice for the budget). On out-of-memory the step is re-planned and retried.",
-       "auto", false, {}, 0},
-      {"chunks", {"bench-memory"}, FlagType::Text,
-       "Comma-separated chunk sizes to measure (0 = naive).", "4,8,16,32"},
-      {"keep", {"bench-step", "bench-memory"}, FlagType::Int,
-       "Chunks whose graph is kept from the forward pass instead of recomputed.", "1", false, {},
+       "auto",
+       false,
+       {},
        0},
-      {"keep", {"plan", "doctor"}, FlagType::IntOrAuto,
-       "Chunks whose graph is kept from the forward pass, or auto (the planner's choice).", "auto",
-       false, {}, 0},
-      {"cache-frozen", {"bench-step", "bench-memory"}, FlagType::Switch,
-       "Keep frozen stages' outputs between forward and backward instead of recomputing them.", ""},
-      {"cache-frozen", {"plan", "doctor"}, FlagType::Choice,
-       "Keep frozen stages' outputs between forward and backward: on, off or auto.", "auto",
-       false, {"auto", "on", "off"}},
-      {"precision", {"bench-step", "bench-memory"}, FlagType::Choice,
+      {"chunks",
+       {"bench-memory"},
+       FlagType::Text,
+       "Comma-separated chunk sizes to measure (0 = naive).",
+       "4,8,16,32"},
+      {"keep",
+       {"bench-step", "bench-memory"},
+       FlagType::Int,
+       "Chunks whose graph is kept from the forward pass instead of recomputed.",
+       "1",
+       false,
+       {},
+       0},
+      {"keep",
+       {"plan", "doctor"},
+       FlagType::IntOrAuto,
+       "Chunks whose graph is kept from the forward pass, or auto (the planner's choice).",
+       "auto",
+       false,
+       {},
+       0},
+      {"cache-frozen",
+       {"bench-step", "bench-memory"},
+       FlagType::Switch,
+       "Keep frozen stages' outputs between forward and backward instead of recomputing them.",
+       ""},
+      {"cache-frozen",
+       {"plan", "doctor"},
+       FlagType::Choice,
+       "Keep frozen stages' outputs between forward and backward: on, off or auto.",
+       "auto",
+       false,
+       {"auto", "on", "off"}},
+      {"precision",
+       {"bench-step", "bench-memory"},
+       FlagType::Choice,
        "Autocast precision of the encoder: fp32, bf16 (fast on AVX-512 bf16 CPUs), fp16 (CUDA, "
-       "with loss scaling).", "fp32", false, {"fp32", "bf16", "fp16"}},
-      {"precision", {"plan", "doctor"}, FlagType::Choice,
+       "with loss scaling).",
+       "fp32",
+       false,
+       {"fp32", "bf16", "fp16"}},
+      {"precision",
+       {"plan", "doctor"},
+       FlagType::Choice,
        "Autocast precision of the encoder, or auto: the planner may choose fp32 or bf16 (and fp16 "
-       "on CUDA).", "fp32", false, {"auto", "fp32", "bf16", "fp16"}},
-      {"dtype", step, FlagType::Choice,
-       "Parameter and input dtype; float64 for exactness checks.", "float32", false,
+       "on CUDA).",
+       "fp32",
+       false,
+       {"auto", "fp32", "bf16", "fp16"}},
+      {"dtype",
+       step,
+       FlagType::Choice,
+       "Parameter and input dtype; float64 for exactness checks.",
+       "float32",
+       false,
        {"float32", "float64"}},
-      {"optimizer", step, FlagType::Choice, "Optimizer.", "adamw", false,
-       {"sgd", "adam", "adamw"}},
-      {"freeze", step, FlagType::Choice,
-       "Freeze the encoder up to and including this stage.", "", false,
+      {"optimizer", step, FlagType::Choice, "Optimizer.", "adamw", false, {"sgd", "adam", "adamw"}},
+      {"freeze",
+       step,
+       FlagType::Choice,
+       "Freeze the encoder up to and including this stage.",
+       "",
+       false,
        {"conv1", "layer1", "layer2", "layer3", "layer4"}},
-      {"videos", {"plan", "doctor"}, FlagType::Int, "Videos per optimizer step.", "1", false, {},
+      {"videos",
+       {"plan", "doctor"},
+       FlagType::Int,
+       "Videos per optimizer step.",
+       "1",
+       false,
+       {},
        1},
-      {"accumulate", {"plan", "doctor"}, FlagType::IntOrAuto,
+      {"accumulate",
+       {"plan", "doctor"},
+       FlagType::IntOrAuto,
        "Calls per optimizer step the videos are split across (gradient accumulation), or auto.",
-       "auto", false, {}, 1},
-      {"margin", {"bench-step", "plan", "bench-memory"}, FlagType::Fraction,
-       "Fraction of the budget the planner keeps free for what its model does not see.", "0.1"},
-      {"calibration", {"bench-step", "plan", "bench-memory"}, FlagType::Path,
+       "auto",
+       false,
+       {},
+       1},
+      {"margin",
+       {"bench-step", "plan", "bench-memory"},
+       FlagType::Fraction,
+       "Fraction of the budget the planner keeps free for what its model does not see.",
+       "0.1"},
+      {"calibration",
+       {"bench-step", "plan", "bench-memory"},
+       FlagType::Path,
        "Calibration cache file (default: $FRAMEFIT_CACHE_DIR/calibration.json or "
-       "~/.cache/framefit/calibration.json).", ""},
-      {"table", {"plan"}, FlagType::Switch,
-       "Print predicted peak and time across chunk sizes and precisions.", ""},
-      {"find", {"plan"}, FlagType::Switch,
+       "~/.cache/framefit/calibration.json).",
+       ""},
+      {"table",
+       {"plan"},
+       FlagType::Switch,
+       "Print predicted peak and time across chunk sizes and precisions.",
+       ""},
+      {"find",
+       {"plan"},
+       FlagType::Switch,
        "Find the largest chunk that fits: chosen by the model, confirmed by real training steps "
-       "(reports how many).", ""},
-      {"headroom", {"plan"}, FlagType::Fraction,
-       "With --find: the fraction of the budget a confirmed chunk must leave free.", "0.1"},
-      {"export-grads", {"bench-step"}, FlagType::Path,
+       "(reports how many).",
+       ""},
+      {"headroom",
+       {"plan"},
+       FlagType::Fraction,
+       "With --find: the fraction of the budget a confirmed chunk must leave free.",
+       "0.1"},
+      {"export-grads",
+       {"bench-step"},
+       FlagType::Path,
        "Write the measured step's parameter gradients (torchvision names for the encoder, head.* "
-       "for the head) to this file; torch.load reads it.", ""},
-      {"json", {"bench-step", "plan", "doctor", "bench-memory"}, FlagType::Switch,
-       "Print the result as one JSON object.", ""},
-      {"trace", {"bench-step"}, FlagType::Path,
+       "for the head) to this file; torch.load reads it.",
+       ""},
+      {"json",
+       {"bench-step", "plan", "doctor", "bench-memory"},
+       FlagType::Switch,
+       "Print the result as one JSON object.",
+       ""},
+      {"trace",
+       {"bench-step"},
+       FlagType::Path,
        "Write a Chrome trace (phases as slices, bytes in use as a counter) of the measured steps; "
-       "open it in Perfetto or chrome://tracing.", ""},
-      {"no-warmup", {"bench-step"}, FlagType::Switch,
+       "open it in Perfetto or chrome://tracing.",
+       ""},
+      {"no-warmup",
+       {"bench-step"},
+       FlagType::Switch,
        "Measure the first step (for runs too long to repeat; includes one-time set-up costs).",
        ""},
-      {"no-retry", {"bench-step"}, FlagType::Switch,
-       "Fail on out-of-memory instead of re-planning and retrying the step (exit code 3).", ""},
-      {"steps", {"bench-step", "bench-memory"}, FlagType::Int,
-       "Measured steps after the warm-up; the median time is reported.", "1", false, {}, 1},
-      {"norm", with({"extract"}, step), FlagType::Choice,
-       "Normalisation layers: bn (BatchNorm), frozen_bn, group_norm.", "bn", false,
+      {"no-retry",
+       {"bench-step"},
+       FlagType::Switch,
+       "Fail on out-of-memory instead of re-planning and retrying the step (exit code 3).",
+       ""},
+      {"steps",
+       {"bench-step", "bench-memory"},
+       FlagType::Int,
+       "Measured steps after the warm-up; the median time is reported.",
+       "1",
+       false,
+       {},
+       1},
+      {"norm",
+       with({"extract"}, step),
+       FlagType::Choice,
+       "Normalisation layers: bn (BatchNorm), frozen_bn, group_norm.",
+       "bn",
+       false,
        {"bn", "frozen_bn", "group_norm"}},
-      {"groups", with({"extract"}, step), FlagType::Int,
-       "Groups per GroupNorm layer (--norm group_norm).", "32", false, {}, 1},
+      {"groups",
+       with({"extract"}, step),
+       FlagType::Int,
+       "Groups per GroupNorm layer (--norm group_norm).",
+       "32",
+       false,
+       {},
+       1},
       {"drop-layer4", with({"extract"}, step), FlagType::Switch,
        "Use the slim ResNet without layer4 (256-d or 1024-d features).", ""},
       {"channels-last", with({"extract"}, step), FlagType::Switch,
        "Run convolutions in channels-last (NHWC) layout: faster on CPU.", ""},
       {"budget", with({"extract"}, step), FlagType::Bytes,
        "Memory budget for tensors, e.g. 2GiB: exceeding it is an out-of-memory error. Without "
-       "it, plans use the device's memory (CPU: what the system has available).", ""},
-      {"threads", with({"extract"}, step), FlagType::Int, "Compute threads; 0 = all cores.", "0",
-       false, {}, 0},
+       "it, plans use the device's memory (CPU: what the system has available).",
+       ""},
+      {"threads",
+       with({"extract"}, step),
+       FlagType::Int,
+       "Compute threads; 0 = all cores.",
+       "0",
+       false,
+       {},
+       0},
       {"seed", with({"extract"}, step), FlagType::Int, "Random seed.", "0", false, {}, 0},
       {"device", with({"extract"}, step), FlagType::Text, "cpu, cuda or cuda:N.", "cpu"},
       // make-demo
@@ -160,37 +285,93 @@ const std::vector<Flag>& flag_table() {
       {"train-videos", {"make-demo"}, FlagType::Int, "Training videos.", "12", false, {}, 1},
       {"val-videos", {"make-demo"}, FlagType::Int, "Validation videos.", "3", false, {}, 0},
       {"test-videos", {"make-demo"}, FlagType::Int, "Held-out test videos.", "4", false, {}, 0},
-      {"min-frames", {"make-demo"}, FlagType::Int, "Shortest video, frames at 25 fps.", "300",
-       false, {}, 25},
-      {"max-frames", {"make-demo"}, FlagType::Int, "Longest video, frames at 25 fps.", "1500",
-       false, {}, 25},
-      {"no-frame-folders", {"make-demo"}, FlagType::Switch,
-       "Write MP4 files only, no JPEG frame folders.", ""},
+      {"min-frames",
+       {"make-demo"},
+       FlagType::Int,
+       "Shortest video, frames at 25 fps.",
+       "300",
+       false,
+       {},
+       25},
+      {"max-frames",
+       {"make-demo"},
+       FlagType::Int,
+       "Longest video, frames at 25 fps.",
+       "1500",
+       false,
+       {},
+       25},
+      {"no-frame-folders",
+       {"make-demo"},
+       FlagType::Switch,
+       "Write MP4 files only, no JPEG frame folders.",
+       ""},
       {"seed", {"make-demo"}, FlagType::Int, "Random seed.", "0", false, {}, 0},
       // train, eval, predict, export
-      {"config", {"train", "bench-data"}, FlagType::ExistingFile,
-       "YAML config: model.*, data.*, train.*, device (see docs/training.md for every key).", "",
+      {"config",
+       {"train", "bench-data"},
+       FlagType::ExistingFile,
+       "YAML config: model.*, data.*, train.*, device (see docs/training.md for every key).",
+       "",
        true},
-      {"set", {"train", "eval", "predict", "bench-data"}, FlagType::Repeated,
-       "Override a config key: --set train.lr=0.0005 (repeatable; the value is YAML).", ""},
-      {"resume", {"train"}, FlagType::Text,
+      {"config",
+       {"doctor"},
+       FlagType::ExistingFile,
+       "Check a training config instead of flags; with model.layers and model.input, the "
+       "layer-list network: every layer's shape and parameters, and the memory per batch.",
+       ""},
+      {"batch",
+       {"doctor"},
+       FlagType::Int,
+       "Samples per step for a layer-list network (--config with model.layers).",
+       "1",
+       false,
+       {},
+       1},
+      {"set",
+       {"train", "eval", "predict", "bench-data", "doctor"},
+       FlagType::Repeated,
+       "Override a config key: --set train.lr=0.0005 (repeatable; the value is YAML).",
+       ""},
+      {"resume",
+       {"train"},
+       FlagType::Text,
        "Continue a stopped run: auto (the newest checkpoint in train.out_dir) or a checkpoint "
-       "path. Model, optimizer, loss scaler, RNG, data order and step are restored.", ""},
-      {"checkpoint", {"eval", "predict", "export"}, FlagType::ExistingFile,
-       "Checkpoint written by framefit train (best.pt or checkpoints/step_*.pt).", "", true},
+       "path. Model, optimizer, loss scaler, RNG, data order and step are restored.",
+       ""},
+      {"checkpoint",
+       {"eval", "predict", "export"},
+       FlagType::ExistingFile,
+       "Checkpoint written by framefit train (best.pt or checkpoints/step_*.pt).",
+       "",
+       true},
       {"split", {"bench-data"}, FlagType::Text, "Manifest split to decode.", "train"},
-      {"split", {"eval"}, FlagType::Text,
-       "Manifest split to evaluate (default: the config's data.test_split).", ""},
+      {"split",
+       {"eval"},
+       FlagType::Text,
+       "Manifest split to evaluate (default: the config's data.test_split).",
+       ""},
       {"video", {"predict"}, FlagType::Text, "Video file or folder of frame images.", "", true},
-      {"fps", {"predict"}, FlagType::Text,
-       "Frame rate of a frame folder (video files know theirs).", ""},
-      {"out", {"eval", "predict"}, FlagType::Path,
+      {"fps",
+       {"predict"},
+       FlagType::Text,
+       "Frame rate of a frame folder (video files know theirs).",
+       ""},
+      {"out",
+       {"eval", "predict"},
+       FlagType::Path,
        "eval: also write the metrics as JSON here; predict: the CSV (default: standard output).",
        ""},
       {"out", {"export"}, FlagType::Path, "The state_dict file to write (.pt).", "", true},
       {"json", {"eval", "train", "bench-data"}, FlagType::Switch, "Print the result as JSON.", ""},
-      {"threads", {"make-demo", "train", "eval", "predict", "export", "bench-data"}, FlagType::Int,
-       "Compute threads; 0 = all cores.", "0", false, {}, 0},
+      {"threads",
+       {"make-demo", "train", "eval", "predict", "export", "bench-data"},
+       FlagType::Int,
+       "Compute threads; 0 = all cores.",
+       "0",
+       false,
+       {},
+       0},
   };
   return flags;
 }
@@ -276,10 +457,23 @@ CLI::Validator byte_size() {
       "SIZE");
 }
 
-void add_flag(CLI::App& app, const Flag& flag, std::map<std::string, std::string>& values) {
+// A command that also takes an optional --config (doctor) needs its required flags only when no
+// config is given: they are checked after parsing.
+bool config_replaces_required(const std::string& command) {
+  for (const auto& flag : flag_table()) {
+    for (const auto& c : flag.commands) {
+      if (c == command && flag.name == "config" && !flag.required) return true;
+    }
+  }
+  return false;
+}
+
+void add_flag(CLI::App& app, const Flag& flag, std::map<std::string, std::string>& values,
+              bool required) {
   const std::string name = "--" + flag.name;
   if (flag.type == FlagType::Switch) {
-    app.add_flag_callback(name, [&values, flag] { values[flag.name] = "true"; }, flag.help)
+    app.add_flag_callback(
+           name, [&values, flag] { values[flag.name] = "true"; }, flag.help)
         ->multi_option_policy(CLI::MultiOptionPolicy::Throw);
     return;
   }
@@ -299,7 +493,7 @@ void add_flag(CLI::App& app, const Flag& flag, std::map<std::string, std::string
   auto* option = app.add_option_function<std::string>(
       name, [&values, flag](const std::string& v) { values[flag.name] = v; }, flag.help);
   option->multi_option_policy(CLI::MultiOptionPolicy::Throw);
-  if (flag.required) option->required();
+  if (required) option->required();
   if (!flag.default_value.empty()) option->default_str(flag.default_value);
   switch (flag.type) {
     case FlagType::ExistingFile: option->check(CLI::ExistingFile); break;
@@ -316,16 +510,20 @@ void add_flag(CLI::App& app, const Flag& flag, std::map<std::string, std::string
 }  // namespace
 
 ParseResult parse_command_line(const std::vector<std::string>& argv) {
-  CLI::App app{"framefit: train video models end to end on whole, long videos within a memory "
-               "budget."};
+  CLI::App app{
+      "framefit: train video models end to end on whole, long videos within a memory "
+      "budget."};
   app.name("framefit");
   app.require_subcommand(1);
   std::map<std::string, std::map<std::string, std::string>> values;
   for (const auto& command : command_table()) {
     auto* sub = app.add_subcommand(command.name, command.help);
+    const bool deferred = config_replaces_required(command.name);
     for (const auto& flag : flag_table()) {
       for (const auto& c : flag.commands) {
-        if (c == command.name) add_flag(*sub, flag, values[command.name]);
+        if (c == command.name) {
+          add_flag(*sub, flag, values[command.name], flag.required && !deferred);
+        }
       }
     }
   }
@@ -359,6 +557,18 @@ ParseResult parse_command_line(const std::vector<std::string>& argv) {
   const auto chosen = app.get_subcommands();
   const std::string command = chosen.front()->get_name();
   auto given = values[command];
+  if (config_replaces_required(command) && !given.count("config")) {
+    for (const auto& flag : flag_table()) {
+      const bool mine =
+          std::find(flag.commands.begin(), flag.commands.end(), command) != flag.commands.end();
+      if (mine && flag.required && !given.count(flag.name)) {
+        result.output = "--" + flag.name +
+                        " is required (or give --config)\nRun with --help for more information.\n";
+        result.exit_code = static_cast<int>(CLI::ExitCodes::RequiredError);
+        return result;
+      }
+    }
+  }
   for (const auto& flag : flag_table()) {
     for (const auto& c : flag.commands) {
       if (c == command && !flag.default_value.empty() && !given.count(flag.name)) {

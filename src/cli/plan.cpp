@@ -1,13 +1,14 @@
 // framefit plan and framefit doctor: the memory model, planner and checks from the command line.
 #include <fmt/core.h>
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "framefit/core/runtime.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/plan/calibration.h"
 #include "framefit/plan/doctor.h"
+#include "framefit/train/config.h"
 
 namespace framefit::cli {
 
@@ -57,26 +58,33 @@ Calibrated calibrate_for(const Args& args, const plan::PlanRequest& request) {
   result.sizes = plan::static_sizes(request.model);
   plan::CalibrationCache cache(args.has("calibration") ? args.text("calibration")
                                                        : plan::CalibrationCache::default_path());
-  result.costs = plan::calibrated_costs(request.model, request.precisions, cache,
-                                        [&](const std::string& message) {
-                                          fmt::print(stderr, "framefit {}: {}\n", args.command(), message);
-                                        });
+  result.costs = plan::calibrated_costs(
+      request.model, request.precisions, cache, [&](const std::string& message) {
+        fmt::print(stderr, "framefit {}: {}\n", args.command(), message);
+      });
   return result;
 }
 
 namespace {
 
 nlohmann::json breakdown_json(const plan::Breakdown& b) {
-  return {{"parameters", b.parameters},       {"gradients", b.gradients},
-          {"optimizer_state", b.optimizer_state}, {"input_frames", b.input_frames},
-          {"features", b.features},           {"activations", b.activations},
-          {"workspace", b.workspace},         {"peak_phase", b.peak_phase},
+  return {{"parameters", b.parameters},
+          {"gradients", b.gradients},
+          {"optimizer_state", b.optimizer_state},
+          {"input_frames", b.input_frames},
+          {"features", b.features},
+          {"activations", b.activations},
+          {"workspace", b.workspace},
+          {"peak_phase", b.peak_phase},
           {"phase_peaks", b.phase_peaks}};
 }
 
 nlohmann::json settings_json(const plan::StepSettings& s) {
-  return {{"chunk", s.naive() ? 0 : s.chunk}, {"keep", s.keep}, {"cache_frozen", s.cache_frozen},
-          {"precision", engine::to_string(s.precision)}, {"videos_per_call", s.videos_per_call}};
+  return {{"chunk", s.naive() ? 0 : s.chunk},
+          {"keep", s.keep},
+          {"cache_frozen", s.cache_frozen},
+          {"precision", engine::to_string(s.precision)},
+          {"videos_per_call", s.videos_per_call}};
 }
 
 void print_breakdown(const plan::Breakdown& b, int64_t margin) {
@@ -113,8 +121,8 @@ int print_table(const Args& args, const plan::PlanRequest& request, const Calibr
   fmt::print("framefit plan: {} + {} head, {} frames of {}x{}, budget {} ({}% margin)\n",
              request.model.model, request.model.head, request.frames, request.model.size,
              request.model.size, memory::format_bytes(budget), std::lround(margin * 100));
-  fmt::print("  {:>9} {:>6} {:>5} {:>12} {:>10} {:>6}\n", "precision", "chunk", "keep",
-             "peak", "step s", "fits");
+  fmt::print("  {:>9} {:>6} {:>5} {:>12} {:>10} {:>6}\n", "precision", "chunk", "keep", "peak",
+             "step s", "fits");
   for (const auto& r : rows) {
     fmt::print("  {:>9} {:>6} {:>5} {:>12} {:>10.2f} {:>6}\n",
                engine::to_string(r.settings.precision),
@@ -129,15 +137,18 @@ int print_findings(const Args& args, const std::vector<plan::Finding>& findings)
   if (args.on("json")) {
     nlohmann::json out = nlohmann::json::array();
     for (const auto& f : findings) {
-      out.push_back({{"severity", f.severity == plan::Finding::Severity::Error ? "error" : "warning"},
-                     {"problem", f.problem},
-                     {"fix", f.fix}});
+      out.push_back(
+          {{"severity", f.severity == plan::Finding::Severity::Error ? "error" : "warning"},
+           {"problem", f.problem},
+           {"fix", f.fix}});
     }
-    fmt::print("{}\n", nlohmann::json{{"ok", !plan::has_errors(findings)}, {"findings", out}}.dump());
+    fmt::print("{}\n",
+               nlohmann::json{{"ok", !plan::has_errors(findings)}, {"findings", out}}.dump());
   } else {
     for (const auto& f : findings) {
       fmt::print("{}: {}\n  fix: {}\n",
-                 f.severity == plan::Finding::Severity::Error ? "error" : "warning", f.problem, f.fix);
+                 f.severity == plan::Finding::Severity::Error ? "error" : "warning", f.problem,
+                 f.fix);
     }
     if (findings.empty()) fmt::print("framefit doctor: no problems found\n");
   }
@@ -146,18 +157,110 @@ int print_findings(const Args& args, const std::vector<plan::Finding>& findings)
 
 }  // namespace
 
+// The doctor on a config's layer-list network: each layer's shape and parameters, the memory
+// per batch, then the findings. Nothing is allocated.
+int doctor_network(const Args& args, const train::Config& config, int64_t budget) {
+  plan::NetworkTraining training;
+  training.batch = args.integer("batch");
+  training.dtype = args.text("dtype") == "float64" ? torch::kFloat64 : torch::kFloat32;
+  training.optimizer = config.train.optimizer;
+  const auto& layers = config.model.layers;
+  const auto& input = config.model.input;
+  const auto findings = plan::diagnose_network(layers, input, training, budget);
+  if (args.on("json")) {
+    nlohmann::json out = {{"ok", !plan::has_errors(findings)}, {"budget_bytes", budget}};
+    nlohmann::json rows = nlohmann::json::array();
+    nlohmann::json problems = nlohmann::json::array();
+    for (const auto& f : findings) {
+      problems.push_back(
+          {{"severity", f.severity == plan::Finding::Severity::Error ? "error" : "warning"},
+           {"problem", f.problem},
+           {"fix", f.fix}});
+    }
+    out["findings"] = problems;
+    try {
+      const auto shapes = models::infer_shapes(layers, input);
+      for (const auto& l : shapes.layers) {
+        rows.push_back({{"name", l.name},
+                        {"type", l.type},
+                        {"output", l.output},
+                        {"parameters", l.parameters}});
+      }
+      for (const auto& p : shapes.problems) {
+        if (p.expected_inputs > 0) {
+          out["mismatches"].push_back({{"layer", p.layer},
+                                       {"expected_inputs", p.expected_inputs},
+                                       {"actual_inputs", p.actual_inputs}});
+        }
+      }
+      const auto m = plan::network_memory(shapes, input, training);
+      out["parameters"] = shapes.parameters();
+      out["static_bytes"] = m.static_bytes();
+      out["bytes_per_sample"] = m.bytes_per_sample();
+      if (shapes.ok()) {
+        out["predicted_peak_bytes"] = m.peak_bytes(training.batch);
+        out["largest_batch"] = m.largest_batch(budget);
+      }
+    } catch (const c10::Error&) {
+      // Already a finding.
+    }
+    out["layers"] = rows;
+    fmt::print("{}\n", out.dump());
+    return plan::has_errors(findings) ? 1 : 0;
+  }
+  try {
+    const auto shapes = models::infer_shapes(layers, input);
+    fmt::print("framefit doctor: {} layers on input {} (per sample)\n", layers.size(),
+               models::format_shape(input));
+    fmt::print("  {:<18} {:<15} {:>22} {:>16}\n", "layer", "type", "output", "parameters");
+    for (const auto& l : shapes.layers) {
+      fmt::print("  {:<18} {:<15} {:>22} {:>16}\n", l.name, l.type, models::format_shape(l.output),
+                 models::format_count(l.parameters));
+    }
+    const auto m = plan::network_memory(shapes, input, training);
+    fmt::print("  parameters {} ({}), static memory with gradients and {} state {}\n",
+               models::format_count(shapes.parameters()), memory::format_bytes(m.parameter_bytes),
+               training.optimizer, memory::format_bytes(m.static_bytes()));
+    if (shapes.ok()) {
+      fmt::print(
+          "  per sample: input {}, activations {}, backward {}; batch {}: {} predicted; "
+          "budget {}: largest batch {}\n",
+          memory::format_bytes(m.input_bytes_per_sample),
+          memory::format_bytes(m.activation_bytes_per_sample),
+          memory::format_bytes(m.backward_bytes_per_sample), training.batch,
+          memory::format_bytes(m.peak_bytes(training.batch)), memory::format_bytes(budget),
+          m.largest_batch(budget));
+    }
+  } catch (const c10::Error&) {
+    // The findings below say what is wrong.
+  }
+  return print_findings(args, findings);
+}
+
 int run_doctor(const Args& args) {
   auto& tracker = memory::Tracker::of(torch::Device(args.text("device")));
+  if (args.has("config")) {
+    const auto config = train::load_config(args.text("config"), args.list("set"));
+    const int64_t budget = args.bytes("budget") > 0  ? args.bytes("budget")
+                           : config.train.budget > 0 ? config.train.budget
+                                                     : tracker.available_bytes();
+    TORCH_CHECK(!config.model.layers.empty() && !config.model.input.empty(), "config ",
+                args.text("config"),
+                ": `framefit doctor --config` checks a layer-list network; set model.layers and "
+                "model.input (per sample, e.g. [3, 60, 230, 230])");
+    return doctor_network(args, config, budget);
+  }
   return print_findings(args, plan::diagnose(plan_request(args), args.bytes("budget") > 0
-                                                                      ? args.bytes("budget")
-                                                                      : tracker.available_bytes()));
+                                                                     ? args.bytes("budget")
+                                                                     : tracker.available_bytes()));
 }
 
 int run_plan(const Args& args) {
   const auto request = plan_request(args);
   const auto device = request.model.device;
   auto& tracker = memory::Tracker::of(device);
-  const int64_t budget = args.bytes("budget") > 0 ? args.bytes("budget") : tracker.available_bytes();
+  const int64_t budget =
+      args.bytes("budget") > 0 ? args.bytes("budget") : tracker.available_bytes();
   const double margin = args.number("margin");
   // Problems the planner cannot plan around come first, before any probe allocates.
   auto findings = plan::diagnose(request, budget);
@@ -169,27 +272,26 @@ int run_plan(const Args& args) {
   std::optional<plan::LargestChunk> largest;
   if (args.on("find")) {
     tracker.set_budget(budget);
-    largest = plan::find_largest_chunk(
-        request, calibrated.sizes, calibrated.costs.at(chosen.settings.precision),
-        chosen.settings.precision, budget, args.number("headroom"),
-        [&](int64_t chunk) { return measure_step(args, chunk); });
+    largest = plan::find_largest_chunk(request, calibrated.sizes,
+                                       calibrated.costs.at(chosen.settings.precision),
+                                       chosen.settings.precision, budget, args.number("headroom"),
+                                       [&](int64_t chunk) { return measure_step(args, chunk); });
   }
   if (args.on("json")) {
-    nlohmann::json out = {
-        {"fits", chosen.fits},
-        {"predicted_peak_bytes", chosen.breakdown.peak_bytes},
-        {"predicted_step_seconds", chosen.step_seconds},
-        {"chunk", chosen.settings.naive() ? 0 : chosen.settings.chunk},
-        {"keep", chosen.settings.keep},
-        {"cache_frozen", chosen.settings.cache_frozen},
-        {"precision", engine::to_string(chosen.settings.precision)},
-        {"accumulate", chosen.accumulate},
-        {"videos_per_call", chosen.settings.videos_per_call},
-        {"budget_bytes", budget},
-        {"margin_bytes", chosen.margin_bytes},
-        {"breakdown", breakdown_json(chosen.breakdown)},
-        {"candidates", chosen.candidates},
-        {"machine", machine_info().describe()}};
+    nlohmann::json out = {{"fits", chosen.fits},
+                          {"predicted_peak_bytes", chosen.breakdown.peak_bytes},
+                          {"predicted_step_seconds", chosen.step_seconds},
+                          {"chunk", chosen.settings.naive() ? 0 : chosen.settings.chunk},
+                          {"keep", chosen.settings.keep},
+                          {"cache_frozen", chosen.settings.cache_frozen},
+                          {"precision", engine::to_string(chosen.settings.precision)},
+                          {"accumulate", chosen.accumulate},
+                          {"videos_per_call", chosen.settings.videos_per_call},
+                          {"budget_bytes", budget},
+                          {"margin_bytes", chosen.margin_bytes},
+                          {"breakdown", breakdown_json(chosen.breakdown)},
+                          {"candidates", chosen.candidates},
+                          {"machine", machine_info().describe()}};
     if (!chosen.fits) {
       out["minimum_budget_bytes"] = chosen.minimum_budget_bytes;
       out["advice"] = chosen.advice;
@@ -198,7 +300,8 @@ int run_plan(const Args& args) {
     for (const auto& f : findings) warnings.push_back(f.problem);
     out["warnings"] = warnings;
     if (largest) {
-      out["largest_chunk"] = {{"found", largest->found}, {"chunk", largest->chunk},
+      out["largest_chunk"] = {{"found", largest->found},
+                              {"chunk", largest->chunk},
                               {"trials", largest->trials},
                               {"predicted_peak_bytes", largest->predicted_peak_bytes},
                               {"measured_peak_bytes", largest->measured_peak_bytes},
@@ -223,7 +326,8 @@ int run_plan(const Args& args) {
   if (largest) {
     for (const auto& l : largest->log) fmt::print("  {}\n", l);
     if (largest->found) {
-      fmt::print("  largest chunk: {} (confirmed by {} real step(s))\n", largest->chunk, largest->trials);
+      fmt::print("  largest chunk: {} (confirmed by {} real step(s))\n", largest->chunk,
+                 largest->trials);
     } else {
       fmt::print("  no chunk confirmed within the budget after {} step(s)\n", largest->trials);
     }

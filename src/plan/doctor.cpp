@@ -21,6 +21,14 @@ Finding error(std::string problem, std::string fix) {
 Finding warning(std::string problem, std::string fix) {
   return {Finding::Severity::Warning, std::move(problem), std::move(fix)};
 }
+
+std::string parameter_fix(const models::LayerShape& layer) {
+  if (layer.type == "linear") {
+    return "check its in_features against the layer before it; put global average pooling before "
+           "the classifier so its input is the channel count, not every position";
+  }
+  return "use fewer channels or a smaller kernel in " + layer.name;
+}
 }  // namespace
 
 bool has_errors(const std::vector<Finding>& findings) {
@@ -39,19 +47,19 @@ std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) 
     return findings;
   }
   if (spec.size < sizes.min_input_size) {
-    findings.push_back(error(
-        c10::str(spec.size, "x", spec.size, " frames are too small for ", spec.model,
-                 ": it downsamples by ", sizes.min_input_size),
-        c10::str("use frames of at least ", sizes.min_input_size, "x", sizes.min_input_size,
-                 spec.drop_layer4 ? "" : ", or drop layer4 (16x16 minimum)")));
+    findings.push_back(
+        error(c10::str(spec.size, "x", spec.size, " frames are too small for ", spec.model,
+                       ": it downsamples by ", sizes.min_input_size),
+              c10::str("use frames of at least ", sizes.min_input_size, "x", sizes.min_input_size,
+                       spec.drop_layer4 ? "" : ", or drop layer4 (16x16 minimum)")));
   }
   if (spec.norm == "group_norm") {
     const int64_t widths[] = {64, 128, 256, 512};
     for (int64_t w : widths) {
       if (spec.groups <= 0 || w % spec.groups != 0) {
-        findings.push_back(error(c10::str("group_norm with ", spec.groups, " groups cannot split ", w,
-                                          " channels"),
-                                 "choose a group count that divides 64 (e.g. 32, 16 or 8)"));
+        findings.push_back(error(
+            c10::str("group_norm with ", spec.groups, " groups cannot split ", w, " channels"),
+            "choose a group count that divides 64 (e.g. 32, 16 or 8)"));
         break;
       }
     }
@@ -63,9 +71,9 @@ std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) 
           c10::str("the budget of ", memory::format_bytes(budget_bytes),
                    " is below the static minimum of ", memory::format_bytes(minimum),
                    " (parameters and buffers ", memory::format_bytes(sizes.parameter_bytes),
-                   ", gradients ", memory::format_bytes(sizes.trained_bytes()), ", ", spec.optimizer,
-                   " state ", memory::format_bytes(sizes.optimizer_state_bytes), ", ",
-                   request.frames, " frames and their features ",
+                   ", gradients ", memory::format_bytes(sizes.trained_bytes()), ", ",
+                   spec.optimizer, " state ", memory::format_bytes(sizes.optimizer_state_bytes),
+                   ", ", request.frames, " frames and their features ",
                    memory::format_bytes(minimum - sizes.parameter_bytes - sizes.trained_bytes() -
                                         sizes.optimizer_state_bytes),
                    ") that no chunk size can reduce"),
@@ -76,13 +84,15 @@ std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) 
   }
   const bool trained_bn = spec.norm == "bn";
   if (trained_bn && request.chunk) {
-    const int64_t effective = *request.chunk == 0 ? request.frames : std::min(*request.chunk, request.frames);
+    const int64_t effective =
+        *request.chunk == 0 ? request.frames : std::min(*request.chunk, request.frames);
     if (effective < kMinBatchNormFrames && sizes.trained_encoder_bytes > 0) {
       findings.push_back(warning(
           c10::str("BatchNorm computes its statistics from each chunk: ", effective,
                    " frame(s) per chunk give noisy statistics and poor training"),
           c10::str("use --norm frozen_bn (pretrained statistics) or --norm group_norm, or a chunk "
-                   "of at least ", kMinBatchNormFrames, " frames")));
+                   "of at least ",
+                   kMinBatchNormFrames, " frames")));
     }
   }
   for (const auto precision : request.precisions) {
@@ -92,9 +102,10 @@ std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) 
     }
     if (precision == engine::Precision::BF16 && spec.device.is_cpu() &&
         machine_info().cpu_flags.find("bf16") == std::string::npos) {
-      findings.push_back(warning("this CPU has no native bf16 (avx512_bf16 / amx_bf16): bf16 "
-                                 "autocast will be slower than fp32",
-                                 "use --precision fp32 here"));
+      findings.push_back(
+          warning("this CPU has no native bf16 (avx512_bf16 / amx_bf16): bf16 "
+                  "autocast will be slower than fp32",
+                  "use --precision fp32 here"));
     }
   }
   if (sizes.trained_encoder_bytes == 0) {
@@ -122,6 +133,76 @@ std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) 
   return findings;
 }
 
+std::vector<Finding> diagnose_network(const std::vector<models::LayerSpec>& layers,
+                                      const std::vector<int64_t>& input,
+                                      const NetworkTraining& training, int64_t budget_bytes) {
+  std::vector<Finding> findings;
+  models::NetworkShapes shapes;
+  try {
+    shapes = models::infer_shapes(layers, input);
+  } catch (const c10::Error& e) {
+    findings.push_back(error(e.msg(), "fix the layer list"));
+    return findings;
+  }
+  const int64_t element = static_cast<int64_t>(c10::elementSize(training.dtype));
+  const std::string dtype_name = training.dtype == torch::kFloat64    ? "float64"
+                                 : training.dtype == torch::kBFloat16 ? "bfloat16"
+                                 : training.dtype == torch::kHalf     ? "float16"
+                                                                      : "float32";
+  const auto layer_shape = [&](const std::string& name) -> const models::LayerShape* {
+    for (const auto& l : shapes.layers) {
+      if (l.name == name) return &l;
+    }
+    return nullptr;
+  };
+  for (const auto& p : shapes.problems) {
+    std::string problem = p.layer + ": " + p.problem;
+    const auto* shape = layer_shape(p.layer);
+    if (p.expected_inputs > 0 && shape != nullptr) {
+      problem +=
+          c10::str("; as written ", shape->largest_parameter_name, " holds ",
+                   models::format_count(shape->largest_parameter), " values, ",
+                   memory::format_bytes(shape->largest_parameter * element), " in ", dtype_name);
+    }
+    findings.push_back(error(problem, p.fix));
+  }
+  if (budget_bytes <= 0) return findings;
+  for (const auto& l : shapes.layers) {
+    const int64_t bytes = l.largest_parameter * element;
+    if (bytes > budget_bytes) {
+      findings.push_back(error(
+          c10::str(l.largest_parameter_name, " alone is ", memory::format_bytes(bytes), " (",
+                   models::format_count(l.largest_parameter), " ", dtype_name,
+                   " values), more than the whole budget of ", memory::format_bytes(budget_bytes),
+                   ": allocating it fails before training starts"),
+          parameter_fix(l)));
+    }
+  }
+  if (!shapes.ok()) return findings;
+  const auto m = network_memory(shapes, input, training);
+  if (m.peak_bytes(1) > budget_bytes) {
+    findings.push_back(error(
+        c10::str("one sample needs ", memory::format_bytes(m.peak_bytes(1)), " (parameters ",
+                 memory::format_bytes(m.parameter_bytes), ", gradients ",
+                 memory::format_bytes(m.gradient_bytes), ", ", training.optimizer, " state ",
+                 memory::format_bytes(m.optimizer_state_bytes), ", activations and backward ",
+                 memory::format_bytes(m.activation_bytes_per_sample + m.backward_bytes_per_sample),
+                 "), more than the budget of ", memory::format_bytes(budget_bytes)),
+        "use bf16 activations, layer checkpointing, smaller inputs, or a slimmer network "
+        "(depthwise-separable convolutions, global average pooling before the classifier)"));
+  } else if (m.peak_bytes(training.batch) > budget_bytes) {
+    findings.push_back(error(
+        c10::str("batch ", training.batch, " needs ",
+                 memory::format_bytes(m.peak_bytes(training.batch)), " (",
+                 memory::format_bytes(m.static_bytes()), " static + ", training.batch, " x ",
+                 memory::format_bytes(m.bytes_per_sample()),
+                 " per sample), more than the budget of ", memory::format_bytes(budget_bytes)),
+        c10::str("use a batch of at most ", m.largest_batch(budget_bytes),
+                 " and accumulate gradients to reach ", training.batch)));
+  }
+  return findings;
+}
+
 std::vector<Finding> check_optimizer(const torch::nn::Module& model,
                                      const torch::optim::Optimizer& optimizer) {
   std::unordered_map<const void*, std::string> names;
@@ -141,7 +222,8 @@ std::vector<Finding> check_optimizer(const torch::nn::Module& model,
   for (size_t i = 0; i < frozen.size() && i < 5; ++i) list += (i ? ", " : "") + frozen[i];
   if (frozen.size() > 5) list += c10::str(" and ", frozen.size() - 5, " more");
   return {error(c10::str(frozen.size(), " frozen parameter(s) were handed to the optimizer (", list,
-                         "; ", frozen_elements, " elements): they are never trained yet may cost "
+                         "; ", frozen_elements,
+                         " elements): they are never trained yet may cost "
                          "optimizer state"),
                 "pass only parameters with requires_grad (e.g. framefit::engine::frame_encoder's "
                 "parameters) to the optimizer")};

@@ -35,8 +35,8 @@ StaticSizes static_sizes(const ModelSpec& spec) {
   const int64_t element = static_cast<int64_t>(c10::elementSize(spec.dtype));
 
   StaticSizes sizes;
-  sizes.parameter_bytes = (encoder.parameters + head + encoder.buffer_elements) * element +
-                          encoder.buffer_counters * 8;
+  sizes.parameter_bytes =
+      (encoder.parameters + head + encoder.buffer_elements) * element + encoder.buffer_counters * 8;
   sizes.trained_encoder_bytes = encoder.trained_parameters * element;
   sizes.trained_head_bytes = head * element;
   sizes.largest_trained_bytes = std::max(encoder.largest_trained, head_largest) * element;
@@ -112,7 +112,7 @@ Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepS
     }
     const size_t n = chunk_frames.size();
     const size_t first_kept = n - std::min<size_t>(static_cast<size_t>(s.keep), n);
-    Moment cached{"encode"};  // frozen outputs cached so far
+    Moment cached{"encode"};      // frozen outputs cached so far
     Moment kept_saved{"encode"};  // graphs of kept chunks so far
     for (size_t i = 0; i < n; ++i) {
       Moment m{"encode"};
@@ -125,7 +125,8 @@ Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepS
       } else {
         add(m, costs.grad_peak, chunk_frames[i]);
         add(kept_saved, costs.saved, chunk_frames[i]);
-        seconds += costs.grad_seconds.at(chunk_frames[i]) + costs.backward_seconds.at(chunk_frames[i]);
+        seconds +=
+            costs.grad_seconds.at(chunk_frames[i]) + costs.backward_seconds.at(chunk_frames[i]);
       }
       moments.push_back(m);
       if (cache) add(cached, costs.frozen_output, chunk_frames[i]);
@@ -153,11 +154,13 @@ Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepS
         add(m, costs.backward_peak, chunk_frames[i]);
         add(remaining, costs.saved, chunk_frames[i], -1);
       } else {
-        const auto& bigger = costs.backward_peak.at(chunk_frames[i]) >= costs.grad_peak.at(chunk_frames[i])
-                                 ? costs.backward_peak
-                                 : costs.grad_peak;
+        const auto& bigger =
+            costs.backward_peak.at(chunk_frames[i]) >= costs.grad_peak.at(chunk_frames[i])
+                ? costs.backward_peak
+                : costs.grad_peak;
         add(m, bigger, chunk_frames[i]);
-        seconds += costs.grad_seconds.at(chunk_frames[i]) + costs.backward_seconds.at(chunk_frames[i]);
+        seconds +=
+            costs.grad_seconds.at(chunk_frames[i]) + costs.backward_seconds.at(chunk_frames[i]);
         if (cache) seconds -= costs.frozen_seconds.at(chunk_frames[i]);
       }
       if (cache) {
@@ -198,6 +201,34 @@ Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepS
   }
   result.seconds = std::max(0.0, seconds) * static_cast<double>(s.videos_per_call);
   return result;
+}
+
+int64_t NetworkMemory::largest_batch(int64_t budget_bytes) const {
+  const int64_t per_sample = bytes_per_sample();
+  if (budget_bytes < static_bytes() + per_sample || per_sample <= 0) return 0;
+  return (budget_bytes - static_bytes()) / per_sample;
+}
+
+NetworkMemory network_memory(const models::NetworkShapes& shapes, const std::vector<int64_t>& input,
+                             const NetworkTraining& training) {
+  const int64_t element = static_cast<int64_t>(c10::elementSize(training.dtype));
+  NetworkMemory m;
+  m.parameter_bytes = (shapes.parameters() + shapes.buffers()) * element;
+  m.gradient_bytes = shapes.parameters() * element;
+  m.optimizer_state_bytes = (training.optimizer == "sgd" ? 1 : 2) * m.gradient_bytes;
+  int64_t input_elements = 1;
+  for (int64_t d : input) input_elements *= d;
+  m.input_bytes_per_sample = input_elements * training.input_element_bytes;
+  // The converted input is kept by the first layer; the rest is what each layer saves.
+  int64_t largest_output = input_elements;
+  for (const auto& l : shapes.layers) {
+    m.activation_bytes_per_sample += l.saved_elements * element + l.saved_index_bytes;
+    int64_t elements = 1;
+    for (int64_t d : l.output) elements *= d;
+    largest_output = std::max(largest_output, elements);
+  }
+  m.backward_bytes_per_sample = 2 * largest_output * element;
+  return m;
 }
 
 }  // namespace framefit::plan

@@ -100,6 +100,89 @@ Entry bytes(std::string name, std::string help, int64_t& (*member)(Config&)) {
   return e;
 }
 
+// One integer or a list of them ("kernel: 3" or "kernel: [1, 3, 3]").
+std::vector<int64_t> int_list(const YAML::Node& n, const std::string& where) {
+  std::vector<int64_t> values;
+  if (n.IsSequence()) {
+    for (const auto& item : n) values.push_back(convert<int64_t>(item, where, "an integer"));
+  } else {
+    values.push_back(convert<int64_t>(n, where, "an integer or a list of integers"));
+  }
+  return values;
+}
+
+YAML::Node int_list_node(const std::vector<int64_t>& values) {
+  YAML::Node n(YAML::NodeType::Sequence);
+  for (int64_t v : values) n.push_back(v);
+  n.SetStyle(YAML::EmitterStyle::Flow);
+  return n;
+}
+
+std::vector<models::LayerSpec> parse_layers(const YAML::Node& n, const std::string& where) {
+  TORCH_CHECK(n.IsSequence(), where, ": expected a list of layers, e.g. [{type: relu}]");
+  std::vector<models::LayerSpec> layers;
+  for (size_t i = 0; i < n.size(); ++i) {
+    const auto& node = n[i];
+    const std::string at = c10::str(where, "[", i, "]");
+    TORCH_CHECK(node.IsMap(), at, ": expected a mapping such as {type: conv2d, out: 64}");
+    models::LayerSpec l;
+    for (const auto& item : node) {
+      const auto key = item.first.as<std::string>();
+      const std::string field_at = at + "." + key;
+      if (key == "type") {
+        l.type = convert<std::string>(item.second, field_at, "a layer type");
+      } else if (key == "name") {
+        l.name = convert<std::string>(item.second, field_at, "a name");
+      } else if (key == "in") {
+        l.in = convert<int64_t>(item.second, field_at, "an integer");
+      } else if (key == "out") {
+        l.out = convert<int64_t>(item.second, field_at, "an integer");
+      } else if (key == "kernel") {
+        l.kernel = int_list(item.second, field_at);
+      } else if (key == "stride") {
+        l.stride = int_list(item.second, field_at);
+      } else if (key == "padding") {
+        l.padding = int_list(item.second, field_at);
+      } else if (key == "groups") {
+        l.groups = convert<int64_t>(item.second, field_at, "an integer");
+      } else if (key == "p") {
+        l.p = convert<double>(item.second, field_at, "a probability");
+      } else if (key == "bias") {
+        l.bias = convert<bool>(item.second, field_at, "true or false");
+      } else {
+        TORCH_CHECK(false, at, ": unknown layer field `", key,
+                    "` (known: type, name, in, out, kernel, stride, padding, groups, p, bias)");
+      }
+    }
+    const auto& types = models::layer_types();
+    TORCH_CHECK(std::find(types.begin(), types.end(), l.type) != types.end(), at, ": layer type \"",
+                l.type, "\" is not one of ", c10::Join(", ", types));
+    layers.push_back(std::move(l));
+  }
+  return layers;
+}
+
+YAML::Node layers_node(const std::vector<models::LayerSpec>& layers) {
+  YAML::Node n(YAML::NodeType::Sequence);
+  const models::LayerSpec defaults;
+  for (const auto& l : layers) {
+    YAML::Node m;
+    m["type"] = l.type;
+    if (!l.name.empty()) m["name"] = l.name;
+    if (l.in != defaults.in) m["in"] = l.in;
+    if (l.out != defaults.out) m["out"] = l.out;
+    if (!l.kernel.empty()) m["kernel"] = int_list_node(l.kernel);
+    if (!l.stride.empty()) m["stride"] = int_list_node(l.stride);
+    if (!l.padding.empty()) m["padding"] = int_list_node(l.padding);
+    if (l.groups != defaults.groups) m["groups"] = l.groups;
+    if (l.type == "dropout") m["p"] = l.p;
+    if (l.bias != defaults.bias) m["bias"] = l.bias;
+    m.SetStyle(YAML::EmitterStyle::Flow);
+    n.push_back(m);
+  }
+  return n;
+}
+
 #define FRAMEFIT_MEMBER(type, path) +[](Config& c) -> type& { return c.path; }
 
 const std::vector<Entry>& entries() {
@@ -124,6 +207,27 @@ const std::vector<Entry>& entries() {
                                    FRAMEFIT_MEMBER(std::string, model.weights), "a path"));
     t.push_back(field<bool>("model.channels_last", "channels-last memory layout for the encoder",
                             FRAMEFIT_MEMBER(bool, model.channels_last), "true or false"));
+    {
+      Entry e;
+      e.key = {"model.layers",
+               "a network as a list of layers, e.g. [{type: conv3d, name: conv1, out: 32, "
+               "kernel: 3, padding: 1}, {type: relu}, ...] (types: " +
+                   c10::Join(", ", models::layer_types()) + ")"};
+      e.set = [](Config& c, const YAML::Node& n, const std::string& where) {
+        c.model.layers = parse_layers(n, where);
+      };
+      e.get = [](const Config& c) { return layers_node(c.model.layers); };
+      t.push_back(e);
+    }
+    {
+      Entry e;
+      e.key = {"model.input", "the network's input per sample: [C,H,W] or [C,T,H,W]"};
+      e.set = [](Config& c, const YAML::Node& n, const std::string& where) {
+        c.model.input = int_list(n, where);
+      };
+      e.get = [](const Config& c) { return int_list_node(c.model.input); };
+      t.push_back(e);
+    }
     // data
     t.push_back(field<std::string>("data.manifest", "CSV listing videos, label files and splits",
                                    FRAMEFIT_MEMBER(std::string, data.manifest), "a path"));

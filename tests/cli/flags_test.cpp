@@ -7,8 +7,8 @@ using framefit::cli::parse_command_line;
 namespace {
 // A command line with every required flag of `extract`; input must exist, so use this file.
 std::vector<std::string> extract_with(std::vector<std::string> extra) {
-  std::vector<std::string> argv = {"extract", "--model", "resnet18", "--input", __FILE__,
-                                   "--output", "/tmp/out.pt"};
+  std::vector<std::string> argv = {"extract", "--model",  "resnet18",   "--input",
+                                   __FILE__,  "--output", "/tmp/out.pt"};
   argv.insert(argv.end(), extra.begin(), extra.end());
   return argv;
 }
@@ -23,8 +23,8 @@ void expect_error(const std::vector<std::string>& argv, const std::string& fragm
 }  // namespace
 
 TEST(Flags, ParsesValuesAndFillsDefaults) {
-  const auto r = parse_command_line(extract_with({"--chunk", "16", "--budget", "2GiB",
-                                                  "--channels-last"}));
+  const auto r =
+      parse_command_line(extract_with({"--chunk", "16", "--budget", "2GiB", "--channels-last"}));
   ASSERT_TRUE(r.args.has_value()) << r.output;
   EXPECT_EQ(r.args->command(), "extract");
   EXPECT_EQ(r.args->integer("chunk"), 16);
@@ -46,8 +46,9 @@ TEST(Flags, RejectsUnknownDuplicateAndBadValues) {
   expect_error(extract_with({"--norm", "layer_norm"}), "layer_norm");
   expect_error(extract_with({"--model", "resnet18"}), "model");
   expect_error({"extract", "--model", "vgg", "--input", __FILE__, "--output", "o.pt"}, "vgg");
-  expect_error({"extract", "--model", "resnet18", "--input", "/no/such/file.pt", "--output",
-                "o.pt"}, "/no/such/file.pt");
+  expect_error(
+      {"extract", "--model", "resnet18", "--input", "/no/such/file.pt", "--output", "o.pt"},
+      "/no/such/file.pt");
   expect_error({"extract", "--model", "resnet18", "--input", __FILE__}, "--output");
   expect_error({"launch"}, "launch");
   expect_error({}, "subcommand");
@@ -55,7 +56,7 @@ TEST(Flags, RejectsUnknownDuplicateAndBadValues) {
 
 TEST(Flags, BenchStepTakesAutoOrACount) {
   const std::vector<std::string> base = {"bench-step", "--model", "resnet18", "--head", "lstm",
-                                         "--frames", "64", "--size", "64"};
+                                         "--frames",   "64",      "--size",   "64"};
   auto with = [&](std::vector<std::string> extra) {
     auto argv = base;
     argv.insert(argv.end(), extra.begin(), extra.end());
@@ -100,7 +101,8 @@ TEST(Flags, TableIsConsistent) {
   std::set<std::pair<std::string, std::string>> seen;  // (command, flag)
   for (const auto& flag : framefit::cli::flag_table()) {
     for (const auto& c : flag.commands) {
-      EXPECT_TRUE(seen.insert({c, flag.name}).second) << "--" << flag.name << " listed twice for " << c;
+      EXPECT_TRUE(seen.insert({c, flag.name}).second)
+          << "--" << flag.name << " listed twice for " << c;
     }
     EXPECT_FALSE(flag.help.empty()) << flag.name;
     EXPECT_FALSE(flag.commands.empty()) << flag.name;
@@ -111,8 +113,8 @@ TEST(Flags, TableIsConsistent) {
 }
 
 TEST(Flags, PlanningCommandsTakeAutoSettingsAndFractions) {
-  const std::vector<std::string> base = {"plan", "--model", "resnet50", "--head", "lstm",
-                                         "--frames", "2000", "--size", "224"};
+  const std::vector<std::string> base = {"plan",     "--model", "resnet50", "--head", "lstm",
+                                         "--frames", "2000",    "--size",   "224"};
   auto with = [&](std::vector<std::string> extra) {
     auto argv = base;
     argv.insert(argv.end(), extra.begin(), extra.end());
@@ -138,6 +140,15 @@ TEST(Flags, PlanningCommandsTakeAutoSettingsAndFractions) {
                                           "--frames", "8", "--size", "32", "--chunk", "4"});
   ASSERT_TRUE(doctor.args.has_value()) << doctor.output;
   EXPECT_EQ(doctor.args->integer("chunk"), 4);
+  // With --config the doctor checks the config's network and needs no model flags; without it
+  // they stay required.
+  const auto config = std::string(FRAMEFIT_SOURCE_DIR) + "/configs/clip3d.yaml";
+  const auto network = parse_command_line({"doctor", "--config", config, "--batch", "3"});
+  ASSERT_TRUE(network.args.has_value()) << network.output;
+  EXPECT_EQ(network.args->integer("batch"), 3);
+  expect_error({"doctor", "--head", "tcn", "--frames", "8", "--size", "32"},
+               "--model is required (or give --config)");
+  expect_error({"doctor", "--config", config, "--batch", "0"}, "at least 1");
   const auto bench = parse_command_line({"bench-memory", "--model", "resnet18", "--head", "tcn",
                                          "--frames", "8", "--size", "32", "--chunks", "2,4,0"});
   ASSERT_TRUE(bench.args.has_value()) << bench.output;

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "framefit/models/network.h"
+#include "framefit/plan/memory_model.h"
 #include "framefit/plan/planner.h"
 
 namespace framefit::plan {
@@ -28,6 +30,14 @@ std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes);
 // state (Adam: 2x their size) and are silently never trained. Named by their module path.
 std::vector<Finding> check_optimizer(const torch::nn::Module& model,
                                      const torch::optim::Optimizer& optimizer);
+
+// Checks a layer-list network (models/network.h) for its input shape without allocating: layers
+// that do not fit their input (a Linear whose in_features differ from the flattened input is
+// named with both sizes), a parameter tensor larger than the budget (named, with its size), and
+// the static memory and largest batch for the budget. `budget_bytes` 0: no budget checks.
+std::vector<Finding> diagnose_network(const std::vector<models::LayerSpec>& layers,
+                                      const std::vector<int64_t>& input,
+                                      const NetworkTraining& training, int64_t budget_bytes);
 
 bool has_errors(const std::vector<Finding>& findings);
 

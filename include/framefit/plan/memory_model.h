@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "framefit/engine/amp.h"
+#include "framefit/models/network.h"
 #include "framefit/models/resnet.h"
 
 namespace framefit::plan {
@@ -69,14 +70,14 @@ struct Linear {
 // What the probes measure for one (model, size, precision, device), per chunk of n frames:
 // bytes above the bytes in use when the chunk starts, and seconds.
 struct ChunkCosts {
-  Linear nograd_peak;    // forward without grad (frozen and trained stages)
-  Linear grad_peak;      // forward with grad of the trained stages
-  Linear saved;          // left allocated by that forward: the graph's saved tensors and output
-  Linear backward_peak;  // forward with grad then gradients of the trained parameters returned
-                         // (the engine's recompute: torch::autograd::grad)
+  Linear nograd_peak;      // forward without grad (frozen and trained stages)
+  Linear grad_peak;        // forward with grad of the trained stages
+  Linear saved;            // left allocated by that forward: the graph's saved tensors and output
+  Linear backward_peak;    // forward with grad then gradients of the trained parameters returned
+                           // (the engine's recompute: torch::autograd::grad)
   Linear accumulate_peak;  // ... then backward() adding into existing .grad (naive training)
-  Linear frozen_output;  // the frozen stages' output (what --cache-frozen keeps per chunk)
-  Linear head_peak;      // head forward, loss and backward over n frames' features
+  Linear frozen_output;    // the frozen stages' output (what --cache-frozen keeps per chunk)
+  Linear head_peak;        // head forward, loss and backward over n frames' features
   Linear nograd_seconds, grad_seconds, backward_seconds, frozen_seconds, head_seconds;
 };
 
@@ -93,18 +94,47 @@ struct StepSettings {
 
 // The predicted peak and what it is made of at the moment it happens.
 struct Breakdown {
-  int64_t parameters = 0;       // parameters and norm buffers
-  int64_t gradients = 0;        // .grad of trained parameters, plus partial sums in recompute
+  int64_t parameters = 0;  // parameters and norm buffers
+  int64_t gradients = 0;   // .grad of trained parameters, plus partial sums in recompute
   int64_t optimizer_state = 0;
-  int64_t input_frames = 0;     // uint8 frames and labels of the videos in memory
-  int64_t features = 0;         // per-frame features and their gradient
-  int64_t activations = 0;      // per-frame terms: the chunks' saved activations
-  int64_t workspace = 0;        // per-chunk constant terms: kernels' buffers, head
-  int64_t peak_bytes = 0;       // the sum of the above
-  std::string peak_phase;       // encode | head | recompute | optimizer
+  int64_t input_frames = 0;  // uint8 frames and labels of the videos in memory
+  int64_t features = 0;      // per-frame features and their gradient
+  int64_t activations = 0;   // per-frame terms: the chunks' saved activations
+  int64_t workspace = 0;     // per-chunk constant terms: kernels' buffers, head
+  int64_t peak_bytes = 0;    // the sum of the above
+  std::string peak_phase;    // encode | head | recompute | optimizer
   std::map<std::string, int64_t> phase_peaks;
-  double seconds = 0;           // predicted step time
+  double seconds = 0;  // predicted step time
 };
 Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepSettings& settings);
+
+// A network from a layer list (models/network.h) trained on batches of samples: its static
+// memory from the inferred shapes alone. Activations are what the layers keep for backward
+// (their saved inputs or outputs), which is what grows with the batch.
+struct NetworkTraining {
+  int64_t batch = 1;
+  torch::ScalarType dtype = torch::kFloat32;  // parameters and activations
+  std::string optimizer = "adam";             // sgd (momentum: one copy) | adam | adamw (two)
+  int64_t input_element_bytes = 1;            // uint8 samples (images, clips) before conversion
+};
+struct NetworkMemory {
+  int64_t parameter_bytes = 0;  // parameters and norm buffers
+  int64_t gradient_bytes = 0;
+  int64_t optimizer_state_bytes = 0;
+  int64_t input_bytes_per_sample = 0;
+  int64_t activation_bytes_per_sample = 0;
+  // Backward's transient: the gradient flowing into the largest activation and the one it
+  // produces, on top of the saved activations.
+  int64_t backward_bytes_per_sample = 0;
+  int64_t static_bytes() const { return parameter_bytes + gradient_bytes + optimizer_state_bytes; }
+  int64_t bytes_per_sample() const {
+    return input_bytes_per_sample + activation_bytes_per_sample + backward_bytes_per_sample;
+  }
+  int64_t peak_bytes(int64_t batch) const { return static_bytes() + batch * bytes_per_sample(); }
+  // The largest batch whose peak stays within `budget_bytes` (0 when not even one sample fits).
+  int64_t largest_batch(int64_t budget_bytes) const;
+};
+NetworkMemory network_memory(const models::NetworkShapes& shapes, const std::vector<int64_t>& input,
+                             const NetworkTraining& training);
 
 }  // namespace framefit::plan

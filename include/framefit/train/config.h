@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "framefit/models/network.h"
+
 namespace framefit::train {
 
 struct ModelConfig {
@@ -16,6 +18,10 @@ struct ModelConfig {
   std::string head = "lstm";  // lstm | tcn | linear
   std::string weights;        // torchvision state_dict for the encoder, "" for random
   bool channels_last = false;
+  // A network written as a list of layers (models/network.h) and its input per sample,
+  // [C,H,W] or [C,T,H,W]; checked by `framefit doctor --config`.
+  std::vector<models::LayerSpec> layers;
+  std::vector<int64_t> input;
 };
 
 struct DataConfig {

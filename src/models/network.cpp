@@ -1,0 +1,459 @@
+#include "framefit/models/network.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <functional>
+#include <numeric>
+#include <set>
+
+namespace framefit::models {
+
+const std::vector<std::string>& layer_types() {
+  static const std::vector<std::string> types = {
+      "conv2d",  "conv3d",  "sepconv2d",      "sepconv3d", "bn",     "gn",     "relu",
+      "maxpool", "avgpool", "global_avgpool", "flatten",   "linear", "dropout"};
+  return types;
+}
+
+std::string format_count(int64_t n) {
+  std::string digits = std::to_string(n < 0 ? -n : n);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return n < 0 ? "-" + out : out;
+}
+
+std::string format_shape(const std::vector<int64_t>& shape) {
+  std::string out;
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? " x " : "") + std::to_string(shape[i]);
+  return out;
+}
+
+int64_t NetworkShapes::parameters() const {
+  int64_t n = 0;
+  for (const auto& l : layers) n += l.parameters;
+  return n;
+}
+
+int64_t NetworkShapes::buffers() const {
+  int64_t n = 0;
+  for (const auto& l : layers) n += l.buffers;
+  return n;
+}
+
+namespace {
+
+int64_t product(const std::vector<int64_t>& v, size_t from = 0) {
+  return std::accumulate(v.begin() + static_cast<std::ptrdiff_t>(from), v.end(), int64_t{1},
+                         std::multiplies<int64_t>());
+}
+
+bool is_conv(const std::string& t) { return t == "conv2d" || t == "conv3d"; }
+bool is_sepconv(const std::string& t) { return t == "sepconv2d" || t == "sepconv3d"; }
+bool is_pool(const std::string& t) { return t == "maxpool" || t == "avgpool"; }
+int64_t conv_dims(const std::string& t) { return t[t.size() - 2] == '3' ? 3 : 2; }  // "..3d"
+
+// A spatial field with one value for every dimension or one per dimension.
+std::vector<int64_t> expand(const std::vector<int64_t>& field, int64_t dims, int64_t fallback,
+                            const std::string& layer, const char* what) {
+  if (field.empty()) return std::vector<int64_t>(dims, fallback);
+  if (field.size() == 1) return std::vector<int64_t>(dims, field[0]);
+  TORCH_CHECK(static_cast<int64_t>(field.size()) == dims, "layer ", layer, ": ", what, " has ",
+              field.size(), " values for ", dims, " spatial dimensions; give one value or ", dims);
+  return field;
+}
+
+std::string layer_name(const LayerSpec& spec, size_t index) {
+  return spec.name.empty() ? spec.type + std::to_string(index) : spec.name;
+}
+
+// Output size of a sliding window, PyTorch's floor rule.
+int64_t window_out(int64_t size, int64_t kernel, int64_t stride, int64_t padding) {
+  return (size + 2 * padding - kernel) / stride + 1;
+}
+
+}  // namespace
+
+NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers,
+                           const std::vector<int64_t>& input) {
+  NetworkShapes result;
+  TORCH_CHECK(input.size() >= 1 && input.size() <= 4,
+              "the network input must be given per sample as [C,H,W] or [C,T,H,W]; got ",
+              input.size(), " dimensions");
+  for (int64_t d : input)
+    TORCH_CHECK(d > 0, "the network input ", format_shape(input), " has an empty dimension");
+  std::set<std::string> names;
+  std::vector<int64_t> shape = input;
+  std::vector<int64_t> before_flatten;  // named in a Linear mismatch: what was flattened
+  // Whether the current activation is already kept for backward by an earlier layer (a ReLU
+  // keeps its output, which the next pool or conv keeps again as its input: one tensor).
+  bool kept = false;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& spec = layers[i];
+    LayerShape out;
+    out.name = layer_name(spec, i);
+    out.type = spec.type;
+    const auto fail = [&](std::string problem, std::string fix) {
+      result.problems.push_back({out.name, std::move(problem), std::move(fix)});
+    };
+    TORCH_CHECK(
+        std::find(layer_types().begin(), layer_types().end(), spec.type) != layer_types().end(),
+        "layer ", out.name, ": unknown type \"", spec.type,
+        "\"; known types: ", c10::Join(", ", layer_types()));
+    TORCH_CHECK(names.insert(out.name).second, "two layers are named \"", out.name,
+                "\"; give each a unique name");
+    const int64_t spatial = static_cast<int64_t>(shape.size()) - 1;  // dims after channels
+    const int64_t channels = shape[0];
+    const auto spatial_rank_check = [&](int64_t want) {
+      if (spatial == want) return true;
+      fail(c10::str(spec.type, " needs a [C,", want == 3 ? "T," : "", "H,W] input but gets ",
+                    format_shape(shape)),
+           spatial == 0
+               ? "move the layer before flatten"
+               : c10::str("use the ", spatial == 3 ? "3d" : "2d", " variant of the layer"));
+      return false;
+    };
+    if (is_conv(spec.type) || is_sepconv(spec.type)) {
+      const int64_t dims = conv_dims(spec.type);
+      if (!spatial_rank_check(dims)) break;
+      TORCH_CHECK(spec.out > 0, "layer ", out.name, ": set `out`, the number of output channels");
+      if (spec.in > 0 && spec.in != channels) {
+        fail(c10::str("expects ", spec.in, " input channels but its input has ", channels, " (",
+                      format_shape(shape), ")"),
+             c10::str("set in: ", channels, " or leave `in` out to infer it"));
+        break;
+      }
+      const auto k = expand(spec.kernel, dims, 3, out.name, "kernel");
+      const auto s = expand(spec.stride, dims, 1, out.name, "stride");
+      const auto p = expand(spec.padding, dims, 0, out.name, "padding");
+      const int64_t groups = is_sepconv(spec.type) ? 1 : std::max<int64_t>(spec.groups, 1);
+      if (channels % groups != 0 || spec.out % groups != 0) {
+        fail(c10::str(groups, " groups do not divide ", channels, " input and ", spec.out,
+                      " output channels"),
+             "choose groups that divide both");
+        break;
+      }
+      std::vector<int64_t> next = {spec.out};
+      bool fits = true;
+      for (int64_t d = 0; d < dims; ++d) {
+        const int64_t o = window_out(shape[d + 1], k[d], s[d], p[d]);
+        fits = fits && o >= 1;
+        next.push_back(o);
+      }
+      if (!fits) {
+        fail(c10::str("kernel ", format_shape(k), " does not fit its input ", format_shape(shape),
+                      " (padding ", format_shape(p), ")"),
+             "use larger inputs, more padding, or fewer downsampling layers before it");
+        break;
+      }
+      const int64_t kvol = product(k);
+      out.saved_elements = kept ? 0 : product(shape);  // the convolution keeps its input
+      if (is_conv(spec.type)) {
+        const int64_t weight = spec.out * (channels / groups) * kvol;
+        out.parameters = weight + (spec.bias ? spec.out : 0);
+        out.largest_parameter = weight;
+        out.largest_parameter_name = out.name + ".weight";
+      } else {
+        // The pointwise conv also keeps its input: the depthwise output.
+        std::vector<int64_t> depthwise_out = next;
+        depthwise_out[0] = channels;
+        out.saved_elements += product(depthwise_out);
+        const int64_t depthwise = channels * kvol, pointwise = spec.out * channels;
+        out.parameters = depthwise + pointwise + (spec.bias ? channels + spec.out : 0);
+        out.largest_parameter = std::max(depthwise, pointwise);
+        out.largest_parameter_name =
+            out.name + (pointwise >= depthwise ? ".pointwise.weight" : ".depthwise.weight");
+      }
+      shape = next;
+    } else if (spec.type == "bn" || spec.type == "gn") {
+      if (spatial < 1) {
+        fail(c10::str(spec.type, " needs a [C,...] feature map but gets ", format_shape(shape)),
+             "move it before flatten");
+        break;
+      }
+      if (spec.type == "gn" && (spec.groups <= 0 || channels % spec.groups != 0)) {
+        fail(c10::str("GroupNorm with ", spec.groups, " groups cannot split ", channels,
+                      " channels"),
+             "choose a group count that divides the channels");
+        break;
+      }
+      out.parameters = 2 * channels;
+      out.largest_parameter = channels;
+      out.largest_parameter_name = out.name + ".weight";
+      out.buffers = spec.type == "bn" ? 2 * channels : 0;
+      out.saved_elements = kept ? 0 : product(shape);
+    } else if (spec.type == "relu") {
+      out.saved_elements = product(shape);  // relu's gradient needs its output
+    } else if (spec.type == "dropout") {
+      out.saved_index_bytes = product(shape);  // the mask
+    } else if (is_pool(spec.type)) {
+      if (spatial != 2 && spatial != 3) {
+        fail(c10::str(spec.type, " needs a [C,H,W] or [C,T,H,W] input but gets ",
+                      format_shape(shape)),
+             "move it before flatten");
+        break;
+      }
+      const auto k = expand(spec.kernel, spatial, 2, out.name, "kernel");
+      const auto s = spec.stride.empty() ? k : expand(spec.stride, spatial, 1, out.name, "stride");
+      const auto p = expand(spec.padding, spatial, 0, out.name, "padding");
+      std::vector<int64_t> next = {channels};
+      bool fits = true;
+      for (int64_t d = 0; d < spatial; ++d) {
+        const int64_t o = window_out(shape[d + 1], k[d], s[d], p[d]);
+        fits = fits && o >= 1;
+        next.push_back(o);
+      }
+      if (!fits) {
+        fail(c10::str("window ", format_shape(k), " does not fit its input ", format_shape(shape)),
+             "use larger inputs or fewer downsampling layers before it");
+        break;
+      }
+      out.saved_elements = kept ? 0 : product(shape);
+      if (spec.type == "maxpool") out.saved_index_bytes = product(next) * 8;  // int64 indices
+      shape = next;
+    } else if (spec.type == "global_avgpool") {
+      if (spatial < 1) {
+        fail(c10::str("global_avgpool needs a [C,...] feature map but gets ", format_shape(shape)),
+             "move it before flatten");
+        break;
+      }
+      std::fill(shape.begin() + 1, shape.end(), 1);
+    } else if (spec.type == "flatten") {
+      before_flatten = shape;
+      shape = {product(shape)};
+    } else if (spec.type == "linear") {
+      TORCH_CHECK(spec.out > 0, "layer ", out.name, ": set `out`, the number of output features");
+      if (shape.size() != 1) {
+        fail(c10::str("Linear gets a ", format_shape(shape), " feature map, not a vector"),
+             "add a flatten layer (or global_avgpool then flatten) before it");
+        break;
+      }
+      int64_t in = shape[0];
+      if (spec.in > 0 && spec.in != shape[0]) {
+        std::string fix = c10::str("set in_features to ", format_count(shape[0]));
+        if (before_flatten.size() > 1) {
+          fix += ", or put global_avgpool before flatten (then in_features is the channel count)";
+        }
+        result.problems.push_back(
+            {out.name,
+             c10::str("Linear expects ", format_count(spec.in),
+                      " input features but the flattened input has ", format_count(shape[0]),
+                      before_flatten.empty() ? "" : " (" + format_shape(before_flatten) + ")"),
+             fix, spec.in, shape[0]});
+        in = spec.in;  // carry on as written: the author's code allocates this size
+      }
+      out.parameters = in * spec.out + (spec.bias ? spec.out : 0);
+      out.largest_parameter = in * spec.out;
+      out.largest_parameter_name = out.name + ".weight";
+      out.saved_elements = kept ? 0 : in;
+      shape = {spec.out};
+    }
+    out.output = shape;
+    if (spec.type == "relu") {
+      kept = true;
+    } else if (spec.type != "flatten") {
+      kept = false;  // a new tensor (flatten is a view of the same one)
+    }
+    result.layers.push_back(out);
+  }
+  if (result.problems.empty()) result.output = shape;
+  return result;
+}
+
+namespace {
+
+class SeparableConvImpl : public torch::nn::Module {
+ public:
+  SeparableConvImpl(int64_t dims, int64_t in, int64_t out, std::vector<int64_t> kernel,
+                    std::vector<int64_t> stride, std::vector<int64_t> padding, bool bias) {
+    if (dims == 3) {
+      depthwise3 = register_module(
+          "depthwise",
+          torch::nn::Conv3d(torch::nn::Conv3dOptions(in, in, torch::IntArrayRef(kernel))
+                                .stride(torch::IntArrayRef(stride))
+                                .padding(torch::IntArrayRef(padding))
+                                .groups(in)
+                                .bias(bias)));
+      pointwise3 = register_module(
+          "pointwise", torch::nn::Conv3d(torch::nn::Conv3dOptions(in, out, 1).bias(bias)));
+    } else {
+      depthwise2 = register_module(
+          "depthwise",
+          torch::nn::Conv2d(torch::nn::Conv2dOptions(in, in, torch::IntArrayRef(kernel))
+                                .stride(torch::IntArrayRef(stride))
+                                .padding(torch::IntArrayRef(padding))
+                                .groups(in)
+                                .bias(bias)));
+      pointwise2 = register_module(
+          "pointwise", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1).bias(bias)));
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return depthwise3 ? pointwise3(depthwise3(x)) : pointwise2(depthwise2(x));
+  }
+
+ private:
+  torch::nn::Conv3d depthwise3{nullptr}, pointwise3{nullptr};
+  torch::nn::Conv2d depthwise2{nullptr}, pointwise2{nullptr};
+};
+TORCH_MODULE(SeparableConv);
+
+// Global average pooling that keeps the rank: [N,C,...] -> [N,C,1,...,1].
+class GlobalAvgPoolImpl : public torch::nn::Module {
+ public:
+  torch::Tensor forward(const torch::Tensor& x) {
+    std::vector<int64_t> dims;
+    for (int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
+    return x.mean(dims, /*keepdim=*/true);
+  }
+};
+TORCH_MODULE(GlobalAvgPool);
+
+torch::nn::AnyModule build_layer(const LayerSpec& spec, const std::vector<int64_t>& in_shape,
+                                 const std::string& name) {
+  const int64_t channels = in_shape[0];
+  const int64_t spatial = static_cast<int64_t>(in_shape.size()) - 1;
+  const auto& t = spec.type;
+  if (is_conv(t) || is_sepconv(t)) {
+    const int64_t dims = conv_dims(t);
+    const auto k = expand(spec.kernel, dims, 3, name, "kernel");
+    const auto s = expand(spec.stride, dims, 1, name, "stride");
+    const auto p = expand(spec.padding, dims, 0, name, "padding");
+    if (is_sepconv(t))
+      return torch::nn::AnyModule(SeparableConv(dims, channels, spec.out, k, s, p, spec.bias));
+    const int64_t groups = std::max<int64_t>(spec.groups, 1);
+    if (dims == 3) {
+      return torch::nn::AnyModule(
+          torch::nn::Conv3d(torch::nn::Conv3dOptions(channels, spec.out, torch::IntArrayRef(k))
+                                .stride(torch::IntArrayRef(s))
+                                .padding(torch::IntArrayRef(p))
+                                .groups(groups)
+                                .bias(spec.bias)));
+    }
+    return torch::nn::AnyModule(
+        torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, spec.out, torch::IntArrayRef(k))
+                              .stride(torch::IntArrayRef(s))
+                              .padding(torch::IntArrayRef(p))
+                              .groups(groups)
+                              .bias(spec.bias)));
+  }
+  if (t == "bn") {
+    if (spatial == 3) return torch::nn::AnyModule(torch::nn::BatchNorm3d(channels));
+    if (spatial == 2) return torch::nn::AnyModule(torch::nn::BatchNorm2d(channels));
+    return torch::nn::AnyModule(torch::nn::BatchNorm1d(channels));
+  }
+  if (t == "gn") return torch::nn::AnyModule(torch::nn::GroupNorm(spec.groups, channels));
+  if (t == "relu") return torch::nn::AnyModule(torch::nn::ReLU());
+  if (t == "dropout") return torch::nn::AnyModule(torch::nn::Dropout(spec.p));
+  if (t == "flatten") return torch::nn::AnyModule(torch::nn::Flatten());
+  if (t == "global_avgpool") return torch::nn::AnyModule(GlobalAvgPool());
+  if (t == "linear") {
+    return torch::nn::AnyModule(
+        torch::nn::Linear(torch::nn::LinearOptions(in_shape[0], spec.out).bias(spec.bias)));
+  }
+  // Pools: 2d or 3d from the input's rank.
+  const auto k = expand(spec.kernel, spatial, 2, name, "kernel");
+  const auto s = spec.stride.empty() ? k : expand(spec.stride, spatial, 1, name, "stride");
+  const auto p = expand(spec.padding, spatial, 0, name, "padding");
+  if (t == "maxpool" && spatial == 3) {
+    return torch::nn::AnyModule(
+        torch::nn::MaxPool3d(torch::nn::MaxPool3dOptions(torch::IntArrayRef(k))
+                                 .stride(torch::IntArrayRef(s))
+                                 .padding(torch::IntArrayRef(p))));
+  }
+  if (t == "maxpool") {
+    return torch::nn::AnyModule(
+        torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(torch::IntArrayRef(k))
+                                 .stride(torch::IntArrayRef(s))
+                                 .padding(torch::IntArrayRef(p))));
+  }
+  if (spatial == 3) {
+    return torch::nn::AnyModule(
+        torch::nn::AvgPool3d(torch::nn::AvgPool3dOptions(torch::IntArrayRef(k))
+                                 .stride(torch::IntArrayRef(s))
+                                 .padding(torch::IntArrayRef(p))));
+  }
+  return torch::nn::AnyModule(
+      torch::nn::AvgPool2d(torch::nn::AvgPool2dOptions(torch::IntArrayRef(k))
+                               .stride(torch::IntArrayRef(s))
+                               .padding(torch::IntArrayRef(p))));
+}
+
+}  // namespace
+
+NetworkImpl::NetworkImpl(const NetworkOptions& options)
+    : options_(options), shapes_(infer_shapes(options.layers(), options.input())) {
+  if (!shapes_.ok()) {
+    std::string problems;
+    for (const auto& p : shapes_.problems) {
+      problems += c10::str("\n  ", p.layer, ": ", p.problem, " (fix: ", p.fix, ")");
+    }
+    TORCH_CHECK(false, "the network does not fit its input ", format_shape(options.input()), ":",
+                problems);
+  }
+  std::vector<int64_t> shape = options.input();
+  for (size_t i = 0; i < options.layers().size(); ++i) {
+    const auto& name = shapes_.layers[i].name;
+    auto layer = build_layer(options.layers()[i], shape, name);
+    register_module(name, layer.ptr());
+    layers_.push_back(std::move(layer));
+    shape = shapes_.layers[i].output;
+  }
+}
+
+torch::Tensor NetworkImpl::forward_layers(torch::Tensor x, int64_t begin, int64_t end) {
+  TORCH_CHECK(0 <= begin && begin <= end && end <= layer_count(), "layers [", begin, ", ", end,
+              ") are outside the network's ", layer_count(), " layers");
+  for (int64_t i = begin; i < end; ++i) x = layers_[static_cast<size_t>(i)].forward(x);
+  return x;
+}
+
+torch::Tensor NetworkImpl::forward(const torch::Tensor& x) {
+  const auto& in = options_.input();
+  const bool matches = x.dim() == static_cast<int64_t>(in.size()) + 1 &&
+                       std::equal(in.begin(), in.end(), x.sizes().begin() + 1);
+  TORCH_CHECK(matches, "the network was built for inputs [N, ", format_shape(in), "]; got ",
+              x.sizes(), ". Rebuild it with the input shape of your data (model.input)");
+  return forward_layers(x, 0, layer_count());
+}
+
+std::vector<LayerSpec> clip3d_layers(int64_t classes, bool separable, bool as_written) {
+  const std::string conv = separable ? "sepconv3d" : "conv3d";
+  std::vector<LayerSpec> layers;
+  auto add = [&](LayerSpec l) { layers.push_back(std::move(l)); };
+  LayerSpec conv1{conv, "conv1"};
+  conv1.out = 32;
+  conv1.kernel = {3};
+  conv1.padding = {1};
+  add(conv1);
+  add({"relu"});
+  add({"maxpool", "pool1"});
+  layers.back().kernel = {2};
+  LayerSpec conv2 = conv1;
+  conv2.name = "conv2";
+  conv2.out = 64;
+  add(conv2);
+  add({"relu"});
+  add({"maxpool", "pool2"});
+  layers.back().kernel = {2};
+  if (as_written) {
+    add({"flatten"});
+  } else {
+    add({"global_avgpool", "global_avg_pool"});
+    add({"flatten"});
+  }
+  LayerSpec fc1{"linear", "fc1"};
+  fc1.out = 512;
+  if (as_written) fc1.in = 64 * 30 * 115 * 115;
+  add(fc1);
+  add({"relu"});
+  LayerSpec fc2{"linear", "fc2"};
+  fc2.out = classes;
+  add(fc2);
+  return layers;
+}
+
+}  // namespace framefit::models

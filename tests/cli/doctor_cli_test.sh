@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# framefit doctor --config on seeds/001's network as written (must fail, naming fc1 and its
+# 48.43 GiB) and on the fix (must pass, with the largest batch for 12 GiB).
+#   doctor_cli_test.sh FRAMEFIT SOURCE_DIR
+set -euo pipefail
+framefit=$1 source=$2
+if out=$("$framefit" doctor --config "$source/configs/seeds001_as_written.yaml" 2>&1); then
+  echo "the doctor passed seeds/001's network as written:"; echo "$out"; exit 1
+fi
+echo "$out"
+for expected in "fc1: Linear expects 25,392,000 input features but the flattened input has 3,119,040" \
+                "48.43 GiB" "fix:"; do
+  grep -qF "$expected" <<<"$out" || { echo "missing: $expected"; exit 1; }
+done
+out=$("$framefit" doctor --config "$source/configs/clip3d.yaml" --batch 2)
+echo "$out"
+grep -q "no problems found" <<<"$out"
+grep -q "largest batch" <<<"$out"
+json=$("$framefit" doctor --config "$source/configs/clip3d.yaml" --json)
+grep -q '"largest_batch":' <<<"$json"
+# Too large a batch is an error with the largest that fits.
+if "$framefit" doctor --config "$source/configs/clip3d.yaml" --batch 1000 > big.txt 2>&1; then
+  echo "batch 1000 passed in 12 GiB"; exit 1
+fi
+grep -q "use a batch of at most" big.txt
+echo "doctor CLI: ok"

@@ -1,0 +1,249 @@
+// Layer-list networks: shape inference without allocation, the doctor on seeds/001's network,
+// building and running them with their authors' parameter names.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "framefit/memory/tracker.h"
+#include "framefit/models/network.h"
+#include "framefit/models/weights.h"
+#include "framefit/plan/doctor.h"
+#include "framefit/train/config.h"
+
+using namespace framefit;
+using models::LayerSpec;
+
+namespace {
+const std::vector<int64_t> kSeedClip = {3, 60, 230, 230};
+
+std::string all_problems(const std::vector<plan::Finding>& findings) {
+  std::string text;
+  for (const auto& f : findings) text += f.problem + "\n";
+  return text;
+}
+
+// Every layer type, with odd sizes, strides and paddings, so inference must follow PyTorch's
+// rules exactly.
+std::vector<LayerSpec> varied_2d_network() {
+  std::vector<LayerSpec> layers;
+  LayerSpec conv{"conv2d", "stem"};
+  conv.out = 8;
+  conv.kernel = {5, 3};
+  conv.stride = {2};
+  conv.padding = {1, 2};
+  layers.push_back(conv);
+  layers.push_back({"bn", "stem_bn"});
+  layers.push_back({"relu"});
+  LayerSpec pool{"maxpool", "pool"};
+  pool.kernel = {3};
+  pool.stride = {2};
+  pool.padding = {1};
+  layers.push_back(pool);
+  LayerSpec sep{"sepconv2d", "sep"};
+  sep.out = 12;
+  sep.padding = {1};
+  layers.push_back(sep);
+  LayerSpec gn{"gn", "norm"};
+  gn.groups = 4;
+  layers.push_back(gn);
+  LayerSpec avg{"avgpool"};
+  avg.kernel = {2};
+  layers.push_back(avg);
+  LayerSpec grouped{"conv2d", "grouped"};
+  grouped.out = 16;
+  grouped.groups = 4;
+  grouped.kernel = {1};
+  grouped.bias = false;
+  layers.push_back(grouped);
+  LayerSpec drop{"dropout"};
+  drop.p = 0.25;
+  layers.push_back(drop);
+  layers.push_back({"flatten"});
+  LayerSpec fc{"linear", "fc"};
+  fc.out = 5;
+  layers.push_back(fc);
+  return layers;
+}
+}  // namespace
+
+TEST(Network, SeedNetworkAsWrittenIsNamedBeforeAnyAllocation) {
+  const auto layers = models::clip3d_layers(20, false, /*as_written=*/true);
+  auto& tracker = memory::Tracker::cpu();
+  const int64_t allocations = tracker.allocation_count();
+  plan::NetworkTraining training;
+  training.optimizer = "adam";
+  const auto findings = plan::diagnose_network(layers, kSeedClip, training, 12ll << 30);
+  EXPECT_EQ(tracker.allocation_count(), allocations) << "the doctor allocated tensors";
+
+  ASSERT_TRUE(plan::has_errors(findings));
+  const auto text = all_problems(findings);
+  EXPECT_NE(text.find("fc1: Linear expects 25,392,000 input features but the flattened input "
+                      "has 3,119,040 (64 x 15 x 57 x 57)"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("fc1.weight holds 13,000,704,000 values, 48.43 GiB"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("fc1.weight alone is 48.43 GiB"), std::string::npos) << text;
+
+  const auto shapes = models::infer_shapes(layers, kSeedClip);
+  ASSERT_EQ(shapes.problems.size(), 1u);
+  EXPECT_EQ(shapes.problems[0].layer, "fc1");
+  EXPECT_EQ(shapes.problems[0].expected_inputs, 25392000);
+  EXPECT_EQ(shapes.problems[0].actual_inputs, 3119040);
+  // Building it is refused before any parameter exists.
+  EXPECT_THROW(models::Network(models::NetworkOptions(layers, kSeedClip)), c10::Error);
+  EXPECT_EQ(tracker.allocation_count(), allocations);
+}
+
+TEST(Network, SmallCopyOfTheSeedBug) {
+  // The same mistake at a size that could be built: fc1 sized as if only one pool had run.
+  auto layers = models::clip3d_layers(4);
+  layers.erase(layers.begin() + 6);  // no global pooling: flatten everything
+  layers[7].in = 64 * 4 * 8 * 8;
+  const std::vector<int64_t> input = {3, 8, 16, 16};
+  const auto findings = plan::diagnose_network(layers, input, {}, 0);
+  const auto text = all_problems(findings);
+  EXPECT_NE(text.find("fc1: Linear expects 16,384 input features but the flattened input has "
+                      "2,048 (64 x 2 x 4 x 4)"),
+            std::string::npos)
+      << text;
+  try {
+    models::Network net(models::NetworkOptions(layers, input));
+    FAIL() << "built a network whose fc1 does not fit";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fc1: Linear expects 16,384"), std::string::npos)
+        << e.what();
+  }
+  layers[7].in = 2048;
+  EXPECT_FALSE(plan::has_errors(plan::diagnose_network(layers, input, {}, 0)));
+}
+
+TEST(Network, CorrectedSeedNetworkFitsTwelveGiBWithItsLargestBatch) {
+  const auto layers = models::clip3d_layers(20);
+  plan::NetworkTraining training;
+  training.optimizer = "adam";
+  const int64_t budget = 12ll << 30;
+  EXPECT_TRUE(plan::diagnose_network(layers, kSeedClip, training, budget).empty());
+  const auto shapes = models::infer_shapes(layers, kSeedClip);
+  ASSERT_TRUE(shapes.ok());
+  EXPECT_EQ(shapes.output, std::vector<int64_t>{20});
+  // conv1 2,624 + conv2 55,360 + fc1 33,280 + fc2 10,260.
+  EXPECT_EQ(shapes.parameters(), 2624 + 55360 + 33280 + 10260);
+  const auto m = plan::network_memory(shapes, kSeedClip, training);
+  const int64_t largest = m.largest_batch(budget);
+  EXPECT_GE(largest, 1);
+  EXPECT_LE(m.peak_bytes(largest), budget);
+  EXPECT_GT(m.peak_bytes(largest + 1), budget);
+  training.batch = largest + 1;
+  const auto too_big = plan::diagnose_network(layers, kSeedClip, training, budget);
+  ASSERT_TRUE(plan::has_errors(too_big));
+  EXPECT_NE(all_problems(too_big).find("batch " + std::to_string(largest + 1)), std::string::npos);
+}
+
+TEST(Network, ParameterNamesMatchTheAuthorsModules) {
+  const std::vector<int64_t> input = {3, 4, 16, 16};
+  models::Network fixed(models::NetworkOptions(models::clip3d_layers(20), input));
+  std::vector<std::string> names;
+  for (const auto& entry : models::state_dict(*fixed)) names.push_back(entry.first);
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias",
+                                      "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}));
+  models::Network separable(models::NetworkOptions(models::clip3d_layers(20, true), input));
+  names.clear();
+  for (const auto& entry : models::state_dict(*separable)) names.push_back(entry.first);
+  EXPECT_EQ(names[0], "conv1.depthwise.weight");
+  EXPECT_EQ(names[2], "conv1.pointwise.weight");
+  EXPECT_EQ(separable->parameters()[0].size(1), 1);  // one input channel per group
+  const auto out = separable->forward(torch::randn({2, 3, 4, 16, 16}));
+  EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 20}));
+}
+
+TEST(Network, InferredShapesAndParameterCountsMatchTheBuiltNetwork) {
+  torch::manual_seed(0);
+  const std::vector<int64_t> input = {3, 37, 29};
+  const auto layers = varied_2d_network();
+  models::Network net(models::NetworkOptions(layers, input));
+  const auto& shapes = net->shapes();
+  int64_t count = 0;
+  for (const auto& p : net->parameters()) count += p.numel();
+  EXPECT_EQ(count, shapes.parameters());
+  auto x = torch::randn({2, 3, 37, 29});
+  for (int64_t i = 0; i < net->layer_count(); ++i) {
+    x = net->forward_layers(x, i, i + 1);
+    std::vector<int64_t> expected = {2};
+    const auto& per_sample = shapes.layers[static_cast<size_t>(i)].output;
+    expected.insert(expected.end(), per_sample.begin(), per_sample.end());
+    EXPECT_EQ(x.sizes().vec(), expected) << "layer " << shapes.layers[static_cast<size_t>(i)].name;
+  }
+  EXPECT_THROW(net->forward(torch::randn({2, 3, 29, 37})), c10::Error);
+}
+
+TEST(Network, ActivationEstimateMatchesWhatAutogradKeeps) {
+  torch::manual_seed(0);
+  const std::vector<int64_t> input = {3, 8, 32, 32};
+  const auto layers = models::clip3d_layers(20);
+  models::Network net(models::NetworkOptions(layers, input));
+  const auto predicted = plan::network_memory(net->shapes(), input, {});
+  const int64_t batch = 4;
+  auto& tracker = memory::Tracker::cpu();
+  auto x = torch::randn({batch, 3, 8, 32, 32});
+  const int64_t before = tracker.current_bytes();
+  auto out = net->forward(x);
+  // Saved tensors (and the small output) stay allocated until backward; the input counts too.
+  const int64_t kept = tracker.current_bytes() - before + x.nbytes();
+  const double ratio = static_cast<double>(kept) / (batch * predicted.activation_bytes_per_sample);
+  EXPECT_NEAR(ratio, 1.0, 0.15) << "kept " << kept << " bytes";
+  out.sum().backward();
+}
+
+TEST(Network, BadLayerListsAreNamed) {
+  std::vector<LayerSpec> layers = {{"conv3d", "c"}};
+  layers[0].out = 8;
+  auto shapes = models::infer_shapes(layers, {3, 16, 16});  // a 3d conv on an image
+  ASSERT_FALSE(shapes.ok());
+  EXPECT_EQ(shapes.problems[0].layer, "c");
+  EXPECT_NE(shapes.problems[0].problem.find("needs a [C,T,H,W] input"), std::string::npos);
+
+  layers = {{"linear", "fc"}};
+  layers[0].out = 3;
+  shapes = models::infer_shapes(layers, {4, 5, 5});
+  ASSERT_FALSE(shapes.ok());
+  EXPECT_NE(shapes.problems[0].fix.find("flatten"), std::string::npos);
+
+  layers = {{"conv2d", "big"}};
+  layers[0].out = 4;
+  layers[0].kernel = {7};
+  shapes = models::infer_shapes(layers, {3, 5, 5});
+  ASSERT_FALSE(shapes.ok());
+  EXPECT_NE(shapes.problems[0].problem.find("does not fit"), std::string::npos);
+
+  EXPECT_THROW(models::infer_shapes({{"softmax"}}, {3, 5, 5}), c10::Error);
+  EXPECT_THROW(models::infer_shapes({{"relu", "a"}, {"relu", "a"}}, {3, 5, 5}), c10::Error);
+}
+
+TEST(Network, ConfigFilesDescribeTheSeedNetworks) {
+  const auto config =
+      train::load_config(std::string(FRAMEFIT_SOURCE_DIR) + "/configs/seeds001_as_written.yaml");
+  EXPECT_EQ(config.model.input, kSeedClip);
+  const auto expected = models::clip3d_layers(20, false, true);
+  ASSERT_EQ(config.model.layers.size(), expected.size());
+  const auto from_file = models::infer_shapes(config.model.layers, config.model.input);
+  const auto from_code = models::infer_shapes(expected, kSeedClip);
+  EXPECT_EQ(from_file.parameters(), from_code.parameters());
+  ASSERT_EQ(from_file.problems.size(), 1u);
+  EXPECT_EQ(from_file.problems[0].expected_inputs, 25392000);
+
+  // Round trip through to_yaml, and errors that name the layer.
+  const auto again = train::parse_config(train::to_yaml(config), "round trip");
+  EXPECT_EQ(models::infer_shapes(again.model.layers, again.model.input).parameters(),
+            from_file.parameters());
+  try {
+    train::parse_config("model:\n  layers:\n    - {type: relu}\n    - {type: conv2d, size: 3}\n",
+                        "test");
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.layers[1]: unknown layer field `size`"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(train::parse_config("model:\n  layers: [{type: conv9d}]\n", "test"), c10::Error);
+}
