@@ -7,6 +7,7 @@
 #include "framefit/engine/amp.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/resnet.h"
+#include "replay.h"
 
 namespace framefit::engine {
 
@@ -54,8 +55,7 @@ struct ChunkedState : torch::CustomClassHolder {
   ChunkedOptions options;
   torch::Tensor frames;
   std::vector<std::pair<int64_t, int64_t>> chunks;  // [begin, end) frame ranges
-  std::vector<torch::Tensor> cpu_rng;               // generator state before each chunk
-  std::vector<torch::Tensor> cuda_rng;
+  std::vector<detail::RngState> rng;                // generator states before each chunk
   std::vector<torch::Tensor> frozen_cache;          // per chunk, when options.cache_frozen
   std::vector<torch::Tensor> kept;                  // per chunk: output with its graph, or empty
   AutocastState autocast;
@@ -76,60 +76,6 @@ struct ChunkedState : torch::CustomClassHolder {
   }
 };
 
-torch::Generator default_generator(torch::Device device) {
-  return at::globalContext().defaultGenerator(device.is_cuda() ? device : torch::Device(torch::kCPU));
-}
-
-torch::Tensor generator_state(torch::Device device) {
-  auto gen = default_generator(device);
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
-void set_generator_state(torch::Device device, const torch::Tensor& state) {
-  auto gen = default_generator(device);
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
-}
-
-// Restores the random stream after a replay, so recomputing does not shift later draws.
-class RngReplay {
- public:
-  RngReplay(const ChunkedState& state, size_t chunk) : device_(state.options.device) {
-    saved_cpu_ = generator_state(torch::kCPU);
-    set_generator_state(torch::kCPU, state.cpu_rng[chunk]);
-    if (device_.is_cuda()) {
-      saved_cuda_ = generator_state(device_);
-      set_generator_state(device_, state.cuda_rng[chunk]);
-    }
-  }
-  ~RngReplay() {
-    set_generator_state(torch::kCPU, saved_cpu_);
-    if (device_.is_cuda()) set_generator_state(device_, saved_cuda_);
-  }
-
- private:
-  torch::Device device_;
-  torch::Tensor saved_cpu_, saved_cuda_;
-};
-
-// BatchNorm statistics were updated once per chunk by the forward pass; a recompute must not
-// update them again (PyTorch's own checkpointing does, twice).
-class BufferSnapshot {
- public:
-  explicit BufferSnapshot(const std::vector<torch::Tensor>& buffers) : buffers_(buffers) {
-    torch::NoGradGuard no_grad;
-    for (const auto& b : buffers_) copies_.push_back(b.clone());
-  }
-  ~BufferSnapshot() {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(copies_[i]);
-  }
-
- private:
-  std::vector<torch::Tensor> buffers_, copies_;
-};
-
 class ChunkedEncodeFunction : public torch::autograd::Function<ChunkedEncodeFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx,
@@ -143,8 +89,7 @@ class ChunkedEncodeFunction : public torch::autograd::Function<ChunkedEncodeFunc
     if (s.options.cache_frozen && s.encoder.frozen) s.frozen_cache.assign(n, torch::Tensor());
     torch::Tensor features;
     for (size_t i = 0; i < n; ++i) {
-      s.cpu_rng.push_back(generator_state(torch::kCPU));
-      if (s.options.device.is_cuda()) s.cuda_rng.push_back(generator_state(s.options.device));
+      s.rng.push_back(detail::RngState::capture(s.options.device));
       auto h = s.frozen_output(i);
       if (!s.frozen_cache.empty()) s.frozen_cache[i] = h;
       torch::Tensor out;
@@ -175,8 +120,8 @@ class ChunkedEncodeFunction : public torch::autograd::Function<ChunkedEncodeFunc
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    auto state = c10::static_intrusive_pointer_cast<ChunkedState>(
-        ctx->saved_data["state"].toCapsule());
+    auto state =
+        c10::static_intrusive_pointer_cast<ChunkedState>(ctx->saved_data["state"].toCapsule());
     auto& s = *state;
     auto phase = memory::Tracker::of(s.options.device).phase("recompute");
     const auto& grad = grad_outputs.at(0);
@@ -186,10 +131,10 @@ class ChunkedEncodeFunction : public torch::autograd::Function<ChunkedEncodeFunc
       const auto [begin, end] = s.chunks[i];
       // torch::autograd::grad, not backward(): a re-entrant backward() would write .grad and
       // break callers that use torch::autograd::grad on the loss.
-      auto grads = torch::autograd::grad({out}, params,
-                                         {grad.slice(0, begin, end).to(out.scalar_type())},
-                                         /*retain_graph=*/false, /*create_graph=*/false,
-                                         /*allow_unused=*/true);
+      auto grads =
+          torch::autograd::grad({out}, params, {grad.slice(0, begin, end).to(out.scalar_type())},
+                                /*retain_graph=*/false, /*create_graph=*/false,
+                                /*allow_unused=*/true);
       for (size_t p = 0; p < params.size(); ++p) {
         if (!grads[p].defined()) continue;
         sums[p] = sums[p].defined() ? sums[p].add_(grads[p]) : grads[p];
@@ -202,8 +147,8 @@ class ChunkedEncodeFunction : public torch::autograd::Function<ChunkedEncodeFunc
         accumulate(out, i);
         continue;
       }
-      RngReplay replay(s, i);
-      BufferSnapshot snapshot(s.encoder.buffers);
+      detail::RngReplay replay(s.rng[i]);
+      detail::BufferSnapshot snapshot(s.encoder.buffers);
       AutocastGuard autocast(s.autocast);
       auto h = s.frozen_output(i);
       if (!s.frozen_cache.empty()) s.frozen_cache[i] = torch::Tensor();

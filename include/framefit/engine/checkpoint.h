@@ -1,0 +1,91 @@
+#pragma once
+// Layer checkpointing for LibTorch, which has none: a network split into a chain of stages
+// (layers, or whole blocks with their skip connections inside: ResNet blocks, UNet stages),
+// some of which keep no activations in the forward pass and are recomputed in backward.
+//
+// Which stages to recompute is chosen for a memory budget from measured per-stage costs by
+// dynamic programming over the chain (plan_chain): the least recompute time whose kept
+// activations plus the largest recomputed segment fit. Recomputing replays the random stream
+// (dropout) and leaves BatchNorm statistics as the forward pass set them (updated once, unlike
+// PyTorch's checkpointing), so gradients are exactly those of running without checkpointing.
+// A checkpointed chain is an ordinary function of its input: it works inside the chunked
+// encoder (engine/chunked.h), so larger chunks fit the same budget.
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace framefit::models {
+class ResNetImpl;
+class NetworkImpl;
+}  // namespace framefit::models
+
+namespace framefit::engine {
+
+// A piece of a network mapping one activation to the next.
+struct Stage {
+  std::string name;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::vector<torch::Tensor> parameters;  // those with requires_grad
+  std::vector<torch::Tensor> buffers;     // state forward may change (BatchNorm statistics)
+};
+// A stage running `forward` over `module`'s parameters and buffers.
+Stage make_stage(std::string name, const torch::nn::Module& module,
+                 std::function<torch::Tensor(const torch::Tensor&)> forward);
+
+// The chains of framefit's models: a ResNet as stem, each residual block, then pooling (and fc
+// when it has one); a layer-list network one stage per layer.
+std::vector<Stage> resnet_stages(const std::shared_ptr<models::ResNetImpl>& resnet);
+std::vector<Stage> network_stages(const std::shared_ptr<models::NetworkImpl>& network);
+
+// Runs `stage` on `input` keeping only the input; backward runs it again with grad. Without
+// grad mode (or nothing to differentiate) it is just stage.forward(input).
+torch::Tensor checkpoint(const Stage& stage, const torch::Tensor& input);
+
+// What one stage costs, measured by running the chain once with grad on the device of the
+// input: bytes the stage leaves allocated (its output and what its graph saves), its output's
+// bytes, and forward seconds.
+struct StageCost {
+  int64_t kept_bytes = 0;
+  int64_t output_bytes = 0;
+  double seconds = 0;
+};
+std::vector<StageCost> measure_stages(const std::vector<Stage>& stages, const torch::Tensor& input);
+// Costs at `factor` times the measured batch (activations and time grow with the batch).
+std::vector<StageCost> scale_costs(const std::vector<StageCost>& costs, double factor);
+
+struct ChainSegment {
+  int64_t begin = 0, end = 0;  // stages [begin, end)
+  bool recompute = false;
+};
+
+struct ChainPlan {
+  std::vector<ChainSegment> segments;
+  bool fits = false;
+  // Activation memory of the step: what the stored stages keep, the recomputed segments'
+  // outputs, the largest recomputed segment while it is recomputed, and backward's gradient
+  // transient (two of the largest activation).
+  int64_t predicted_bytes = 0;
+  double recompute_seconds = 0;  // time added by recomputing
+  int64_t minimum_bytes = 0;     // the least activation memory any plan reaches
+  int64_t recomputed_stages() const;
+};
+
+// The plan with the least recompute time whose activation memory fits `budget_bytes` (0: no
+// budget, nothing recomputed). When none fits, fits is false and the plan is the one with the
+// least memory.
+ChainPlan plan_chain(const std::vector<StageCost>& costs, int64_t budget_bytes);
+// The activation memory and recompute time of a given plan under the same model.
+ChainPlan evaluate_chain(const std::vector<StageCost>& costs, std::vector<ChainSegment> segments);
+// Every stage stored (no checkpointing), or every `every` stages one recomputed segment.
+std::vector<ChainSegment> store_all(int64_t stages);
+std::vector<ChainSegment> recompute_every(int64_t stages, int64_t every);
+
+// Runs the chain with the plan's segments (recomputed ones through checkpoint()).
+torch::Tensor run_chain(const std::vector<Stage>& stages, const std::vector<ChainSegment>& segments,
+                        torch::Tensor x);
+
+}  // namespace framefit::engine

@@ -1,0 +1,283 @@
+// Layer checkpointing: gradients exactly those of no checkpointing (chains of layers and ResNet
+// blocks with skips, BatchNorm and dropout), statistics updated once, the planner's choice
+// optimal and within its budget, and inside the chunked encoder.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <random>
+
+#include "framefit/engine/checkpoint.h"
+#include "framefit/engine/chunked.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/models/network.h"
+#include "framefit/models/resnet.h"
+
+using namespace framefit;
+using engine::ChainSegment;
+using models::LayerSpec;
+
+namespace {
+
+// Convolutions, BatchNorm, GroupNorm, dropout, pooling and a classifier: every kind of state a
+// recompute must get right.
+std::vector<LayerSpec> test_layers() {
+  std::vector<LayerSpec> l;
+  LayerSpec conv{"conv2d", "conv1"};
+  conv.out = 8;
+  conv.padding = {1};
+  l.push_back(conv);
+  l.push_back({"bn", "bn1"});
+  l.push_back({"relu"});
+  LayerSpec drop{"dropout", "drop1"};
+  drop.p = 0.3;
+  l.push_back(drop);
+  LayerSpec sep{"sepconv2d", "conv2"};
+  sep.out = 16;
+  sep.padding = {1};
+  l.push_back(sep);
+  LayerSpec gn{"gn", "gn2"};
+  gn.groups = 4;
+  l.push_back(gn);
+  l.push_back({"relu"});
+  l.push_back({"maxpool"});
+  LayerSpec conv3 = conv;
+  conv3.name = "conv3";
+  conv3.out = 16;
+  l.push_back(conv3);
+  l.push_back({"bn", "bn3"});
+  l.push_back({"relu"});
+  l.push_back({"global_avgpool"});
+  l.push_back({"flatten"});
+  LayerSpec fc{"linear", "fc"};
+  fc.out = 5;
+  l.push_back(fc);
+  return l;
+}
+
+// Parameters then buffers, copied.
+std::vector<torch::Tensor> snapshot(const torch::nn::Module& m) {
+  std::vector<torch::Tensor> s;
+  for (const auto& p : m.parameters()) s.push_back(p.detach().clone());
+  for (const auto& b : m.buffers()) s.push_back(b.clone());
+  return s;
+}
+
+struct Result {
+  torch::Tensor loss, input_grad;
+  std::vector<torch::Tensor> grads, buffers;
+};
+
+// One training forward and backward of `module` (chain `stages`) with `segments`, from a fixed
+// parameter state and seed.
+Result run(const std::shared_ptr<torch::nn::Module>& module,
+           const std::vector<engine::Stage>& stages, const std::vector<ChainSegment>& segments,
+           const torch::Tensor& input, const std::vector<torch::Tensor>& start) {
+  {
+    torch::NoGradGuard no_grad;  // the same parameters and statistics for every run
+    auto state = module->parameters();
+    const auto buffers = module->buffers();
+    state.insert(state.end(), buffers.begin(), buffers.end());
+    for (size_t i = 0; i < state.size(); ++i) state[i].copy_(start[i]);
+  }
+  module->zero_grad();
+  torch::manual_seed(123);
+  auto x = input.clone().requires_grad_(true);
+  auto out = engine::run_chain(stages, segments, x);
+  auto loss = (out * out).sum();
+  loss.backward();
+  Result r;
+  r.loss = loss.detach();
+  r.input_grad = x.grad().clone();
+  for (const auto& p : module->parameters()) r.grads.push_back(p.grad().clone());
+  for (const auto& b : module->buffers()) r.buffers.push_back(b.clone());
+  return r;
+}
+
+void expect_same(const Result& got, const Result& want, double tolerance, const std::string& what) {
+  EXPECT_LE((got.loss - want.loss).abs().item<double>(), tolerance) << what;
+  EXPECT_LE((got.input_grad - want.input_grad).abs().max().item<double>(), tolerance) << what;
+  ASSERT_EQ(got.grads.size(), want.grads.size());
+  for (size_t i = 0; i < got.grads.size(); ++i) {
+    const double scale = std::max(1.0, want.grads[i].abs().max().item<double>());
+    EXPECT_LE((got.grads[i] - want.grads[i]).abs().max().item<double>() / scale, tolerance)
+        << what << ": parameter " << i;
+  }
+  for (size_t i = 0; i < got.buffers.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(got.buffers[i].to(torch::kDouble),
+                                want.buffers[i].to(torch::kDouble), 0, tolerance))
+        << what << ": buffer " << i << " (BatchNorm statistics must be updated exactly once)";
+  }
+}
+
+}  // namespace
+
+TEST(Checkpoint, LayerChainGradientsEqualNoCheckpointingInFloat64) {
+  torch::manual_seed(0);
+  auto net = models::Network(models::NetworkOptions(test_layers(), {3, 12, 12}));
+  net->to(torch::kDouble);
+  net->train();
+  const auto stages = engine::network_stages(net.ptr());
+  const auto n = static_cast<int64_t>(stages.size());
+  const auto input = torch::randn({4, 3, 12, 12}, torch::kDouble);
+  const auto start = snapshot(*net);
+  const auto want = run(net.ptr(), stages, engine::store_all(n), input, start);
+  for (int64_t every : {int64_t{1}, int64_t{3}, n}) {
+    const auto got = run(net.ptr(), stages, engine::recompute_every(n, every), input, start);
+    expect_same(got, want, 1e-12, "every " + std::to_string(every));
+  }
+  // Mixed: stored, recomputed, stored, recomputed (dropout inside a recomputed segment).
+  const std::vector<ChainSegment> mixed = {
+      {0, 2, false}, {2, 6, true}, {6, 9, false}, {9, n, true}};
+  expect_same(run(net.ptr(), stages, mixed, input, start), want, 1e-12, "mixed");
+  // num_batches_tracked counted once per forward: one more than at the start, not two.
+  for (const auto& b : net->named_buffers()) {
+    if (b.key().find("num_batches_tracked") != std::string::npos) {
+      EXPECT_EQ(b.value().item<int64_t>(), 1) << b.key();
+    }
+  }
+}
+
+TEST(Checkpoint, ResNetBlocksWithSkipsFloat64AndFloat32) {
+  torch::manual_seed(1);
+  auto resnet = models::ResNet(models::ResNetOptions(18).num_classes(6));
+  resnet->train();
+  const auto stages = engine::resnet_stages(resnet.ptr());
+  const auto n = static_cast<int64_t>(stages.size());
+  EXPECT_EQ(n, 1 + 8 + 1);  // stem, eight BasicBlocks, pool+fc
+  for (auto dtype : {torch::kDouble, torch::kFloat}) {
+    resnet->to(dtype);
+    const auto input = torch::randn({2, 3, 32, 32}, dtype);
+    const auto start = snapshot(*resnet);
+    const auto want = run(resnet.ptr(), stages, engine::store_all(n), input, start);
+    const auto got = run(resnet.ptr(), stages, engine::recompute_every(n, 2), input, start);
+    expect_same(got, want, dtype == torch::kDouble ? 1e-10 : 1e-4,
+                dtype == torch::kDouble ? "float64" : "float32");
+  }
+}
+
+TEST(Checkpoint, InsideTheChunkedEncoderGradientsMatchNaive) {
+  torch::manual_seed(2);
+  auto resnet = models::ResNet(
+      models::ResNetOptions(18).num_classes(0).norm(models::NormKind::GroupNorm).groups(8));
+  resnet->to(torch::kDouble);
+  const auto stages = engine::resnet_stages(resnet.ptr());
+  const auto segments = engine::recompute_every(static_cast<int64_t>(stages.size()), 3);
+  const auto encoder =
+      engine::frame_encoder(resnet.ptr(), [stages, segments](const torch::Tensor& x) {
+        return engine::run_chain(stages, segments, x);
+      });
+  const auto frames = torch::randint(0, 256, {10, 3, 32, 32}, torch::kUInt8);
+  auto grads_for = [&](int64_t chunk) {
+    resnet->zero_grad();
+    engine::ChunkedOptions options;
+    options.chunk = chunk;
+    options.dtype = torch::kDouble;
+    auto features = engine::chunked_encode(encoder, frames, options);
+    features.pow(2).sum().backward();
+    std::vector<torch::Tensor> g;
+    for (const auto& p : resnet->parameters()) g.push_back(p.grad().clone());
+    return g;
+  };
+  const auto naive = grads_for(0);
+  const auto chunked = grads_for(4);
+  for (size_t i = 0; i < naive.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(chunked[i], naive[i], 1e-10, 1e-10)) << "parameter " << i;
+  }
+}
+
+TEST(Checkpoint, PlannerIsOptimalAgainstExhaustiveSearch) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int64_t> bytes(1 << 20, 40 << 20);
+  std::uniform_real_distribution<double> secs(0.01, 0.2);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int64_t n = 8;
+    std::vector<engine::StageCost> costs(n);
+    for (auto& c : costs) {
+      c.kept_bytes = bytes(rng);
+      c.output_bytes = bytes(rng) / 4;
+      c.seconds = secs(rng);
+    }
+    const auto all = engine::evaluate_chain(costs, engine::store_all(n));
+    const int64_t budget = all.predicted_bytes * (40 + trial * 2) / 100;
+    const auto plan = engine::plan_chain(costs, budget);
+    // Every partition into segments, each stored or recomputed: 3^(n-1)·2 ... enumerate by
+    // segment boundaries (2^(n-1)) and a recompute flag per segment.
+    double best = std::numeric_limits<double>::infinity();
+    int64_t least = std::numeric_limits<int64_t>::max();
+    const int64_t slack = n * (budget / 256 + 1);  // the DP rounds sizes up to 1/256 of the budget
+    for (uint32_t cuts = 0; cuts < (1u << (n - 1)); ++cuts) {
+      std::vector<ChainSegment> segs;
+      int64_t b = 0;
+      for (int64_t i = 1; i <= n; ++i) {
+        if (i == n || (cuts >> (i - 1)) & 1u) {
+          segs.push_back({b, i, false});
+          b = i;
+        }
+      }
+      for (uint32_t flags = 0; flags < (1u << segs.size()); ++flags) {
+        for (size_t k = 0; k < segs.size(); ++k) segs[k].recompute = (flags >> k) & 1u;
+        const auto p = engine::evaluate_chain(costs, segs);
+        least = std::min(least, p.predicted_bytes);
+        if (p.predicted_bytes <= budget - slack) best = std::min(best, p.recompute_seconds);
+      }
+    }
+    EXPECT_EQ(plan.minimum_bytes, least) << "trial " << trial;
+    if (least > budget) {
+      EXPECT_FALSE(plan.fits);
+      continue;
+    }
+    ASSERT_TRUE(plan.fits) << "trial " << trial;
+    EXPECT_LE(plan.predicted_bytes, budget);
+    EXPECT_EQ(engine::evaluate_chain(costs, plan.segments).predicted_bytes, plan.predicted_bytes);
+    EXPECT_LE(plan.recompute_seconds, best + 1e-12) << "trial " << trial;
+  }
+  // Plenty of memory: nothing recomputed.
+  std::vector<engine::StageCost> costs(4, {10, 2, 1.0});
+  const auto plan = engine::plan_chain(costs, 1 << 20);
+  EXPECT_TRUE(plan.fits);
+  EXPECT_EQ(plan.recomputed_stages(), 0);
+  EXPECT_FALSE(engine::plan_chain(costs, 1).fits);
+}
+
+TEST(Checkpoint, MeasuredPeakStaysWithinThePlannedBudget) {
+  torch::manual_seed(3);
+  auto net = models::Network(models::NetworkOptions(test_layers(), {3, 48, 48}));
+  net->train();
+  const auto stages = engine::network_stages(net.ptr());
+  const auto input = torch::randn({8, 3, 48, 48});
+  const auto costs = engine::measure_stages(stages, input);
+  const auto all =
+      engine::evaluate_chain(costs, engine::store_all(static_cast<int64_t>(costs.size())));
+  // Halfway between the least memory checkpointing reaches and none at all.
+  const int64_t least = engine::plan_chain(costs, 1).minimum_bytes;
+  ASSERT_LT(least, all.predicted_bytes * 3 / 4);
+  const int64_t budget = (least + all.predicted_bytes) / 2;
+  const auto plan = engine::plan_chain(costs, budget);
+  ASSERT_TRUE(plan.fits) << "minimum " << plan.minimum_bytes << " budget " << budget;
+  EXPECT_GT(plan.recomputed_stages(), 0);
+
+  auto& tracker = memory::Tracker::cpu();
+  auto measure = [&](const std::vector<ChainSegment>& segments) {
+    net->zero_grad();
+    for (auto& p : net->parameters()) p.mutable_grad() = torch::zeros_like(p);  // not counted
+    const int64_t base = tracker.current_bytes();
+    tracker.reset_peak();
+    auto out = engine::run_chain(stages, segments, input);
+    out.pow(2).sum().backward();
+    return tracker.peak_bytes() - base;
+  };
+  const int64_t planned = measure(plan.segments);
+  const int64_t plain = measure(engine::store_all(static_cast<int64_t>(stages.size())));
+  EXPECT_LE(planned, budget) << "plain " << plain;
+  EXPECT_LT(planned, plain);
+}
+
+TEST(Checkpoint, BadSegmentsAreRejected) {
+  auto net = models::Network(models::NetworkOptions(test_layers(), {3, 8, 8}));
+  const auto stages = engine::network_stages(net.ptr());
+  const auto x = torch::randn({1, 3, 8, 8});
+  EXPECT_THROW(engine::run_chain(stages, {{0, 3, true}}, x), c10::Error);
+  EXPECT_THROW(engine::run_chain(stages, {{1, static_cast<int64_t>(stages.size()), false}}, x),
+               c10::Error);
+  EXPECT_THROW(engine::recompute_every(4, 0), c10::Error);
+}
