@@ -1,10 +1,11 @@
-// VideoResNet (R3D-18, R(2+1)D-18): shapes, names, sizes without building, errors.
+// VideoResNet (R3D-18, R(2+1)D-18) and UNet: shapes, names, sizes without building, errors.
 // Parity with torchvision is in video_parity_test.cpp (slow).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "test_util.h"
 
+#include "framefit/models/unet.h"
 #include "framefit/models/video_resnet.h"
 #include "framefit/models/weights.h"
 
@@ -156,4 +157,134 @@ TEST(VideoResNet, BadInputIsExplained) {
   EXPECT_TRUE(contains(error_message([] { video_resnet_size(VideoResNetOptions("mc3_18")); }),
                        "use r3d_18 or r2plus1d_18"));
   EXPECT_EQ(to_string(parse_video_arch("r2plus1d_18")), "r2plus1d_18");
+}
+
+// ---------------------------------------------------------------------------------------------
+// UNet
+
+TEST(UNet, OutputShapes) {
+  torch::NoGradGuard no_grad;
+  for (bool bilinear : {false, true}) {
+    for (int64_t depth : {1, 3, 4}) {
+      UNet net(UNetOptions().in_channels(1).classes(5).width(8).depth(depth).bilinear(bilinear));
+      net->eval();
+      EXPECT_EQ(net->forward(torch::randn({2, 1, 32, 48})).sizes(),
+                (std::vector<int64_t>{2, 5, 32, 48}))
+          << "depth " << depth << " bilinear " << bilinear;
+    }
+  }
+  UNet flat(UNetOptions().width(4).depth(0));
+  flat->eval();
+  EXPECT_EQ(flat->forward(torch::randn({1, 3, 5, 7})).sizes(), (std::vector<int64_t>{1, 2, 5, 7}));
+}
+
+TEST(UNet, ReadableChildNames) {
+  const auto transposed = state_dict(*UNet(UNetOptions()));
+  for (const char* name :
+       {"down0.conv1.weight", "down0.norm1.running_mean", "down4.conv2.weight", "up0.upconv.weight",
+        "up0.upconv.bias", "up3.conv.norm2.bias", "out.weight", "out.bias"}) {
+    EXPECT_TRUE(has_key(transposed, name)) << name;
+  }
+  EXPECT_FALSE(has_key(transposed, "down5.conv1.weight"));
+  EXPECT_FALSE(has_key(transposed, "up4.conv.conv1.weight"));
+  EXPECT_FALSE(has_key(transposed, "down0.conv1.bias"));  // the norm carries the bias
+  const auto bilinear =
+      state_dict(*UNet(UNetOptions().bilinear(true).norm(NormKind::GroupNorm).depth(2)));
+  EXPECT_FALSE(has_key(bilinear, "up0.upconv.weight"));
+  EXPECT_FALSE(has_key(bilinear, "down0.norm1.running_mean"));
+  EXPECT_TRUE(has_key(bilinear, "up1.conv.conv1.weight"));
+}
+
+TEST(UNet, SizeWithoutBuildingMatchesTheModule) {
+  std::vector<UNetOptions> all = {
+      UNetOptions(),  // the classic 64-wide, depth-4 UNet: about 31 million parameters
+      UNetOptions().bilinear(true),
+      UNetOptions()
+          .in_channels(1)
+          .classes(7)
+          .width(16)
+          .depth(2)
+          .norm(NormKind::GroupNorm)
+          .groups(8),
+      UNetOptions().width(8).depth(5).bilinear(true).norm(NormKind::FrozenBatchNorm),
+      UNetOptions().width(4).depth(0),
+  };
+  for (const auto& options : all) {
+    UNet net(options);
+    const auto size = unet_size(options);
+    EXPECT_EQ(size.parameters, parameter_count(*net))
+        << "width " << options.width() << " depth " << options.depth();
+    const auto [elements, counters] = buffer_counts(*net);
+    EXPECT_EQ(size.buffer_elements, elements);
+    EXPECT_EQ(size.buffer_counters, counters);
+    EXPECT_EQ(size.size_multiple, int64_t{1} << options.depth());
+  }
+  // Same as the common reference implementation (milesial/Pytorch-UNet, transposed): 31,037,763
+  // with 3 inputs and 3 classes, whose convolutions also have no bias before BatchNorm.
+  EXPECT_EQ(unet_size(UNetOptions().classes(3)).parameters, 31037763);
+}
+
+TEST(UNet, BadInputIsExplained) {
+  UNet net(UNetOptions().width(8));
+  net->eval();
+  torch::NoGradGuard no_grad;
+  const auto size_error = error_message([&] { net->forward(torch::randn({1, 3, 60, 64})); });
+  EXPECT_TRUE(contains(size_error, "multiples of 16; got 60x64")) << size_error;
+  EXPECT_TRUE(contains(size_error, "64x64")) << size_error;
+  EXPECT_TRUE(contains(error_message([&] {
+                         net->forward(torch::randn({3, 64, 64}));
+                       }),
+                       "[N,3,H,W]"));
+  EXPECT_TRUE(contains(error_message([&] {
+                         net->forward(torch::randn({1, 1, 64, 64}));
+                       }),
+                       "3 input channels"));
+  EXPECT_TRUE(contains(error_message([&] {
+                         net->forward(torch::zeros({1, 3, 64, 64}, torch::kByte));
+                       }),
+                       "floating-point"));
+  EXPECT_TRUE(contains(
+      error_message([] { UNet(UNetOptions().width(8).norm(NormKind::GroupNorm).groups(32)); }),
+      "cannot split 8 channels"));
+  EXPECT_TRUE(contains(error_message([] { UNet(UNetOptions().depth(-1)); }), "depth"));
+  EXPECT_TRUE(contains(error_message([&] {
+                         net->encoder_stage(5, torch::randn({1, 3, 8, 8}));
+                       }),
+                       "outside [0, 4]"));
+}
+
+TEST(UNet, StagesComposeToForward) {
+  torch::NoGradGuard no_grad;
+  UNet net(UNetOptions().width(8).depth(3));
+  net->eval();
+  const auto x = torch::randn({1, 3, 32, 32});
+  std::vector<torch::Tensor> skips;
+  auto y = x;
+  for (int64_t i = 0; i < net->depth(); ++i) skips.push_back(y = net->encoder_stage(i, y));
+  y = net->encoder_stage(net->depth(), y);
+  EXPECT_EQ(y.sizes(), (std::vector<int64_t>{1, 64, 4, 4}));
+  for (int64_t j = 0; j < net->depth(); ++j) {
+    y = net->decoder_stage(j, y, skips[net->depth() - 1 - j]);
+  }
+  EXPECT_TRUE(torch::allclose(net->head(y), net->forward(x)));
+}
+
+TEST(UNet, GradientReachesEveryParameter) {
+  for (bool bilinear : {false, true}) {
+    UNet net(UNetOptions()
+                 .classes(3)
+                 .width(8)
+                 .depth(3)
+                 .bilinear(bilinear)
+                 .norm(bilinear ? NormKind::GroupNorm : NormKind::BatchNorm)
+                 .groups(4));
+    net->train();
+    const auto logits = net->forward(torch::randn({2, 3, 16, 24}));
+    const auto target = torch::randint(0, 3, {2, 16, 24}, torch::kLong);
+    torch::nn::functional::cross_entropy(logits, target).backward();
+    for (const auto& p : net->named_parameters()) {
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      EXPECT_GT(p.value().grad().abs().sum().item<double>(), 0.0) << p.key();
+    }
+  }
 }
