@@ -2,7 +2,8 @@
 
   reference.py make OUTDIR
       Random-weight resnet18/resnet50 state_dicts (saved as OrderedDicts, the usual way),
-      an input batch, and torchvision's logits and features for it, in eval mode.
+      an input batch, and torchvision's logits and features for it, in eval mode; the same for
+      the video models r3d_18/r2plus1d_18 with a small clip batch (video_input.pt).
   reference.py check-load ARCH WEIGHTS INPUT EXPECTED
       Loads a state_dict written by framefit into torchvision (strict), runs INPUT through it
       and compares with EXPECTED (framefit's output): exit 0 if within 1e-4 relative.
@@ -20,8 +21,16 @@ IMAGENET_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
 IMAGENET_STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
 
 
-def build(arch, num_classes=1000):
-    return getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
+VIDEO_ARCHS = ["r3d_18", "r2plus1d_18"]
+
+
+def build(arch, num_classes=None):
+    """Random-weight torchvision model; num_classes defaults to ImageNet's or Kinetics-400's."""
+    video = arch in VIDEO_ARCHS
+    if num_classes is None:
+        num_classes = 400 if video else 1000
+    models = torchvision.models.video if video else torchvision.models
+    return getattr(models, arch)(weights=None, num_classes=num_classes)
 
 
 def randomize(model, seed):
@@ -29,7 +38,7 @@ def randomize(model, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
+            if isinstance(m, (torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)):
                 m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
                 m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.1)
@@ -64,6 +73,19 @@ def make(outdir):
         with torch.no_grad():
             torch.save(model(x), f"{outdir}/{arch}_logits.pt")
             torch.save(features_of(model, x), f"{outdir}/{arch}_features.pt")
+        with open(f"{outdir}/{arch}_keys.txt", "w") as f:
+            f.write("\n".join(model.state_dict().keys()) + "\n")
+    # Clips [N,3,T,H,W]: small, so the 3D convolutions stay quick on two cores.
+    torch.manual_seed(5)
+    clips = torch.randn(2, 3, 4, 32, 32)
+    torch.save(clips, f"{outdir}/video_input.pt")
+    for i, arch in enumerate(VIDEO_ARCHS):
+        torch.manual_seed(i + 20)
+        model = randomize(build(arch), seed=i + 30).eval()
+        torch.save(model.state_dict(), f"{outdir}/{arch}.pt")
+        with torch.no_grad():
+            torch.save(model(clips), f"{outdir}/{arch}_logits.pt")
+            torch.save(features_of(model, clips), f"{outdir}/{arch}_features.pt")
         with open(f"{outdir}/{arch}_keys.txt", "w") as f:
             f.write("\n".join(model.state_dict().keys()) + "\n")
     print(f"reference data written to {outdir}")

@@ -1,0 +1,290 @@
+// VideoResNet (R3D-18, R(2+1)D-18) and UNet: shapes, names, sizes without building, errors.
+// Parity with torchvision is in video_parity_test.cpp (slow).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "test_util.h"
+
+#include "framefit/models/unet.h"
+#include "framefit/models/video_resnet.h"
+#include "framefit/models/weights.h"
+
+using namespace framefit::models;
+using framefit::test_util::error_message;
+
+namespace {
+bool has_key(const StateDict& state, const std::string& name) {
+  for (const auto& [key, value] : state) {
+    if (key == name) return true;
+  }
+  return false;
+}
+
+int64_t parameter_count(torch::nn::Module& module) {
+  int64_t n = 0;
+  for (const auto& p : module.parameters()) n += p.numel();
+  return n;
+}
+
+// Float buffer elements and int64 counters, as the size functions count them.
+std::pair<int64_t, int64_t> buffer_counts(torch::nn::Module& module) {
+  int64_t elements = 0, counters = 0;
+  for (const auto& b : module.buffers()) {
+    (b.scalar_type() == torch::kLong ? counters : elements) += b.numel();
+  }
+  return {elements, counters};
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+const char* kVideoArchs[] = {"r3d_18", "r2plus1d_18"};
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// VideoResNet
+
+TEST(VideoResNet, LogitAndFeatureShapes) {
+  torch::NoGradGuard no_grad;
+  // Small, odd T and non-square frames (padded as in torchvision); a forward pass takes about a
+  // second on CPU whatever the input, so the test makes few.
+  const auto x = torch::randn({2, 3, 3, 16, 24});
+  for (const char* arch : kVideoArchs) {
+    VideoResNet classifier(VideoResNetOptions(arch).num_classes(7));
+    classifier->eval();
+    EXPECT_EQ(classifier->forward(x).sizes(), (std::vector<int64_t>{2, 7})) << arch;
+    VideoResNet encoder(VideoResNetOptions(arch).num_classes(0));
+    EXPECT_FALSE(encoder->fc);
+    LoadOptions ignore_fc;
+    ignore_fc.ignore_prefixes = {"fc."};
+    ASSERT_TRUE(load_state_dict(*encoder, state_dict(*classifier), ignore_fc).complete());
+    encoder->eval();
+    const auto features = encoder->forward(x);
+    EXPECT_EQ(features.sizes(), (std::vector<int64_t>{2, 512})) << arch;
+    EXPECT_TRUE(torch::allclose(features, classifier->features(x))) << arch;
+  }
+}
+
+TEST(VideoResNet, BlocksComposeToForward) {
+  torch::NoGradGuard no_grad;
+  VideoResNet net(VideoResNetOptions("r2plus1d_18").num_classes(5));
+  net->eval();
+  const auto names = net->block_names();
+  ASSERT_EQ(names.size(), 10u);
+  EXPECT_EQ(names.front(), "stem");
+  EXPECT_EQ(names[1], "layer1.0");
+  EXPECT_EQ(names[8], "layer4.1");
+  EXPECT_EQ(names.back(), "head");
+  const auto x = torch::randn({1, 3, 2, 16, 16});
+  auto y = x;
+  for (int64_t begin : {0, 1, 4, 9}) {
+    const int64_t end = begin == 0 ? 1 : begin == 1 ? 4 : begin == 4 ? 9 : 10;
+    y = net->forward_blocks(y, begin, end);
+  }
+  EXPECT_TRUE(torch::allclose(y, net->forward(x)));
+  EXPECT_TRUE(contains(error_message([&] { net->forward_blocks(x, 3, 11); }), "outside the 10"));
+}
+
+TEST(VideoResNet, TorchvisionNames) {
+  const auto r3d = state_dict(*VideoResNet(VideoResNetOptions("r3d_18")));
+  EXPECT_EQ(r3d.size(), 122u);  // torchvision's r3d_18().state_dict() has 122 entries
+  for (const char* name :
+       {"stem.0.weight", "stem.1.running_mean", "stem.1.num_batches_tracked",
+        "layer1.0.conv1.0.weight", "layer1.0.conv1.1.weight", "layer1.1.conv2.1.running_var",
+        "layer2.0.downsample.0.weight", "layer2.0.downsample.1.bias", "layer4.1.conv2.0.weight",
+        "fc.weight", "fc.bias"}) {
+    EXPECT_TRUE(has_key(r3d, name)) << name;
+  }
+  EXPECT_FALSE(has_key(r3d, "layer1.0.downsample.0.weight"));
+  const auto r21 = state_dict(*VideoResNet(VideoResNetOptions("r2plus1d_18")));
+  EXPECT_EQ(r21.size(), 224u);
+  for (const char* name :
+       {"stem.0.weight", "stem.3.weight", "stem.4.running_mean", "layer1.0.conv1.0.0.weight",
+        "layer1.0.conv1.0.1.running_mean", "layer1.0.conv1.0.3.weight", "layer1.0.conv1.1.weight",
+        "layer3.1.conv2.0.3.weight", "layer4.0.downsample.0.weight"}) {
+    EXPECT_TRUE(has_key(r21, name)) << name;
+  }
+  EXPECT_FALSE(
+      has_key(state_dict(*VideoResNet(VideoResNetOptions("r3d_18").num_classes(0))), "fc.weight"));
+}
+
+TEST(VideoResNet, SizeWithoutBuildingMatchesTheModule) {
+  for (const char* arch : kVideoArchs) {
+    for (int64_t classes : {400, 7, 0}) {
+      const auto options = VideoResNetOptions(arch).num_classes(classes);
+      VideoResNet net(options);
+      const auto size = video_resnet_size(options);
+      EXPECT_EQ(size.parameters, parameter_count(*net)) << arch << " " << classes;
+      const auto [elements, counters] = buffer_counts(*net);
+      EXPECT_EQ(size.buffer_elements, elements) << arch;
+      EXPECT_EQ(size.buffer_counters, counters) << arch;
+      EXPECT_EQ(size.feature_dim, 512);
+      EXPECT_EQ(size.min_input_size, net->min_input_size());
+    }
+  }
+  // torchvision's published num_params for the Kinetics-400 models.
+  EXPECT_EQ(video_resnet_size(VideoResNetOptions("r3d_18")).parameters, 33371472);
+  EXPECT_EQ(video_resnet_size(VideoResNetOptions("r2plus1d_18")).parameters, 31505325);
+}
+
+TEST(VideoResNet, BadInputIsExplained) {
+  VideoResNet net(VideoResNetOptions("r3d_18").num_classes(3));
+  net->eval();
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(contains(error_message([&] {
+                         net->forward(torch::randn({4, 3, 32, 32}));
+                       }),
+                       "[N,3,T,H,W]"));
+  EXPECT_TRUE(contains(error_message([&] {
+                         net->forward(torch::randn({1, 4, 3, 32, 32}));
+                       }),
+                       "permute({0,2,1,3,4})"));
+  EXPECT_TRUE(contains(error_message([&] {
+                         net->forward(torch::zeros({1, 3, 4, 32, 32}, torch::kByte));
+                       }),
+                       "floating-point"));
+  EXPECT_TRUE(contains(error_message([&] {
+                         net->forward(torch::randn({1, 3, 4, 8, 16}));
+                       }),
+                       "must be at least 16"));
+  EXPECT_TRUE(contains(error_message([&] {
+                         net->forward(torch::randn({1, 3, 0, 16, 16}));
+                       }),
+                       "at least one frame"));
+  EXPECT_TRUE(contains(error_message([] { VideoResNet(VideoResNetOptions("r3d_50")); }),
+                       "use r3d_18 or r2plus1d_18"));
+  EXPECT_TRUE(contains(error_message([] { video_resnet_size(VideoResNetOptions("mc3_18")); }),
+                       "use r3d_18 or r2plus1d_18"));
+  EXPECT_EQ(to_string(parse_video_arch("r2plus1d_18")), "r2plus1d_18");
+}
+
+// ---------------------------------------------------------------------------------------------
+// UNet
+
+TEST(UNet, OutputShapes) {
+  torch::NoGradGuard no_grad;
+  for (bool bilinear : {false, true}) {
+    for (int64_t depth : {1, 3, 4}) {
+      UNet net(UNetOptions().in_channels(1).classes(5).width(8).depth(depth).bilinear(bilinear));
+      net->eval();
+      EXPECT_EQ(net->forward(torch::randn({2, 1, 32, 48})).sizes(),
+                (std::vector<int64_t>{2, 5, 32, 48}))
+          << "depth " << depth << " bilinear " << bilinear;
+    }
+  }
+  UNet flat(UNetOptions().width(4).depth(0));
+  flat->eval();
+  EXPECT_EQ(flat->forward(torch::randn({1, 3, 5, 7})).sizes(), (std::vector<int64_t>{1, 2, 5, 7}));
+}
+
+TEST(UNet, ReadableChildNames) {
+  const auto transposed = state_dict(*UNet(UNetOptions()));
+  for (const char* name :
+       {"down0.conv1.weight", "down0.norm1.running_mean", "down4.conv2.weight", "up0.upconv.weight",
+        "up0.upconv.bias", "up3.conv.norm2.bias", "out.weight", "out.bias"}) {
+    EXPECT_TRUE(has_key(transposed, name)) << name;
+  }
+  EXPECT_FALSE(has_key(transposed, "down5.conv1.weight"));
+  EXPECT_FALSE(has_key(transposed, "up4.conv.conv1.weight"));
+  EXPECT_FALSE(has_key(transposed, "down0.conv1.bias"));  // the norm carries the bias
+  const auto bilinear =
+      state_dict(*UNet(UNetOptions().bilinear(true).norm(NormKind::GroupNorm).depth(2)));
+  EXPECT_FALSE(has_key(bilinear, "up0.upconv.weight"));
+  EXPECT_FALSE(has_key(bilinear, "down0.norm1.running_mean"));
+  EXPECT_TRUE(has_key(bilinear, "up1.conv.conv1.weight"));
+}
+
+TEST(UNet, SizeWithoutBuildingMatchesTheModule) {
+  std::vector<UNetOptions> all = {
+      UNetOptions(),  // the classic 64-wide, depth-4 UNet: about 31 million parameters
+      UNetOptions().bilinear(true),
+      UNetOptions()
+          .in_channels(1)
+          .classes(7)
+          .width(16)
+          .depth(2)
+          .norm(NormKind::GroupNorm)
+          .groups(8),
+      UNetOptions().width(8).depth(5).bilinear(true).norm(NormKind::FrozenBatchNorm),
+      UNetOptions().width(4).depth(0),
+  };
+  for (const auto& options : all) {
+    UNet net(options);
+    const auto size = unet_size(options);
+    EXPECT_EQ(size.parameters, parameter_count(*net))
+        << "width " << options.width() << " depth " << options.depth();
+    const auto [elements, counters] = buffer_counts(*net);
+    EXPECT_EQ(size.buffer_elements, elements);
+    EXPECT_EQ(size.buffer_counters, counters);
+    EXPECT_EQ(size.size_multiple, int64_t{1} << options.depth());
+  }
+  // Same as the common reference implementation (milesial/Pytorch-UNet, transposed): 31,037,763
+  // with 3 inputs and 3 classes, whose convolutions also have no bias before BatchNorm.
+  EXPECT_EQ(unet_size(UNetOptions().classes(3)).parameters, 31037763);
+}
+
+TEST(UNet, BadInputIsExplained) {
+  UNet net(UNetOptions().width(8));
+  net->eval();
+  torch::NoGradGuard no_grad;
+  const auto size_error = error_message([&] { net->forward(torch::randn({1, 3, 60, 64})); });
+  EXPECT_TRUE(contains(size_error, "multiples of 16; got 60x64")) << size_error;
+  EXPECT_TRUE(contains(size_error, "64x64")) << size_error;
+  EXPECT_TRUE(contains(error_message([&] {
+                         net->forward(torch::randn({3, 64, 64}));
+                       }),
+                       "[N,3,H,W]"));
+  EXPECT_TRUE(contains(error_message([&] {
+                         net->forward(torch::randn({1, 1, 64, 64}));
+                       }),
+                       "3 input channels"));
+  EXPECT_TRUE(contains(error_message([&] {
+                         net->forward(torch::zeros({1, 3, 64, 64}, torch::kByte));
+                       }),
+                       "floating-point"));
+  EXPECT_TRUE(contains(
+      error_message([] { UNet(UNetOptions().width(8).norm(NormKind::GroupNorm).groups(32)); }),
+      "cannot split 8 channels"));
+  EXPECT_TRUE(contains(error_message([] { UNet(UNetOptions().depth(-1)); }), "depth"));
+  EXPECT_TRUE(contains(error_message([&] {
+                         net->encoder_stage(5, torch::randn({1, 3, 8, 8}));
+                       }),
+                       "outside [0, 4]"));
+}
+
+TEST(UNet, StagesComposeToForward) {
+  torch::NoGradGuard no_grad;
+  UNet net(UNetOptions().width(8).depth(3));
+  net->eval();
+  const auto x = torch::randn({1, 3, 32, 32});
+  std::vector<torch::Tensor> skips;
+  auto y = x;
+  for (int64_t i = 0; i < net->depth(); ++i) skips.push_back(y = net->encoder_stage(i, y));
+  y = net->encoder_stage(net->depth(), y);
+  EXPECT_EQ(y.sizes(), (std::vector<int64_t>{1, 64, 4, 4}));
+  for (int64_t j = 0; j < net->depth(); ++j) {
+    y = net->decoder_stage(j, y, skips[net->depth() - 1 - j]);
+  }
+  EXPECT_TRUE(torch::allclose(net->head(y), net->forward(x)));
+}
+
+TEST(UNet, GradientReachesEveryParameter) {
+  for (bool bilinear : {false, true}) {
+    UNet net(UNetOptions()
+                 .classes(3)
+                 .width(8)
+                 .depth(3)
+                 .bilinear(bilinear)
+                 .norm(bilinear ? NormKind::GroupNorm : NormKind::BatchNorm)
+                 .groups(4));
+    net->train();
+    const auto logits = net->forward(torch::randn({2, 3, 16, 24}));
+    const auto target = torch::randint(0, 3, {2, 16, 24}, torch::kLong);
+    torch::nn::functional::cross_entropy(logits, target).backward();
+    for (const auto& p : net->named_parameters()) {
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      EXPECT_GT(p.value().grad().abs().sum().item<double>(), 0.0) << p.key();
+    }
+  }
+}
