@@ -11,6 +11,7 @@
 #include "framefit/memory/tracker.h"
 #include "framefit/models/network.h"
 #include "framefit/models/resnet.h"
+#include "framefit/models/unet.h"
 #include "replay.h"
 
 namespace framefit::engine {
@@ -82,28 +83,30 @@ std::vector<Stage> network_stages(const std::shared_ptr<models::NetworkImpl>& ne
 namespace {
 
 struct CheckpointState : torch::CustomClassHolder {
-  Stage stage;
+  MultiStage stage;
   detail::RngState rng;
   AutocastState autocast;
-  bool input_requires_grad = false;
+  std::vector<bool> input_requires_grad;
 };
 
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx,
-                               c10::intrusive_ptr<CheckpointState> state, torch::Tensor input,
+                               c10::intrusive_ptr<CheckpointState> state, at::TensorList inputs,
                                at::TensorList parameters) {
-    state->rng = detail::RngState::capture(input.device());
+    state->rng = detail::RngState::capture(inputs.front().device());
     state->autocast = AutocastState::current();
     torch::Tensor out;
     {
       torch::NoGradGuard no_grad;
-      out = state->stage.forward(input);
+      out = state->stage.forward(inputs.vec());
     }
     // Weight casts cached by autocast under no-grad carry no grad_fn: never reuse them.
     at::autocast::clear_cache();
-    if (out.is_alias_of(input)) out = out.clone();  // an output may not view the saved input
-    ctx->save_for_backward({input});
+    for (const auto& input : inputs) {
+      if (out.is_alias_of(input)) out = out.clone();  // an output may not view a saved input
+    }
+    ctx->save_for_backward(inputs.vec());
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
     return out;
   }
@@ -113,12 +116,11 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     auto state =
         c10::static_intrusive_pointer_cast<CheckpointState>(ctx->saved_data["state"].toCapsule());
     auto& s = *state;
-    const auto input = ctx->get_saved_variables().at(0);
-    std::vector<torch::Tensor> wrt;
-    auto x = input.detach();
-    if (s.input_requires_grad) {
-      x.requires_grad_(true);
-      wrt.push_back(x);
+    const auto saved = ctx->get_saved_variables();
+    std::vector<torch::Tensor> inputs, wrt;
+    for (size_t i = 0; i < saved.size(); ++i) {
+      inputs.push_back(saved[i].detach());
+      if (s.input_requires_grad[i]) wrt.push_back(inputs.back().requires_grad_(true));
     }
     wrt.insert(wrt.end(), s.stage.parameters.begin(), s.stage.parameters.end());
     torch::autograd::variable_list grads;
@@ -128,16 +130,18 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       AutocastGuard autocast(s.autocast);
       torch::AutoGradMode grad_mode(true);
       at::autocast::clear_cache();
-      auto out = s.stage.forward(x);
+      auto out = s.stage.forward(inputs);
       const auto& grad = grad_outputs.at(0);
       grads = torch::autograd::grad({out}, wrt, {grad.to(out.scalar_type())},
                                     /*retain_graph=*/false, /*create_graph=*/false,
                                     /*allow_unused=*/true);
     }
-    // One entry per forward argument: the state, the input, then each parameter.
+    // One entry per forward argument, lists flattened: the state, each input, each parameter.
     torch::autograd::variable_list result{torch::Tensor()};
     size_t next = 0;
-    result.push_back(s.input_requires_grad ? grads[next++] : torch::Tensor());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      result.push_back(s.input_requires_grad[i] ? grads[next++] : torch::Tensor());
+    }
     for (size_t p = 0; p < s.stage.parameters.size(); ++p) result.push_back(grads[next++]);
     return result;
   }
@@ -165,15 +169,28 @@ Stage merge(const std::vector<Stage>& stages, int64_t begin, int64_t end) {
 
 }  // namespace
 
-torch::Tensor checkpoint(const Stage& stage, const torch::Tensor& input) {
+torch::Tensor checkpoint(const MultiStage& stage, const std::vector<torch::Tensor>& inputs) {
   TORCH_CHECK(stage.forward, "checkpoint: stage ", stage.name, " has no forward function");
+  TORCH_CHECK(!inputs.empty(), "checkpoint: stage ", stage.name, " has no input");
+  bool any_input_grad = false;
+  for (const auto& x : inputs) any_input_grad = any_input_grad || x.requires_grad();
   const bool differentiable =
-      torch::GradMode::is_enabled() && (input.requires_grad() || !stage.parameters.empty());
-  if (!differentiable) return stage.forward(input);
+      torch::GradMode::is_enabled() && (any_input_grad || !stage.parameters.empty());
+  if (!differentiable) return stage.forward(inputs);
   auto state = c10::make_intrusive<CheckpointState>();
   state->stage = stage;
-  state->input_requires_grad = input.requires_grad();
-  return CheckpointFunction::apply(state, input, at::TensorList(stage.parameters));
+  for (const auto& x : inputs) state->input_requires_grad.push_back(x.requires_grad());
+  return CheckpointFunction::apply(state, at::TensorList(inputs), at::TensorList(stage.parameters));
+}
+
+torch::Tensor checkpoint(const Stage& stage, const torch::Tensor& input) {
+  TORCH_CHECK(stage.forward, "checkpoint: stage ", stage.name, " has no forward function");
+  MultiStage multi;
+  multi.name = stage.name;
+  multi.forward = [f = stage.forward](const std::vector<torch::Tensor>& x) { return f(x[0]); };
+  multi.parameters = stage.parameters;
+  multi.buffers = stage.buffers;
+  return checkpoint(multi, {input});
 }
 
 torch::Tensor run_chain(const std::vector<Stage>& stages, const std::vector<ChainSegment>& segments,
@@ -289,18 +306,22 @@ ChainPlan evaluate_chain(const std::vector<StageCost>& costs, std::vector<ChainS
   return plan;
 }
 
-ChainPlan plan_chain(const std::vector<StageCost>& costs, int64_t budget_bytes) {
+ChainPlan plan_chain(const std::vector<StageCost>& costs, int64_t budget_bytes,
+                     int64_t max_segment_stages) {
   TORCH_CHECK(!costs.empty(), "plan_chain: no stages");
   TORCH_CHECK(budget_bytes >= 0, "plan_chain: the budget must not be negative");
   const auto n = static_cast<int64_t>(costs.size());
   const Prefix prefix(costs);
   const int64_t transient = transient_bytes(costs);
+  const int64_t longest = max_segment_stages > 0 ? max_segment_stages : n;
 
   // The least memory any plan reaches: for each cap on the recomputed segment, the cheapest
   // cover in kept bytes (exact, O(n^2) per cap).
   std::vector<int64_t> caps = {0};
   for (int64_t b = 0; b < n; ++b) {
-    for (int64_t e = b + 1; e <= n; ++e) caps.push_back(prefix.segment_kept(b, e));
+    for (int64_t e = b + 1; e <= std::min(n, b + longest); ++e) {
+      caps.push_back(prefix.segment_kept(b, e));
+    }
   }
   std::sort(caps.begin(), caps.end());
   caps.erase(std::unique(caps.begin(), caps.end()), caps.end());
@@ -314,7 +335,8 @@ ChainPlan plan_chain(const std::vector<StageCost>& costs, int64_t budget_bytes) 
       if (best[i] >= inf) continue;
       const int64_t store = best[i] + costs[i].kept_bytes;
       if (store < best[i + 1]) best[i + 1] = store, from[i + 1] = i, recompute[i + 1] = false;
-      for (int64_t e = i + 1; e <= n && prefix.segment_kept(i, e) <= cap; ++e) {
+      for (int64_t e = i + 1; e <= std::min(n, i + longest) && prefix.segment_kept(i, e) <= cap;
+           ++e) {
         const int64_t v = best[i] + costs[e - 1].output_bytes;
         if (v < best[e]) best[e] = v, from[e] = i, recompute[e] = true;
       }
@@ -384,7 +406,8 @@ ChainPlan plan_chain(const std::vector<StageCost>& costs, int64_t budget_bytes) 
           time[i + 1][stored] = time[i][m];
           from[i + 1][stored] = {i, m, false};
         }
-        for (int64_t e = i + 1; e <= n && prefix.segment_kept(i, e) <= cap; ++e) {
+        for (int64_t e = i + 1; e <= std::min(n, i + longest) && prefix.segment_kept(i, e) <= cap;
+             ++e) {
           const int64_t kept = m + units(costs[e - 1].output_bytes);
           const double t = time[i][m] + prefix.segment_seconds(i, e);
           if (kept <= room && t < time[e][kept]) {
@@ -424,6 +447,72 @@ ChainPlan plan_chain(const std::vector<StageCost>& costs, int64_t budget_bytes) 
   best_plan.fits = best_plan.predicted_bytes <= budget_bytes;
   best_plan.minimum_bytes = minimum;
   return best_plan;
+}
+
+std::vector<bool> recomputed(const ChainPlan& plan) {
+  std::vector<bool> flags;
+  for (const auto& s : plan.segments) flags.insert(flags.end(), s.end - s.begin, s.recompute);
+  return flags;
+}
+
+std::vector<std::string> unet_stage_names(const models::UNetImpl& unet) {
+  std::vector<std::string> names;
+  for (int64_t i = 0; i <= unet.depth(); ++i) names.push_back("down" + std::to_string(i));
+  for (int64_t j = 0; j < unet.depth(); ++j) names.push_back("up" + std::to_string(j));
+  names.push_back("out");
+  return names;
+}
+
+torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const torch::Tensor& x,
+                           const std::vector<bool>& recompute, std::vector<StageCost>* costs) {
+  TORCH_CHECK(unet != nullptr, "unet_forward: no UNet");
+  const auto names = unet_stage_names(*unet);
+  TORCH_CHECK(recompute.empty() || recompute.size() == names.size(),
+              "unet_forward: ", recompute.size(), " recompute flags for the ", names.size(),
+              " stages of this UNet");
+  TORCH_CHECK(costs == nullptr || recompute.empty(),
+              "unet_forward: measure costs without checkpointing");
+  const int64_t depth = unet->depth();
+  auto& tracker = memory::Tracker::of(x.device());
+  size_t index = 0;
+  // Runs stage `index` over `inputs`, checkpointed when flagged, measured when asked.
+  const auto run = [&](const torch::nn::Module& module,
+                       std::function<torch::Tensor(const std::vector<torch::Tensor>&)> forward,
+                       const std::vector<torch::Tensor>& inputs) {
+    const size_t i = index++;
+    if (!recompute.empty() && recompute[i]) {
+      const auto stage = make_stage(names[i], module, {});
+      return checkpoint(MultiStage{names[i], std::move(forward), stage.parameters, stage.buffers},
+                        inputs);
+    }
+    if (costs == nullptr) return forward(inputs);
+    const int64_t before = tracker.current_bytes();
+    const auto start = std::chrono::steady_clock::now();
+    auto y = forward(inputs);
+    if (y.is_cuda()) torch::cuda::synchronize();
+    costs->push_back(
+        {std::max<int64_t>(0, tracker.current_bytes() - before), static_cast<int64_t>(y.nbytes()),
+         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()});
+    return y;
+  };
+  std::vector<torch::Tensor> skips;
+  auto h = x;
+  for (int64_t i = 0; i <= depth; ++i) {
+    h = run(
+        *unet->down[static_cast<size_t>(i)],
+        [unet, i](const std::vector<torch::Tensor>& in) { return unet->encoder_stage(i, in[0]); },
+        {h});
+    if (i < depth) skips.push_back(h);
+  }
+  for (int64_t j = 0; j < depth; ++j) {
+    h = run(*unet->up[static_cast<size_t>(j)],
+            [unet, j](const std::vector<torch::Tensor>& in) {
+              return unet->decoder_stage(j, in[0], in[1]);
+            },
+            {h, skips[static_cast<size_t>(depth - 1 - j)]});
+  }
+  return run(*unet->out, [unet](const std::vector<torch::Tensor>& in) { return unet->head(in[0]); },
+             {h});
 }
 
 }  // namespace framefit::engine

@@ -11,6 +11,7 @@
 #include "framefit/memory/tracker.h"
 #include "framefit/models/network.h"
 #include "framefit/models/resnet.h"
+#include "framefit/models/unet.h"
 
 using namespace framefit;
 using engine::ChainSegment;
@@ -153,6 +154,43 @@ TEST(Checkpoint, ResNetBlocksWithSkipsFloat64AndFloat32) {
     expect_same(got, want, dtype == torch::kDouble ? 1e-10 : 1e-4,
                 dtype == torch::kDouble ? "float64" : "float32");
   }
+}
+
+TEST(Checkpoint, UNetStagesWithSkipConnections) {
+  torch::manual_seed(4);
+  auto unet = models::UNet(models::UNetOptions().in_channels(3).classes(3).width(4).depth(2));
+  unet->to(torch::kDouble);
+  unet->train();
+  const auto names = engine::unet_stage_names(*unet);
+  ASSERT_EQ(names.size(), 3u + 2u + 1u);
+  const auto input = torch::randn({2, 3, 16, 16}, torch::kDouble);
+  const auto start = snapshot(*unet);
+  auto pass = [&](const std::vector<bool>& recompute) {
+    {
+      torch::NoGradGuard no_grad;
+      auto state = unet->parameters();
+      const auto buffers = unet->buffers();
+      state.insert(state.end(), buffers.begin(), buffers.end());
+      for (size_t i = 0; i < state.size(); ++i) state[i].copy_(start[i]);
+    }
+    unet->zero_grad();
+    auto x = input.clone().requires_grad_(true);
+    auto out = engine::unet_forward(unet.ptr(), x, recompute);
+    out.pow(2).sum().backward();
+    Result r;
+    r.loss = out.pow(2).sum().detach();
+    r.input_grad = x.grad().clone();
+    for (const auto& p : unet->parameters()) r.grads.push_back(p.grad().clone());
+    for (const auto& b : unet->buffers()) r.buffers.push_back(b.clone());
+    return r;
+  };
+  const auto want = pass({});
+  expect_same(pass(std::vector<bool>(names.size(), true)), want, 1e-12, "every stage");
+  expect_same(pass({true, false, true, false, true, false}), want, 1e-12, "alternate stages");
+  // unet_forward without checkpointing is the module's forward.
+  torch::NoGradGuard no_grad;
+  unet->eval();
+  EXPECT_TRUE(torch::equal(engine::unet_forward(unet.ptr(), input, {}), unet->forward(input)));
 }
 
 TEST(Checkpoint, InsideTheChunkedEncoderGradientsMatchNaive) {

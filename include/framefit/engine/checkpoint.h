@@ -21,6 +21,7 @@
 namespace framefit::models {
 class ResNetImpl;
 class NetworkImpl;
+class UNetImpl;
 }  // namespace framefit::models
 
 namespace framefit::engine {
@@ -44,6 +45,15 @@ std::vector<Stage> network_stages(const std::shared_ptr<models::NetworkImpl>& ne
 // Runs `stage` on `input` keeping only the input; backward runs it again with grad. Without
 // grad mode (or nothing to differentiate) it is just stage.forward(input).
 torch::Tensor checkpoint(const Stage& stage, const torch::Tensor& input);
+
+// A stage of several inputs, such as a UNet decoder stage (upsampled input and skip).
+struct MultiStage {
+  std::string name;
+  std::function<torch::Tensor(const std::vector<torch::Tensor>&)> forward;
+  std::vector<torch::Tensor> parameters;
+  std::vector<torch::Tensor> buffers;
+};
+torch::Tensor checkpoint(const MultiStage& stage, const std::vector<torch::Tensor>& inputs);
 
 // What one stage costs, measured by running the chain once with grad on the device of the
 // input: bytes the stage leaves allocated (its output and what its graph saves), its output's
@@ -76,13 +86,27 @@ struct ChainPlan {
 
 // The plan with the least recompute time whose activation memory fits `budget_bytes` (0: no
 // budget, nothing recomputed). When none fits, fits is false and the plan is the one with the
-// least memory.
-ChainPlan plan_chain(const std::vector<StageCost>& costs, int64_t budget_bytes);
+// least memory. `max_segment_stages` > 0 limits how many stages one recomputed segment spans
+// (1 for networks that are not a chain, such as a UNet: each stage recomputed on its own).
+ChainPlan plan_chain(const std::vector<StageCost>& costs, int64_t budget_bytes,
+                     int64_t max_segment_stages = 0);
 // The activation memory and recompute time of a given plan under the same model.
 ChainPlan evaluate_chain(const std::vector<StageCost>& costs, std::vector<ChainSegment> segments);
 // Every stage stored (no checkpointing), or every `every` stages one recomputed segment.
 std::vector<ChainSegment> store_all(int64_t stages);
 std::vector<ChainSegment> recompute_every(int64_t stages, int64_t every);
+
+// Per stage: whether the plan recomputes it.
+std::vector<bool> recomputed(const ChainPlan& plan);
+
+// A UNet's stages in forward order (down0..down<depth>, up0..up<depth-1>, out), run with the
+// stages flagged in `recompute` checkpointed (empty: none). The skip connections stay as they
+// are: each stage's output is kept, its insides are recomputed. With `costs` given, each
+// stage's cost is measured on the way (plain, no checkpointing allowed).
+std::vector<std::string> unet_stage_names(const models::UNetImpl& unet);
+torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const torch::Tensor& x,
+                           const std::vector<bool>& recompute,
+                           std::vector<StageCost>* costs = nullptr);
 
 // Runs the chain with the plan's segments (recomputed ones through checkpoint()).
 torch::Tensor run_chain(const std::vector<Stage>& stages, const std::vector<ChainSegment>& segments,
