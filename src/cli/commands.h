@@ -18,6 +18,7 @@ int run_eval(const Args& args);
 int run_predict(const Args& args);
 int run_export(const Args& args);
 int run_bench_data(const Args& args);
+int run_bench_layers(const Args& args);
 
 // Shared by the commands that plan (plan.cpp).
 plan::ModelSpec model_spec(const Args& args);

@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
       {"bench-memory", cli::run_bench_memory},
       {"plan", cli::run_plan},
       {"doctor", cli::run_doctor},
+      {"bench-layers", cli::run_bench_layers},
       {"make-demo", cli::run_make_demo},
       {"train", cli::run_train},
       {"eval", cli::run_eval},

@@ -12,6 +12,7 @@
 #include "framefit/models/network.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/unet.h"
+#include "framefit/models/video_resnet.h"
 #include "replay.h"
 
 namespace framefit::engine {
@@ -80,7 +81,38 @@ std::vector<Stage> network_stages(const std::shared_ptr<models::NetworkImpl>& ne
   return stages;
 }
 
+std::vector<Stage> video_resnet_stages(const std::shared_ptr<models::VideoResNetImpl>& video) {
+  TORCH_CHECK(video != nullptr, "video_resnet_stages: no model");
+  const auto names = video->block_names();
+  std::vector<Stage> stages;
+  for (size_t i = 0; i < names.size(); ++i) {
+    Stage stage;
+    stage.name = names[i];
+    const auto b = static_cast<int64_t>(i);
+    stage.forward = [video, b](const torch::Tensor& x) {
+      return video->forward_blocks(x, b, b + 1);
+    };
+    // The block's parameters by name: "layer2.1." is block layer2.1, "fc." the head's.
+    const std::string prefix = names[i] == "head" ? "fc." : names[i] + ".";
+    for (const auto& p : video->named_parameters()) {
+      if (p.key().rfind(prefix, 0) == 0 && p.value().requires_grad()) {
+        stage.parameters.push_back(p.value());
+      }
+    }
+    for (const auto& p : video->named_buffers()) {
+      if (p.key().rfind(prefix, 0) == 0) stage.buffers.push_back(p.value());
+    }
+    stages.push_back(std::move(stage));
+  }
+  return stages;
+}
+
 namespace {
+
+MultiStage as_multi(const Stage& stage) {
+  return {stage.name, [f = stage.forward](const std::vector<torch::Tensor>& x) { return f(x[0]); },
+          stage.parameters, stage.buffers};
+}
 
 struct CheckpointState : torch::CustomClassHolder {
   MultiStage stage;
@@ -185,12 +217,7 @@ torch::Tensor checkpoint(const MultiStage& stage, const std::vector<torch::Tenso
 
 torch::Tensor checkpoint(const Stage& stage, const torch::Tensor& input) {
   TORCH_CHECK(stage.forward, "checkpoint: stage ", stage.name, " has no forward function");
-  MultiStage multi;
-  multi.name = stage.name;
-  multi.forward = [f = stage.forward](const std::vector<torch::Tensor>& x) { return f(x[0]); };
-  multi.parameters = stage.parameters;
-  multi.buffers = stage.buffers;
-  return checkpoint(multi, {input});
+  return checkpoint(as_multi(stage), {input});
 }
 
 torch::Tensor run_chain(const std::vector<Stage>& stages, const std::vector<ChainSegment>& segments,
@@ -214,23 +241,54 @@ torch::Tensor run_chain(const std::vector<Stage>& stages, const std::vector<Chai
   return x;
 }
 
-std::vector<StageCost> measure_stages(const std::vector<Stage>& stages,
-                                      const torch::Tensor& input) {
-  auto& tracker = memory::Tracker::of(input.device());
-  std::vector<StageCost> costs;
-  std::vector<torch::Tensor> outputs;  // the whole graph stays alive, as without checkpointing
+namespace {
+
+// Runs `stage` with grad (its graph stays alive in `output`), measuring what it keeps and its
+// time; then runs it again alone, forward and backward, for its peak. The second run changes
+// nothing: BatchNorm statistics are restored, the random stream replayed, and gradients are
+// returned (torch::autograd::grad), not accumulated.
+StageCost measure_stage(const MultiStage& stage, const std::vector<torch::Tensor>& inputs,
+                        torch::Tensor& output) {
+  auto& tracker = memory::Tracker::of(inputs.front().device());
   torch::AutoGradMode grad_mode(true);
-  auto x = input;
-  for (const auto& stage : stages) {
+  const auto rng = detail::RngState::capture(inputs.front().device());
+  StageCost cost;
+  {
     const int64_t before = tracker.current_bytes();
     const auto start = std::chrono::steady_clock::now();
-    auto y = stage.forward(x);
-    if (y.is_cuda()) torch::cuda::synchronize();
-    StageCost cost;
+    output = stage.forward(inputs);
+    if (output.is_cuda()) torch::cuda::synchronize();
     cost.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     cost.kept_bytes = std::max<int64_t>(0, tracker.current_bytes() - before);
-    cost.output_bytes = static_cast<int64_t>(y.nbytes());
-    costs.push_back(cost);
+    cost.output_bytes = static_cast<int64_t>(output.nbytes());
+  }
+  detail::RngReplay replay(rng);
+  detail::BufferSnapshot snapshot(stage.buffers);
+  auto window = tracker.mark();
+  std::vector<torch::Tensor> alone, wrt;
+  for (const auto& x : inputs) {
+    alone.push_back(x.detach());
+    if (x.is_floating_point()) wrt.push_back(alone.back().requires_grad_(true));
+  }
+  wrt.insert(wrt.end(), stage.parameters.begin(), stage.parameters.end());
+  auto y = stage.forward(alone);
+  if (!wrt.empty() && y.requires_grad()) {
+    torch::autograd::grad({y}, wrt, {torch::ones_like(y)}, false, false, /*allow_unused=*/true);
+  }
+  cost.peak_bytes = window.peak_bytes() - window.entry_bytes();
+  return cost;
+}
+
+}  // namespace
+
+std::vector<StageCost> measure_stages(const std::vector<Stage>& stages,
+                                      const torch::Tensor& input) {
+  std::vector<StageCost> costs;
+  std::vector<torch::Tensor> outputs;  // the whole graph stays alive, as without checkpointing
+  auto x = input;
+  for (const auto& stage : stages) {
+    torch::Tensor y;
+    costs.push_back(measure_stage(as_multi(stage), {x}, y));
     outputs.push_back(y);
     x = y;
   }
@@ -242,6 +300,7 @@ std::vector<StageCost> scale_costs(const std::vector<StageCost>& costs, double f
   for (auto& c : scaled) {
     c.kept_bytes = static_cast<int64_t>(static_cast<double>(c.kept_bytes) * factor);
     c.output_bytes = static_cast<int64_t>(static_cast<double>(c.output_bytes) * factor);
+    c.peak_bytes = static_cast<int64_t>(static_cast<double>(c.peak_bytes) * factor);
     c.seconds *= factor;
   }
   return scaled;
@@ -265,12 +324,6 @@ int64_t ChainPlan::recomputed_stages() const {
 
 namespace {
 
-int64_t transient_bytes(const std::vector<StageCost>& costs) {
-  int64_t largest = 0;
-  for (const auto& c : costs) largest = std::max(largest, c.output_bytes);
-  return 2 * largest;
-}
-
 // Prefix sums so a segment's kept bytes and time are O(1).
 struct Prefix {
   std::vector<int64_t> kept;
@@ -286,167 +339,154 @@ struct Prefix {
   double segment_seconds(int64_t b, int64_t e) const { return seconds[e] - seconds[b]; }
 };
 
+// Backward's transient above what a stage keeps (gradients of its input, output and
+// intermediates), the largest over a segment.
+int64_t backward_extra(const std::vector<StageCost>& costs, int64_t b, int64_t e) {
+  int64_t extra = 0;
+  for (int64_t i = b; i < e; ++i) {
+    extra = std::max(
+        extra, costs[static_cast<size_t>(i)].peak_bytes - costs[static_cast<size_t>(i)].kept_bytes);
+  }
+  return extra;
+}
+
 }  // namespace
 
+// Backward runs the segments last to first; when it reaches a segment, the later ones have been
+// freed and the earlier ones still hold what they keep (`kept` below). A stored stage then adds
+// its backward peak; a recomputed segment its recomputed activations plus the largest backward
+// transient in it. The forward pass's peak is everything kept.
 ChainPlan evaluate_chain(const std::vector<StageCost>& costs, std::vector<ChainSegment> segments) {
   const Prefix prefix(costs);
   ChainPlan plan;
-  int64_t kept = 0, largest_recompute = 0;
+  int64_t kept = 0, peak = 0;
   for (const auto& s : segments) {
     if (s.recompute) {
+      peak = std::max(
+          peak, kept + prefix.segment_kept(s.begin, s.end) + backward_extra(costs, s.begin, s.end));
       kept += costs[static_cast<size_t>(s.end - 1)].output_bytes;
-      largest_recompute = std::max(largest_recompute, prefix.segment_kept(s.begin, s.end));
       plan.recompute_seconds += prefix.segment_seconds(s.begin, s.end);
     } else {
-      kept += prefix.segment_kept(s.begin, s.end);
+      for (int64_t i = s.begin; i < s.end; ++i) {
+        const auto& c = costs[static_cast<size_t>(i)];
+        peak = std::max(peak, kept + std::max(c.peak_bytes, c.kept_bytes));
+        kept += c.kept_bytes;
+      }
     }
   }
   plan.segments = std::move(segments);
-  plan.predicted_bytes = kept + largest_recompute + transient_bytes(costs);
+  plan.predicted_bytes = std::max(peak, kept);
   return plan;
 }
+
+namespace {
+
+// Least recompute time with a predicted peak within `budget`: a DP over (stage, kept memory in
+// units of budget/256, rounded up so every plan found fits). Infinity when none fits.
+double least_recompute(const std::vector<StageCost>& costs, int64_t budget, int64_t longest,
+                       std::vector<ChainSegment>* out) {
+  constexpr int64_t kUnits = 256;
+  const auto n = static_cast<int64_t>(costs.size());
+  const Prefix prefix(costs);
+  const double unit = std::max(1.0, static_cast<double>(budget) / kUnits);
+  const auto units = [&](int64_t bytes) {
+    return static_cast<int64_t>(std::ceil(static_cast<double>(bytes) / unit));
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  struct Step {
+    int64_t begin = -1, units = -1;
+    bool recompute = false;
+  };
+  std::vector<std::vector<double>> time(n + 1, std::vector<double>(kUnits + 1, inf));
+  std::vector<std::vector<Step>> from(n + 1, std::vector<Step>(kUnits + 1));
+  time[0][0] = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t m = 0; m <= kUnits; ++m) {
+      if (time[i][m] == inf) continue;
+      const auto kept = static_cast<int64_t>(std::ceil(static_cast<double>(m) * unit));
+      const auto& c = costs[static_cast<size_t>(i)];
+      const int64_t stored = m + units(c.kept_bytes);
+      if (kept + std::max(c.peak_bytes, c.kept_bytes) <= budget && stored <= kUnits &&
+          time[i][m] < time[i + 1][stored]) {
+        time[i + 1][stored] = time[i][m];
+        from[i + 1][stored] = {i, m, false};
+      }
+      int64_t extra = 0;
+      for (int64_t e = i + 1; e <= std::min(n, i + longest); ++e) {
+        const auto& last = costs[static_cast<size_t>(e - 1)];
+        extra = std::max(extra, last.peak_bytes - last.kept_bytes);
+        if (kept + prefix.segment_kept(i, e) + extra > budget) break;  // only grows with e
+        const int64_t next = m + units(last.output_bytes);
+        const double t = time[i][m] + prefix.segment_seconds(i, e);
+        if (next <= kUnits && t < time[e][next]) {
+          time[e][next] = t;
+          from[e][next] = {i, m, true};
+        }
+      }
+    }
+  }
+  int64_t end_units = -1;
+  for (int64_t m = 0; m <= kUnits; ++m) {
+    if (time[n][m] < inf && (end_units < 0 || time[n][m] < time[n][end_units])) end_units = m;
+  }
+  if (end_units < 0) return inf;
+  if (out) {
+    out->clear();
+    for (int64_t e = n, m = end_units; e > 0;) {
+      const auto step = from[e][m];
+      if (!step.recompute && !out->empty() && !out->back().recompute) {
+        out->back().begin = step.begin;  // consecutive stored stages: one segment
+      } else {
+        out->push_back({step.begin, e, step.recompute});
+      }
+      e = step.begin;
+      m = step.units;
+    }
+    std::reverse(out->begin(), out->end());
+  }
+  return time[n][end_units];
+}
+
+}  // namespace
 
 ChainPlan plan_chain(const std::vector<StageCost>& costs, int64_t budget_bytes,
                      int64_t max_segment_stages) {
   TORCH_CHECK(!costs.empty(), "plan_chain: no stages");
   TORCH_CHECK(budget_bytes >= 0, "plan_chain: the budget must not be negative");
   const auto n = static_cast<int64_t>(costs.size());
-  const Prefix prefix(costs);
-  const int64_t transient = transient_bytes(costs);
   const int64_t longest = max_segment_stages > 0 ? max_segment_stages : n;
-
-  // The least memory any plan reaches: for each cap on the recomputed segment, the cheapest
-  // cover in kept bytes (exact, O(n^2) per cap).
-  std::vector<int64_t> caps = {0};
-  for (int64_t b = 0; b < n; ++b) {
-    for (int64_t e = b + 1; e <= std::min(n, b + longest); ++e) {
-      caps.push_back(prefix.segment_kept(b, e));
-    }
-  }
-  std::sort(caps.begin(), caps.end());
-  caps.erase(std::unique(caps.begin(), caps.end()), caps.end());
-  const auto least_kept = [&](int64_t cap, std::vector<ChainSegment>* out) {
-    const int64_t inf = std::numeric_limits<int64_t>::max() / 4;
-    std::vector<int64_t> best(n + 1, inf);
-    std::vector<int64_t> from(n + 1, -1);
-    std::vector<bool> recompute(n + 1, false);
-    best[0] = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (best[i] >= inf) continue;
-      const int64_t store = best[i] + costs[i].kept_bytes;
-      if (store < best[i + 1]) best[i + 1] = store, from[i + 1] = i, recompute[i + 1] = false;
-      for (int64_t e = i + 1; e <= std::min(n, i + longest) && prefix.segment_kept(i, e) <= cap;
-           ++e) {
-        const int64_t v = best[i] + costs[e - 1].output_bytes;
-        if (v < best[e]) best[e] = v, from[e] = i, recompute[e] = true;
-      }
-    }
-    if (out) {
-      out->clear();
-      for (int64_t e = n; e > 0; e = from[e]) out->push_back({from[e], e, recompute[e]});
-      std::reverse(out->begin(), out->end());
-    }
-    return best[n];
-  };
-  int64_t minimum = std::numeric_limits<int64_t>::max();
-  int64_t minimum_cap = 0;
-  for (int64_t cap : caps) {
-    const int64_t total = least_kept(cap, nullptr) + cap;
-    if (total < minimum) minimum = total, minimum_cap = cap;
-  }
-  minimum += transient;
-
   const auto no_recompute = evaluate_chain(costs, store_all(n));
-  if (budget_bytes == 0 || no_recompute.predicted_bytes <= budget_bytes) {
-    auto plan = no_recompute;
-    plan.fits = true;
-    plan.minimum_bytes = minimum;
-    return plan;
-  }
-  if (minimum > budget_bytes) {
-    std::vector<ChainSegment> segments;
-    least_kept(minimum_cap, &segments);
-    auto plan = evaluate_chain(costs, segments);
-    plan.fits = false;
-    plan.minimum_bytes = minimum;
-    return plan;
-  }
 
-  // Least recompute time within the budget: for each cap on the recomputed segment, a DP over
-  // (stage, kept memory in units of the budget / kUnits) minimising time. Sizes are rounded up,
-  // so every plan it returns fits; it may miss plans within n units of the budget.
-  constexpr int64_t kUnits = 256;
-  const double unit = static_cast<double>(budget_bytes) / kUnits;
-  const auto units = [&](int64_t bytes) {
-    return static_cast<int64_t>(std::ceil(static_cast<double>(bytes) / unit));
-  };
-  ChainPlan best_plan;
-  double best_seconds = std::numeric_limits<double>::infinity();
-  const double inf = std::numeric_limits<double>::infinity();
-  int64_t previous_cap_units = -1;
-  for (int64_t cap : caps) {
-    const int64_t room = units(budget_bytes - transient - cap);
-    if (budget_bytes - transient - cap < 0) break;
-    const int64_t cap_units = units(cap);
-    if (cap_units == previous_cap_units) continue;  // same rounded problem
-    previous_cap_units = cap_units;
-    // time[i][m]: least recompute seconds covering stages [0, i) keeping m units.
-    std::vector<std::vector<double>> time(n + 1, std::vector<double>(room + 1, inf));
-    struct Step {
-      int64_t begin = -1, units = -1;
-      bool recompute = false;
-    };
-    std::vector<std::vector<Step>> from(n + 1, std::vector<Step>(room + 1));
-    time[0][0] = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t m = 0; m <= room; ++m) {
-        if (time[i][m] == inf) continue;
-        const int64_t stored = m + units(costs[i].kept_bytes);
-        if (stored <= room && time[i][m] < time[i + 1][stored]) {
-          time[i + 1][stored] = time[i][m];
-          from[i + 1][stored] = {i, m, false};
-        }
-        for (int64_t e = i + 1; e <= std::min(n, i + longest) && prefix.segment_kept(i, e) <= cap;
-             ++e) {
-          const int64_t kept = m + units(costs[e - 1].output_bytes);
-          const double t = time[i][m] + prefix.segment_seconds(i, e);
-          if (kept <= room && t < time[e][kept]) {
-            time[e][kept] = t;
-            from[e][kept] = {i, m, true};
-          }
-        }
-      }
-    }
-    int64_t end_units = -1;
-    for (int64_t m = 0; m <= room; ++m) {
-      if (time[n][m] < inf && (end_units < 0 || time[n][m] < time[n][end_units])) end_units = m;
-    }
-    if (end_units < 0 || time[n][end_units] >= best_seconds) continue;
+  // The least memory any plan reaches: bisection on the budget the DP can meet.
+  int64_t low = 0, high = no_recompute.predicted_bytes;
+  std::vector<ChainSegment> least_segments = store_all(n);
+  while (high - low > std::max<int64_t>(1, high / 1000)) {
+    const int64_t mid = low + (high - low) / 2;
     std::vector<ChainSegment> segments;
-    for (int64_t e = n, m = end_units; e > 0;) {
-      const auto step = from[e][m];
-      if (!step.recompute && !segments.empty() && !segments.back().recompute) {
-        segments.back().begin = step.begin;  // consecutive stored stages: one segment
-      } else {
-        segments.push_back({step.begin, e, step.recompute});
-      }
-      e = step.begin;
-      m = step.units;
+    if (least_recompute(costs, mid, longest, &segments) < std::numeric_limits<double>::infinity()) {
+      high = mid;
+      least_segments = segments;
+    } else {
+      low = mid;
     }
-    std::reverse(segments.begin(), segments.end());
-    auto plan = evaluate_chain(costs, segments);
-    if (plan.predicted_bytes > budget_bytes) continue;  // rounding never allows this; be safe
-    best_seconds = time[n][end_units];
-    best_plan = plan;
   }
-  if (best_plan.segments.empty()) {  // only the least-memory plan fits
+  const int64_t minimum = evaluate_chain(costs, least_segments).predicted_bytes;
+
+  ChainPlan plan;
+  if (budget_bytes == 0 || no_recompute.predicted_bytes <= budget_bytes) {
+    plan = no_recompute;
+  } else {
     std::vector<ChainSegment> segments;
-    least_kept(minimum_cap, &segments);
-    best_plan = evaluate_chain(costs, segments);
+    if (least_recompute(costs, budget_bytes, longest, &segments) <
+        std::numeric_limits<double>::infinity()) {
+      plan = evaluate_chain(costs, segments);
+    } else {
+      plan = evaluate_chain(costs, least_segments);
+    }
   }
-  best_plan.fits = best_plan.predicted_bytes <= budget_bytes;
-  best_plan.minimum_bytes = minimum;
-  return best_plan;
+  plan.fits = budget_bytes == 0 || plan.predicted_bytes <= budget_bytes;
+  plan.minimum_bytes = std::min(minimum, plan.predicted_bytes);
+  return plan;
 }
 
 std::vector<bool> recomputed(const ChainPlan& plan) {
@@ -472,6 +512,7 @@ torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const 
               " stages of this UNet");
   TORCH_CHECK(costs == nullptr || recompute.empty(),
               "unet_forward: measure costs without checkpointing");
+  unet->check_input(x);
   const int64_t depth = unet->depth();
   auto& tracker = memory::Tracker::of(x.device());
   size_t index = 0;
@@ -486,13 +527,10 @@ torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const 
                         inputs);
     }
     if (costs == nullptr) return forward(inputs);
-    const int64_t before = tracker.current_bytes();
-    const auto start = std::chrono::steady_clock::now();
-    auto y = forward(inputs);
-    if (y.is_cuda()) torch::cuda::synchronize();
-    costs->push_back(
-        {std::max<int64_t>(0, tracker.current_bytes() - before), static_cast<int64_t>(y.nbytes()),
-         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()});
+    const auto stage = make_stage(names[i], module, {});
+    torch::Tensor y;
+    costs->push_back(measure_stage(
+        MultiStage{names[i], std::move(forward), stage.parameters, stage.buffers}, inputs, y));
     return y;
   };
   std::vector<torch::Tensor> skips;

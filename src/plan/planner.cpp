@@ -18,8 +18,8 @@ namespace {
 std::vector<int64_t> chunk_candidates(const PlanRequest& request) {
   if (request.chunk) return {*request.chunk};
   std::vector<int64_t> chunks;
-  for (int64_t k : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768,
-                    1024, 1536, 2048}) {
+  for (int64_t k : {1,  2,  3,   4,   6,   8,   12,  16,  24,   32,   48,
+                    64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048}) {
     if (k < request.frames) chunks.push_back(k);
   }
   chunks.push_back(0);  // naive
@@ -114,10 +114,12 @@ int64_t usable(int64_t budget, double margin) {
 }  // namespace
 
 std::string describe(const StepSettings& s, int64_t accumulate) {
-  std::string text = s.naive() ? "naive (all frames at once)" : c10::str("chunk ", s.chunk, ", keep ", s.keep);
+  std::string text =
+      s.naive() ? "naive (all frames at once)" : c10::str("chunk ", s.chunk, ", keep ", s.keep);
   if (s.cache_frozen) text += ", frozen outputs cached";
   text += ", " + engine::to_string(s.precision);
-  if (accumulate > 1) text += c10::str(", accumulate ", accumulate, " (", s.videos_per_call, " video(s) per call)");
+  if (accumulate > 1)
+    text += c10::str(", accumulate ", accumulate, " (", s.videos_per_call, " video(s) per call)");
   return text;
 }
 
@@ -127,7 +129,8 @@ int64_t static_minimum_bytes(const StaticSizes& sizes, int64_t frames) {
 }
 
 Plan fit(const PlanRequest& request, const StaticSizes& sizes,
-         const std::map<engine::Precision, ChunkCosts>& costs, int64_t budget_bytes, double margin) {
+         const std::map<engine::Precision, ChunkCosts>& costs, int64_t budget_bytes,
+         double margin) {
   TORCH_CHECK(budget_bytes > 0, "the plan needs a budget (> 0 bytes)");
   TORCH_CHECK(margin >= 0 && margin < 1, "the safety margin is a fraction in [0, 1); got ", margin);
   const int64_t limit = usable(budget_bytes, margin);
@@ -158,12 +161,14 @@ Plan fit(const PlanRequest& request, const StaticSizes& sizes,
     relaxed.accumulate.reset();
     std::optional<Candidate> relaxed_best;
     for_each_candidate(relaxed, sizes, costs, [&](const Candidate& c) {
-      if (c.breakdown.peak_bytes <= limit && (!relaxed_best || better(c, *relaxed_best))) relaxed_best = c;
+      if (c.breakdown.peak_bytes <= limit && (!relaxed_best || better(c, *relaxed_best)))
+        relaxed_best = c;
     });
     if (relaxed_best) {
-      plan.advice += c10::str("; it fits this budget if chunk, keep, caching and accumulation "
-                              "are left to the planner (auto): ",
-                              describe(relaxed_best->settings, relaxed_best->accumulate));
+      plan.advice += c10::str(
+          "; it fits this budget if chunk, keep, caching and accumulation "
+          "are left to the planner (auto): ",
+          describe(relaxed_best->settings, relaxed_best->accumulate));
     }
   }
   return plan;
@@ -241,7 +246,9 @@ engine::Replanner make_replanner(PlanRequest request, StaticSizes sizes, ChunkCo
     // first step, would not fit): give up with the error rather than retry smaller chunks.
     if (smallest > budget) return std::nullopt;
     auto halved = engine::halve_chunk(event);
-    if (halved) halved->reason = "the corrected memory model finds nothing smaller that fits; halving the chunk";
+    if (halved)
+      halved->reason =
+          "the corrected memory model finds nothing smaller that fits; halving the chunk";
     return halved;
   };
 }
@@ -249,12 +256,13 @@ engine::Replanner make_replanner(PlanRequest request, StaticSizes sizes, ChunkCo
 LargestChunk find_largest_chunk(const PlanRequest& request, const StaticSizes& sizes,
                                 const ChunkCosts& costs, engine::Precision precision,
                                 int64_t budget_bytes, double headroom,
-                                const std::function<ChunkTrial(int64_t)>& run_step, int max_trials) {
+                                const std::function<ChunkTrial(int64_t)>& run_step,
+                                int max_trials) {
   TORCH_CHECK(budget_bytes > 0 && headroom >= 0 && headroom < 1,
               "find_largest_chunk needs a budget and a headroom fraction in [0, 1)");
   const double limit = static_cast<double>(budget_bytes) * (1.0 - headroom);
   LargestChunk result;
-  double scale = 1.0;  // measured / predicted, learned from trials
+  double scale = 1.0;                // measured / predicted, learned from trials
   int64_t ceiling = request.frames;  // chunks above this failed
   auto settings_for = [&](int64_t chunk) {
     StepSettings s;
@@ -286,8 +294,9 @@ LargestChunk find_largest_chunk(const PlanRequest& request, const StaticSizes& s
     ++result.trials;
     result.log.push_back(c10::str("trial ", result.trials, ": chunk ", lo, ", predicted ",
                                   memory::format_bytes(predicted), ", ",
-                                  trial.out_of_memory ? std::string("out of memory")
-                                                      : "measured " + memory::format_bytes(trial.peak_bytes)));
+                                  trial.out_of_memory
+                                      ? std::string("out of memory")
+                                      : "measured " + memory::format_bytes(trial.peak_bytes)));
     if (!trial.out_of_memory && static_cast<double>(trial.peak_bytes) <= limit) {
       result.found = true;
       result.chunk = lo;
@@ -315,6 +324,92 @@ std::vector<engine::Precision> candidate_precisions(torch::Device device) {
     precisions.push_back(engine::Precision::BF16);
   }
   return precisions;
+}
+
+std::vector<engine::StageCost> BatchCosts::at(int64_t batch) const {
+  TORCH_CHECK(fixed.empty() || fixed.size() == per_sample.size(),
+              "BatchCosts: fixed and per-sample costs differ in length");
+  auto costs = engine::scale_costs(per_sample, static_cast<double>(batch));
+  for (size_t i = 0; i < fixed.size(); ++i) {
+    costs[i].kept_bytes += fixed[i].kept_bytes;
+    costs[i].output_bytes += fixed[i].output_bytes;
+    costs[i].peak_bytes += fixed[i].peak_bytes;
+    costs[i].seconds += fixed[i].seconds;
+  }
+  return costs;
+}
+
+BatchCosts BatchCosts::through(int64_t b1, const std::vector<engine::StageCost>& c1, int64_t b2,
+                               const std::vector<engine::StageCost>& c2) {
+  TORCH_CHECK(b1 < b2 && c1.size() == c2.size(),
+              "BatchCosts::through: two measurements at "
+              "different batches of the same stages");
+  BatchCosts costs;
+  const double db = static_cast<double>(b2 - b1);
+  for (size_t i = 0; i < c1.size(); ++i) {
+    engine::StageCost slope, intercept;
+    const auto line = [&](double y1, double y2, double& s, double& c) {
+      s = std::max(0.0, (y2 - y1) / db);
+      c = std::max(0.0, y1 - s * static_cast<double>(b1));
+    };
+    double s = 0, c = 0;
+    line(static_cast<double>(c1[i].kept_bytes), static_cast<double>(c2[i].kept_bytes), s, c);
+    slope.kept_bytes = static_cast<int64_t>(std::ceil(s));
+    intercept.kept_bytes = static_cast<int64_t>(std::ceil(c));
+    line(static_cast<double>(c1[i].output_bytes), static_cast<double>(c2[i].output_bytes), s, c);
+    slope.output_bytes = static_cast<int64_t>(std::ceil(s));
+    intercept.output_bytes = static_cast<int64_t>(std::ceil(c));
+    line(static_cast<double>(c1[i].peak_bytes), static_cast<double>(c2[i].peak_bytes), s, c);
+    slope.peak_bytes = static_cast<int64_t>(std::ceil(s));
+    intercept.peak_bytes = static_cast<int64_t>(std::ceil(c));
+    line(c1[i].seconds, c2[i].seconds, s, c);
+    slope.seconds = s;
+    intercept.seconds = c;
+    costs.per_sample.push_back(slope);
+    costs.fixed.push_back(intercept);
+  }
+  return costs;
+}
+
+int64_t batch_peak_bytes(const BatchCosts& costs, int64_t batch, const engine::ChainPlan& chain) {
+  return costs.static_bytes + batch * costs.input_bytes_per_sample + chain.predicted_bytes;
+}
+
+engine::ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
+                                   bool checkpointing) {
+  const auto scaled = costs.at(batch);
+  const int64_t room = budget_bytes - costs.static_bytes - batch * costs.input_bytes_per_sample;
+  auto plain =
+      engine::evaluate_chain(scaled, engine::store_all(static_cast<int64_t>(scaled.size())));
+  plain.fits = plain.predicted_bytes <= room;
+  if (!checkpointing || plain.fits || room <= 0) return plain;
+  return engine::plan_chain(scaled, room, costs.max_segment_stages);
+}
+
+BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, bool checkpointing,
+                     int64_t max_batch) {
+  TORCH_CHECK(!costs.per_sample.empty(), "plan_batch: no stage costs");
+  TORCH_CHECK(budget_bytes > 0, "plan_batch: give a budget");
+  const auto fits = [&](int64_t batch) {
+    return plan_batch_chain(costs, batch, budget_bytes, checkpointing).fits;
+  };
+  BatchPlan result;
+  result.minimum_bytes_one_sample =
+      costs.static_bytes + costs.input_bytes_per_sample +
+      engine::plan_chain(costs.at(1), 1, costs.max_segment_stages).minimum_bytes;
+  if (!fits(1)) return result;
+  // Memory grows with the batch, so the largest batch that fits is found by bisection.
+  int64_t low = 1, high = 2;
+  while (high <= max_batch && fits(high)) low = high, high *= 2;
+  high = std::min(high, max_batch + 1);
+  while (high - low > 1) {
+    const int64_t mid = (low + high) / 2;
+    (fits(mid) ? low : high) = mid;
+  }
+  result.batch = low;
+  result.chain = plan_batch_chain(costs, low, budget_bytes, checkpointing);
+  result.predicted_peak_bytes = batch_peak_bytes(costs, low, result.chain);
+  return result;
 }
 
 }  // namespace framefit::plan

@@ -22,6 +22,7 @@ namespace framefit::models {
 class ResNetImpl;
 class NetworkImpl;
 class UNetImpl;
+class VideoResNetImpl;
 }  // namespace framefit::models
 
 namespace framefit::engine {
@@ -41,6 +42,8 @@ Stage make_stage(std::string name, const torch::nn::Module& module,
 // when it has one); a layer-list network one stage per layer.
 std::vector<Stage> resnet_stages(const std::shared_ptr<models::ResNetImpl>& resnet);
 std::vector<Stage> network_stages(const std::shared_ptr<models::NetworkImpl>& network);
+// R3D-18 / R(2+1)D-18 as stem, each block, head (models/video_resnet.h block_names()).
+std::vector<Stage> video_resnet_stages(const std::shared_ptr<models::VideoResNetImpl>& video);
 
 // Runs `stage` on `input` keeping only the input; backward runs it again with grad. Without
 // grad mode (or nothing to differentiate) it is just stage.forward(input).
@@ -55,13 +58,15 @@ struct MultiStage {
 };
 torch::Tensor checkpoint(const MultiStage& stage, const std::vector<torch::Tensor>& inputs);
 
-// What one stage costs, measured by running the chain once with grad on the device of the
-// input: bytes the stage leaves allocated (its output and what its graph saves), its output's
-// bytes, and forward seconds.
+// What one stage costs, measured on the device of the input: bytes the stage leaves allocated
+// when run with grad in the chain (its output and what its graph saves), its output's bytes,
+// forward seconds, and the peak of running it alone forward and backward (above its input:
+// what it keeps plus backward's gradients).
 struct StageCost {
   int64_t kept_bytes = 0;
   int64_t output_bytes = 0;
   double seconds = 0;
+  int64_t peak_bytes = 0;
 };
 std::vector<StageCost> measure_stages(const std::vector<Stage>& stages, const torch::Tensor& input);
 // Costs at `factor` times the measured batch (activations and time grow with the batch).
@@ -75,9 +80,9 @@ struct ChainSegment {
 struct ChainPlan {
   std::vector<ChainSegment> segments;
   bool fits = false;
-  // Activation memory of the step: what the stored stages keep, the recomputed segments'
-  // outputs, the largest recomputed segment while it is recomputed, and backward's gradient
-  // transient (two of the largest activation).
+  // Activation memory of the step (evaluate_chain): the largest of the forward pass (what the
+  // stored stages keep plus the recomputed segments' outputs) and of each stage's backward
+  // (what the stages before it keep, plus its own recompute and gradients).
   int64_t predicted_bytes = 0;
   double recompute_seconds = 0;  // time added by recomputing
   int64_t minimum_bytes = 0;     // the least activation memory any plan reaches

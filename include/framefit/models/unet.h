@@ -76,8 +76,10 @@ class UNetImpl : public torch::nn::Module {
   std::vector<UNetUp> up;          // depth stages, children "up0" ... "up<depth-1>"
   torch::nn::Conv2d out{nullptr};  // 1x1 convolution to class logits, child "out"
 
- private:
+ // Rank, channels and a size divisible by 2^depth, with what to change (forward checks it).
   void check_input(const torch::Tensor& x) const;
+
+ private:
   UNetOptions options_;
 };
 TORCH_MODULE(UNet);

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "framefit/engine/checkpoint.h"
 #include "framefit/engine/step.h"
 #include "framefit/plan/memory_model.h"
 
@@ -31,10 +32,10 @@ struct Plan {
   // The chosen settings; when nothing fits, the ones with the smallest peak.
   StepSettings settings;
   int64_t accumulate = 1;
-  Breakdown breakdown;          // of one call (videos_per_call videos)
-  double step_seconds = 0;      // predicted, whole optimizer step
+  Breakdown breakdown;      // of one call (videos_per_call videos)
+  double step_seconds = 0;  // predicted, whole optimizer step
   int64_t budget_bytes = 0;
-  int64_t margin_bytes = 0;     // kept free for what the model does not see
+  int64_t margin_bytes = 0;  // kept free for what the model does not see
   // When it does not fit: the smallest budget that would, and how.
   int64_t minimum_budget_bytes = 0;
   std::string advice;
@@ -98,5 +99,36 @@ LargestChunk find_largest_chunk(const PlanRequest& request, const StaticSizes& s
 // Bytes no setting can go below: parameters, gradients, optimizer state, one video's frames
 // and features. Needs no calibration.
 int64_t static_minimum_bytes(const StaticSizes& sizes, int64_t frames);
+
+// Batch networks (clip classifiers, UNets, any chain of stages): the largest batch whose
+// training step fits a budget, with or without layer checkpointing. Like fit(), a pure function
+// of measured costs.
+struct BatchCosts {
+  int64_t static_bytes = 0;            // parameters, buffers, gradients, optimizer state
+  int64_t input_bytes_per_sample = 0;  // the batch's input and labels
+  // Stage costs at a batch of b samples: fixed + b x per_sample (from two measured batches;
+  // fixed holds what does not grow with the batch, such as autocast's weight copies).
+  std::vector<engine::StageCost> fixed;
+  std::vector<engine::StageCost> per_sample;
+  int64_t max_segment_stages = 0;  // plan_chain's limit (1 for a UNet)
+  std::vector<engine::StageCost> at(int64_t batch) const;
+  // Through measurements at batches b1 < b2 (each clamped at zero).
+  static BatchCosts through(int64_t b1, const std::vector<engine::StageCost>& c1, int64_t b2,
+                            const std::vector<engine::StageCost>& c2);
+};
+struct BatchPlan {
+  int64_t batch = 0;        // 0: not even one sample fits
+  engine::ChainPlan chain;  // what to recompute at that batch
+  int64_t predicted_peak_bytes = 0;
+  int64_t minimum_bytes_one_sample = 0;  // with the most checkpointing allowed
+};
+// The predicted peak of a batch: static + inputs + the chain plan's activation memory.
+int64_t batch_peak_bytes(const BatchCosts& costs, int64_t batch, const engine::ChainPlan& chain);
+// `checkpointing` false: nothing recomputed. `max_batch` bounds the search.
+BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, bool checkpointing,
+                     int64_t max_batch = 4096);
+// The chain plan for a given batch (checkpointing only if needed to fit).
+engine::ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
+                                   bool checkpointing);
 
 }  // namespace framefit::plan

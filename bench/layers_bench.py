@@ -1,0 +1,143 @@
+"""Layer checkpointing and the largest batch, measured (issue #6 targets).
+
+  /usr/bin/python3 bench/layers_bench.py            # 3 measured steps per row (median)
+  /usr/bin/python3 bench/layers_bench.py --quick    # small inputs only, for a smoke run
+
+1. Cost of checkpointing: the same batch trained without checkpointing, with the planner's
+   choice for a budget that halves the activation memory, and with every stage recomputed.
+   Activation memory = tracked peak - static (parameters, gradients, Adam state).
+   Target: <= 1.35x the time for >= 2x less activation memory.
+2. UNet (seeds/003): the largest batch a fixed budget allows, fp32 without checkpointing vs bf16
+   with the planner's checkpointing (seeds/003 reports 4 -> 16 with AMP + checkpointing + more).
+3. seeds/001's corrected 3D CNN on full-size clips (3 x 60 x 230 x 230, 20 classes) within 12 GiB:
+   the largest batch the planner finds, checked by real training steps under the budget.
+
+Every row runs `framefit bench-layers` (tracked bytes enforce the budget on the CPU, as GPU memory
+would). Writes bench/results/layers.{md,json}.
+"""
+import argparse
+import json
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FRAMEFIT = os.path.join(ROOT, "build", "src", "cli", "framefit")
+OUT = os.path.join(ROOT, "bench", "results")
+
+
+def bench(*args):
+    proc = subprocess.run([FRAMEFIT, "bench-layers", "--json", *args], capture_output=True,
+                          text=True)
+    if proc.returncode not in (0, 2):
+        raise RuntimeError(f"{' '.join(args)} failed: {proc.stderr}")
+    return json.loads(proc.stdout)
+
+
+def mib(n):
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    opts = parser.parse_args()
+    repeat = "1" if opts.quick else "3"
+    results = {"cost": [], "unet_batch": [], "seed001": []}
+    machine = None
+
+    # 1. Cost of checkpointing at a fixed batch.
+    nets = [("unet", "3,128,128", ["--width", "32", "--depth", "4", "--classes", "2"], "8"),
+            ("r3d_18", "3,16,112,112", ["--classes", "20"], "2"),
+            ("clip3d", "3,30,115,115", ["--classes", "20"], "2")]
+    if opts.quick:
+        nets = [("unet", "3,64,64", ["--width", "8", "--depth", "3", "--classes", "2"], "4")]
+    for net, shape, extra, batch in nets:
+        common = ["--net", net, "--input", shape, *extra, "--batch", batch, "--repeat", repeat]
+        plain = bench(*common)
+        machine = plain["machine"]
+        activation = plain["activation_bytes"]
+        half = plain["static_bytes"] + activation // 2 + 8 * 2**20
+        auto = bench(*common, "--checkpoint", "auto", "--budget", str(half))
+        every = bench(*common, "--checkpoint", "all")
+        for mode, row in (("off", plain), ("auto, half budget", auto), ("all", every)):
+            results["cost"].append({"net": net, "input": shape, "batch": int(batch), "mode": mode,
+                                    **{k: row.get(k) for k in ("activation_bytes", "peak_bytes",
+                                                               "predicted_peak_bytes", "step_seconds",
+                                                               "rss_peak_bytes", "recomputed",
+                                                               "stages", "fits")}})
+        print(f"{net}: off {plain['step_seconds']:.2f} s {mib(activation)}, auto "
+              f"{auto['step_seconds']:.2f} s {mib(auto['activation_bytes'])}, all "
+              f"{every['step_seconds']:.2f} s {mib(every['activation_bytes'])}", flush=True)
+
+    # 2. UNet's largest batch within a fixed budget.
+    unet_shape, unet_budget = ("3,64,64", "64MiB") if opts.quick else ("3,128,128", "512MiB")
+    unet = ["--net", "unet", "--input", unet_shape, "--width", "16", "--depth", "4", "--classes",
+            "2", "--batch", "0", "--budget", unet_budget, "--repeat", "1"]
+    for label, extra in (("fp32, no checkpointing", ["--precision", "fp32", "--checkpoint", "off"]),
+                         ("fp32, checkpointing", ["--precision", "fp32", "--checkpoint", "auto"]),
+                         ("bf16, checkpointing", ["--precision", "bf16", "--checkpoint", "auto"])):
+        row = bench(*unet, *extra)
+        results["unet_batch"].append({"setting": label, "budget": unet_budget,
+                                      **{k: row.get(k) for k in ("planned_batch", "largest_batch",
+                                                                 "peak_bytes", "step_seconds",
+                                                                 "tries", "rss_peak_bytes")}})
+        print(f"unet {label}: planned {row['planned_batch']}, largest {row['largest_batch']}",
+              flush=True)
+
+    # 3. seeds/001 corrected, full-size clips, 12 GiB.
+    if not opts.quick:
+        for label, extra in (("fp32, no checkpointing", ["--checkpoint", "off"]),
+                             ("fp32, checkpointing", ["--checkpoint", "auto"])):
+            row = bench("--net", "clip3d", "--input", "3,60,230,230", "--classes", "20", "--batch",
+                        "0", "--budget", "12GiB", "--repeat", "1", *extra)
+            results["seed001"].append({"setting": label, **{k: row.get(k) for k in (
+                "planned_batch", "largest_batch", "peak_bytes", "predicted_peak_bytes",
+                "step_seconds", "samples_per_second", "tries", "rss_peak_bytes", "recomputed")}})
+            print(f"seeds/001 {label}: planned {row['planned_batch']}, largest "
+                  f"{row['largest_batch']}, {row.get('step_seconds', 0):.1f} s/step", flush=True)
+
+    results["machine"] = machine
+    os.makedirs(OUT, exist_ok=True)
+    suffix = "_quick" if opts.quick else ""
+    with open(os.path.join(OUT, f"layers{suffix}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    lines = ["# Layer checkpointing and the largest batch", "",
+             f"Machine: {machine}. Produced by `bench/layers_bench.py`"
+             f"{' --quick' if opts.quick else ''}; times are medians of {repeat} steps.", "",
+             "## Cost of checkpointing (same batch)", "",
+             "| net | input | batch | checkpointing | recomputed stages | activation memory | vs off "
+             "| step time | vs off | predicted peak | measured peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = {}
+    for r in results["cost"]:
+        key = (r["net"], r["input"])
+        if r["mode"] == "off":
+            base[key] = r
+        b = base[key]
+        recomputed = sum(e - s for s, e in r["recomputed"] or [])
+        lines.append(f"| {r['net']} | {r['input']} | {r['batch']} | {r['mode']} | "
+                     f"{recomputed} of {r['stages']} | {mib(r['activation_bytes'])} | "
+                     f"{b['activation_bytes'] / max(1, r['activation_bytes']):.2f}x less | "
+                     f"{r['step_seconds']:.3f} s | {r['step_seconds'] / b['step_seconds']:.2f}x | "
+                     f"{mib(r['predicted_peak_bytes'])} | {mib(r['peak_bytes'])} |")
+    lines += ["", f"## UNet: largest batch within {unet_budget} (input {unet_shape}, width 16, depth 4)",
+              "", "| setting | planner's batch | largest batch that ran | peak at it | step time |",
+              "|---|---|---|---|---|"]
+    for r in results["unet_batch"]:
+        lines.append(f"| {r['setting']} | {r['planned_batch']} | {r['largest_batch']} | "
+                     f"{mib(r['peak_bytes'] or 0)} | {r['step_seconds'] or 0:.2f} s |")
+    if results["seed001"]:
+        lines += ["", "## seeds/001 corrected: 3 x 60 x 230 x 230 clips, 20 classes, 12 GiB", "",
+                  "| setting | planner's batch | largest batch that ran | peak at it | predicted | "
+                  "step time | clips/s |", "|---|---|---|---|---|---|---|"]
+        for r in results["seed001"]:
+            lines.append(f"| {r['setting']} | {r['planned_batch']} | {r['largest_batch']} | "
+                         f"{mib(r['peak_bytes'] or 0)} | {mib(r['predicted_peak_bytes'] or 0)} | "
+                         f"{r['step_seconds'] or 0:.1f} s | {r['samples_per_second'] or 0:.2f} |")
+    with open(os.path.join(OUT, f"layers{suffix}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

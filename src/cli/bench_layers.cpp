@@ -1,0 +1,327 @@
+// framefit bench-layers: training steps of batch networks (clip classifiers, video ResNets,
+// UNets) with and without layer checkpointing, and the largest batch a budget allows.
+#include <fmt/core.h>
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <sstream>
+
+#include "commands.h"
+#include "framefit/core/runtime.h"
+#include "framefit/engine/amp.h"
+#include "framefit/engine/checkpoint.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/models/network.h"
+#include "framefit/models/unet.h"
+#include "framefit/models/video_resnet.h"
+#include "framefit/plan/planner.h"
+
+namespace framefit::cli {
+
+namespace {
+
+std::vector<int64_t> parse_shape(const std::string& text) {
+  std::vector<int64_t> shape;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    try {
+      shape.push_back(std::stoll(item));
+    } catch (const std::exception&) {
+      TORCH_CHECK(false, "--input ", text,
+                  ": expected sizes separated by commas, e.g. 3,60,230,230");
+    }
+    TORCH_CHECK(shape.back() > 0, "--input ", text, ": sizes must be positive");
+  }
+  return shape;
+}
+
+// A network as a chain of stages (or a UNet's stages around its skips) with its loss.
+struct LayerNet {
+  std::shared_ptr<torch::nn::Module> module;
+  std::vector<engine::Stage> stages;       // chains
+  std::shared_ptr<models::UNetImpl> unet;  // or a UNet
+  bool dense = false;                      // per-pixel labels
+  int64_t stage_count() const {
+    return unet ? static_cast<int64_t>(engine::unet_stage_names(*unet).size())
+                : static_cast<int64_t>(stages.size());
+  }
+  torch::Tensor forward(const torch::Tensor& x, const std::vector<engine::ChainSegment>& segments) {
+    if (unet) {
+      std::vector<bool> flags;
+      for (const auto& s : segments) flags.insert(flags.end(), s.end - s.begin, s.recompute);
+      return engine::unet_forward(unet, x, flags);
+    }
+    return engine::run_chain(stages, segments, x);
+  }
+  std::vector<engine::StageCost> measure(const torch::Tensor& x) {
+    if (!unet) return engine::measure_stages(stages, x);
+    std::vector<engine::StageCost> costs;
+    torch::AutoGradMode grad(true);
+    engine::unet_forward(unet, x, {}, &costs);
+    return costs;
+  }
+};
+
+LayerNet build_net(const Args& args, const std::vector<int64_t>& input) {
+  const auto name = args.text("net");
+  const int64_t classes = args.integer("classes");
+  LayerNet net;
+  if (name == "unet") {
+    TORCH_CHECK(input.size() == 3, "--net unet takes --input C,H,W");
+    auto unet = models::UNet(models::UNetOptions()
+                                 .in_channels(input[0])
+                                 .classes(classes)
+                                 .width(args.integer("width"))
+                                 .depth(args.integer("depth")));
+    net.module = unet.ptr();
+    net.unet = unet.ptr();
+    net.dense = true;
+  } else if (name == "r3d_18" || name == "r2plus1d_18") {
+    TORCH_CHECK(input.size() == 4 && input[0] == 3, "--net ", name, " takes --input 3,T,H,W");
+    auto video = models::VideoResNet(models::VideoResNetOptions(name).num_classes(classes));
+    net.module = video.ptr();
+    net.stages = engine::video_resnet_stages(video.ptr());
+  } else {
+    auto network = models::Network(
+        models::NetworkOptions(models::clip3d_layers(classes, name == "clip3d_separable"), input));
+    net.module = network.ptr();
+    net.stages = engine::network_stages(network.ptr());
+  }
+  return net;
+}
+
+struct StepResult {
+  bool fits = true;
+  int64_t peak_bytes = 0;  // tracked, every tensor
+  double seconds = 0;
+  std::string error;
+};
+
+class Bench {
+ public:
+  Bench(const Args& args)
+      : args_(args),
+        device_(args.text("device")),
+        precision_(engine::parse_precision(args.text("precision"))),
+        input_(parse_shape(args.text("input"))),
+        net_(build_net(args, input_)),
+        tracker_(memory::Tracker::of(device_)) {
+    net_.module->to(device_);
+    net_.module->train();
+    optimizer_ = std::make_unique<torch::optim::Adam>(net_.module->parameters(),
+                                                      torch::optim::AdamOptions(1e-4));
+  }
+
+  // One training step (forward, cross-entropy, backward, Adam) under the budget.
+  StepResult step(int64_t batch, const std::vector<engine::ChainSegment>& segments,
+                  int repeat = 1) {
+    StepResult result;
+    std::vector<double> times;
+    tracker_.set_budget(args_.bytes("budget"));
+    try {
+      for (int r = 0; r < repeat; ++r) {
+        tracker_.reset_peak();
+        const auto start = std::chrono::steady_clock::now();
+        auto [x, labels] = batch_of(batch);
+        optimizer_->zero_grad();
+        torch::Tensor loss;
+        {
+          engine::AutocastGuard autocast(device_, precision_);
+          auto out = net_.forward(x, segments);
+          loss = torch::nn::functional::cross_entropy(out.to(torch::kFloat32), labels);
+        }
+        loss.backward();
+        optimizer_->step();
+        if (device_.is_cuda()) torch::cuda::synchronize();
+        times.push_back(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        result.peak_bytes = std::max(result.peak_bytes, tracker_.peak_bytes());
+      }
+    } catch (const memory::OutOfMemoryError& e) {
+      result.fits = false;
+      result.error = e.what_without_backtrace();
+    }
+    tracker_.set_budget(0);
+    if (!times.empty()) {
+      std::sort(times.begin(), times.end());
+      result.seconds = times[times.size() / 2];
+    }
+    return result;
+  }
+
+  // Static memory after a first step (parameters, gradients, Adam state), and stage costs
+  // measured at batches 1 and 2.
+  plan::BatchCosts costs() {
+    step(1, engine::store_all(net_.stage_count()));
+    plan::BatchCosts costs;
+    const auto at = [&](int64_t batch) {
+      auto [x, labels] = batch_of(batch);
+      engine::AutocastGuard autocast(device_, precision_);
+      return net_.measure(x);
+    };
+    // Per-sample costs from batches 1 and 2 are dominated by fixed overheads; measure again at
+    // half the batch that plainly fits the budget, when that is larger.
+    const auto c1 = at(1);
+    costs = plan::BatchCosts::through(1, c1, 2, at(2));
+    costs.static_bytes = tracker_.current_bytes();
+    const int64_t budget = args_.bytes("budget");
+    if (budget > 0) {
+      const int64_t plain = plan::plan_batch(costs, budget, false).batch;
+      if (plain >= 8) costs = plan::BatchCosts::through(1, c1, plain / 2, at(plain / 2));
+    }
+    costs.static_bytes = tracker_.current_bytes();
+    auto [x, labels] = batch_of(1);
+    costs.input_bytes_per_sample = static_cast<int64_t>(x.nbytes() + labels.nbytes());
+    costs.max_segment_stages = net_.unet ? 1 : 0;
+    return costs;
+  }
+
+  int64_t stage_count() const { return net_.stage_count(); }
+  const std::vector<int64_t>& input() const { return input_; }
+
+ private:
+  std::pair<torch::Tensor, torch::Tensor> batch_of(int64_t batch) {
+    std::vector<int64_t> shape = {batch};
+    shape.insert(shape.end(), input_.begin(), input_.end());
+    auto x = torch::randn(shape, torch::TensorOptions().device(device_));
+    std::vector<int64_t> label_shape = {batch};
+    if (net_.dense) label_shape.insert(label_shape.end(), input_.begin() + 1, input_.end());
+    auto labels = torch::randint(0, args_.integer("classes"), label_shape,
+                                 torch::TensorOptions().dtype(torch::kLong).device(device_));
+    return {x, labels};
+  }
+
+  const Args& args_;
+  torch::Device device_;
+  engine::Precision precision_;
+  std::vector<int64_t> input_;
+  LayerNet net_;
+  memory::Tracker& tracker_;
+  std::unique_ptr<torch::optim::Adam> optimizer_;
+};
+
+nlohmann::json segments_json(const std::vector<engine::ChainSegment>& segments) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& s : segments) {
+    if (s.recompute) out.push_back({s.begin, s.end});
+  }
+  return out;
+}
+
+}  // namespace
+
+int run_bench_layers(const Args& args) {
+  torch::manual_seed(static_cast<uint64_t>(args.integer("seed")));
+  Bench bench(args);
+  const auto mode = args.text("checkpoint");  // off | auto | all
+  const int64_t budget = args.bytes("budget");
+  TORCH_CHECK(mode != "auto" || budget > 0, "--checkpoint auto plans for a budget: give --budget");
+  const int64_t n = bench.stage_count();
+  const auto costs = bench.costs();
+  nlohmann::json out = {{"net", args.text("net")},
+                        {"input", bench.input()},
+                        {"precision", args.text("precision")},
+                        {"checkpoint", mode},
+                        {"budget_bytes", budget},
+                        {"stages", n},
+                        {"static_bytes", costs.static_bytes},
+                        {"machine", machine_info().describe()}};
+  int64_t batch = args.integer("batch");
+  std::vector<engine::ChainSegment> segments = engine::store_all(n);
+  int64_t predicted = 0;
+  if (batch == 0) {
+    // The largest batch: the planner's answer, then checked by real steps under the budget.
+    TORCH_CHECK(budget > 0, "--batch 0 finds the largest batch for --budget: give one");
+    const auto planned = plan::plan_batch(costs, budget, mode != "off");
+    out["planned_batch"] = planned.batch;
+    if (planned.batch == 0) {
+      out["fits"] = false;
+      out["minimum_bytes"] = planned.minimum_bytes_one_sample;
+      fmt::print("{}\n", out.dump());
+      return 2;
+    }
+    batch = planned.batch;
+    nlohmann::json tries = nlohmann::json::array();
+    const auto plan_for = [&](int64_t b) {
+      return mode == "all" ? engine::recompute_every(n, 1)
+                           : plan::plan_batch_chain(costs, b, budget, mode != "off").segments;
+    };
+    auto run = [&](int64_t b) {
+      auto r = bench.step(b, plan_for(b));
+      tries.push_back({{"batch", b}, {"fits", r.fits}, {"peak_bytes", r.peak_bytes}});
+      return r;
+    };
+    auto result = run(batch);
+    if (!result.fits) {  // the largest that runs lies below: bisection
+      int64_t low = 0, high = batch;
+      while (high - low > 1) {
+        const int64_t mid = (low + high) / 2;
+        auto r = run(mid);
+        if (r.fits) {
+          low = mid;
+          result = r;
+        } else {
+          high = mid;
+        }
+      }
+      batch = low;
+    } else {
+      for (int up = 0; up < 3; ++up) {  // the planner may be conservative
+        if (!run(batch + 1).fits) break;
+        ++batch;
+      }
+    }
+    out["tries"] = tries;
+    out["largest_batch"] = batch;
+  }
+  if (batch > 0) {
+    if (mode == "all") {
+      segments = engine::recompute_every(n, 1);
+    } else if (mode == "auto") {
+      segments = plan::plan_batch_chain(costs, batch, budget, true).segments;
+    }
+    predicted =
+        plan::batch_peak_bytes(costs, batch, engine::evaluate_chain(costs.at(batch), segments));
+    memory::reset_rss_peak();
+    const auto result = bench.step(batch, segments, static_cast<int>(args.integer("repeat")));
+    const auto rss = memory::process_memory();
+    out["batch"] = batch;
+    out["fits"] = result.fits;
+    out["recomputed"] = segments_json(segments);
+    out["predicted_peak_bytes"] = predicted;
+    out["peak_bytes"] = result.peak_bytes;
+    out["activation_bytes"] = result.peak_bytes - costs.static_bytes;
+    out["rss_peak_bytes"] = rss.rss_peak_bytes;
+    out["step_seconds"] = result.seconds;
+    out["samples_per_second"] = result.seconds > 0 ? batch / result.seconds : 0.0;
+    if (!result.fits) out["error"] = result.error;
+  }
+  if (args.on("json")) {
+    fmt::print("{}\n", out.dump());
+  } else {
+    fmt::print("framefit bench-layers: {} on {} per sample, {}, checkpointing {}\n",
+               args.text("net"), models::format_shape(bench.input()), args.text("precision"), mode);
+    if (out.contains("largest_batch")) {
+      fmt::print("  budget {}: planner's batch {}, largest batch that ran {}\n",
+                 memory::format_bytes(budget), out["planned_batch"].get<int64_t>(),
+                 out["largest_batch"].get<int64_t>());
+    }
+    if (out.contains("peak_bytes")) {
+      int64_t recomputed_stages = 0;
+      for (const auto& s : segments) recomputed_stages += s.recompute ? s.end - s.begin : 0;
+      fmt::print(
+          "  batch {}: peak {} tracked (predicted {}), RSS {}, {:.3f} s per step, {} of {} "
+          "stages recomputed\n",
+          batch, memory::format_bytes(out["peak_bytes"].get<int64_t>()),
+          memory::format_bytes(predicted),
+          memory::format_bytes(out["rss_peak_bytes"].get<int64_t>()),
+          out["step_seconds"].get<double>(), recomputed_stages, n);
+    }
+    fmt::print("  {}\n", machine_info().describe());
+  }
+  return out.value("fits", true) ? 0 : 2;
+}
+
+}  // namespace framefit::cli
