@@ -70,13 +70,37 @@ std::vector<Stage> resnet_stages(const std::shared_ptr<models::ResNetImpl>& resn
 
 std::vector<Stage> network_stages(const std::shared_ptr<models::NetworkImpl>& network) {
   TORCH_CHECK(network != nullptr, "network_stages: no network");
-  std::vector<Stage> stages;
+  // One stage per convolution or linear layer with the layers after it (norm, activation,
+  // pooling): measured as a block, the intermediates that are freed inside it are not counted
+  // as kept, and a boundary falls where one tensor is handed on.
+  const auto& layers = network->options().layers();
   const auto children = network->named_children();
+  std::vector<std::pair<int64_t, int64_t>> ranges;
   for (int64_t i = 0; i < network->layer_count(); ++i) {
-    const auto& child = children[static_cast<size_t>(i)];
-    stages.push_back(make_stage(child.key(), *child.value(), [network, i](const torch::Tensor& x) {
-      return network->forward_layers(x, i, i + 1);
-    }));
+    const auto& type = layers[static_cast<size_t>(i)].type;
+    const bool starts = type.find("conv") != std::string::npos || type == "linear";
+    if (ranges.empty() || starts) {
+      ranges.emplace_back(i, i + 1);
+    } else {
+      ranges.back().second = i + 1;
+    }
+  }
+  std::vector<Stage> stages;
+  for (const auto& [begin, end] : ranges) {
+    Stage stage;
+    stage.name = children[static_cast<size_t>(begin)].key();
+    const auto b = begin, e = end;
+    stage.forward = [network, b, e](const torch::Tensor& x) {
+      return network->forward_layers(x, b, e);
+    };
+    for (int64_t i = begin; i < end; ++i) {
+      const auto& module = *children[static_cast<size_t>(i)].value();
+      for (const auto& p : module.parameters()) {
+        if (p.requires_grad()) stage.parameters.push_back(p);
+      }
+      for (const auto& buffer : module.buffers()) stage.buffers.push_back(buffer);
+    }
+    stages.push_back(std::move(stage));
   }
   return stages;
 }

@@ -122,13 +122,14 @@ TEST(Checkpoint, LayerChainGradientsEqualNoCheckpointingInFloat64) {
   const auto input = torch::randn({4, 3, 12, 12}, torch::kDouble);
   const auto start = snapshot(*net);
   const auto want = run(net.ptr(), stages, engine::store_all(n), input, start);
-  for (int64_t every : {int64_t{1}, int64_t{3}, n}) {
+  for (int64_t every : {int64_t{1}, int64_t{2}, n}) {
     const auto got = run(net.ptr(), stages, engine::recompute_every(n, every), input, start);
     expect_same(got, want, 1e-12, "every " + std::to_string(every));
   }
   // Mixed: stored, recomputed, stored, recomputed (dropout inside a recomputed segment).
+  ASSERT_EQ(n, 4);  // conv1 block, conv2 block, conv3 block, fc
   const std::vector<ChainSegment> mixed = {
-      {0, 2, false}, {2, 6, true}, {6, 9, false}, {9, n, true}};
+      {0, 1, false}, {1, 2, true}, {2, 3, false}, {3, 4, true}};
   expect_same(run(net.ptr(), stages, mixed, input, start), want, 1e-12, "mixed");
   // num_batches_tracked counted once per forward: one more than at the start, not two.
   for (const auto& b : net->named_buffers()) {
@@ -284,21 +285,26 @@ TEST(Checkpoint, PlannerIsOptimalAgainstExhaustiveSearch) {
 
 TEST(Checkpoint, MeasuredPeakStaysWithinThePlannedBudget) {
   torch::manual_seed(3);
-  auto net = models::Network(models::NetworkOptions(test_layers(), {3, 48, 48}));
+  // Ten conv-bn-relu blocks of one size: checkpointing has something to save.
+  std::vector<LayerSpec> layers;
+  for (int i = 0; i < 10; ++i) {
+    LayerSpec conv{"conv2d", "conv" + std::to_string(i)};
+    conv.out = 8;
+    conv.padding = {1};
+    layers.push_back(conv);
+    layers.push_back({"bn", "bn" + std::to_string(i)});
+    layers.push_back({"relu", "relu" + std::to_string(i)});
+  }
+  layers.push_back({"global_avgpool"});
+  layers.push_back({"flatten"});
+  LayerSpec fc{"linear", "fc"};
+  fc.out = 5;
+  layers.push_back(fc);
+  auto net = models::Network(models::NetworkOptions(layers, {3, 48, 48}));
   net->train();
   const auto stages = engine::network_stages(net.ptr());
   const auto input = torch::randn({8, 3, 48, 48});
   const auto costs = engine::measure_stages(stages, input);
-  const auto all =
-      engine::evaluate_chain(costs, engine::store_all(static_cast<int64_t>(costs.size())));
-  // Halfway between the least memory checkpointing reaches and none at all.
-  const int64_t least = engine::plan_chain(costs, 1).minimum_bytes;
-  ASSERT_LT(least, all.predicted_bytes * 3 / 4);
-  const int64_t budget = (least + all.predicted_bytes) / 2;
-  const auto plan = engine::plan_chain(costs, budget);
-  ASSERT_TRUE(plan.fits) << "minimum " << plan.minimum_bytes << " budget " << budget;
-  EXPECT_GT(plan.recomputed_stages(), 0);
-
   auto& tracker = memory::Tracker::cpu();
   auto measure = [&](const std::vector<ChainSegment>& segments) {
     net->zero_grad();
@@ -309,10 +315,18 @@ TEST(Checkpoint, MeasuredPeakStaysWithinThePlannedBudget) {
     out.pow(2).sum().backward();
     return tracker.peak_bytes() - base;
   };
-  const int64_t planned = measure(plan.segments);
   const int64_t plain = measure(engine::store_all(static_cast<int64_t>(stages.size())));
-  EXPECT_LE(planned, budget) << "plain " << plain;
-  EXPECT_LT(planned, plain);
+  // A budget well below what training without checkpointing measurably takes.
+  const int64_t least = engine::plan_chain(costs, 1).minimum_bytes;
+  ASSERT_LT(least, plain * 7 / 10) << "plain " << plain;
+  const int64_t budget = std::max(least, plain * 6 / 10);
+  const auto plan = engine::plan_chain(costs, budget);
+  ASSERT_TRUE(plan.fits) << "minimum " << plan.minimum_bytes << " budget " << budget;
+  EXPECT_GT(plan.recomputed_stages(), 0);
+  const int64_t planned = measure(plan.segments);
+  EXPECT_LE(planned, budget) << "plain " << plain << ", predicted " << plan.predicted_bytes;
+  // The model errs on the safe side, not by much.
+  EXPECT_GE(planned, plan.predicted_bytes / 2) << "predicted " << plan.predicted_bytes;
 }
 
 TEST(Checkpoint, BadSegmentsAreRejected) {

@@ -39,7 +39,8 @@ Stage make_stage(std::string name, const torch::nn::Module& module,
                  std::function<torch::Tensor(const torch::Tensor&)> forward);
 
 // The chains of framefit's models: a ResNet as stem, each residual block, then pooling (and fc
-// when it has one); a layer-list network one stage per layer.
+// when it has one); a layer-list network one stage per convolution or linear layer, with the
+// norm, activation and pooling layers that follow it.
 std::vector<Stage> resnet_stages(const std::shared_ptr<models::ResNetImpl>& resnet);
 std::vector<Stage> network_stages(const std::shared_ptr<models::NetworkImpl>& network);
 // R3D-18 / R(2+1)D-18 as stem, each block, head (models/video_resnet.h block_names()).
