@@ -88,7 +88,43 @@ def make(outdir):
             torch.save(features_of(model, clips), f"{outdir}/{arch}_features.pt")
         with open(f"{outdir}/{arch}_keys.txt", "w") as f:
             f.write("\n".join(model.state_dict().keys()) + "\n")
+    make_torchscript(outdir)
     print(f"reference data written to {outdir}")
+
+
+class TinyEncoder(torch.nn.Module):
+    """A per-frame encoder with BatchNorm and dropout, scripted for framefit's TorchScript test."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.drop = torch.nn.Dropout(0.0)  # random streams differ between Python and C++
+        self.fc = torch.nn.Linear(8, 6)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv(x)))
+        x = torch.nn.functional.adaptive_avg_pool2d(x, 1).flatten(1)
+        return self.fc(self.drop(x))
+
+
+def make_torchscript(outdir):
+    """tiny_encoder.pt (torch.jit.save), frames, and the loss and gradients of one training
+    forward/backward in float64: features.pow(2).mean() over all frames at once."""
+    torch.manual_seed(40)
+    model = TinyEncoder().double().train()
+    scripted = torch.jit.script(model)
+    scripted.save(f"{outdir}/tiny_encoder.pt")
+    x = torch.randn(10, 3, 16, 16, dtype=torch.float64)
+    torch.save(x, f"{outdir}/tiny_encoder_input.pt")
+    loss = scripted(x).pow(2).mean()
+    loss.backward()
+    ref = {"loss": loss.detach().reshape(1)}
+    for name, p in scripted.named_parameters():
+        ref["grad." + name] = p.grad
+    for name, b in scripted.named_buffers():
+        ref["buffer." + name] = b
+    torch.save(ref, f"{outdir}/tiny_encoder_reference.pt")
 
 
 def check_load(arch, weights, inputs, expected):

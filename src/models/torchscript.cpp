@@ -1,0 +1,54 @@
+#include "framefit/models/torchscript.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+
+namespace framefit::models {
+
+namespace {
+std::string registered_name(std::string name) {
+  std::replace(name.begin(), name.end(), '.', '_');
+  return name;
+}
+}  // namespace
+
+TorchScriptEncoderImpl::TorchScriptEncoderImpl(const std::string& path, torch::Device device)
+    : path_(path) {
+  try {
+    module_ = torch::jit::load(path, device);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "TorchScript encoder ", path, ": cannot load it (",
+                e.what_without_backtrace(),
+                "). Save it in Python with torch.jit.save(torch.jit.script(model), path)");
+  }
+  TORCH_CHECK(module_.find_method("forward").has_value(), "TorchScript encoder ", path,
+              ": the module has no forward method");
+  for (const auto& p : module_.named_parameters(/*recurse=*/true)) {
+    register_parameter(registered_name(p.name), p.value, p.value.requires_grad());
+    named_.emplace_back(p.name, p.value);
+  }
+  for (const auto& b : module_.named_buffers(/*recurse=*/true)) {
+    register_buffer(registered_name(b.name), b.value);
+    named_.emplace_back(b.name, b.value);
+  }
+  module_.train(is_training());
+}
+
+torch::Tensor TorchScriptEncoderImpl::forward(const torch::Tensor& x) {
+  auto out = module_.forward({x});
+  TORCH_CHECK(out.isTensor(), "TorchScript encoder ", path_,
+              ": forward must return one tensor; it returned ", out.tagKind());
+  return out.toTensor();
+}
+
+void TorchScriptEncoderImpl::train(bool on) {
+  torch::nn::Module::train(on);
+  module_.train(on);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> TorchScriptEncoderImpl::named_state() const {
+  return named_;
+}
+
+}  // namespace framefit::models
