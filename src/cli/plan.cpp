@@ -133,15 +133,19 @@ int print_table(const Args& args, const plan::PlanRequest& request, const Calibr
   return 0;
 }
 
+nlohmann::json findings_json(const std::vector<plan::Finding>& findings) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& f : findings) {
+    out.push_back({{"severity", f.severity == plan::Finding::Severity::Error ? "error" : "warning"},
+                   {"problem", f.problem},
+                   {"fix", f.fix}});
+  }
+  return out;
+}
+
 int print_findings(const Args& args, const std::vector<plan::Finding>& findings) {
   if (args.on("json")) {
-    nlohmann::json out = nlohmann::json::array();
-    for (const auto& f : findings) {
-      out.push_back(
-          {{"severity", f.severity == plan::Finding::Severity::Error ? "error" : "warning"},
-           {"problem", f.problem},
-           {"fix", f.fix}});
-    }
+    const auto out = findings_json(findings);
     fmt::print("{}\n",
                nlohmann::json{{"ok", !plan::has_errors(findings)}, {"findings", out}}.dump());
   } else {
@@ -170,14 +174,7 @@ int doctor_network(const Args& args, const train::Config& config, int64_t budget
   if (args.on("json")) {
     nlohmann::json out = {{"ok", !plan::has_errors(findings)}, {"budget_bytes", budget}};
     nlohmann::json rows = nlohmann::json::array();
-    nlohmann::json problems = nlohmann::json::array();
-    for (const auto& f : findings) {
-      problems.push_back(
-          {{"severity", f.severity == plan::Finding::Severity::Error ? "error" : "warning"},
-           {"problem", f.problem},
-           {"fix", f.fix}});
-    }
-    out["findings"] = problems;
+    out["findings"] = findings_json(findings);
     try {
       const auto shapes = models::infer_shapes(layers, input);
       for (const auto& l : shapes.layers) {
