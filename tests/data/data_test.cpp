@@ -10,8 +10,11 @@
 
 #include "test_util.h"
 
+#include "framefit/data/clips.h"
 #include "framefit/data/dataset.h"
 #include "framefit/data/labels.h"
+#include "framefit/data/media.h"
+#include "framefit/data/segmentation.h"
 
 using namespace framefit;
 
@@ -311,4 +314,109 @@ TEST(Prefetch, DeliversInOrderWithinTheMemoryBoundAndRethrows) {
   }
   EXPECT_TRUE(prefetcher.done());
   EXPECT_LE(most.load(), 300) << "decoded ahead beyond the bound (+1 being consumed)";
+}
+
+TEST(Clips, StartsLabelsAndLayout) {
+  data::ClipOptions options;
+  options.length = 4;
+  options.stride = 2;
+  EXPECT_EQ(data::clip_starts(10, options), (std::vector<int64_t>{0, 2, 4, 6}));
+  EXPECT_TRUE(data::clip_starts(3, options).empty());  // shorter than one clip
+  options.stride = 5;
+  EXPECT_EQ(data::clip_starts(10, options), (std::vector<int64_t>{0, 5}));  // 5..8 fits, 10.. not
+  const auto labels = torch::tensor({0, 1, 1, 2}, torch::kLong);
+  EXPECT_EQ(data::clip_label(labels, data::ClipLabel::Majority), 1);
+  EXPECT_EQ(data::clip_label(labels, data::ClipLabel::Center), 1);
+  EXPECT_EQ(data::clip_label(labels, data::ClipLabel::Last), 2);
+  EXPECT_EQ(data::clip_label(torch::tensor({2, 2, 0, 0}, torch::kLong), data::ClipLabel::Majority),
+            0);  // ties: the smallest id
+  EXPECT_EQ(data::parse_clip_label("last"), data::ClipLabel::Last);
+  EXPECT_THROW(data::parse_clip_label("mode"), c10::Error);
+  options.stride = 0;
+  EXPECT_THROW(data::clip_starts(10, options), c10::Error);
+
+  engine::Video video{torch::randint(0, 256, {9, 3, 4, 5}, torch::kUInt8),
+                      torch::tensor({0, 0, 0, 1, 1, 1, 1, 0, 0}, torch::kLong), "v"};
+  options.length = 3;
+  options.stride = 3;
+  const auto clips = data::cut_clips(video, options);
+  EXPECT_EQ(clips.clips.sizes(), (std::vector<int64_t>{3, 3, 3, 4, 5}));  // [K,3,L,H,W]
+  EXPECT_TRUE(torch::equal(clips.labels, torch::tensor({0, 1, 0}, torch::kLong)));
+  EXPECT_TRUE(torch::equal(clips.clips[1], video.frames.narrow(0, 3, 3).permute({1, 0, 2, 3})));
+  video.labels = video.labels.narrow(0, 0, 8);
+  EXPECT_THROW(data::cut_clips(video, options), c10::Error);
+}
+
+TEST_F(DataTest, ClipIndexFromTheVideoPipeline) {
+  if (skip_without_ffmpeg()) GTEST_SKIP() << "built without FFmpeg";
+  const auto l = labels("clip.txt", 50);
+  data::DataOptions options;
+  options.fps = 5;  // 10 sampled frames: 0, 5, ..., 45; the first five are phase a
+  std::vector<data::VideoEntry> entries = {{"clip", kMedia + "/clip_25fps.mp4", l, "train", 0}};
+  data::VideoDataset set(entries, classes_, options);
+  data::ClipOptions clip;
+  clip.length = 4;
+  clip.stride = 2;
+  clip.label = data::ClipLabel::Last;
+  const data::ClipIndex index(set, clip);
+  ASSERT_EQ(index.size(), 4);       // starts 0, 2, 4, 6
+  EXPECT_EQ(index.at(0).label, 0);  // frames 0..3
+  EXPECT_EQ(index.at(1).label, 1);  // frames 2..5
+  EXPECT_EQ(index.label_counts(2), (std::vector<int64_t>{1, 3}));
+  // The index agrees with cutting the decoded video.
+  const auto cut = data::cut_clips(set.load(0), clip);
+  for (int64_t i = 0; i < index.size(); ++i) {
+    EXPECT_EQ(cut.labels[i].item<int64_t>(), index.at(i).label);
+    EXPECT_EQ(cut.starts[static_cast<size_t>(i)], index.at(i).start);
+  }
+}
+
+TEST_F(DataTest, SegmentationImagesAndMasks) {
+  if (skip_without_ffmpeg()) GTEST_SKIP() << "built without FFmpeg";
+  const auto images = dir_ + "/images", masks = dir_ + "/masks";
+  ::mkdir(images.c_str(), 0755);
+  ::mkdir(masks.c_str(), 0755);
+  std::vector<torch::Tensor> truth;
+  for (int i = 0; i < 2; ++i) {
+    const auto image = torch::randint(0, 256, {3, 16, 24}, torch::kUInt8);
+    data::write_image(images + "/s" + std::to_string(i) + ".png", image);
+    auto ids = torch::randint(0, 3, {16, 24}, torch::kUInt8);
+    data::write_image(masks + "/s" + std::to_string(i) + ".png",
+                      ids.unsqueeze(0).repeat({3, 1, 1}));
+    truth.push_back(ids.to(torch::kLong));
+  }
+  data::SegmentationOptions options;
+  options.classes = 3;
+  data::SegmentationDataset set(images, masks, options);
+  ASSERT_EQ(set.size(), 2);
+  const auto [image, mask] = set.load(1);
+  EXPECT_EQ(image.sizes(), (std::vector<int64_t>{3, 16, 24}));
+  EXPECT_TRUE(torch::equal(mask, truth[1]));
+  // Resized: masks by nearest neighbour, so ids stay ids.
+  options.size = 8;
+  data::SegmentationDataset small(images, masks, options);
+  const auto [batch_images, batch_masks] = small.batch({0, 1});
+  EXPECT_EQ(batch_images.sizes(), (std::vector<int64_t>{2, 3, 8, 8}));
+  EXPECT_EQ(batch_masks.sizes(), (std::vector<int64_t>{2, 8, 8}));
+  EXPECT_LE(batch_masks.max().item<int64_t>(), 2);
+
+  // Too few classes for the ids in a mask, a mask without an image, sizes that differ.
+  options.size = 0;
+  options.classes = 2;
+  EXPECT_NE(test_util::error_message([&] {
+              data::SegmentationDataset(images, masks, options).load(0);
+            }).find("has class id 2 but there are 2 classes"),
+            std::string::npos);
+  options.classes = 3;
+  data::write_image(masks + "/orphan.png", torch::zeros({3, 16, 24}, torch::kUInt8));
+  EXPECT_NE(test_util::error_message([&] {
+              data::SegmentationDataset(images, masks, options);
+            }).find("orphan.png has no image"),
+            std::string::npos);
+  std::remove((masks + "/orphan.png").c_str());
+  data::write_image(masks + "/s0.png", torch::zeros({3, 8, 8}, torch::kUInt8));
+  EXPECT_NE(test_util::error_message([&] {
+              data::SegmentationDataset(images, masks, options);
+            }).find("s0.png is 8x8"),
+            std::string::npos);
 }

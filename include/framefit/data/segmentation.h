@@ -1,0 +1,42 @@
+#pragma once
+// Image + mask folders for segmentation (UNet): images/<name>.<ext> and masks/<name>.png, the
+// mask's first channel holding each pixel's class id (0..classes-1).
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace framefit::data {
+
+struct SegmentationOptions {
+  int64_t classes = 2;
+  int64_t size = 0;  // resize images and masks to size x size (masks: nearest); 0 keeps
+};
+
+class SegmentationDataset {
+ public:
+  // Pairs every image with the mask of the same name (extension aside) and checks their sizes
+  // from the file headers: a missing mask, a mask without an image, or sizes that differ are
+  // errors naming the files.
+  SegmentationDataset(const std::string& images_dir, const std::string& masks_dir,
+                      SegmentationOptions options);
+  int64_t size() const { return static_cast<int64_t>(items_.size()); }
+  const std::string& name(int64_t i) const { return items_.at(static_cast<size_t>(i)).name; }
+  // Image [3,H,W] uint8 and mask [H,W] int64. A class id outside [0, classes) is an error naming
+  // the mask file and the value.
+  std::pair<torch::Tensor, torch::Tensor> load(int64_t i) const;
+  // A batch of samples: images [N,3,H,W] uint8, masks [N,H,W] int64 (same size required).
+  std::pair<torch::Tensor, torch::Tensor> batch(const std::vector<int64_t>& indices) const;
+
+ private:
+  struct Item {
+    std::string name, image, mask;
+    int64_t height = 0, width = 0;
+  };
+  SegmentationOptions options_;
+  std::vector<Item> items_;
+};
+
+}  // namespace framefit::data

@@ -1,0 +1,104 @@
+#include "framefit/data/segmentation.h"
+
+#include <dirent.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <map>
+
+#include "framefit/data/media.h"
+
+namespace framefit::data {
+
+namespace {
+
+// name without extension -> path, for the regular files of a folder.
+std::map<std::string, std::string> files_by_stem(const std::string& dir) {
+  DIR* handle = ::opendir(dir.c_str());
+  TORCH_CHECK(handle != nullptr, "segmentation data: cannot open folder ", dir);
+  std::map<std::string, std::string> files;
+  while (const dirent* e = ::readdir(handle)) {
+    const std::string file = e->d_name;
+    if (file.empty() || file[0] == '.') continue;
+    const auto dot = file.rfind('.');
+    const std::string stem = dot == std::string::npos ? file : file.substr(0, dot);
+    const auto [it, fresh] = files.emplace(stem, dir + "/" + file);
+    if (!fresh) {
+      ::closedir(handle);
+      TORCH_CHECK(false, "segmentation data: ", it->second, " and ", dir + "/" + file,
+                  " have the same name; keep one file per sample");
+    }
+  }
+  ::closedir(handle);
+  return files;
+}
+
+}  // namespace
+
+SegmentationDataset::SegmentationDataset(const std::string& images_dir,
+                                         const std::string& masks_dir, SegmentationOptions options)
+    : options_(options) {
+  TORCH_CHECK(options.classes >= 2, "segmentation data: at least 2 classes; got ", options.classes);
+  TORCH_CHECK(options.size >= 0, "segmentation data: size must not be negative");
+  const auto images = files_by_stem(images_dir);
+  const auto masks = files_by_stem(masks_dir);
+  for (const auto& [stem, mask] : masks) {
+    TORCH_CHECK(images.count(stem), "segmentation data: mask ", mask, " has no image named ", stem,
+                " in ", images_dir);
+  }
+  for (const auto& [stem, image] : images) {
+    const auto m = masks.find(stem);
+    TORCH_CHECK(m != masks.end(), "segmentation data: image ", image, " has no mask named ", stem,
+                " in ", masks_dir);
+    const auto image_hw = image_size(image);
+    const auto mask_hw = image_size(m->second);
+    TORCH_CHECK(image_hw == mask_hw, "segmentation data: image ", image, " is ", image_hw.second,
+                "x", image_hw.first, " but its mask ", m->second, " is ", mask_hw.second, "x",
+                mask_hw.first);
+    items_.push_back({stem, image, m->second, image_hw.first, image_hw.second});
+  }
+  TORCH_CHECK(!items_.empty(), "segmentation data: no images in ", images_dir);
+}
+
+std::pair<torch::Tensor, torch::Tensor> SegmentationDataset::load(int64_t i) const {
+  const auto& item = items_.at(static_cast<size_t>(i));
+  const int64_t h = options_.size > 0 ? options_.size : item.height;
+  const int64_t w = options_.size > 0 ? options_.size : item.width;
+  auto image = torch::empty({3, h, w}, torch::kUInt8);
+  read_image(item.image, image);
+  // Masks are read at their own size and resized by nearest neighbour: class ids never blend.
+  auto mask_rgb = torch::empty({3, item.height, item.width}, torch::kUInt8);
+  read_image(item.mask, mask_rgb);
+  auto mask = mask_rgb[0].to(torch::kLong);
+  if (h != item.height || w != item.width) {
+    mask = torch::nn::functional::interpolate(mask.to(torch::kFloat).unsqueeze(0).unsqueeze(0),
+                                              torch::nn::functional::InterpolateFuncOptions()
+                                                  .size(std::vector<int64_t>{h, w})
+                                                  .mode(torch::kNearest))
+               .squeeze(0)
+               .squeeze(0)
+               .to(torch::kLong);
+  }
+  const int64_t largest = mask.max().item<int64_t>();
+  TORCH_CHECK(largest < options_.classes, "segmentation data: mask ", item.mask, " has class id ",
+              largest, " but there are ", options_.classes, " classes (ids 0..",
+              options_.classes - 1, ")");
+  return {image, mask};
+}
+
+std::pair<torch::Tensor, torch::Tensor> SegmentationDataset::batch(
+    const std::vector<int64_t>& indices) const {
+  TORCH_CHECK(!indices.empty(), "segmentation data: an empty batch");
+  std::vector<torch::Tensor> images, masks;
+  for (int64_t i : indices) {
+    auto [image, mask] = load(i);
+    TORCH_CHECK(images.empty() || image.sizes() == images.front().sizes(),
+                "segmentation data: ", name(i), " is ", image.size(2), "x", image.size(1),
+                ", unlike the rest of its batch; set a size to resize every sample");
+    images.push_back(image);
+    masks.push_back(mask);
+  }
+  return {torch::stack(images), torch::stack(masks)};
+}
+
+}  // namespace framefit::data
