@@ -538,7 +538,6 @@ torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const 
               "unet_forward: measure costs without checkpointing");
   unet->check_input(x);
   const int64_t depth = unet->depth();
-  auto& tracker = memory::Tracker::of(x.device());
   size_t index = 0;
   // Runs stage `index` over `inputs`, checkpointed when flagged, measured when asked.
   const auto run = [&](const torch::nn::Module& module,

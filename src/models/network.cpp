@@ -421,38 +421,30 @@ torch::Tensor NetworkImpl::forward(const torch::Tensor& x) {
 }
 
 std::vector<LayerSpec> clip3d_layers(int64_t classes, bool separable, bool as_written) {
-  const std::string conv = separable ? "sepconv3d" : "conv3d";
   std::vector<LayerSpec> layers;
-  auto add = [&](LayerSpec l) { layers.push_back(std::move(l)); };
-  LayerSpec conv1{conv, "conv1"};
-  conv1.out = 32;
-  conv1.kernel = {3};
-  conv1.padding = {1};
-  add(conv1);
-  add({"relu"});
-  add({"maxpool", "pool1"});
-  layers.back().kernel = {2};
-  LayerSpec conv2 = conv1;
-  conv2.name = "conv2";
-  conv2.out = 64;
-  add(conv2);
-  add({"relu"});
-  add({"maxpool", "pool2"});
-  layers.back().kernel = {2};
-  if (as_written) {
-    add({"flatten"});
-  } else {
-    add({"global_avgpool", "global_avg_pool"});
-    add({"flatten"});
+  const auto add = [&](const std::string& type, const std::string& name = "") -> LayerSpec& {
+    LayerSpec l;
+    l.type = type;
+    l.name = name;
+    layers.push_back(std::move(l));
+    return layers.back();
+  };
+  const std::string conv = separable ? "sepconv3d" : "conv3d";
+  for (int64_t block = 1; block <= 2; ++block) {
+    auto& c = add(conv, "conv" + std::to_string(block));
+    c.out = block == 1 ? 32 : 64;
+    c.kernel = {3};
+    c.padding = {1};
+    add("relu");
+    add("maxpool", "pool" + std::to_string(block)).kernel = {2};
   }
-  LayerSpec fc1{"linear", "fc1"};
+  if (!as_written) add("global_avgpool", "global_avg_pool");
+  add("flatten");
+  auto& fc1 = add("linear", "fc1");
   fc1.out = 512;
-  if (as_written) fc1.in = 64 * 30 * 115 * 115;
-  add(fc1);
-  add({"relu"});
-  LayerSpec fc2{"linear", "fc2"};
-  fc2.out = classes;
-  add(fc2);
+  if (as_written) fc1.in = 64 * 30 * 115 * 115;  // the author's size (the real one: 64*15*57*57)
+  add("relu");
+  add("linear", "fc2").out = classes;
   return layers;
 }
 
