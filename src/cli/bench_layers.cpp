@@ -48,11 +48,7 @@ struct LayerNet {
                 : static_cast<int64_t>(stages.size());
   }
   torch::Tensor forward(const torch::Tensor& x, const std::vector<engine::ChainSegment>& segments) {
-    if (unet) {
-      std::vector<bool> flags;
-      for (const auto& s : segments) flags.insert(flags.end(), s.end - s.begin, s.recompute);
-      return engine::unet_forward(unet, x, flags);
-    }
+    if (unet) return engine::unet_forward(unet, x, engine::recomputed(segments));
     return engine::run_chain(stages, segments, x);
   }
   std::vector<engine::StageCost> measure(const torch::Tensor& x) {
@@ -310,8 +306,8 @@ int run_bench_layers(const Args& args) {
                  out["largest_batch"].get<int64_t>());
     }
     if (out.contains("peak_bytes")) {
-      int64_t recomputed_stages = 0;
-      for (const auto& s : segments) recomputed_stages += s.recompute ? s.end - s.begin : 0;
+      const auto flags = engine::recomputed(segments);
+      const auto recomputed_stages = std::count(flags.begin(), flags.end(), true);
       fmt::print(
           "  batch {}: peak {} tracked (predicted {}), RSS {}, {:.3f} s per step, {} of {} "
           "stages recomputed\n",

@@ -341,9 +341,8 @@ std::vector<ChainSegment> recompute_every(int64_t stages, int64_t every) {
 }
 
 int64_t ChainPlan::recomputed_stages() const {
-  int64_t n = 0;
-  for (const auto& s : segments) n += s.recompute ? s.end - s.begin : 0;
-  return n;
+  const auto flags = recomputed(segments);
+  return std::count(flags.begin(), flags.end(), true);
 }
 
 namespace {
@@ -513,9 +512,9 @@ ChainPlan plan_chain(const std::vector<StageCost>& costs, int64_t budget_bytes,
   return plan;
 }
 
-std::vector<bool> recomputed(const ChainPlan& plan) {
+std::vector<bool> recomputed(const std::vector<ChainSegment>& segments) {
   std::vector<bool> flags;
-  for (const auto& s : plan.segments) flags.insert(flags.end(), s.end - s.begin, s.recompute);
+  for (const auto& s : segments) flags.insert(flags.end(), s.end - s.begin, s.recompute);
   return flags;
 }
 

@@ -102,8 +102,8 @@ ChainPlan evaluate_chain(const std::vector<StageCost>& costs, std::vector<ChainS
 std::vector<ChainSegment> store_all(int64_t stages);
 std::vector<ChainSegment> recompute_every(int64_t stages, int64_t every);
 
-// Per stage: whether the plan recomputes it.
-std::vector<bool> recomputed(const ChainPlan& plan);
+// Per stage: whether the segments recompute it.
+std::vector<bool> recomputed(const std::vector<ChainSegment>& segments);
 
 // A UNet's stages in forward order (down0..down<depth>, up0..up<depth-1>, out), run with the
 // stages flagged in `recompute` checkpointed (empty: none). The skip connections stay as they
