@@ -1,7 +1,9 @@
 // framefit plan and framefit doctor: the memory model, planner and checks from the command line.
 #include <fmt/core.h>
 #include <torch/torch.h>
+
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "commands.h"
 #include "framefit/core/runtime.h"
@@ -171,54 +173,55 @@ int doctor_network(const Args& args, const train::Config& config, int64_t budget
   const auto& layers = config.model.layers;
   const auto& input = config.model.input;
   const auto findings = plan::diagnose_network(layers, input, training, budget);
+  // Shapes for the table; a list that cannot even be read is already one of the findings.
+  std::optional<models::NetworkShapes> shapes;
+  try {
+    shapes = models::infer_shapes(layers, input);
+  } catch (const c10::Error&) {
+  }
+  const auto m = shapes ? plan::network_memory(*shapes, input, training) : plan::NetworkMemory{};
   if (args.on("json")) {
     nlohmann::json out = {{"ok", !plan::has_errors(findings)}, {"budget_bytes", budget}};
-    nlohmann::json rows = nlohmann::json::array();
     out["findings"] = findings_json(findings);
-    try {
-      const auto shapes = models::infer_shapes(layers, input);
-      for (const auto& l : shapes.layers) {
+    nlohmann::json rows = nlohmann::json::array();
+    if (shapes) {
+      for (const auto& l : shapes->layers) {
         rows.push_back({{"name", l.name},
                         {"type", l.type},
                         {"output", l.output},
                         {"parameters", l.parameters}});
       }
-      for (const auto& p : shapes.problems) {
+      for (const auto& p : shapes->problems) {
         if (p.expected_inputs > 0) {
           out["mismatches"].push_back({{"layer", p.layer},
                                        {"expected_inputs", p.expected_inputs},
                                        {"actual_inputs", p.actual_inputs}});
         }
       }
-      const auto m = plan::network_memory(shapes, input, training);
-      out["parameters"] = shapes.parameters();
+      out["parameters"] = shapes->parameters();
       out["static_bytes"] = m.static_bytes();
       out["bytes_per_sample"] = m.bytes_per_sample();
-      if (shapes.ok()) {
+      if (shapes->ok()) {
         out["predicted_peak_bytes"] = m.peak_bytes(training.batch);
         out["largest_batch"] = m.largest_batch(budget);
       }
-    } catch (const c10::Error&) {
-      // Already a finding.
     }
     out["layers"] = rows;
     fmt::print("{}\n", out.dump());
     return plan::has_errors(findings) ? 1 : 0;
   }
-  try {
-    const auto shapes = models::infer_shapes(layers, input);
+  if (shapes) {
     fmt::print("framefit doctor: {} layers on input {} (per sample)\n", layers.size(),
                models::format_shape(input));
     fmt::print("  {:<18} {:<15} {:>22} {:>16}\n", "layer", "type", "output", "parameters");
-    for (const auto& l : shapes.layers) {
+    for (const auto& l : shapes->layers) {
       fmt::print("  {:<18} {:<15} {:>22} {:>16}\n", l.name, l.type, models::format_shape(l.output),
                  models::format_count(l.parameters));
     }
-    const auto m = plan::network_memory(shapes, input, training);
     fmt::print("  parameters {} ({}), static memory with gradients and {} state {}\n",
-               models::format_count(shapes.parameters()), memory::format_bytes(m.parameter_bytes),
+               models::format_count(shapes->parameters()), memory::format_bytes(m.parameter_bytes),
                training.optimizer, memory::format_bytes(m.static_bytes()));
-    if (shapes.ok()) {
+    if (shapes->ok()) {
       fmt::print(
           "  per sample: input {}, activations {}, backward {}; batch {}: {} predicted; "
           "budget {}: largest batch {}\n",
@@ -228,8 +231,6 @@ int doctor_network(const Args& args, const train::Config& config, int64_t budget
           memory::format_bytes(m.peak_bytes(training.batch)), memory::format_bytes(budget),
           m.largest_batch(budget));
     }
-  } catch (const c10::Error&) {
-    // The findings below say what is wrong.
   }
   return print_findings(args, findings);
 }
