@@ -16,6 +16,7 @@
 #include "framefit/models/network.h"
 #include "framefit/models/unet.h"
 #include "framefit/models/video_resnet.h"
+#include "framefit/plan/calibration.h"
 #include "framefit/plan/planner.h"
 
 namespace framefit::cli {
@@ -37,27 +38,10 @@ std::vector<int64_t> parse_shape(const std::string& text) {
   return shape;
 }
 
-// A network as a chain of stages (or a UNet's stages around its skips) with its loss.
+// The benchmarked network and whether its labels are per pixel.
 struct LayerNet {
-  std::shared_ptr<torch::nn::Module> module;
-  std::vector<engine::Stage> stages;       // chains
-  std::shared_ptr<models::UNetImpl> unet;  // or a UNet
-  bool dense = false;                      // per-pixel labels
-  int64_t stage_count() const {
-    return unet ? static_cast<int64_t>(engine::unet_stage_names(*unet).size())
-                : static_cast<int64_t>(stages.size());
-  }
-  torch::Tensor forward(const torch::Tensor& x, const std::vector<engine::ChainSegment>& segments) {
-    if (unet) return engine::unet_forward(unet, x, engine::recomputed(segments));
-    return engine::run_chain(stages, segments, x);
-  }
-  std::vector<engine::StageCost> measure(const torch::Tensor& x) {
-    if (!unet) return engine::measure_stages(stages, x);
-    std::vector<engine::StageCost> costs;
-    torch::AutoGradMode grad(true);
-    engine::unet_forward(unet, x, {}, &costs);
-    return costs;
-  }
+  engine::ChainNetwork chain;
+  bool dense = false;
 };
 
 LayerNet build_net(const Args& args, const std::vector<int64_t>& input) {
@@ -66,24 +50,22 @@ LayerNet build_net(const Args& args, const std::vector<int64_t>& input) {
   LayerNet net;
   if (name == "unet") {
     TORCH_CHECK(input.size() == 3, "--net unet takes --input C,H,W");
-    auto unet = models::UNet(models::UNetOptions()
-                                 .in_channels(input[0])
-                                 .classes(classes)
-                                 .width(args.integer("width"))
-                                 .depth(args.integer("depth")));
-    net.module = unet.ptr();
-    net.unet = unet.ptr();
+    net.chain = engine::chain_network(models::UNet(models::UNetOptions()
+                                                       .in_channels(input[0])
+                                                       .classes(classes)
+                                                       .width(args.integer("width"))
+                                                       .depth(args.integer("depth")))
+                                          .ptr());
     net.dense = true;
   } else if (name == "r3d_18" || name == "r2plus1d_18") {
     TORCH_CHECK(input.size() == 4 && input[0] == 3, "--net ", name, " takes --input 3,T,H,W");
-    auto video = models::VideoResNet(models::VideoResNetOptions(name).num_classes(classes));
-    net.module = video.ptr();
-    net.stages = engine::video_resnet_stages(video.ptr());
+    net.chain = engine::chain_network(
+        models::VideoResNet(models::VideoResNetOptions(name).num_classes(classes)).ptr());
   } else {
-    auto network = models::Network(
-        models::NetworkOptions(models::clip3d_layers(classes, name == "clip3d_separable"), input));
-    net.module = network.ptr();
-    net.stages = engine::network_stages(network.ptr());
+    net.chain = engine::chain_network(
+        models::Network(models::NetworkOptions(
+                            models::clip3d_layers(classes, name == "clip3d_separable"), input))
+            .ptr());
   }
   return net;
 }
@@ -104,9 +86,9 @@ class Bench {
         input_(parse_shape(args.text("input"))),
         net_(build_net(args, input_)),
         tracker_(memory::Tracker::of(device_)) {
-    net_.module->to(device_);
-    net_.module->train();
-    optimizer_ = std::make_unique<torch::optim::Adam>(net_.module->parameters(),
+    net_.chain.module->to(device_);
+    net_.chain.module->train();
+    optimizer_ = std::make_unique<torch::optim::Adam>(net_.chain.module->parameters(),
                                                       torch::optim::AdamOptions(1e-4));
   }
 
@@ -125,7 +107,7 @@ class Bench {
         torch::Tensor loss;
         {
           engine::AutocastGuard autocast(device_, precision_);
-          auto out = net_.forward(x, segments);
+          auto out = net_.chain.forward(x, segments);
           loss = torch::nn::functional::cross_entropy(out.to(torch::kFloat32), labels);
         }
         loss.backward();
@@ -148,33 +130,17 @@ class Bench {
   }
 
   // Static memory after a first step (parameters, gradients, Adam state), and stage costs
-  // measured at batches 1 and 2.
+  // calibrated on the way to the budget.
   plan::BatchCosts costs() {
-    step(1, engine::store_all(net_.stage_count()));
-    plan::BatchCosts costs;
-    const auto at = [&](int64_t batch) {
-      auto [x, labels] = batch_of(batch);
-      engine::AutocastGuard autocast(device_, precision_);
-      return net_.measure(x);
-    };
-    // Per-sample costs from batches 1 and 2 are dominated by fixed overheads; measure again at
-    // half the batch that plainly fits the budget, when that is larger.
-    const auto c1 = at(1);
-    costs = plan::BatchCosts::through(1, c1, 2, at(2));
-    costs.static_bytes = tracker_.current_bytes();
-    const int64_t budget = args_.bytes("budget");
-    if (budget > 0) {
-      const int64_t plain = plan::plan_batch(costs, budget, false).batch;
-      if (plain >= 8) costs = plan::BatchCosts::through(1, c1, plain / 2, at(plain / 2));
-    }
-    costs.static_bytes = tracker_.current_bytes();
+    step(1, engine::store_all(net_.chain.stage_count()));
     auto [x, labels] = batch_of(1);
-    costs.input_bytes_per_sample = static_cast<int64_t>(x.nbytes() + labels.nbytes());
-    costs.max_segment_stages = net_.unet ? 1 : 0;
-    return costs;
+    return plan::calibrate_batch(
+        net_.chain, [&](int64_t batch) { return batch_of(batch).first; }, tracker_.current_bytes(),
+        static_cast<int64_t>(x.nbytes() + labels.nbytes()), args_.bytes("budget"), device_,
+        precision_);
   }
 
-  int64_t stage_count() const { return net_.stage_count(); }
+  int64_t stage_count() const { return net_.chain.stage_count(); }
   const std::vector<int64_t>& input() const { return input_; }
 
  private:

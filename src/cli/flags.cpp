@@ -35,15 +35,17 @@ const std::vector<Command>& command_table() {
        "batch --budget allows."},
       {"make-demo",
        "Write the demo data set: synthetic procedure videos as MP4 files and JPEG frame folders "
-       "with Cholec80-style phase annotations and CSV manifests. Two pairs of phases look alike "
-       "and differ only in what came before, so a per-frame model cannot tell them apart."},
+       "with Cholec80-style phase annotations and CSV manifests (two pairs of phases look alike "
+       "and differ only in what came before, so a per-frame model cannot tell them apart), and "
+       "images with masks for segmentation under segmentation/."},
       {"train",
-       "Train an encoder and temporal head on videos from a YAML config (--set overrides any "
-       "key), planned to fit train.budget: progress, validation each epoch, a JSONL log, atomic "
+       "Train from a YAML config (--set overrides any key): phases (encoder and temporal head on "
+       "whole videos), clips (3D CNNs) or segmentation (UNet), planned to fit train.budget: progress, validation each epoch, a JSONL log, atomic "
        "checkpoints (keep-last-N plus best), --resume to continue a stopped run exactly."},
       {"eval",
-       "Phase-recognition metrics of a checkpoint on a split of its data set (frame accuracy, "
-       "per-phase precision, recall, F1 and Jaccard, macro averages)."},
+       "Metrics of a checkpoint on a split of its data set: accuracy and per-class precision, "
+       "recall, F1 and Jaccard (IoU for segmentation) with macro averages, over frames, clips or "
+       "pixels by task."},
       {"predict", "Per-frame phase predictions for one video file or frame folder, as CSV."},
       {"bench-data",
        "Decoding and transform throughput of a config's data set: every video of a split "

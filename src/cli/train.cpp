@@ -14,6 +14,7 @@
 #include "framefit/data/dataset.h"
 #include "framefit/data/demo.h"
 #include "framefit/memory/tracker.h"
+#include "framefit/train/tasks.h"
 #include "framefit/train/trainer.h"
 
 namespace framefit::cli {
@@ -28,9 +29,18 @@ std::string clock_text(double seconds) {
 
 std::string percent(double v) { return std::isnan(v) ? "  -  " : fmt::format("{:5.1f}", 100 * v); }
 
-void print_metrics(const train::PhaseMetrics& m, const data::ClassList& classes) {
-  fmt::print("  frame accuracy {:.2f}% over {} frames\n", 100 * m.accuracy, m.frames);
-  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", "phase", "precision", "recall", "F1", "Jaccard");
+// What the metrics count: frames (phases), clips, or pixels (segmentation, where the Jaccard
+// index is the IoU).
+std::string counted(const std::string& task) {
+  return task == "clips" ? "clip" : task == "segmentation" ? "pixel" : "frame";
+}
+
+void print_metrics(const train::PhaseMetrics& m, const data::ClassList& classes,
+                   const std::string& task) {
+  fmt::print("  {} accuracy {:.2f}% over {} {}s\n", counted(task), 100 * m.accuracy, m.frames,
+             counted(task));
+  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", task == "phases" ? "phase" : "class",
+             "precision", "recall", "F1", task == "segmentation" ? "IoU" : "Jaccard");
   for (int64_t k = 0; k < classes.size(); ++k) {
     fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", classes.names()[k], percent(m.precision[k]),
                percent(m.recall[k]), percent(m.f1[k]), percent(m.jaccard[k]));
@@ -64,9 +74,9 @@ class ProgressPrinter {
         break;
       case Kind::Step: {
         const std::string text = fmt::format(
-            "epoch {}/{} step {}/{} {} loss {:.4f} lr {:.2e} {:.1f} frames/s mem {} rss {} ETA {}",
+            "epoch {}/{} step {}/{} {} loss {:.4f} lr {:.2e} {:.1f} {}/s mem {} rss {} ETA {}",
             e.epoch, e.epochs, e.step, e.total_steps, bar(e.step, e.total_steps), e.loss, e.lr,
-            e.frames_per_second, memory::format_bytes(e.peak_bytes),
+            e.frames_per_second, e.rate_unit, memory::format_bytes(e.peak_bytes),
             memory::format_bytes(e.rss_bytes), clock_text(e.eta_seconds));
         const int64_t every =
             std::max<int64_t>(1, e.total_steps / (20 * std::max<int64_t>(1, e.epochs)));
@@ -74,8 +84,9 @@ class ProgressPrinter {
         break;
       }
       case Kind::Evaluate:
-        show(fmt::format("evaluating {}/{} videos {} {:.1f} frames/s", e.step, e.total_steps,
-                         bar(e.step, e.total_steps), e.frames_per_second),
+        show(fmt::format("evaluating {}/{} {} {} {:.1f} {}/s", e.step, e.total_steps,
+                         e.rate_unit == "frames" ? "videos" : "batches", bar(e.step, e.total_steps),
+                         e.frames_per_second, e.rate_unit),
              e.step == e.total_steps);
         break;
       case Kind::Epoch:
@@ -83,10 +94,10 @@ class ProgressPrinter {
         if (e.validated) {
           fmt::print(stderr,
                      "framefit {}: epoch {}/{} done at {}: train loss {:.4f}, validation accuracy "
-                     "{:.2f}%, macro F1 {:.2f}%{}\n",
+                     "{:.2f}%, macro F1 {:.2f}%, macro Jaccard (IoU) {:.2f}%{}\n",
                      command_, e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss,
                      100 * e.metrics.accuracy, 100 * e.metrics.macro_f1,
-                     e.best ? " (best so far)" : "");
+                     100 * e.metrics.macro_jaccard, e.best ? " (best so far)" : "");
         } else {
           fmt::print(stderr, "framefit {}: epoch {}/{} done at {}: train loss {:.4f}\n", command_,
                      e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss);
@@ -142,6 +153,12 @@ int run_make_demo(const Args& args) {
   const auto demo_classes = data::demo_classes();
   for (const auto& name : demo_classes.names()) classes += (classes.empty() ? "" : ", ") + name;
   fmt::print("  classes: [{}]\n", classes);
+  data::SegmentationDemoOptions segmentation;
+  segmentation.seed = options.seed;
+  const std::string segmentation_dir = args.text("out") + "/segmentation";
+  const int64_t images = data::make_segmentation_demo(segmentation_dir, segmentation);
+  fmt::print("wrote {} segmentation images and masks to {}/{{train,val,test}}\n", images,
+             segmentation_dir);
   return 0;
 }
 
@@ -165,34 +182,55 @@ int run_train(const Args& args) {
              clock_text(result.seconds), config.train.out_dir);
   if (result.validated) {
     fmt::print("best validation (written to {}):\n", result.best_checkpoint);
-    print_metrics(result.best, classes);
+    print_metrics(result.best, classes, config.task);
   }
-  if (result.skipped_videos > 0) fmt::print("skipped {} bad videos\n", result.skipped_videos);
+  if (result.skipped_videos > 0) {
+    fmt::print("skipped {} bad {}\n", result.skipped_videos,
+               config.task == "segmentation" ? "images" : "videos");
+  }
   return 0;
 }
 
 int run_eval(const Args& args) {
-  // Overrides apply to the checkpoint's own config (device, another data.manifest, ...).
-  auto model = train::load_model(args.text("checkpoint"), args.list("set"));
-  const std::string split = args.has("split") ? args.text("split") : model.config.data.test_split;
   ProgressPrinter printer("eval");
   auto on_event = [&](const train::Event& e) { printer(e); };
-  const auto dataset = train::make_dataset(model.config, split, false, on_event);
-  TORCH_CHECK(dataset.size() > 0, "no videos in split \"", split, "\" of ",
-              model.config.data.manifest);
-  const auto metrics = train::evaluate(model, dataset, on_event);
-  const auto json = metrics_json(metrics, model.classes);
+  const std::string checkpoint = args.text("checkpoint");
+  // Overrides apply to the checkpoint's own config (device, another data.manifest, ...).
+  const auto overrides = args.list("set");
+  const auto stored = train::checkpoint_config(checkpoint);
+  train::PhaseMetrics metrics;
+  data::ClassList classes;
+  std::string split, what;
+  if (train::is_batch_task(stored)) {
+    auto model = train::load_batch_model(checkpoint, overrides);
+    split = args.has("split") ? args.text("split") : model.config.data.test_split;
+    metrics = train::evaluate_batch(model, split, on_event);
+    classes = model.classes;
+  } else {
+    auto model = train::load_model(checkpoint, overrides);
+    split = args.has("split") ? args.text("split") : model.config.data.test_split;
+    const auto dataset = train::make_dataset(model.config, split, false, on_event);
+    TORCH_CHECK(dataset.size() > 0, "no videos in split \"", split, "\" of ",
+                model.config.data.manifest);
+    metrics = train::evaluate(model, dataset, on_event);
+    classes = model.classes;
+  }
+  const auto json = metrics_json(metrics, classes);
   if (args.has("out")) std::ofstream(args.text("out")) << json.dump(2) << "\n";
   if (args.on("json")) {
     fmt::print("{}\n", json.dump(2));
   } else {
-    fmt::print("{} on split \"{}\" ({} videos):\n", args.text("checkpoint"), split, dataset.size());
-    print_metrics(metrics, model.classes);
+    fmt::print("{} on split \"{}\":\n", checkpoint, split);
+    print_metrics(metrics, classes, stored.task);
   }
   return 0;
 }
 
 int run_predict(const Args& args) {
+  const auto task = train::checkpoint_config(args.text("checkpoint")).task;
+  TORCH_CHECK(task == "phases", "framefit predict writes per-frame phases of a video; ",
+              args.text("checkpoint"), " is a ", task,
+              " model (framefit eval measures it on a split)");
   // Overrides apply to the checkpoint's own config (device, another data.manifest, ...).
   auto model = train::load_model(args.text("checkpoint"), args.list("set"));
   const auto options = train::data_options(model.config, false);
@@ -272,11 +310,20 @@ int run_bench_data(const Args& args) {
 }
 
 int run_export(const Args& args) {
-  const auto model = train::load_model(args.text("checkpoint"), {"device=cpu"});
-  const auto state = train::export_state_dict(model);
+  const std::string checkpoint = args.text("checkpoint");
+  models::StateDict state;
+  std::string names;
+  if (train::is_batch_task(train::checkpoint_config(checkpoint))) {
+    const auto model = train::load_batch_model(checkpoint, {"device=cpu"});
+    state = models::state_dict(*model.network.module);
+    names = "the network's own names (torchvision's for r3d_18 and r2plus1d_18)";
+  } else {
+    const auto model = train::load_model(checkpoint, {"device=cpu"});
+    state = train::export_state_dict(model);
+    names = "encoder.* in torchvision names, head.*";
+  }
   models::write_state_dict(state, args.text("out"));
-  fmt::print("wrote {} tensors to {} (encoder.* in torchvision names, head.*)\n", state.size(),
-             args.text("out"));
+  fmt::print("wrote {} tensors to {} ({})\n", state.size(), args.text("out"), names);
   return 0;
 }
 

@@ -156,4 +156,53 @@ DemoSummary make_demo(const std::string& out_dir, const DemoOptions& options,
   return summary;
 }
 
+ClassList segmentation_demo_classes() { return ClassList({"background", "disc", "square"}); }
+
+int64_t make_segmentation_demo(const std::string& out_dir, const SegmentationDemoOptions& options) {
+  TORCH_CHECK(options.size >= 16, "segmentation demo images must be at least 16 pixels, got ",
+              options.size);
+  std::mt19937_64 rng(options.seed);
+  std::uniform_real_distribution<double> u(0, 1);
+  torch::Generator gen = at::detail::createCPUGenerator(options.seed);
+  const auto grid = torch::arange(options.size, torch::kFloat32);
+  const auto yy = grid.view({-1, 1}).expand({options.size, options.size});
+  const auto xx = grid.view({1, -1}).expand({options.size, options.size});
+  make_directory(out_dir);
+  int64_t written = 0;
+  const std::pair<const char*, int64_t> splits[] = {
+      {"train", options.train_images}, {"val", options.val_images}, {"test", options.test_images}};
+  for (const auto& [split, count] : splits) {
+    const std::string root = out_dir + "/" + split;
+    make_directory(root);
+    make_directory(root + "/images");
+    make_directory(root + "/masks");
+    for (int64_t i = 0; i < count; ++i) {
+      const double n = static_cast<double>(options.size);
+      // A disc and a square of random sizes and places (the later drawn wins where they meet).
+      const double r = n * (0.1 + 0.12 * u(rng)), cy = n * (0.2 + 0.6 * u(rng)),
+                   cx = n * (0.2 + 0.6 * u(rng));
+      const double half = n * (0.08 + 0.12 * u(rng)), sy = n * (0.2 + 0.6 * u(rng)),
+                   sx = n * (0.2 + 0.6 * u(rng));
+      auto mask = torch::zeros({options.size, options.size}, torch::kLong);
+      mask.masked_fill_((yy - cy).pow(2) + (xx - cx).pow(2) <= r * r, 1);
+      mask.masked_fill_(((yy - sy).abs() <= half).logical_and((xx - sx).abs() <= half), 2);
+      auto colour = torch::tensor({60 + 180 * u(rng), 60 + 180 * u(rng), 60 + 180 * u(rng)},
+                                  torch::kFloat32)
+                        .view({3, 1, 1});
+      const double frequency = 2 + 4 * u(rng);
+      auto background =
+          (40 + 30 * torch::sin(2 * M_PI * frequency * (yy + xx) / n)).unsqueeze(0).expand(
+              {3, options.size, options.size});
+      auto image = torch::where(mask.gt(0).unsqueeze(0), colour, background);
+      image = (image + torch::randn(image.sizes(), gen) * 8).clamp(0, 255).round().to(torch::kUInt8);
+      char name[32];
+      std::snprintf(name, sizeof(name), "/%04lld.png", static_cast<long long>(i));
+      write_image(root + "/images" + name, image);
+      write_image(root + "/masks" + name, mask.to(torch::kUInt8).unsqueeze(0).expand({3, -1, -1}).contiguous());
+      ++written;
+    }
+  }
+  return written;
+}
+
 }  // namespace framefit::data

@@ -575,4 +575,52 @@ torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const 
              {h});
 }
 
+int64_t ChainNetwork::stage_count() const {
+  return unet ? static_cast<int64_t>(unet_stage_names(*unet).size())
+              : static_cast<int64_t>(stages.size());
+}
+
+torch::Tensor ChainNetwork::forward(const torch::Tensor& x,
+                                    const std::vector<ChainSegment>& segments) const {
+  if (unet) return unet_forward(unet, x, recomputed(segments));
+  return run_chain(stages, segments, x);
+}
+
+std::vector<StageCost> ChainNetwork::measure(const torch::Tensor& x) const {
+  if (!unet) return measure_stages(stages, x);
+  std::vector<StageCost> costs;
+  torch::AutoGradMode grad(true);
+  unet_forward(unet, x, {}, &costs);
+  return costs;
+}
+
+ChainNetwork chain_network(const std::shared_ptr<models::NetworkImpl>& network) {
+  ChainNetwork net;
+  net.module = network;
+  net.stages = network_stages(network);
+  return net;
+}
+
+ChainNetwork chain_network(const std::shared_ptr<models::VideoResNetImpl>& video) {
+  ChainNetwork net;
+  net.module = video;
+  net.stages = video_resnet_stages(video);
+  return net;
+}
+
+ChainNetwork chain_network(const std::shared_ptr<models::UNetImpl>& unet) {
+  ChainNetwork net;
+  net.module = unet;
+  net.unet = unet;
+  return net;
+}
+
+ChainNetwork chain_network(const std::shared_ptr<torch::nn::Module>& module,
+                           std::function<torch::Tensor(const torch::Tensor&)> forward) {
+  ChainNetwork net;
+  net.module = module;
+  net.stages = {make_stage("network", *module, std::move(forward))};
+  return net;
+}
+
 }  // namespace framefit::engine

@@ -1,8 +1,8 @@
 #include "framefit/plan/calibration.h"
 
 #include <ATen/autocast_mode.h>
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cstdlib>
@@ -11,6 +11,7 @@
 #include <iterator>
 
 #include "framefit/engine/amp.h"
+#include "framefit/engine/checkpoint.h"
 #include "framefit/engine/chunked.h"
 #include "framefit/engine/loss.h"
 #include "framefit/memory/tracker.h"
@@ -43,8 +44,8 @@ struct Probed {
   engine::FrameEncoder frame_encoder;
 };
 
-ChunkProbe probe_chunk(const ModelSpec& spec, engine::Precision precision, Probed& model,
-                       int64_t n, const CalibrationOptions& options) {
+ChunkProbe probe_chunk(const ModelSpec& spec, engine::Precision precision, Probed& model, int64_t n,
+                       const CalibrationOptions& options) {
   auto& tracker = memory::Tracker::of(spec.device);
   const auto& encoder = model.frame_encoder;
   const auto frames = torch::randint(0, 256, {n, 3, spec.size, spec.size}, torch::kUInt8);
@@ -135,8 +136,9 @@ HeadProbe probe_head(const ModelSpec& spec, models::TemporalHead& head, int64_t 
   HeadProbe probe;
   for (int64_t r = 0; r < options.repeats; ++r) {
     // A fresh leaf each time: its gradient is allocated like the engine's features gradient.
-    auto features = torch::randn({n, feature_dim}, torch::TensorOptions().dtype(dtype).device(spec.device))
-                        .requires_grad_(true);
+    auto features =
+        torch::randn({n, feature_dim}, torch::TensorOptions().dtype(dtype).device(spec.device))
+            .requires_grad_(true);
     auto window = tracker.mark();
     const auto start = std::chrono::steady_clock::now();
     engine::phase_loss(head.forward(features), labels, {}).backward();
@@ -151,9 +153,10 @@ HeadProbe probe_head(const ModelSpec& spec, models::TemporalHead& head, int64_t 
 
 ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision,
                      const CalibrationOptions& options) {
-  TORCH_CHECK(options.chunk_frames.size() == 2 && options.chunk_frames[0] != options.chunk_frames[1] &&
-                  options.head_frames.size() == 2 && options.head_frames[0] != options.head_frames[1],
-              "calibration needs two different chunk sizes and two different head lengths");
+  TORCH_CHECK(
+      options.chunk_frames.size() == 2 && options.chunk_frames[0] != options.chunk_frames[1] &&
+          options.head_frames.size() == 2 && options.head_frames[0] != options.head_frames[1],
+      "calibration needs two different chunk sizes and two different head lengths");
   torch::manual_seed(options.seed);
   Probed model;
   model.encoder = models::ResNet(spec.encoder_options());
@@ -170,7 +173,8 @@ ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision,
   std::array<HeadProbe, 2> head_probe;
   for (size_t i = 0; i < 2; ++i) {
     chunk[i] = probe_chunk(spec, precision, model, options.chunk_frames[i], options);
-    head_probe[i] = probe_head(spec, *head, model.encoder->feature_dim(), options.head_frames[i], options);
+    head_probe[i] =
+        probe_head(spec, *head, model.encoder->feature_dim(), options.head_frames[i], options);
   }
   const double n1 = static_cast<double>(options.chunk_frames[0]);
   const double n2 = static_cast<double>(options.chunk_frames[1]);
@@ -212,13 +216,18 @@ namespace {
 
 const std::vector<std::pair<const char*, Linear ChunkCosts::*>>& cost_fields() {
   static const std::vector<std::pair<const char*, Linear ChunkCosts::*>> fields = {
-      {"nograd_peak", &ChunkCosts::nograd_peak},       {"grad_peak", &ChunkCosts::grad_peak},
-      {"saved", &ChunkCosts::saved},                   {"backward_peak", &ChunkCosts::backward_peak},
+      {"nograd_peak", &ChunkCosts::nograd_peak},
+      {"grad_peak", &ChunkCosts::grad_peak},
+      {"saved", &ChunkCosts::saved},
+      {"backward_peak", &ChunkCosts::backward_peak},
       {"accumulate_peak", &ChunkCosts::accumulate_peak},
-      {"frozen_output", &ChunkCosts::frozen_output},   {"head_peak", &ChunkCosts::head_peak},
-      {"nograd_seconds", &ChunkCosts::nograd_seconds}, {"grad_seconds", &ChunkCosts::grad_seconds},
+      {"frozen_output", &ChunkCosts::frozen_output},
+      {"head_peak", &ChunkCosts::head_peak},
+      {"nograd_seconds", &ChunkCosts::nograd_seconds},
+      {"grad_seconds", &ChunkCosts::grad_seconds},
       {"backward_seconds", &ChunkCosts::backward_seconds},
-      {"frozen_seconds", &ChunkCosts::frozen_seconds}, {"head_seconds", &ChunkCosts::head_seconds},
+      {"frozen_seconds", &ChunkCosts::frozen_seconds},
+      {"head_seconds", &ChunkCosts::head_seconds},
   };
   return fields;
 }
@@ -315,6 +324,45 @@ std::map<engine::Precision, ChunkCosts> calibrated_costs(
   }
   if (changed) cache.save();
   return result;
+}
+
+int64_t training_static_bytes(const torch::nn::Module& module, const std::string& optimizer) {
+  TORCH_CHECK(optimizer == "sgd" || optimizer == "adam" || optimizer == "adamw",
+              "unknown optimizer '", optimizer, "': use sgd, adam or adamw");
+  int64_t parameters = 0, trained = 0, buffers = 0;
+  for (const auto& p : module.parameters()) {
+    parameters += static_cast<int64_t>(p.nbytes());
+    if (p.requires_grad()) trained += static_cast<int64_t>(p.nbytes());
+  }
+  for (const auto& b : module.buffers()) buffers += static_cast<int64_t>(b.nbytes());
+  return parameters + buffers + trained * (1 + (optimizer == "sgd" ? 1 : 2));
+}
+
+BatchCosts calibrate_batch(const engine::ChainNetwork& network,
+                           const std::function<torch::Tensor(int64_t)>& inputs,
+                           int64_t static_bytes, int64_t input_bytes_per_sample,
+                           int64_t budget_bytes, torch::Device device,
+                           engine::Precision precision) {
+  const auto at = [&](int64_t batch) {
+    const auto x = inputs(batch);
+    engine::AutocastGuard autocast(device, precision);
+    return network.measure(x);
+  };
+  const auto one = at(1);
+  auto costs = BatchCosts::through(1, one, 2, at(2));
+  costs.static_bytes = static_bytes;
+  costs.input_bytes_per_sample = input_bytes_per_sample;
+  costs.max_segment_stages = network.max_segment_stages();
+  if (budget_bytes > 0) {
+    const int64_t plain = plan_batch(costs, budget_bytes, false).batch;
+    if (plain >= 8) {
+      costs = BatchCosts::through(1, one, plain / 2, at(plain / 2));
+      costs.static_bytes = static_bytes;
+      costs.input_bytes_per_sample = input_bytes_per_sample;
+      costs.max_segment_stages = network.max_segment_stages();
+    }
+  }
+  return costs;
 }
 
 }  // namespace framefit::plan

@@ -228,6 +228,21 @@ const std::vector<Entry>& entries() {
       e.get = [](const Config& c) { return int_list_node(c.model.input); };
       t.push_back(e);
     }
+    t.push_back(choice("model.network",
+                       "clips/segmentation network; empty: r3d_18 (layers when model.layers is "
+                       "set) for clips, unet for segmentation",
+                       FRAMEFIT_MEMBER(std::string, model.network),
+                       {"", "layers", "r3d_18", "r2plus1d_18", "unet", "torchscript"}));
+    t.push_back(field<std::string>("model.script",
+                                   "model.network torchscript: the file torch.jit.save wrote",
+                                   FRAMEFIT_MEMBER(std::string, model.script), "a path"));
+    t.push_back(field<int64_t>("model.width", "UNet: channels of the first stage",
+                               FRAMEFIT_MEMBER(int64_t, model.width), "an integer", at_least(1)));
+    t.push_back(field<int64_t>("model.depth", "UNet: down-sampling steps",
+                               FRAMEFIT_MEMBER(int64_t, model.depth), "an integer", at_least(1)));
+    t.push_back(field<bool>("model.bilinear",
+                            "UNet: bilinear upsampling instead of transposed conv",
+                            FRAMEFIT_MEMBER(bool, model.bilinear), "true or false"));
     // data
     t.push_back(field<std::string>("data.manifest", "CSV listing videos, label files and splits",
                                    FRAMEFIT_MEMBER(std::string, data.manifest), "a path"));
@@ -249,8 +264,9 @@ const std::vector<Entry>& entries() {
     }
     t.push_back(field<double>("data.fps", "frames per second sampled from each video; 0: all",
                               FRAMEFIT_MEMBER(double, data.fps), "a number", non_negative()));
-    t.push_back(field<int64_t>("data.resize", "shorter side after decoding, pixels; 0: keep",
-                               FRAMEFIT_MEMBER(int64_t, data.resize), "an integer", at_least(0)));
+    t.push_back(field<int64_t>(
+        "data.resize", "shorter side after decoding (segmentation: square side), pixels; 0: keep",
+        FRAMEFIT_MEMBER(int64_t, data.resize), "an integer", at_least(0)));
     t.push_back(field<int64_t>("data.crop", "square crop side, pixels; 0: none",
                                FRAMEFIT_MEMBER(int64_t, data.crop), "an integer", at_least(0)));
     t.push_back(field<bool>("data.augment", "training: random crop offset and flip per video",
@@ -268,6 +284,21 @@ const std::vector<Entry>& entries() {
                                    FRAMEFIT_MEMBER(std::string, data.val_split), "a name"));
     t.push_back(field<std::string>("data.test_split", "split `framefit eval` uses by default",
                                    FRAMEFIT_MEMBER(std::string, data.test_split), "a name"));
+    t.push_back(field<int64_t>("data.clip_length", "clips: sampled frames per clip",
+                               FRAMEFIT_MEMBER(int64_t, data.clip_length), "an integer",
+                               at_least(1)));
+    t.push_back(field<int64_t>("data.clip_stride", "clips: sampled frames between clip starts",
+                               FRAMEFIT_MEMBER(int64_t, data.clip_stride), "an integer",
+                               at_least(1)));
+    t.push_back(choice("data.clip_label", "clips: a clip's label from its frames' labels",
+                       FRAMEFIT_MEMBER(std::string, data.clip_label),
+                       {"majority", "center", "last"}));
+    t.push_back(field<std::string>("data.images",
+                                   "segmentation: image folder, {split} replaced by the split",
+                                   FRAMEFIT_MEMBER(std::string, data.images), "a path"));
+    t.push_back(field<std::string>("data.masks",
+                                   "segmentation: mask folder (PNG class ids), {split} as above",
+                                   FRAMEFIT_MEMBER(std::string, data.masks), "a path"));
     // train
     t.push_back(field<int64_t>("train.epochs", "passes over the training split",
                                FRAMEFIT_MEMBER(int64_t, train.epochs), "an integer", at_least(1)));
@@ -332,6 +363,14 @@ const std::vector<Entry>& entries() {
     t.push_back(field<bool>("train.validate", "evaluate the validation split after each epoch",
                             FRAMEFIT_MEMBER(bool, train.validate), "true or false"));
     t.push_back(field<std::string>(
+        "train.batch", "clips/segmentation: samples per batch; auto: the largest that fits",
+        FRAMEFIT_MEMBER(std::string, train.batch), "auto or a count", auto_or_count()));
+    t.push_back(choice("train.checkpointing",
+                       "clips/segmentation: layer checkpointing; auto: only what the batch needs",
+                       FRAMEFIT_MEMBER(std::string, train.checkpointing), {"auto", "off", "all"}));
+    t.push_back(choice("task", "what is learned", FRAMEFIT_MEMBER(std::string, task),
+                       {"phases", "clips", "segmentation"}));
+    t.push_back(field<std::string>(
         "device", "cpu, cuda or cuda:N", FRAMEFIT_MEMBER(std::string, device), "a device name",
         [](const std::string& v, const std::string& where) {
           bool ok = v == "cpu" || v == "cuda";
@@ -363,7 +402,7 @@ std::string unknown_key_message(const std::string& name) {
     if (!section.empty() && e.key.name.rfind(section, 0) != 0) continue;
     known += (known.empty() ? "" : ", ") + e.key.name;
   }
-  if (known.empty()) known = "model.*, data.*, train.*, device";
+  if (known.empty()) known = "task, model.*, data.*, train.*, device";
   return "unknown key `" + name + "` (known: " + known + ")";
 }
 
@@ -405,7 +444,7 @@ Config parse_config(const std::string& yaml_text, const std::string& source,
   }
   if (root.IsDefined() && !root.IsNull()) {
     TORCH_CHECK(root.IsMap(), source,
-                ": expected a mapping of sections (model, data, train, device)");
+                ": expected a mapping of sections (task, model, data, train, device)");
     apply(config, root, "", source);
   }
   for (const auto& text : overrides) {

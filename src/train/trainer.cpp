@@ -1,11 +1,5 @@
 #include "framefit/train/trainer.h"
 
-#include <dirent.h>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
@@ -13,74 +7,20 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 
 #include "framefit/engine/chunked.h"
 #include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/plan/calibration.h"
 #include "framefit/plan/planner.h"
+#include "framefit/train/tasks.h"
+#include "run_files.h"
 
 namespace framefit::train {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-void make_directories(const std::string& path) {
-  std::string partial;
-  std::stringstream parts(path);
-  std::string part;
-  if (!path.empty() && path[0] == '/') partial = "/";
-  while (std::getline(parts, part, '/')) {
-    if (part.empty()) continue;
-    partial += part + "/";
-    if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-      TORCH_CHECK(false, "cannot create directory ", partial, ": ", std::strerror(errno));
-    }
-  }
-}
-
-std::vector<std::string> list_files(const std::string& folder, const std::string& prefix,
-                                    const std::string& suffix) {
-  std::vector<std::string> names;
-  if (DIR* dir = ::opendir(folder.c_str())) {
-    while (const dirent* e = ::readdir(dir)) {
-      const std::string name = e->d_name;
-      if (name.rfind(prefix, 0) == 0 && name.size() >= suffix.size() &&
-          name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
-        names.push_back(folder + "/" + name);
-      }
-    }
-    ::closedir(dir);
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
-// Written to a temporary file, flushed to disk, then renamed over the target: a crash at any
-// point leaves either the old file or the new one, never a partial checkpoint.
-void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path) {
-  const std::string temp = path + ".tmp";
-  archive.save_to(temp);
-  const int fd = ::open(temp.c_str(), O_RDONLY);
-  TORCH_CHECK(fd >= 0 && ::fsync(fd) == 0, "checkpoint ", temp, ": cannot flush to disk");
-  ::close(fd);
-  TORCH_CHECK(std::rename(temp.c_str(), path.c_str()) == 0, "checkpoint ", path,
-              ": cannot rename the temporary file into place: ", std::strerror(errno));
-  const auto slash = path.rfind('/');
-  const std::string folder = slash == std::string::npos ? "." : path.substr(0, slash);
-  const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dir >= 0) {
-    ::fsync(dir);  // the rename itself
-    ::close(dir);
-  }
-}
+using namespace detail;
 
 plan::ModelSpec model_spec(const Config& config, int64_t size, torch::Device device) {
   plan::ModelSpec spec;
@@ -95,6 +35,16 @@ plan::ModelSpec model_spec(const Config& config, int64_t size, torch::Device dev
   spec.optimizer = config.train.optimizer;
   spec.device = device;
   return spec;
+}
+
+int64_t frame_size_for_planning(const data::VideoDataset& dataset) {
+  // The memory model assumes square frames; use the side with the same pixel count.
+  int64_t largest = 1;
+  for (int64_t i = 0; i < dataset.size(); ++i) {
+    const auto [h, w] = dataset.frame_size(i);
+    largest = std::max<int64_t>(largest, std::llround(std::sqrt(static_cast<double>(h * w))));
+  }
+  return largest;
 }
 
 std::optional<int64_t> fixed_count(const std::string& text) {
@@ -121,17 +71,6 @@ void write_model(torch::serialize::OutputArchive& archive, const Model& model) {
   model.head->save(head);
   archive.write("encoder", encoder);
   archive.write("head", head);
-}
-
-torch::Tensor generator_state() {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-void set_generator_state(const torch::Tensor& state) {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
 }
 
 torch::Tensor settings_tensor(const Progress& p) {
@@ -189,86 +128,6 @@ Progress read_progress(torch::serialize::InputArchive& archive) {
   return progress;
 }
 
-Config read_config(torch::serialize::InputArchive& archive, const std::string& path) {
-  c10::IValue format, text;
-  TORCH_CHECK(archive.try_read("format", format) && format.isString() &&
-                  format.toStringRef() == "framefit-checkpoint-1",
-              path, " is not a framefit checkpoint (to load plain weights, use model.weights)");
-  archive.read("config", text);
-  return parse_config(text.toStringRef(), "the config stored in " + path);
-}
-
-torch::serialize::InputArchive open_archive(const std::string& path) {
-  struct stat info {};
-  TORCH_CHECK(::stat(path.c_str(), &info) == 0, "checkpoint ", path, ": no such file");
-  torch::serialize::InputArchive archive;
-  try {
-    archive.load_from(path);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "checkpoint ", path,
-                " cannot be read (damaged or not a checkpoint): ", e.what_without_backtrace());
-  }
-  return archive;
-}
-
-// Keeps the newest `keep` step checkpoints.
-void prune_checkpoints(const std::string& folder, int64_t keep) {
-  auto files = list_files(folder, "step_", ".pt");
-  for (size_t i = 0; i + keep < files.size(); ++i) std::remove(files[i].c_str());
-}
-
-// The log of steps and epochs; on resume, records after the checkpoint are dropped first, so
-// the log reads as if the run had never stopped.
-class JsonlLog {
- public:
-  JsonlLog(const std::string& path, int64_t resume_step, bool resuming) : path_(path) {
-    std::vector<std::string> kept;
-    if (resuming) {
-      std::ifstream in(path);
-      std::string line;
-      while (std::getline(in, line)) {
-        const auto record = nlohmann::json::parse(line, nullptr, false);
-        if (!record.is_discarded() && record.value("step", int64_t{0}) <= resume_step)
-          kept.push_back(line);
-      }
-    }
-    out_.open(path, std::ios::trunc);
-    TORCH_CHECK(out_.good(), "cannot write the training log ", path);
-    for (const auto& line : kept) out_ << line << '\n';
-    out_.flush();
-  }
-  void write(const nlohmann::json& record) {
-    out_ << record.dump() << '\n';
-    out_.flush();
-  }
-
- private:
-  std::string path_;
-  std::ofstream out_;
-};
-
-int64_t frame_size_for_planning(const data::VideoDataset& dataset) {
-  // The memory model assumes square frames; use the side with the same pixel count.
-  int64_t largest = 1;
-  for (int64_t i = 0; i < dataset.size(); ++i) {
-    const auto [h, w] = dataset.frame_size(i);
-    largest = std::max<int64_t>(largest, std::llround(std::sqrt(static_cast<double>(h * w))));
-  }
-  return largest;
-}
-
-// Sets the tracker's budget for the run and lifts it when the run ends, however it ends.
-class BudgetScope {
- public:
-  BudgetScope(memory::Tracker& tracker, int64_t bytes) : tracker_(tracker) {
-    tracker_.set_budget(bytes);
-  }
-  ~BudgetScope() { tracker_.set_budget(0); }
-
- private:
-  memory::Tracker& tracker_;
-};
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -318,9 +177,16 @@ Model build_model(const Config& config) {
   return model;
 }
 
+Config checkpoint_config(const std::string& checkpoint) {
+  auto archive = open_archive(checkpoint);
+  return read_config(archive, checkpoint);
+}
+
 Model load_model(const std::string& checkpoint, const std::vector<std::string>& overrides) {
   auto archive = open_archive(checkpoint);
   Config config = read_config(archive, checkpoint);
+  TORCH_CHECK(!is_batch_task(config), checkpoint, " is a ", config.task,
+              " checkpoint: load it with load_batch_model");
   if (!overrides.empty())
     config = parse_config(to_yaml(config), "the config stored in " + checkpoint, overrides);
   config.model.weights.clear();  // the checkpoint has the weights
@@ -416,6 +282,7 @@ models::StateDict export_state_dict(const Model& model) {
 // ---------------------------------------------------------------------------------------------
 
 TrainResult train(const Config& config, const std::string& resume, const EventCallback& on_event) {
+  if (is_batch_task(config)) return train_batch(config, resume, on_event);
   auto emit = [&](Event e) {
     if (on_event) on_event(e);
   };
@@ -425,18 +292,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   const std::string checkpoint_dir = out_dir + "/checkpoints";
   make_directories(checkpoint_dir);
 
-  std::string resume_path;
-  if (resume == "auto") {
-    const auto files = list_files(checkpoint_dir, "step_", ".pt");
-    TORCH_CHECK(!files.empty(), "--resume: no checkpoint in ", checkpoint_dir, " to resume from");
-    resume_path = files.back();
-  } else if (!resume.empty()) {
-    resume_path = resume;
-  } else {
-    TORCH_CHECK(list_files(checkpoint_dir, "step_", ".pt").empty(), out_dir,
-                " already holds checkpoints: resume it with --resume, or choose another "
-                "train.out_dir");
-  }
+  const std::string resume_from = resume_path(resume, out_dir, checkpoint_dir);
 
   const torch::Device device(config.device);
   auto train_set = make_dataset(config, config.data.train_split, true, on_event);
@@ -453,11 +309,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
        (train_set.skipped() ? ", " + std::to_string(train_set.skipped()) + " skipped"
                             : std::string()));
 
-  {
-    std::ofstream out(out_dir + "/config.yaml");
-    out << to_yaml(config);
-    TORCH_CHECK(out.good(), "cannot write ", out_dir, "/config.yaml");
-  }
+  write_config(config, out_dir);
 
   // Plan the step for the longest training video under the budget, minus what prefetching holds.
   auto& tracker = memory::Tracker::of(device);
@@ -478,15 +330,15 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   // any re-planning after out-of-memory), so its steps are those of the uninterrupted run.
   std::optional<torch::serialize::InputArchive> resumed;
   std::optional<Progress> saved;
-  if (!resume_path.empty()) {
-    resumed.emplace(open_archive(resume_path));
-    read_config(*resumed, resume_path);  // is a checkpoint
+  if (!resume_from.empty()) {
+    resumed.emplace(open_archive(resume_from));
+    read_config(*resumed, resume_from);  // is a checkpoint
     saved = read_progress(*resumed);
     request.chunk = saved->settings.chunk;
     request.keep = saved->settings.keep;
     request.cache_frozen = saved->settings.cache_frozen;
     request.precisions = {saved->settings.precision};
-    info("resuming from " + resume_path + " at step " + std::to_string(saved->step));
+    info("resuming from " + resume_from + " at step " + std::to_string(saved->step));
   }
   const auto sizes = plan::static_sizes(request.model);
   const int64_t step_budget = budget - std::min(config.data.prefetch_bytes, budget / 4);

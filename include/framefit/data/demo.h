@@ -39,4 +39,19 @@ struct DemoSummary {
 DemoSummary make_demo(const std::string& out_dir, const DemoOptions& options = {},
                       const std::function<void(const std::string&, int64_t)>& on_video = {});
 
+// Demo images for segmentation: a textured background with a disc and a square of the same
+// random colour, so the classes (background, disc, square) differ by shape, not colour.
+struct SegmentationDemoOptions {
+  int64_t train_images = 48;
+  int64_t val_images = 12;
+  int64_t test_images = 12;
+  int64_t size = 64;  // square images; a multiple of 16 suits a UNet of depth 4
+  uint64_t seed = 0;
+};
+ClassList segmentation_demo_classes();
+// Writes <split>/images/NNNN.png and <split>/masks/NNNN.png (class ids in every channel) under
+// `out_dir` for the splits train, val and test; returns the images written.
+int64_t make_segmentation_demo(const std::string& out_dir,
+                               const SegmentationDemoOptions& options = {});
+
 }  // namespace framefit::data

@@ -118,4 +118,25 @@ torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const 
 torch::Tensor run_chain(const std::vector<Stage>& stages, const std::vector<ChainSegment>& segments,
                         torch::Tensor x);
 
+// A whole network as something to checkpoint: a chain of stages, or a UNet's stages around its
+// skips. What trainers and benchmarks hold, whatever the model.
+struct ChainNetwork {
+  std::shared_ptr<torch::nn::Module> module;  // owns the parameters
+  std::vector<Stage> stages;                  // a chain ...
+  std::shared_ptr<models::UNetImpl> unet;     // ... or a UNet
+  int64_t stage_count() const;
+  // plan_chain's limit on stages per recomputed segment: 1 for a UNet (not a chain), else none.
+  int64_t max_segment_stages() const { return unet ? 1 : 0; }
+  // The network's output with `segments` recomputed (store_all: plain forward).
+  torch::Tensor forward(const torch::Tensor& x, const std::vector<ChainSegment>& segments) const;
+  // Each stage's cost on input x (measure_stages, or measured along a UNet's forward).
+  std::vector<StageCost> measure(const torch::Tensor& x) const;
+};
+ChainNetwork chain_network(const std::shared_ptr<models::NetworkImpl>& network);
+ChainNetwork chain_network(const std::shared_ptr<models::VideoResNetImpl>& video);
+ChainNetwork chain_network(const std::shared_ptr<models::UNetImpl>& unet);
+// Any module as one stage (a TorchScript network): it can be recomputed only as a whole.
+ChainNetwork chain_network(const std::shared_ptr<torch::nn::Module>& module,
+                           std::function<torch::Tensor(const torch::Tensor&)> forward);
+
 }  // namespace framefit::engine

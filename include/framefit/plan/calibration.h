@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "framefit/plan/memory_model.h"
+#include "framefit/plan/planner.h"
 
 namespace framefit::plan {
 
@@ -50,5 +51,19 @@ std::map<engine::Precision, ChunkCosts> calibrated_costs(
     const ModelSpec& spec, const std::vector<engine::Precision>& precisions,
     CalibrationCache& cache, const std::function<void(const std::string&)>& on_probe = {},
     const CalibrationOptions& options = {});
+
+// Bytes that training `module` holds whatever the batch: parameters, buffers, gradients of the
+// trained parameters and the optimizer's state (sgd: momentum, one copy; adam/adamw: two).
+int64_t training_static_bytes(const torch::nn::Module& module, const std::string& optimizer);
+
+// Calibrates a batch network (clip classifier, UNet) for plan_batch: each stage's cost measured
+// at batches 1 and 2 and, when the budget plainly fits 8 or more, again at half that batch
+// (per-sample costs from tiny batches are dominated by fixed overheads). `inputs(b)` makes b
+// samples of input on the device. Runs forward passes with grad under `precision`, so BatchNorm
+// statistics move: calibrate a copy of the network, not the one being trained.
+BatchCosts calibrate_batch(const engine::ChainNetwork& network,
+                           const std::function<torch::Tensor(int64_t)>& inputs,
+                           int64_t static_bytes, int64_t input_bytes_per_sample,
+                           int64_t budget_bytes, torch::Device device, engine::Precision precision);
 
 }  // namespace framefit::plan

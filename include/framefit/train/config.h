@@ -22,6 +22,14 @@ struct ModelConfig {
   // [C,H,W] or [C,T,H,W]; checked by `framefit doctor --config`.
   std::vector<models::LayerSpec> layers;
   std::vector<int64_t> input;
+  // Tasks clips and segmentation: the network (layers | r3d_18 | r2plus1d_18 | unet |
+  // torchscript; "" picks r3d_18, or layers when model.layers is set, for clips and unet for
+  // segmentation), the TorchScript file, and the UNet's shape.
+  std::string network;
+  std::string script;
+  int64_t width = 32;
+  int64_t depth = 4;
+  bool bilinear = false;
 };
 
 struct DataConfig {
@@ -37,6 +45,14 @@ struct DataConfig {
   std::string train_split = "train";
   std::string val_split = "val";
   std::string test_split = "test";
+  // Task clips: clips of clip_length sampled frames every clip_stride frames, labelled by
+  // clip_label (majority | center | last).
+  int64_t clip_length = 16;
+  int64_t clip_stride = 16;
+  std::string clip_label = "majority";
+  // Task segmentation: image and mask folders; "{split}" is replaced by the split's name.
+  std::string images;
+  std::string masks;
 };
 
 struct TrainConfig {
@@ -64,9 +80,16 @@ struct TrainConfig {
   int64_t keep_last = 2;         // checkpoints kept besides the best
   int64_t checkpoint_every = 0;  // optimizer steps; 0: at the end of each epoch
   bool validate = true;          // evaluate the validation split after each epoch
+  // Tasks clips and segmentation: samples per batch (auto: the largest the planner fits in the
+  // budget), and layer checkpointing (auto: only what the batch needs | off | all).
+  std::string batch = "auto";
+  std::string checkpointing = "auto";
 };
 
 struct Config {
+  // phases: per-frame labels over whole videos (chunked encoder + temporal head); clips: one
+  // label per fixed-length clip (3D CNNs); segmentation: per-pixel labels of images (UNet).
+  std::string task = "phases";
   ModelConfig model;
   DataConfig data;
   TrainConfig train;

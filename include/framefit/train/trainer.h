@@ -30,8 +30,9 @@ struct Event {
   int64_t epoch = 0, epochs = 0;  // 1-based
   double loss = 0, lr = 0;
   double frames_per_second = 0, elapsed_seconds = 0, eta_seconds = 0;
-  int64_t peak_bytes = 0;  // tracked tensor peak of the step
-  int64_t rss_bytes = 0;   // resident set size now
+  std::string rate_unit = "frames";  // what frames_per_second counts (clips and images: samples)
+  int64_t peak_bytes = 0;            // tracked tensor peak of the step
+  int64_t rss_bytes = 0;             // resident set size now
   // Epoch: the epoch's mean training loss and, when validated, the metrics.
   bool validated = false;
   bool best = false;  // this epoch's validation is the best so far (best.pt written)
@@ -56,10 +57,15 @@ struct TrainResult {
   int64_t skipped_videos = 0;  // data.on_error: skip
 };
 
+// Any task: phases here, clips and segmentation through train_batch (train/tasks.h).
 // resume: "" starts afresh (refusing an out_dir that holds checkpoints), "auto" continues from
 // the newest checkpoint in out_dir, anything else is a checkpoint path.
 TrainResult train(const Config& config, const std::string& resume = "",
                   const EventCallback& on_event = {});
+
+// The config stored in a checkpoint (its task says whether load_model or load_batch_model reads
+// it).
+Config checkpoint_config(const std::string& checkpoint);
 
 // A trained (or freshly initialised) model and the config it came from.
 struct Model {

@@ -1,0 +1,67 @@
+#pragma once
+// One training step of a batch network (clip classifier, UNet): micro-batches through the
+// network with its checkpointed stages, cross-entropy (one label per sample, or per pixel),
+// loss scaling, clipping, optimizer. On out-of-memory the step is undone and retried with every
+// stage recomputed, then with the batch split into twice as many micro-batches.
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "framefit/engine/amp.h"
+#include "framefit/engine/checkpoint.h"
+
+namespace framefit::engine {
+
+struct BatchStepOptions {
+  torch::Device device = torch::kCPU;
+  Precision precision = Precision::FP32;
+  std::vector<ChainSegment> segments;  // what to recompute; empty: nothing
+  // The batch runs as this many micro-batches whose gradients are summed, weighted by their
+  // share of the samples: equal to the whole batch at once unless the network has train-mode
+  // BatchNorm (statistics per micro-batch).
+  int64_t micro_batches = 1;
+  double clip_grad_norm = 0;  // 0: no clipping
+  LossScalerOptions scaler;   // used with Precision::FP16 only
+  bool retry_on_out_of_memory = true;
+  // Stored samples (uint8 clips or images) to network input on the device, one micro-batch at
+  // a time; unset: the samples are the input.
+  std::function<torch::Tensor(const torch::Tensor&)> to_input;
+};
+
+struct BatchStepReport {
+  double loss = 0;  // mean over the batch's samples (or pixels)
+  int64_t samples = 0;
+  bool optimizer_stepped = false;
+  bool overflow_skipped = false;
+  double seconds = 0;
+  int64_t peak_bytes = 0;            // tracked tensor peak during the step
+  std::vector<std::string> replans;  // what changed to make the step fit
+};
+
+class BatchTrainingStep {
+ public:
+  BatchTrainingStep(ChainNetwork network, std::shared_ptr<torch::optim::Optimizer> optimizer,
+                    BatchStepOptions options);
+  // samples [B,...]; labels [B] (one class per sample) or [B,H,W] (per pixel).
+  BatchStepReport step(const torch::Tensor& samples, const torch::Tensor& labels);
+  // Called with the trained parameters once the gradients are complete, before unscaling,
+  // clipping and the optimizer: where data-parallel training will all-reduce.
+  std::function<void(const std::vector<torch::Tensor>&)> on_gradients_ready;
+  const BatchStepOptions& options() const { return options_; }
+  LossScaler& scaler() { return scaler_; }
+  const std::vector<torch::Tensor>& parameters() const { return parameters_; }
+
+ private:
+  ChainNetwork network_;
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  BatchStepOptions options_;
+  LossScaler scaler_;
+  std::vector<torch::Tensor> parameters_;
+  double accumulate_gradients(const torch::Tensor& samples, const torch::Tensor& labels);
+};
+
+}  // namespace framefit::engine

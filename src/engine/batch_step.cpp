@@ -1,0 +1,123 @@
+#include "framefit/engine/batch_step.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "framefit/memory/tracker.h"
+
+namespace framefit::engine {
+
+namespace {
+
+LossScalerOptions scaler_options(const BatchStepOptions& options) {
+  auto scaler = options.scaler;
+  scaler.enabled = scaler.enabled && options.precision == Precision::FP16;
+  return scaler;
+}
+
+}  // namespace
+
+BatchTrainingStep::BatchTrainingStep(ChainNetwork network,
+                                     std::shared_ptr<torch::optim::Optimizer> optimizer,
+                                     BatchStepOptions options)
+    : network_(std::move(network)),
+      optimizer_(std::move(optimizer)),
+      options_(std::move(options)),
+      scaler_(scaler_options(options_)) {
+  TORCH_CHECK(network_.module, "BatchTrainingStep needs a network");
+  TORCH_CHECK(options_.micro_batches >= 1, "micro_batches must be at least 1, got ",
+              options_.micro_batches);
+  if (options_.segments.empty()) options_.segments = store_all(network_.stage_count());
+  for (const auto& p : network_.module->parameters()) {
+    if (p.requires_grad()) parameters_.push_back(p);
+  }
+}
+
+double BatchTrainingStep::accumulate_gradients(const torch::Tensor& samples,
+                                               const torch::Tensor& labels) {
+  const int64_t batch = samples.size(0);
+  const int64_t parts = std::min(options_.micro_batches, batch);
+  double loss_sum = 0;
+  int64_t begin = 0;
+  for (int64_t part = 0; part < parts; ++part) {
+    const int64_t count = batch / parts + (part < batch % parts ? 1 : 0);
+    const auto piece = samples.narrow(0, begin, count);
+    const auto x = options_.to_input ? options_.to_input(piece) : piece.to(options_.device);
+    const auto y = labels.narrow(0, begin, count).to(options_.device);
+    begin += count;
+    torch::Tensor loss;
+    {
+      AutocastGuard autocast(options_.device, options_.precision);
+      const auto logits = network_.forward(x, options_.segments);
+      // Weighted by the micro-batch's share, so the summed gradients are the whole batch's mean.
+      // Reduced-precision logits go to float32 for the loss; float64 stays (exactness tests).
+      const auto scores =
+          logits.scalar_type() == torch::kDouble ? logits : logits.to(torch::kFloat32);
+      loss = torch::nn::functional::cross_entropy(scores, y) *
+             (static_cast<double>(count) / static_cast<double>(batch));
+    }
+    scaler_.scale(loss).backward();
+    loss_sum += loss.item<double>();
+  }
+  return loss_sum;
+}
+
+BatchStepReport BatchTrainingStep::step(const torch::Tensor& samples, const torch::Tensor& labels) {
+  TORCH_CHECK(samples.dim() >= 2 && samples.size(0) >= 1,
+              "a batch step needs samples [B,...] with B >= 1, got ", samples.sizes());
+  TORCH_CHECK(labels.scalar_type() == torch::kLong && labels.size(0) == samples.size(0),
+              "a batch step needs int64 labels with one entry per sample: ", samples.size(0),
+              " samples, labels ", labels.sizes(), " ", labels.scalar_type());
+  const auto start = std::chrono::steady_clock::now();
+  auto& tracker = memory::Tracker::of(options_.device);
+  auto window = tracker.mark();
+  BatchStepReport report;
+  report.samples = samples.size(0);
+  optimizer_->zero_grad();
+  while (true) {
+    try {
+      report.loss = accumulate_gradients(samples, labels);
+      break;
+    } catch (const c10::Error& e) {
+      if (!options_.retry_on_out_of_memory || !memory::is_out_of_memory(e)) throw;
+      optimizer_->zero_grad();  // the partial step's gradients; its graph went with the error
+      const auto everything = recompute_every(network_.stage_count(), 1);
+      const auto flags = recomputed(options_.segments);
+      const bool all_recomputed = std::all_of(flags.begin(), flags.end(), [](bool f) { return f; });
+      std::string change;
+      if (!all_recomputed && network_.stage_count() > 1) {
+        options_.segments = everything;
+        change = "every stage recomputed";
+      } else if (options_.micro_batches < samples.size(0)) {
+        options_.micro_batches = std::min<int64_t>(2 * options_.micro_batches, samples.size(0));
+        change = c10::str("the batch of ", samples.size(0), " split into ", options_.micro_batches,
+                          " micro-batches");
+      } else {
+        throw;  // one sample at a time with everything recomputed does not fit
+      }
+      report.replans.push_back(c10::str("out of memory (",
+                                        memory::format_bytes(tracker.current_bytes()),
+                                        " in use); retrying the step with ", change));
+      tracker.release_cache();
+    }
+  }
+  if (on_gradients_ready) on_gradients_ready(parameters_);
+  const bool finite = scaler_.unscale(parameters_);
+  if (finite && options_.clip_grad_norm > 0) {
+    torch::nn::utils::clip_grad_norm_(parameters_, options_.clip_grad_norm);
+  }
+  if (scaler_.update()) {
+    optimizer_->step();
+    report.optimizer_stepped = true;
+  } else {
+    report.overflow_skipped = true;
+  }
+  window.close();
+  report.peak_bytes = window.peak_bytes();
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return report;
+}
+
+}  // namespace framefit::engine

@@ -1,0 +1,130 @@
+#include "run_files.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
+namespace framefit::train::detail {
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+void make_directories(const std::string& path) {
+  std::string partial;
+  std::stringstream parts(path);
+  std::string part;
+  if (!path.empty() && path[0] == '/') partial = "/";
+  while (std::getline(parts, part, '/')) {
+    if (part.empty()) continue;
+    partial += part + "/";
+    if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+      TORCH_CHECK(false, "cannot create directory ", partial, ": ", std::strerror(errno));
+    }
+  }
+}
+
+std::vector<std::string> list_files(const std::string& folder, const std::string& prefix,
+                                    const std::string& suffix) {
+  std::vector<std::string> names;
+  if (DIR* dir = ::opendir(folder.c_str())) {
+    while (const dirent* e = ::readdir(dir)) {
+      const std::string name = e->d_name;
+      if (name.rfind(prefix, 0) == 0 && name.size() >= suffix.size() &&
+          name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+        names.push_back(folder + "/" + name);
+      }
+    }
+    ::closedir(dir);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path) {
+  const std::string temp = path + ".tmp";
+  archive.save_to(temp);
+  const int fd = ::open(temp.c_str(), O_RDONLY);
+  TORCH_CHECK(fd >= 0 && ::fsync(fd) == 0, "checkpoint ", temp, ": cannot flush to disk");
+  ::close(fd);
+  TORCH_CHECK(std::rename(temp.c_str(), path.c_str()) == 0, "checkpoint ", path,
+              ": cannot rename the temporary file into place: ", std::strerror(errno));
+  const auto slash = path.rfind('/');
+  const std::string folder = slash == std::string::npos ? "." : path.substr(0, slash);
+  const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dir >= 0) {
+    ::fsync(dir);  // the rename itself
+    ::close(dir);
+  }
+}
+
+torch::Tensor generator_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+void set_generator_state(const torch::Tensor& state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+Config read_config(torch::serialize::InputArchive& archive, const std::string& path) {
+  c10::IValue format, text;
+  TORCH_CHECK(archive.try_read("format", format) && format.isString() &&
+                  format.toStringRef() == "framefit-checkpoint-1",
+              path, " is not a framefit checkpoint (to load plain weights, use model.weights)");
+  archive.read("config", text);
+  return parse_config(text.toStringRef(), "the config stored in " + path);
+}
+
+torch::serialize::InputArchive open_archive(const std::string& path) {
+  struct stat info {};
+  TORCH_CHECK(::stat(path.c_str(), &info) == 0, "checkpoint ", path, ": no such file");
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "checkpoint ", path,
+                " cannot be read (damaged or not a checkpoint): ", e.what_without_backtrace());
+  }
+  return archive;
+}
+
+void prune_checkpoints(const std::string& folder, int64_t keep) {
+  auto files = list_files(folder, "step_", ".pt");
+  for (size_t i = 0; i + keep < files.size(); ++i) std::remove(files[i].c_str());
+}
+
+std::string resume_path(const std::string& resume, const std::string& out_dir,
+                        const std::string& checkpoint_dir) {
+  if (resume == "auto") {
+    const auto files = list_files(checkpoint_dir, "step_", ".pt");
+    TORCH_CHECK(!files.empty(), "--resume: no checkpoint in ", checkpoint_dir, " to resume from");
+    return files.back();
+  }
+  if (resume.empty()) {
+    TORCH_CHECK(list_files(checkpoint_dir, "step_", ".pt").empty(), out_dir,
+                " already holds checkpoints: resume it with --resume, or choose another "
+                "train.out_dir");
+  }
+  return resume;
+}
+
+void write_config(const Config& config, const std::string& out_dir) {
+  std::ofstream out(out_dir + "/config.yaml");
+  out << to_yaml(config);
+  TORCH_CHECK(out.good(), "cannot write ", out_dir, "/config.yaml");
+}
+
+}  // namespace framefit::train::detail

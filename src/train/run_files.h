@@ -1,0 +1,86 @@
+#pragma once
+// The files of a training run, shared by every task's trainer: atomic checkpoint writes, the
+// checkpoint folder (newest, pruning), the JSON-lines log, the random generator's state, and the
+// budget scope. Private to src/train.
+#include <torch/serialize.h>
+#include <torch/types.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "framefit/memory/tracker.h"
+#include "framefit/train/config.h"
+
+namespace framefit::train::detail {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point start);
+
+void make_directories(const std::string& path);
+// Files in `folder` named prefix*suffix, sorted (step_00000012.pt sorts by step).
+std::vector<std::string> list_files(const std::string& folder, const std::string& prefix,
+                                    const std::string& suffix);
+// Written to a temporary file, flushed to disk, then renamed over the target: a crash at any
+// point leaves either the old file or the new one, never a partial checkpoint.
+void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path);
+torch::serialize::InputArchive open_archive(const std::string& path);
+// The config stored in a checkpoint (which must be a framefit checkpoint).
+Config read_config(torch::serialize::InputArchive& archive, const std::string& path);
+// Keeps the newest `keep` step checkpoints.
+void prune_checkpoints(const std::string& folder, int64_t keep);
+// The checkpoint a run resumes from: "" (a fresh run: out_dir must hold no checkpoints), "auto"
+// (the newest in checkpoint_dir) or a path.
+std::string resume_path(const std::string& resume, const std::string& out_dir,
+                        const std::string& checkpoint_dir);
+// Writes config.yaml into out_dir.
+void write_config(const Config& config, const std::string& out_dir);
+
+torch::Tensor generator_state();  // the CPU default generator's
+void set_generator_state(const torch::Tensor& state);
+
+// The log of steps and epochs; on resume, records after the checkpoint are dropped first, so
+// the log reads as if the run had never stopped.
+class JsonlLog {
+ public:
+  JsonlLog(const std::string& path, int64_t resume_step, bool resuming) : path_(path) {
+    std::vector<std::string> kept;
+    if (resuming) {
+      std::ifstream in(path);
+      std::string line;
+      while (std::getline(in, line)) {
+        const auto record = nlohmann::json::parse(line, nullptr, false);
+        if (!record.is_discarded() && record.value("step", int64_t{0}) <= resume_step)
+          kept.push_back(line);
+      }
+    }
+    out_.open(path, std::ios::trunc);
+    TORCH_CHECK(out_.good(), "cannot write the training log ", path);
+    for (const auto& line : kept) out_ << line << '\n';
+    out_.flush();
+  }
+  void write(const nlohmann::json& record) {
+    out_ << record.dump() << '\n';
+    out_.flush();
+  }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+// Sets the tracker's budget for the run and lifts it when the run ends, however it ends.
+class BudgetScope {
+ public:
+  BudgetScope(memory::Tracker& tracker, int64_t bytes) : tracker_(tracker) {
+    tracker_.set_budget(bytes);
+  }
+  ~BudgetScope() { tracker_.set_budget(0); }
+
+ private:
+  memory::Tracker& tracker_;
+};
+
+}  // namespace framefit::train::detail

@@ -1,0 +1,802 @@
+#include "framefit/train/tasks.h"
+
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <optional>
+
+#include "framefit/data/clips.h"
+#include "framefit/data/dataset.h"
+#include "framefit/data/segmentation.h"
+#include "framefit/engine/batch_step.h"
+#include "framefit/engine/extract.h"
+#include "framefit/engine/step.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/models/network.h"
+#include "framefit/models/resnet.h"
+#include "framefit/models/torchscript.h"
+#include "framefit/models/unet.h"
+#include "framefit/models/video_resnet.h"
+#include "framefit/models/weights.h"
+#include "framefit/plan/calibration.h"
+#include "framefit/plan/planner.h"
+#include "run_files.h"
+
+namespace framefit::train {
+
+namespace {
+
+using namespace detail;
+
+constexpr const char* kFormat = "framefit-checkpoint-1";
+
+std::string replace_split(std::string path, const std::string& split) {
+  const std::string key = "{split}";
+  for (auto at = path.find(key); at != std::string::npos; at = path.find(key, at)) {
+    path.replace(at, key.size(), split);
+  }
+  return path;
+}
+
+// One split of a task's data as units that are loaded whole (a video for clips, an image and
+// its mask for segmentation), each holding one or more samples.
+class TaskData {
+ public:
+  TaskData(const Config& config, const std::string& split, bool training,
+           const EventCallback& on_event)
+      : clips_task_(config.task == "clips"), training_(training), augment_(config.data.augment) {
+    if (clips_task_) {
+      videos_.emplace(make_dataset(config, split, training, on_event));
+      clip_.length = config.data.clip_length;
+      clip_.stride = config.data.clip_stride;
+      clip_.label = data::parse_clip_label(config.data.clip_label);
+      index_.emplace(*videos_, clip_);
+      first_clip_.assign(static_cast<size_t>(videos_->size()) + 1, 0);
+      for (int64_t i = 0; i < index_->size(); ++i) ++first_clip_[index_->at(i).video + 1];
+      for (size_t v = 1; v < first_clip_.size(); ++v) first_clip_[v] += first_clip_[v - 1];
+      for (int64_t v = 1; v < videos_->size(); ++v) {
+        TORCH_CHECK(videos_->frame_size(v) == videos_->frame_size(0), "clips of ",
+                    videos_->entry(v).video, " are ", videos_->frame_size(v).first, "x",
+                    videos_->frame_size(v).second, " but those of ", videos_->entry(0).video,
+                    " are ", videos_->frame_size(0).first, "x", videos_->frame_size(0).second,
+                    ": batches need one frame size; set data.resize and data.crop");
+      }
+    } else {
+      TORCH_CHECK(!config.data.images.empty() && !config.data.masks.empty(),
+                  "task segmentation needs data.images and data.masks (folders; {split} is "
+                  "replaced by the split's name)");
+      TORCH_CHECK(!config.data.classes.empty(),
+                  "data.classes is not set: list the class names in mask-id order");
+      data::SegmentationOptions options;
+      options.classes = static_cast<int64_t>(config.data.classes.size());
+      options.size = config.data.resize;
+      const auto images = replace_split(config.data.images, split);
+      const auto masks = replace_split(config.data.masks, split);
+      if (::access(images.c_str(), F_OK) == 0 || split == config.data.train_split) {
+        images_.emplace(images, masks, options);
+      }
+      skip_bad_ = config.data.on_error == "skip";
+    }
+  }
+
+  int64_t units() const {
+    if (videos_) return videos_->size();
+    return images_ ? images_->size() : 0;
+  }
+  int64_t samples() const { return videos_ ? index_->size() : units(); }
+  int64_t unit_samples(int64_t unit) const {
+    return videos_ ? first_clip_[unit + 1] - first_clip_[unit] : 1;
+  }
+  bool skip_bad() const { return videos_ ? videos_->options().skip_bad : skip_bad_; }
+  int64_t skipped_at_start() const { return videos_ ? videos_->skipped() : 0; }
+  std::string describe() const {
+    if (videos_) {
+      return c10::str(index_->size(), " clips of ", clip_.length, " frames from ", videos_->size(),
+                      " videos");
+    }
+    return c10::str(units(), " images");
+  }
+
+  // Per sample, as stored: [3,L,H,W] or [3,H,W] uint8.
+  std::vector<int64_t> sample_shape() const {
+    TORCH_CHECK(units() > 0, "no samples to take the input shape from");
+    if (videos_) {
+      const auto [h, w] = videos_->frame_size(0);
+      return {3, clip_.length, h, w};
+    }
+    const auto image = images_->load(0).first;
+    return image.sizes().vec();
+  }
+
+  // The epoch's samples as (unit, sample within the unit), grouped by unit so each unit is
+  // loaded once: units shuffled, and a video's clips shuffled among themselves. Depends only
+  // on (seed, epoch), so a resumed run continues the same order.
+  std::vector<std::pair<int64_t, int64_t>> order(uint64_t seed, int64_t epoch, bool shuffle) const {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (int64_t unit : data::epoch_order(units(), seed, epoch, shuffle)) {
+      const int64_t n = unit_samples(unit);
+      const auto within =
+          data::epoch_order(n, seed * 1000003 + static_cast<uint64_t>(unit), epoch, shuffle);
+      for (int64_t k : within) out.emplace_back(unit, k);
+    }
+    return out;
+  }
+
+  int64_t unit_bytes(int64_t unit) const {
+    if (videos_) return videos_->frame_bytes(unit);
+    const auto shape = sample_shape_cache();
+    return shape[1] * shape[2] * (3 + 8);
+  }
+
+  // A unit with the epoch's augmentation (training): a video's crop and flip, an image's flip.
+  engine::Video load(int64_t unit, uint64_t seed, int64_t epoch) const {
+    if (videos_) {
+      return videos_->load(
+          unit, training_ ? videos_->augmentation(unit, seed, epoch) : data::Augmentation{});
+    }
+    auto [image, mask] = images_->load(unit);
+    if (training_ && augment_) {
+      data::TransformOptions flip_only;
+      flip_only.flip = true;
+      if (data::draw_augmentation(flip_only, image.size(1), image.size(2), seed, epoch, unit)
+              .flip) {
+        image = image.flip({2}).contiguous();
+        mask = mask.flip({1}).contiguous();
+      }
+    }
+    engine::Video v;
+    v.frames = image.unsqueeze(0);
+    v.labels = mask;
+    v.name = images_->name(unit);
+    return v;
+  }
+
+  // Sample k of a loaded unit: stored sample and label ([] for a clip, [H,W] for a mask).
+  std::pair<torch::Tensor, torch::Tensor> sample(const engine::Video& loaded, int64_t unit,
+                                                 int64_t k) const {
+    if (!videos_) return {loaded.frames[0], loaded.labels};
+    const auto& clip = index_->at(first_clip_[unit] + k);
+    return {loaded.frames.narrow(0, clip.start, clip_.length).permute({1, 0, 2, 3}),
+            torch::tensor(clip.label, torch::kLong)};
+  }
+
+ private:
+  std::vector<int64_t> sample_shape_cache() const {
+    if (shape_.empty()) shape_ = sample_shape();
+    return shape_;
+  }
+  bool clips_task_;
+  bool training_;
+  bool augment_;
+  bool skip_bad_ = false;
+  std::optional<data::VideoDataset> videos_;
+  data::ClipOptions clip_;
+  std::optional<data::ClipIndex> index_;
+  std::vector<int64_t> first_clip_;  // per video, its clips' first index in index_ (+ total)
+  std::optional<data::SegmentationDataset> images_;
+  mutable std::vector<int64_t> shape_;
+};
+
+// Batches of an epoch's samples from `position` on, units decoded ahead in worker threads.
+class SampleStream {
+ public:
+  SampleStream(const TaskData& data, std::vector<std::pair<int64_t, int64_t>> order,
+               int64_t position, uint64_t seed, int64_t epoch, int workers, int64_t max_bytes)
+      : data_(data), order_(std::move(order)), next_(static_cast<size_t>(position)) {
+    std::vector<data::Prefetcher::Job> jobs;
+    for (size_t i = next_; i < order_.size(); ++i) {
+      const int64_t unit = order_[i].first;
+      if (i > next_ && unit == order_[i - 1].first) continue;
+      jobs.push_back({[&data, unit, seed, epoch] { return data.load(unit, seed, epoch); },
+                      data.unit_bytes(unit)});
+    }
+    prefetcher_.emplace(std::move(jobs), std::max(1, workers), max_bytes);
+  }
+
+  bool done() const { return next_ >= order_.size(); }
+  int64_t position() const { return static_cast<int64_t>(next_); }
+
+  struct Batch {
+    torch::Tensor samples, labels;  // empty when every unit in reach failed to load
+    std::vector<std::string> warnings;
+    int64_t skipped_units = 0;
+  };
+  // Up to n samples. A unit that fails to load is an error, or (data.on_error skip) a warning
+  // and its samples are passed over.
+  Batch next(int64_t n) {
+    Batch batch;
+    std::vector<torch::Tensor> samples, labels;
+    while (static_cast<int64_t>(samples.size()) < n && !done()) {
+      const auto [unit, k] = order_[next_];
+      if (unit != loaded_unit_) {
+        try {
+          loaded_ = prefetcher_->next();
+          loaded_unit_ = unit;
+        } catch (const c10::Error& e) {
+          if (!data_.skip_bad()) throw;
+          batch.warnings.push_back(std::string("skipping ") + e.what_without_backtrace());
+          ++batch.skipped_units;
+          while (!done() && order_[next_].first == unit) ++next_;
+          continue;
+        }
+      }
+      auto [sample, label] = data_.sample(loaded_, unit, k);
+      samples.push_back(sample);
+      labels.push_back(label);
+      ++next_;
+    }
+    if (!samples.empty()) {
+      batch.samples = torch::stack(samples);
+      batch.labels = torch::stack(labels);
+    }
+    return batch;
+  }
+
+ private:
+  const TaskData& data_;
+  std::vector<std::pair<int64_t, int64_t>> order_;
+  size_t next_;
+  std::optional<data::Prefetcher> prefetcher_;
+  int64_t loaded_unit_ = -1;
+  engine::Video loaded_;
+};
+
+std::optional<int64_t> fixed_count(const std::string& text) {
+  if (text == "auto") return std::nullopt;
+  return std::stoll(text);
+}
+
+engine::Precision batch_precision(const Config& config) {
+  // auto: fp32. bf16 or fp16 trade precision for a larger batch; the user chooses that.
+  return config.train.precision == "auto" ? engine::Precision::FP32
+                                          : engine::parse_precision(config.train.precision);
+}
+
+std::vector<engine::ChainSegment> segments_from_flags(const std::vector<bool>& flags) {
+  std::vector<engine::ChainSegment> segments;
+  const int64_t n = static_cast<int64_t>(flags.size());
+  for (int64_t i = 0; i < n;) {
+    int64_t j = i;
+    while (j < n && flags[j] == flags[i]) ++j;
+    // A recomputed run becomes one segment per stage: a UNet cannot merge stages, and per-stage
+    // segments are what the planner's flags mean.
+    if (flags[i]) {
+      for (int64_t k = i; k < j; ++k) segments.push_back({k, k + 1, true});
+    } else {
+      segments.push_back({i, j, false});
+    }
+    i = j;
+  }
+  return segments;
+}
+
+// What a batch-task checkpoint records about the run.
+struct BatchProgress {
+  int64_t step = 0;
+  int64_t epoch = 0;
+  int64_t position = 0;  // samples of the epoch's order used
+  int64_t skipped = 0;   // units passed over (data.on_error skip)
+  int64_t batch = 0;
+  int64_t micro_batches = 1;
+  engine::Precision precision = engine::Precision::FP32;
+  std::vector<bool> recompute;
+  double best_score = -1;
+  double seconds = 0;
+};
+
+void write_network(torch::serialize::OutputArchive& archive, const BatchModel& model) {
+  archive.write("format", c10::IValue(std::string(kFormat)));
+  archive.write("config", c10::IValue(to_yaml(model.config)));
+  archive.write("input", torch::tensor(model.input, torch::kLong));
+  torch::serialize::OutputArchive network;
+  model.network.module->save(network);
+  archive.write("network", network);
+}
+
+void write_progress(torch::serialize::OutputArchive& archive, const BatchProgress& p) {
+  archive.write("progress", torch::tensor({p.step, p.epoch, p.position, p.skipped, p.batch,
+                                           p.micro_batches, static_cast<int64_t>(p.precision)},
+                                          torch::kLong));
+  archive.write("progress_real", torch::tensor({p.best_score, p.seconds}, torch::kDouble));
+  std::vector<int64_t> flags(p.recompute.begin(), p.recompute.end());
+  archive.write("recompute", torch::tensor(flags, torch::kLong));
+}
+
+BatchProgress read_progress(torch::serialize::InputArchive& archive) {
+  torch::Tensor p, r, flags;
+  archive.read("progress", p);
+  archive.read("progress_real", r);
+  archive.read("recompute", flags);
+  const auto* v = p.data_ptr<int64_t>();
+  BatchProgress progress;
+  progress.step = v[0];
+  progress.epoch = v[1];
+  progress.position = v[2];
+  progress.skipped = v[3];
+  progress.batch = v[4];
+  progress.micro_batches = v[5];
+  progress.precision = static_cast<engine::Precision>(v[6]);
+  for (int64_t i = 0; i < flags.numel(); ++i)
+    progress.recompute.push_back(flags[i].item<int64_t>() != 0);
+  progress.best_score = r[0].item<double>();
+  progress.seconds = r[1].item<double>();
+  return progress;
+}
+
+// The score that picks the best checkpoint: clip accuracy, or mean IoU for segmentation.
+double score(const Config& config, const PhaseMetrics& metrics) {
+  return config.task == "segmentation" ? metrics.macro_jaccard : metrics.accuracy;
+}
+
+PhaseMetrics evaluate_data(BatchModel& model, const TaskData& data, const EventCallback& on_event) {
+  ConfusionMatrix confusion(model.classes.size());
+  torch::NoGradGuard no_grad;
+  model.network.module->eval();
+  SampleStream stream(data, data.order(0, 0, false), 0, 0, 0,
+                      static_cast<int>(model.config.data.workers),
+                      model.config.data.prefetch_bytes);
+  const auto start = Clock::now();
+  const int64_t total = (data.samples() + model.batch - 1) / model.batch;
+  int64_t done = 0, samples = 0;
+  const auto segments = engine::store_all(model.network.stage_count());
+  while (!stream.done()) {
+    auto batch = stream.next(model.batch);
+    for (const auto& w : batch.warnings) {
+      if (on_event) on_event(Event::note(Event::Kind::Warning, w));
+    }
+    if (!batch.samples.defined()) continue;
+    torch::Tensor logits;
+    {
+      engine::AutocastGuard autocast(model.device, model.precision);
+      logits = model.network.forward(batch_input(model, batch.samples), segments);
+    }
+    confusion.add(logits.argmax(1).cpu().flatten(), batch.labels.flatten());
+    samples += batch.samples.size(0);
+    if (on_event) {
+      Event e;
+      e.kind = Event::Kind::Evaluate;
+      e.step = ++done;
+      e.total_steps = total;
+      e.elapsed_seconds = seconds_since(start);
+      e.frames_per_second = samples / std::max(1e-9, e.elapsed_seconds);
+      e.rate_unit = "samples";
+      on_event(e);
+    }
+  }
+  return confusion.metrics();
+}
+
+}  // namespace
+
+bool is_batch_task(const Config& config) {
+  return config.task == "clips" || config.task == "segmentation";
+}
+
+std::string network_kind(const Config& config) {
+  if (!config.model.network.empty()) return config.model.network;
+  if (config.task == "segmentation") return "unet";
+  return config.model.layers.empty() ? "r3d_18" : "layers";
+}
+
+BatchModel build_batch_model(const Config& config, const std::vector<int64_t>& input) {
+  TORCH_CHECK(is_batch_task(config), "build_batch_model is for task clips or segmentation, not ",
+              config.task);
+  TORCH_CHECK(!config.data.classes.empty(), "data.classes is not set: list the class names");
+  BatchModel model;
+  model.config = config;
+  model.classes = data::ClassList(config.data.classes);
+  model.input = input;
+  model.device = torch::Device(config.device);
+  model.precision = batch_precision(config);
+  if (model.device.is_cpu() && model.precision == engine::Precision::FP16) {
+    model.precision = engine::Precision::FP32;  // inference: fp16 autocast is not a CPU thing
+  }
+  torch::manual_seed(config.train.seed);
+  const int64_t classes = model.classes.size();
+  const auto kind = network_kind(config);
+  const bool clips = config.task == "clips";
+  if (kind == "r3d_18" || kind == "r2plus1d_18") {
+    TORCH_CHECK(clips, "model.network ", kind,
+                " classifies clips: use task clips, or model.network unet for segmentation");
+    auto video = models::VideoResNet(models::VideoResNetOptions(kind).num_classes(classes));
+    if (!config.model.weights.empty()) {
+      models::LoadOptions options;
+      options.strict = false;
+      options.ignore_prefixes = {"fc."};  // the classifier is for these classes
+      const auto report =
+          models::load_state_dict(*video, models::read_state_dict(config.model.weights), options);
+      bool only_fc = report.unexpected.empty() && report.mismatched.empty();
+      for (const auto& name : report.missing) only_fc = only_fc && name.rfind("fc.", 0) == 0;
+      TORCH_CHECK(only_fc, "model.weights ", config.model.weights, " does not fit ", kind, ": ",
+                  report.describe());
+    }
+    model.network = engine::chain_network(video.ptr());
+  } else if (kind == "unet") {
+    TORCH_CHECK(!clips, "model.network unet segments images: use task segmentation");
+    TORCH_CHECK(input.size() == 3, "a UNet takes images [C,H,W], got a sample of ",
+                models::format_shape(input));
+    TORCH_CHECK(config.model.weights.empty(),
+                "model.weights: a UNet starts from random weights here (resume a run instead)");
+    auto unet = models::UNet(models::UNetOptions()
+                                 .in_channels(input[0])
+                                 .classes(classes)
+                                 .width(config.model.width)
+                                 .depth(config.model.depth)
+                                 .norm(models::parse_norm_kind(config.model.norm))
+                                 .groups(std::min(config.model.groups, config.model.width))
+                                 .bilinear(config.model.bilinear));
+    try {  // a meta tensor: shapes only, nothing allocated
+      unet->check_input(torch::empty({1, input[0], input[1], input[2]},
+                                     torch::TensorOptions().device(torch::kMeta)));
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "images of ", input[1], "x", input[2],
+                  " (data.resize): ", e.what_without_backtrace());
+    }
+    model.network = engine::chain_network(unet.ptr());
+  } else if (kind == "layers") {
+    TORCH_CHECK(!config.model.layers.empty(),
+                "model.network layers needs model.layers: the network as a list of layers");
+    TORCH_CHECK(config.model.input.empty() || config.model.input == input, "model.input ",
+                models::format_shape(config.model.input), " differs from the data's samples, ",
+                models::format_shape(input), ": fix model.input or the data settings");
+    const auto shapes = models::infer_shapes(config.model.layers, input);
+    std::vector<int64_t> wanted = {classes};
+    if (!clips) wanted.insert(wanted.end(), input.begin() + 1, input.end());
+    auto network = models::Network(models::NetworkOptions(config.model.layers, input));
+    TORCH_CHECK(shapes.output == wanted, "model.layers: the network's output per sample is ",
+                models::format_shape(shapes.output), " but task ", config.task, " needs ",
+                models::format_shape(wanted), " (one score per class", clips ? "" : " and pixel",
+                ")");
+    model.network = engine::chain_network(network.ptr());
+  } else {
+    TORCH_CHECK(!config.model.script.empty(),
+                "model.network torchscript needs model.script: the file torch.jit.save wrote");
+    auto script = models::TorchScriptEncoder(config.model.script, model.device);
+    auto module = script.ptr();
+    model.network = engine::chain_network(
+        module, [module](const torch::Tensor& x) { return module->forward(x); });
+  }
+  model.network.module->to(model.device);
+  return model;
+}
+
+torch::Tensor batch_input(const BatchModel& model, const torch::Tensor& samples) {
+  engine::FrameNormalization normalization;
+  const auto kind = network_kind(model.config);
+  if (kind == "r3d_18" || kind == "r2plus1d_18") {
+    normalization.mean = {0.43216, 0.394666, 0.37645};  // torchvision's video models (Kinetics)
+    normalization.std = {0.22803, 0.22145, 0.216989};
+  }
+  // frames_to_input normalises [N,3,H,W]; a clip's time axis folds into the height.
+  const auto sizes = samples.sizes().vec();
+  auto flat = samples.reshape({sizes[0], sizes[1], -1, sizes.back()});
+  return engine::frames_to_input(flat, model.device, torch::kFloat32, false, normalization)
+      .view(sizes);
+}
+
+BatchModel load_batch_model(const std::string& checkpoint,
+                            const std::vector<std::string>& overrides) {
+  auto archive = open_archive(checkpoint);
+  Config config = read_config(archive, checkpoint);
+  if (!overrides.empty())
+    config = parse_config(to_yaml(config), "the config stored in " + checkpoint, overrides);
+  TORCH_CHECK(is_batch_task(config), checkpoint, " is a ", config.task,
+              " checkpoint: load it with load_model");
+  config.model.weights.clear();  // the checkpoint has the weights
+  torch::Tensor input;
+  archive.read("input", input);
+  BatchModel model = build_batch_model(
+      config,
+      std::vector<int64_t>(input.data_ptr<int64_t>(), input.data_ptr<int64_t>() + input.numel()));
+  torch::serialize::InputArchive network;
+  archive.read("network", network);
+  model.network.module->load(network);
+  model.network.module->to(model.device);
+  const auto progress = read_progress(archive);
+  model.precision = progress.precision;
+  if (model.device.is_cpu() && model.precision == engine::Precision::FP16)
+    model.precision = engine::Precision::FP32;
+  model.batch = std::max<int64_t>(1, progress.batch);
+  return model;
+}
+
+PhaseMetrics evaluate_batch(BatchModel& model, const std::string& split,
+                            const EventCallback& on_event) {
+  TaskData data(model.config, split, false, on_event);
+  TORCH_CHECK(data.samples() > 0, "no samples in split \"", split, "\"");
+  return evaluate_data(model, data, on_event);
+}
+
+TrainResult train_batch(const Config& config, const std::string& resume,
+                        const EventCallback& on_event) {
+  TORCH_CHECK(is_batch_task(config), "train_batch is for task clips or segmentation");
+  auto emit = [&](Event e) {
+    if (on_event) on_event(e);
+  };
+  auto info = [&](const std::string& message) { emit(Event::note(Event::Kind::Info, message)); };
+  const auto& tc = config.train;
+  const std::string out_dir = tc.out_dir;
+  const std::string checkpoint_dir = out_dir + "/checkpoints";
+  make_directories(checkpoint_dir);
+  const std::string resume_from = resume_path(resume, out_dir, checkpoint_dir);
+
+  const torch::Device device(config.device);
+  TaskData train_set(config, config.data.train_split, true, on_event);
+  TORCH_CHECK(
+      train_set.samples() > 0, "no training samples in split \"", config.data.train_split, "\"",
+      config.task == "clips" ? " (videos shorter than one clip give none: lower data.clip_length)"
+                             : "");
+  std::optional<TaskData> val_set;
+  if (tc.validate) {
+    val_set.emplace(config, config.data.val_split, false, on_event);
+    if (val_set->samples() == 0) val_set.reset();
+  }
+  info("data: " + train_set.describe() + " for training" +
+       (val_set ? ", " + val_set->describe() + " for validation" : std::string()));
+  write_config(config, out_dir);
+
+  const auto input = train_set.sample_shape();
+  auto& tracker = memory::Tracker::of(device);
+  const int64_t budget = tc.budget > 0 ? tc.budget : tracker.available_bytes();
+  const int64_t step_budget = budget - std::min(config.data.prefetch_bytes, budget / 4);
+
+  std::optional<torch::serialize::InputArchive> resumed;
+  BatchProgress progress;
+  progress.precision = batch_precision(config);
+  if (!resume_from.empty()) {
+    resumed.emplace(open_archive(resume_from));
+    read_config(*resumed, resume_from);  // is a checkpoint
+    progress = read_progress(*resumed);
+    info("resuming from " + resume_from + " at step " + std::to_string(progress.step) +
+         " with its batch of " + std::to_string(progress.batch));
+  } else {
+    // Planned on a probe copy before the trained model exists: calibration runs forward passes
+    // (BatchNorm statistics, the random generator) that must not touch the run.
+    const auto fixed_batch = fixed_count(tc.batch);
+    TORCH_CHECK(!fixed_batch || *fixed_batch > 0,
+                "train.batch: 0 samples per batch; use auto or a count");
+    const int64_t samples = train_set.samples();
+    std::vector<engine::ChainSegment> segments;
+    int64_t stages = 0;
+    if (!fixed_batch || tc.checkpointing == "auto") {
+      auto probe = build_batch_model(config, input);
+      probe.network.module->train();
+      stages = probe.network.stage_count();
+      // Per sample: the stored uint8 sample, its float input and its int64 label(s).
+      int64_t sample_bytes = 1;
+      for (int64_t size : input) sample_bytes *= size;
+      const int64_t label_bytes = config.task == "clips" ? 8 : 8 * input[1] * input[2];
+      const auto costs = plan::calibrate_batch(
+          probe.network,
+          [&](int64_t b) {
+            std::vector<int64_t> shape = {b};
+            shape.insert(shape.end(), input.begin(), input.end());
+            return torch::randn(shape, torch::TensorOptions().device(device));
+          },
+          plan::training_static_bytes(*probe.network.module, tc.optimizer),
+          sample_bytes * (1 + 4) + label_bytes, step_budget, device, progress.precision);
+      const bool may_checkpoint = tc.checkpointing != "off";
+      if (fixed_batch) {
+        progress.batch = *fixed_batch;
+      } else {
+        const auto planned = plan::plan_batch(costs, step_budget, may_checkpoint);
+        TORCH_CHECK(planned.batch > 0, "training does not fit in train.budget ",
+                    memory::format_bytes(budget), ": one sample needs at least ",
+                    memory::format_bytes(planned.minimum_bytes_one_sample),
+                    " (with every stage recomputed); raise train.budget or shrink the input");
+        progress.batch = std::min(planned.batch, samples);
+        if (planned.batch > samples) {
+          info("the budget fits a batch of " + std::to_string(planned.batch) + "; using " +
+               std::to_string(samples) + ", every training sample");
+        }
+      }
+      segments =
+          tc.checkpointing == "all"
+              ? engine::recompute_every(stages, 1)
+              : plan::plan_batch_chain(costs, progress.batch, step_budget, may_checkpoint).segments;
+      const auto predicted = plan::batch_peak_bytes(
+          costs, progress.batch, engine::evaluate_chain(costs.at(progress.batch), segments));
+      const auto flags = engine::recomputed(segments);
+      info(c10::str("plan: batch ", progress.batch, ", ",
+                    std::count(flags.begin(), flags.end(), true), " of ", stages,
+                    " stages recomputed, ", engine::to_string(progress.precision),
+                    ", predicted peak ", memory::format_bytes(predicted), " of ",
+                    memory::format_bytes(step_budget), " (budget ", memory::format_bytes(budget),
+                    " less prefetch)"));
+    } else {
+      progress.batch = *fixed_batch;
+      stages = build_batch_model(config, input).network.stage_count();
+      segments = tc.checkpointing == "all" ? engine::recompute_every(stages, 1)
+                                           : engine::store_all(stages);
+      info(c10::str("settings: batch ", progress.batch, ", checkpointing ", tc.checkpointing,
+                    " (fixed by the config; not planned)"));
+    }
+    progress.recompute = engine::recomputed(segments);
+  }
+
+  BatchModel model = build_batch_model(config, input);
+  model.precision = progress.precision;
+  model.batch = progress.batch;
+  auto& module = *model.network.module;
+  std::vector<torch::Tensor> parameters;
+  for (const auto& p : module.parameters()) {
+    if (p.requires_grad()) parameters.push_back(p);
+  }
+  engine::OptimizerOptions optimizer_options;
+  optimizer_options.kind = tc.optimizer;
+  optimizer_options.lr = tc.lr;
+  optimizer_options.weight_decay = tc.weight_decay;
+  optimizer_options.momentum = tc.momentum;
+  auto optimizer = engine::make_optimizer(parameters, optimizer_options);
+  engine::BatchStepOptions options;
+  options.device = device;
+  options.precision = progress.precision;
+  options.segments = segments_from_flags(progress.recompute);
+  options.micro_batches = progress.micro_batches;
+  options.clip_grad_norm = tc.clip_grad_norm;
+  options.to_input = [&model](const torch::Tensor& samples) { return batch_input(model, samples); };
+  engine::BatchTrainingStep step(model.network, optimizer, options);
+
+  if (resumed) {
+    torch::serialize::InputArchive network_archive, optimizer_archive;
+    resumed->read("network", network_archive);
+    resumed->read("optimizer", optimizer_archive);
+    module.load(network_archive);
+    module.to(device);
+    optimizer->load(optimizer_archive);
+    torch::Tensor scaler, rng;
+    resumed->read("scaler", scaler);
+    resumed->read("rng", rng);
+    step.scaler().load_state(scaler);
+    set_generator_state(rng);
+  }
+
+  const int64_t samples = train_set.samples();
+  const int64_t steps_per_epoch = (samples + progress.batch - 1) / progress.batch;
+  const int64_t total_steps = tc.max_steps > 0 ? tc.max_steps : tc.epochs * steps_per_epoch;
+  const int64_t epochs = (total_steps + steps_per_epoch - 1) / steps_per_epoch;
+  Schedule schedule;
+  schedule.kind = tc.schedule;
+  schedule.lr = tc.lr;
+  schedule.warmup = tc.warmup_steps;
+  schedule.step_size = tc.step_size > 0 ? tc.step_size : steps_per_epoch;
+  schedule.gamma = tc.gamma;
+  schedule.min_lr = tc.min_lr;
+
+  JsonlLog log(out_dir + "/log.jsonl", progress.step, resumed.has_value());
+  TrainResult result;
+  result.best_checkpoint = out_dir + "/best.pt";
+  const auto start = Clock::now();
+  const int64_t first_step = progress.step;
+  BudgetScope budget_scope(tracker, budget);
+
+  int64_t last_saved_step = resumed ? progress.step : -1;
+  auto checkpoint = [&](BatchProgress saved) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "/step_%08lld.pt", static_cast<long long>(saved.step));
+    result.last_checkpoint = checkpoint_dir + name;
+    saved.seconds += seconds_since(start);
+    torch::serialize::OutputArchive archive;
+    write_network(archive, model);
+    write_progress(archive, saved);
+    torch::serialize::OutputArchive optimizer_archive;
+    optimizer->save(optimizer_archive);
+    archive.write("optimizer", optimizer_archive);
+    archive.write("scaler", step.scaler().state());
+    archive.write("rng", generator_state());
+    save_atomically(archive, result.last_checkpoint);
+    prune_checkpoints(checkpoint_dir, tc.keep_last);
+    last_saved_step = saved.step;
+  };
+  auto save_best = [&] {
+    BatchProgress best = progress;
+    best.seconds += seconds_since(start);
+    torch::serialize::OutputArchive archive;
+    write_network(archive, model);
+    write_progress(archive, best);
+    save_atomically(archive, result.best_checkpoint);
+  };
+  auto progress_event = [&](Event::Kind kind) {
+    Event e;
+    e.kind = kind;
+    e.step = progress.step;
+    e.total_steps = total_steps;
+    e.epoch = progress.epoch + 1;
+    e.epochs = epochs;
+    e.elapsed_seconds = progress.seconds + seconds_since(start);
+    e.rate_unit = "samples";
+    return e;
+  };
+
+  for (; progress.epoch < epochs && progress.step < total_steps; ++progress.epoch) {
+    SampleStream stream(train_set, train_set.order(tc.seed, progress.epoch, true),
+                        progress.position, tc.seed, progress.epoch,
+                        static_cast<int>(config.data.workers), config.data.prefetch_bytes);
+    double loss_sum = 0;
+    int64_t loss_count = 0;
+    while (!stream.done() && progress.step < total_steps) {
+      auto batch = stream.next(progress.batch);
+      progress.position = stream.position();
+      progress.skipped += batch.skipped_units;
+      for (const auto& w : batch.warnings) emit(Event::note(Event::Kind::Warning, w));
+      if (!batch.samples.defined()) continue;
+      const double lr = learning_rate(schedule, progress.step, total_steps);
+      for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
+      module.train();  // validation leaves the model in eval mode
+      const auto report = step.step(batch.samples, batch.labels);
+      ++progress.step;
+      // A step that ran out of memory was retried with more recomputation or micro-batches:
+      // later steps and checkpoints (so a resumed run) keep them.
+      progress.recompute = engine::recomputed(step.options().segments);
+      progress.micro_batches = step.options().micro_batches;
+      for (const auto& r : report.replans) emit(Event::note(Event::Kind::Warning, r));
+      loss_sum += report.loss;
+      ++loss_count;
+
+      Event e = progress_event(Event::Kind::Step);
+      e.loss = report.loss;
+      e.lr = lr;
+      e.frames_per_second = report.samples / std::max(1e-9, report.seconds);
+      const double per_step =
+          seconds_since(start) / static_cast<double>(progress.step - first_step);
+      e.eta_seconds = per_step * static_cast<double>(total_steps - progress.step);
+      e.peak_bytes = report.peak_bytes;
+      e.rss_bytes = memory::process_memory().rss_bytes;
+      emit(e);
+      log.write({{"type", "step"},
+                 {"step", e.step},
+                 {"epoch", e.epoch},
+                 {"loss", e.loss},
+                 {"lr", lr},
+                 {"samples", report.samples},
+                 {"seconds", report.seconds},
+                 {"peak_bytes", report.peak_bytes},
+                 {"rss_bytes", e.rss_bytes},
+                 {"skipped_optimizer_step", report.overflow_skipped}});
+      if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 && !stream.done()) {
+        checkpoint(progress);
+      }
+    }
+    if (!stream.done()) break;  // max_steps reached mid-epoch
+
+    Event epoch_event = progress_event(Event::Kind::Epoch);
+    epoch_event.loss = loss_count ? loss_sum / loss_count : 0;
+    nlohmann::json record = {{"type", "epoch"},
+                             {"step", progress.step},
+                             {"epoch", progress.epoch + 1},
+                             {"loss", epoch_event.loss}};
+    if (val_set) {
+      epoch_event.metrics = evaluate_data(model, *val_set, {});
+      epoch_event.validated = true;
+      record["val"] = nlohmann::json::parse(to_json(epoch_event.metrics, model.classes.names()));
+      if (score(config, epoch_event.metrics) > progress.best_score) {
+        progress.best_score = score(config, epoch_event.metrics);
+        epoch_event.best = true;
+        save_best();
+        result.best = epoch_event.metrics;
+        result.validated = true;
+      }
+      record["best"] = epoch_event.best;
+    }
+    emit(epoch_event);
+    log.write(record);
+    progress.position = 0;
+    if (tc.checkpoint_every == 0 || progress.step % tc.checkpoint_every == 0) {
+      BatchProgress next = progress;
+      ++next.epoch;
+      checkpoint(next);
+    }
+  }
+  if (last_saved_step != progress.step) checkpoint(progress);
+  if (!val_set) save_best();  // nothing to choose the best by: the last weights are the best
+  result.steps = progress.step;
+  result.seconds = seconds_since(start);
+  result.skipped_videos = progress.skipped + train_set.skipped_at_start();
+  return result;
+}
+
+}  // namespace framefit::train

@@ -1,0 +1,341 @@
+// Clip classification and segmentation: the batch step (micro-batches, checkpointing and the
+// out-of-memory retry give the gradients of the plain step), configs, and training runs on tiny
+// data: planned batch within the budget, validation, checkpoints, exact resume, evaluation.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <fstream>
+
+#include "test_util.h"
+
+#include "framefit/data/demo.h"
+#include "framefit/engine/batch_step.h"
+#include "framefit/engine/checkpoint.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/models/network.h"
+#include "framefit/train/config.h"
+#include "framefit/train/tasks.h"
+#include "framefit/train/trainer.h"
+
+using namespace framefit;
+
+namespace {
+
+// A small 2D classifier without BatchNorm (so micro-batches are exact), float64.
+models::Network small_network() {
+  std::vector<models::LayerSpec> layers(7);
+  layers[0].type = "conv2d";
+  layers[0].out = 6;
+  layers[0].kernel = {3};
+  layers[0].padding = {1};
+  layers[1].type = "relu";
+  layers[2].type = "conv2d";
+  layers[2].out = 8;
+  layers[2].kernel = {3};
+  layers[2].padding = {1};
+  layers[3].type = "dropout";
+  layers[3].p = 0.2;
+  layers[4].type = "global_avgpool";
+  layers[5].type = "flatten";
+  layers[6].type = "linear";
+  layers[6].out = 4;
+  torch::manual_seed(3);
+  auto network = models::Network(models::NetworkOptions(layers, {3, 12, 12}));
+  network->to(torch::kDouble);
+  return network;
+}
+
+struct StepResult {
+  std::vector<torch::Tensor> gradients;
+  std::vector<std::string> replans;
+  int64_t peak_bytes = 0;
+};
+
+// One step of `options` under a tracker budget (0: none); SGD with lr 0 keeps the weights.
+StepResult run_step(engine::BatchStepOptions options, int64_t budget = 0) {
+  auto network = small_network();
+  auto optimizer =
+      std::make_shared<torch::optim::SGD>(network->parameters(), torch::optim::SGDOptions(0.0));
+  engine::BatchTrainingStep step(engine::chain_network(network.ptr()), optimizer, options);
+  torch::manual_seed(7);
+  const auto x = torch::randn({6, 3, 12, 12}, torch::kDouble);
+  const auto y = torch::randint(0, 4, {6}, torch::kLong);
+  auto& tracker = memory::Tracker::cpu();
+  tracker.set_budget(budget);
+  engine::BatchStepReport report;
+  try {
+    report = step.step(x, y);
+  } catch (...) {
+    tracker.set_budget(0);
+    throw;
+  }
+  tracker.set_budget(0);
+  EXPECT_TRUE(report.optimizer_stepped);
+  StepResult result;
+  for (const auto& p : step.parameters()) result.gradients.push_back(p.grad().clone());
+  result.replans = report.replans;
+  result.peak_bytes = report.peak_bytes;
+  return result;
+}
+
+double largest_difference(const std::vector<torch::Tensor>& a,
+                          const std::vector<torch::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
+  return worst;
+}
+
+}  // namespace
+
+TEST(BatchStep, MicroBatchesAndCheckpointingGiveThePlainGradients) {
+  engine::BatchStepOptions plain;
+  const auto reference = run_step(plain).gradients;
+  engine::BatchStepOptions micro = plain;
+  micro.micro_batches = 4;  // 6 samples as 2, 2, 1, 1
+  EXPECT_LT(largest_difference(reference, run_step(micro).gradients), 1e-12);
+  engine::BatchStepOptions recomputed = plain;
+  recomputed.segments =
+      engine::recompute_every(engine::chain_network(small_network().ptr()).stage_count(), 1);
+  EXPECT_LT(largest_difference(reference, run_step(recomputed).gradients), 1e-12);
+}
+
+TEST(BatchStep, OutOfMemoryRetriesWithRecomputeThenMicroBatches) {
+  engine::BatchStepOptions plain;
+  const auto reference = run_step(plain);
+  // A budget below what the plain step needs: the step is retried with less memory, and its
+  // gradients are still the plain step's.
+  const auto retried = run_step(plain, reference.peak_bytes * 6 / 10);
+  ASSERT_FALSE(retried.replans.empty());
+  EXPECT_NE(retried.replans.front().find("out of memory"), std::string::npos);
+  EXPECT_NE(retried.replans.front().find("every stage recomputed"), std::string::npos)
+      << retried.replans.front();
+  EXPECT_LT(largest_difference(reference.gradients, retried.gradients), 1e-12);
+  // Too small for even one sample with everything recomputed: the error comes through.
+  EXPECT_THROW(run_step(plain, 4 * 1024), c10::Error);
+}
+
+TEST(TaskConfig, KeysAndMismatchesAreNamed) {
+  const auto c = train::parse_config(
+      "task: segmentation\nmodel:\n  width: 8\n  depth: 2\ndata:\n  images: a/{split}/i\n"
+      "  masks: a/{split}/m\n  classes: [bg, fg]\ntrain:\n  batch: 4\n  checkpointing: all\n",
+      "test");
+  EXPECT_EQ(c.task, "segmentation");
+  EXPECT_EQ(train::network_kind(c), "unet");
+  EXPECT_EQ(c.train.batch, "4");
+  const auto again = train::parse_config(train::to_yaml(c), "round trip");
+  EXPECT_EQ(train::to_yaml(again), train::to_yaml(c));
+  EXPECT_NE(test_util::error_message([] {
+              train::parse_config("task: detection\n", "t");
+            }).find("task: \"detection\" is not one of phases | clips | segmentation"),
+            std::string::npos);
+  auto clips = c;
+  clips.task = "clips";
+  clips.model.network = "unet";
+  EXPECT_NE(test_util::error_message([&] {
+              train::build_batch_model(clips, {3, 4, 16, 16});
+            }).find("use task segmentation"),
+            std::string::npos);
+  auto segmentation = c;
+  segmentation.model.network = "r3d_18";
+  EXPECT_NE(test_util::error_message([&] {
+              train::build_batch_model(segmentation, {3, 16, 16});
+            }).find("use task clips"),
+            std::string::npos);
+  // A layer list whose output is not one score per class (3 scores for 2 classes).
+  auto layers = c;
+  layers.task = "clips";
+  layers.model.network = "layers";
+  layers.model.layers.resize(3);
+  layers.model.layers[0].type = "global_avgpool";
+  layers.model.layers[1].type = "flatten";
+  layers.model.layers[2].type = "linear";
+  layers.model.layers[2].out = 3;
+  const auto wrong = test_util::error_message([&] {
+    train::build_batch_model(layers, {3, 4, 8, 8});
+  });
+  EXPECT_NE(wrong.find("model.layers: the network's output per sample is 3 but task clips needs 2"),
+            std::string::npos)
+      << wrong;
+  // A UNet whose depth does not divide the images.
+  auto odd = c;
+  odd.model.depth = 3;
+  EXPECT_NE(test_util::error_message([&] {
+              train::build_batch_model(odd, {3, 20, 20});
+            }).find("data.resize"),
+            std::string::npos);
+}
+
+#ifdef FRAMEFIT_WITH_FFMPEG
+namespace {
+
+struct TinyData {
+  std::string dir = "/tmp/framefit_tasks_test_" + std::to_string(::getpid());
+  TinyData() {
+    test_util::remove_tree(dir);
+    data::DemoOptions o;
+    o.train_videos = 3;
+    o.val_videos = 1;
+    o.test_videos = 1;
+    o.min_frames = 40;
+    o.max_frames = 70;
+    o.width = 32;
+    o.height = 32;
+    o.frame_folders = false;
+    data::make_demo(dir, o);
+    data::SegmentationDemoOptions s;
+    s.train_images = 10;
+    s.val_images = 4;
+    s.test_images = 3;
+    s.size = 32;
+    data::make_segmentation_demo(dir + "/segmentation", s);
+  }
+  ~TinyData() { test_util::remove_tree(dir); }
+};
+
+const std::string& tiny_data() {
+  static const TinyData data;
+  return data.dir;
+}
+
+train::Config clips_config(const std::string& name) {
+  train::Config c;
+  c.task = "clips";
+  c.model.network = "layers";
+  c.model.layers.resize(8);
+  c.model.layers[0].type = "conv3d";
+  c.model.layers[0].out = 8;
+  c.model.layers[0].kernel = {3};
+  c.model.layers[0].padding = {1};
+  c.model.layers[1].type = "bn";
+  c.model.layers[2].type = "relu";
+  c.model.layers[3].type = "maxpool";
+  c.model.layers[3].kernel = {2};
+  c.model.layers[4].type = "dropout";
+  c.model.layers[4].p = 0.1;
+  c.model.layers[5].type = "global_avgpool";
+  c.model.layers[6].type = "flatten";
+  c.model.layers[7].type = "linear";
+  c.model.layers[7].out = 5;
+  c.data.manifest = tiny_data() + "/manifest.csv";
+  for (const auto& n : data::demo_classes().names()) c.data.classes.push_back(n);
+  c.data.fps = 12.5;
+  c.data.resize = 20;
+  c.data.crop = 16;
+  c.data.clip_length = 4;
+  c.data.clip_stride = 3;
+  c.train.epochs = 2;
+  c.train.schedule = "constant";
+  c.train.precision = "fp32";
+  c.train.batch = "5";
+  c.train.checkpointing = "off";
+  c.train.out_dir = name + "_" + std::to_string(::getpid());
+  test_util::remove_tree(c.train.out_dir);
+  return c;
+}
+
+train::Config segmentation_config(const std::string& name) {
+  train::Config c;
+  c.task = "segmentation";
+  c.model.width = 8;
+  c.model.depth = 2;
+  c.model.norm = "bn";
+  c.data.images = tiny_data() + "/segmentation/{split}/images";
+  c.data.masks = tiny_data() + "/segmentation/{split}/masks";
+  for (const auto& n : data::segmentation_demo_classes().names()) c.data.classes.push_back(n);
+  c.train.epochs = 2;
+  c.train.lr = 3e-3;
+  c.train.precision = "fp32";
+  c.train.out_dir = name + "_" + std::to_string(::getpid());
+  test_util::remove_tree(c.train.out_dir);
+  return c;
+}
+
+std::vector<torch::Tensor> checkpoint_weights(const std::string& path) {
+  std::vector<torch::Tensor> out;
+  const auto model = train::load_batch_model(path);
+  for (const auto& t : model.network.module->parameters()) out.push_back(t.clone());
+  for (const auto& t : model.network.module->buffers()) out.push_back(t.clone());
+  return out;
+}
+
+}  // namespace
+
+TEST(ClipTraining, ResumedRunEndsWithIdenticalWeights) {
+  // Uninterrupted: every step. Interrupted after step 3 (mid-epoch, mid-video), then resumed:
+  // the clip order, crops and flips, dropout and BatchNorm statistics must all agree.
+  auto base = clips_config("/tmp/framefit_clips_a");
+  base.train.checkpoint_every = 1;
+  const auto full = train::train(base);
+  ASSERT_GT(full.steps, 4);
+  char last[32];
+  std::snprintf(last, sizeof(last), "/step_%08lld.pt", static_cast<long long>(full.steps));
+  const auto uninterrupted = checkpoint_weights(base.train.out_dir + "/checkpoints" + last);
+
+  auto first = clips_config("/tmp/framefit_clips_b");
+  first.train.checkpoint_every = 1;
+  first.train.max_steps = 3;
+  train::train(first);
+  auto rest = first;
+  rest.train.max_steps = 0;
+  torch::manual_seed(12345);  // as another process would start
+  const auto resumed = train::train(rest, "auto");
+  EXPECT_EQ(resumed.steps, full.steps);
+  const auto weights = checkpoint_weights(first.train.out_dir + "/checkpoints" + last);
+  ASSERT_EQ(weights.size(), uninterrupted.size());
+  for (size_t i = 0; i < weights.size(); ++i)
+    EXPECT_TRUE(torch::equal(weights[i], uninterrupted[i]));
+
+  // Evaluation counts clips: the validation video's clips, all of them.
+  auto model = train::load_batch_model(base.train.out_dir + "/best.pt");
+  const auto metrics = train::evaluate_batch(model, "val");
+  EXPECT_GT(metrics.frames, 0);
+  EXPECT_NEAR(metrics.accuracy, full.best.accuracy, 1e-12);
+  EXPECT_NE(test_util::error_message([&] {
+              train::load_model(base.train.out_dir + "/best.pt");
+            }).find("is a clips checkpoint"),
+            std::string::npos);
+  test_util::remove_tree(base.train.out_dir);
+  test_util::remove_tree(first.train.out_dir);
+}
+
+TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {
+  auto config = segmentation_config("/tmp/framefit_segmentation");
+  config.train.epochs = 30;
+  config.train.budget = 5 << 20;  // small enough that the planner chooses the batch
+  config.data.prefetch_bytes = 512 << 10;
+  std::vector<std::string> infos, warnings;
+  const auto result = train::train(config, "", [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Info) infos.push_back(e.message);
+    if (e.kind == train::Event::Kind::Warning) warnings.push_back(e.message);
+  });
+  std::string plan;
+  for (const auto& m : infos)
+    if (m.rfind("plan: batch", 0) == 0) plan = m;
+  ASSERT_FALSE(plan.empty());
+  // The budget binds: fewer than all 10 images per batch, some stages recomputed.
+  EXPECT_EQ(plan.find("batch 10,"), std::string::npos) << plan;
+  EXPECT_EQ(plan.find(" 0 of "), std::string::npos) << plan;
+  // No step needed a retry, and every step's measured peak stayed in the budget.
+  EXPECT_TRUE(warnings.empty()) << warnings.front();
+  std::ifstream log(config.train.out_dir + "/log.jsonl");
+  int steps = 0;
+  for (std::string line; std::getline(log, line);) {
+    const auto at = line.find("\"peak_bytes\":");
+    if (line.find("\"type\":\"step\"") == std::string::npos || at == std::string::npos) continue;
+    ++steps;
+    EXPECT_LE(std::stoll(line.substr(at + 13)), config.train.budget) << line;
+  }
+  EXPECT_EQ(steps, result.steps);
+  ASSERT_TRUE(result.validated);
+  // Per pixel: 4 validation images of 32 x 32; better than calling everything background.
+  EXPECT_EQ(result.best.frames, 4 * 32 * 32);
+  EXPECT_GT(result.best.macro_jaccard, 0.3);
+  auto model = train::load_batch_model(result.best_checkpoint);
+  const auto again = train::evaluate_batch(model, "val");
+  EXPECT_NEAR(again.macro_jaccard, result.best.macro_jaccard, 1e-12);
+  test_util::remove_tree(config.train.out_dir);
+}
+#endif
