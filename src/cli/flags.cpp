@@ -40,7 +40,8 @@ const std::vector<Command>& command_table() {
        "images with masks for segmentation under segmentation/."},
       {"train",
        "Train from a YAML config (--set overrides any key): phases (encoder and temporal head on "
-       "whole videos), clips (3D CNNs) or segmentation (UNet), planned to fit train.budget: progress, validation each epoch, a JSONL log, atomic "
+       "whole videos), clips (3D CNNs) or segmentation (UNet), planned to fit train.budget: "
+       "progress, validation each epoch, a JSONL log, atomic "
        "checkpoints (keep-last-N plus best), --resume to continue a stopped run exactly."},
       {"eval",
        "Metrics of a checkpoint on a split of its data set: accuracy and per-class precision, "

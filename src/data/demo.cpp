@@ -186,19 +186,21 @@ int64_t make_segmentation_demo(const std::string& out_dir, const SegmentationDem
       auto mask = torch::zeros({options.size, options.size}, torch::kLong);
       mask.masked_fill_((yy - cy).pow(2) + (xx - cx).pow(2) <= r * r, 1);
       mask.masked_fill_(((yy - sy).abs() <= half).logical_and((xx - sx).abs() <= half), 2);
-      auto colour = torch::tensor({60 + 180 * u(rng), 60 + 180 * u(rng), 60 + 180 * u(rng)},
-                                  torch::kFloat32)
-                        .view({3, 1, 1});
+      auto colour =
+          torch::tensor({60 + 180 * u(rng), 60 + 180 * u(rng), 60 + 180 * u(rng)}, torch::kFloat32)
+              .view({3, 1, 1});
       const double frequency = 2 + 4 * u(rng);
-      auto background =
-          (40 + 30 * torch::sin(2 * M_PI * frequency * (yy + xx) / n)).unsqueeze(0).expand(
-              {3, options.size, options.size});
+      auto background = (40 + 30 * torch::sin(2 * M_PI * frequency * (yy + xx) / n))
+                            .unsqueeze(0)
+                            .expand({3, options.size, options.size});
       auto image = torch::where(mask.gt(0).unsqueeze(0), colour, background);
-      image = (image + torch::randn(image.sizes(), gen) * 8).clamp(0, 255).round().to(torch::kUInt8);
+      image =
+          (image + torch::randn(image.sizes(), gen) * 8).clamp(0, 255).round().to(torch::kUInt8);
       char name[32];
       std::snprintf(name, sizeof(name), "/%04lld.png", static_cast<long long>(i));
       write_image(root + "/images" + name, image);
-      write_image(root + "/masks" + name, mask.to(torch::kUInt8).unsqueeze(0).expand({3, -1, -1}).contiguous());
+      write_image(root + "/masks" + name,
+                  mask.to(torch::kUInt8).unsqueeze(0).expand({3, -1, -1}).contiguous());
       ++written;
     }
   }

@@ -127,4 +127,73 @@ void write_config(const Config& config, const std::string& out_dir) {
   TORCH_CHECK(out.good(), "cannot write ", out_dir, "/config.yaml");
 }
 
+std::string step_checkpoint_path(const std::string& checkpoint_dir, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "/step_%08lld.pt", static_cast<long long>(step));
+  return checkpoint_dir + name;
+}
+
+void write_resume_state(torch::serialize::OutputArchive& archive,
+                        torch::optim::Optimizer& optimizer, const engine::LossScaler& scaler) {
+  torch::serialize::OutputArchive optimizer_archive;
+  optimizer.save(optimizer_archive);
+  archive.write("optimizer", optimizer_archive);
+  archive.write("scaler", scaler.state());
+  archive.write("rng", generator_state());
+}
+
+void read_resume_state(torch::serialize::InputArchive& archive, torch::optim::Optimizer& optimizer,
+                       engine::LossScaler& scaler) {
+  torch::serialize::InputArchive optimizer_archive;
+  archive.read("optimizer", optimizer_archive);
+  optimizer.load(optimizer_archive);
+  torch::Tensor scaler_state, rng;
+  archive.read("scaler", scaler_state);
+  archive.read("rng", rng);
+  scaler.load_state(scaler_state);
+  set_generator_state(rng);
+}
+
+engine::OptimizerOptions optimizer_options(const TrainConfig& train) {
+  engine::OptimizerOptions options;
+  options.kind = train.optimizer;
+  options.lr = train.lr;
+  options.weight_decay = train.weight_decay;
+  options.momentum = train.momentum;
+  return options;
+}
+
+RunLength run_length(const TrainConfig& train, int64_t steps_per_epoch) {
+  RunLength run;
+  run.steps_per_epoch = std::max<int64_t>(1, steps_per_epoch);
+  run.total_steps = train.max_steps > 0 ? train.max_steps : train.epochs * run.steps_per_epoch;
+  run.epochs = (run.total_steps + run.steps_per_epoch - 1) / run.steps_per_epoch;
+  run.schedule.kind = train.schedule;
+  run.schedule.lr = train.lr;
+  run.schedule.warmup = train.warmup_steps;
+  run.schedule.step_size = train.step_size > 0 ? train.step_size : run.steps_per_epoch;
+  run.schedule.gamma = train.gamma;
+  run.schedule.min_lr = train.min_lr;
+  return run;
+}
+
+void report_step(Event& e, const StepOutcome& step, double seconds_per_step, JsonlLog& log) {
+  e.loss = step.loss;
+  e.lr = step.lr;
+  e.frames_per_second = step.count / std::max(1e-9, step.seconds);
+  e.eta_seconds = seconds_per_step * static_cast<double>(e.total_steps - e.step);
+  e.peak_bytes = step.peak_bytes;
+  e.rss_bytes = memory::process_memory().rss_bytes;
+  log.write({{"type", "step"},
+             {"step", e.step},
+             {"epoch", e.epoch},
+             {"loss", e.loss},
+             {"lr", e.lr},
+             {step.counted, step.count},
+             {"seconds", step.seconds},
+             {"peak_bytes", step.peak_bytes},
+             {"rss_bytes", e.rss_bytes},
+             {"skipped_optimizer_step", step.overflow_skipped}});
+}
+
 }  // namespace framefit::train::detail

@@ -11,8 +11,12 @@
 #include <string>
 #include <vector>
 
+#include "framefit/engine/amp.h"
+#include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/train/config.h"
+#include "framefit/train/metrics.h"
+#include "framefit/train/trainer.h"
 
 namespace framefit::train::detail {
 
@@ -40,6 +44,36 @@ void write_config(const Config& config, const std::string& out_dir);
 
 torch::Tensor generator_state();  // the CPU default generator's
 void set_generator_state(const torch::Tensor& state);
+
+// checkpoint_dir/step_00000012.pt
+std::string step_checkpoint_path(const std::string& checkpoint_dir, int64_t step);
+// What resuming needs besides the model: the optimizer's state, the loss scaler's and the
+// random generator's.
+void write_resume_state(torch::serialize::OutputArchive& archive,
+                        torch::optim::Optimizer& optimizer, const engine::LossScaler& scaler);
+void read_resume_state(torch::serialize::InputArchive& archive, torch::optim::Optimizer& optimizer,
+                       engine::LossScaler& scaler);
+
+engine::OptimizerOptions optimizer_options(const TrainConfig& train);
+
+// A run's length and learning-rate schedule for `steps_per_epoch` optimizer steps per epoch.
+struct RunLength {
+  int64_t steps_per_epoch = 1;
+  int64_t total_steps = 0;  // train.max_steps, else epochs x steps_per_epoch
+  int64_t epochs = 0;       // epochs those steps reach into
+  Schedule schedule;
+};
+RunLength run_length(const TrainConfig& train, int64_t steps_per_epoch);
+
+// What one optimizer step did, for its Step event and its log.jsonl record.
+struct StepOutcome {
+  double loss = 0, lr = 0;
+  int64_t count = 0;         // frames or samples the step trained on
+  const char* counted = "";  // "frames" | "samples": the log's name for count
+  double seconds = 0;
+  int64_t peak_bytes = 0;
+  bool overflow_skipped = false;
+};
 
 // The log of steps and epochs; on resume, records after the checkpoint are dropped first, so
 // the log reads as if the run had never stopped.
@@ -70,6 +104,10 @@ class JsonlLog {
   std::string path_;
   std::ofstream out_;
 };
+
+// Fills the Step event `e` (rate, ETA from `seconds_per_step`, memory now) and writes the
+// step's log record.
+void report_step(Event& e, const StepOutcome& step, double seconds_per_step, JsonlLog& log);
 
 // Sets the tracker's budget for the run and lifts it when the run ends, however it ends.
 class BudgetScope {

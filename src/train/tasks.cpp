@@ -626,12 +626,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   for (const auto& p : module.parameters()) {
     if (p.requires_grad()) parameters.push_back(p);
   }
-  engine::OptimizerOptions optimizer_options;
-  optimizer_options.kind = tc.optimizer;
-  optimizer_options.lr = tc.lr;
-  optimizer_options.weight_decay = tc.weight_decay;
-  optimizer_options.momentum = tc.momentum;
-  auto optimizer = engine::make_optimizer(parameters, optimizer_options);
+  auto optimizer = engine::make_optimizer(parameters, optimizer_options(tc));
   engine::BatchStepOptions options;
   options.device = device;
   options.precision = progress.precision;
@@ -642,30 +637,17 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   engine::BatchTrainingStep step(model.network, optimizer, options);
 
   if (resumed) {
-    torch::serialize::InputArchive network_archive, optimizer_archive;
+    torch::serialize::InputArchive network_archive;
     resumed->read("network", network_archive);
-    resumed->read("optimizer", optimizer_archive);
     module.load(network_archive);
     module.to(device);
-    optimizer->load(optimizer_archive);
-    torch::Tensor scaler, rng;
-    resumed->read("scaler", scaler);
-    resumed->read("rng", rng);
-    step.scaler().load_state(scaler);
-    set_generator_state(rng);
+    read_resume_state(*resumed, *optimizer, step.scaler());
   }
 
-  const int64_t samples = train_set.samples();
-  const int64_t steps_per_epoch = (samples + progress.batch - 1) / progress.batch;
-  const int64_t total_steps = tc.max_steps > 0 ? tc.max_steps : tc.epochs * steps_per_epoch;
-  const int64_t epochs = (total_steps + steps_per_epoch - 1) / steps_per_epoch;
-  Schedule schedule;
-  schedule.kind = tc.schedule;
-  schedule.lr = tc.lr;
-  schedule.warmup = tc.warmup_steps;
-  schedule.step_size = tc.step_size > 0 ? tc.step_size : steps_per_epoch;
-  schedule.gamma = tc.gamma;
-  schedule.min_lr = tc.min_lr;
+  const auto run = run_length(tc, (train_set.samples() + progress.batch - 1) / progress.batch);
+  const int64_t total_steps = run.total_steps;
+  const int64_t epochs = run.epochs;
+  const auto& schedule = run.schedule;
 
   JsonlLog log(out_dir + "/log.jsonl", progress.step, resumed.has_value());
   TrainResult result;
@@ -676,18 +658,12 @@ TrainResult train_batch(const Config& config, const std::string& resume,
 
   int64_t last_saved_step = resumed ? progress.step : -1;
   auto checkpoint = [&](BatchProgress saved) {
-    char name[32];
-    std::snprintf(name, sizeof(name), "/step_%08lld.pt", static_cast<long long>(saved.step));
-    result.last_checkpoint = checkpoint_dir + name;
+    result.last_checkpoint = step_checkpoint_path(checkpoint_dir, saved.step);
     saved.seconds += seconds_since(start);
     torch::serialize::OutputArchive archive;
     write_network(archive, model);
     write_progress(archive, saved);
-    torch::serialize::OutputArchive optimizer_archive;
-    optimizer->save(optimizer_archive);
-    archive.write("optimizer", optimizer_archive);
-    archive.write("scaler", step.scaler().state());
-    archive.write("rng", generator_state());
+    write_resume_state(archive, *optimizer, step.scaler());
     save_atomically(archive, result.last_checkpoint);
     prune_checkpoints(checkpoint_dir, tc.keep_last);
     last_saved_step = saved.step;
@@ -738,25 +714,13 @@ TrainResult train_batch(const Config& config, const std::string& resume,
       ++loss_count;
 
       Event e = progress_event(Event::Kind::Step);
-      e.loss = report.loss;
-      e.lr = lr;
-      e.frames_per_second = report.samples / std::max(1e-9, report.seconds);
       const double per_step =
           seconds_since(start) / static_cast<double>(progress.step - first_step);
-      e.eta_seconds = per_step * static_cast<double>(total_steps - progress.step);
-      e.peak_bytes = report.peak_bytes;
-      e.rss_bytes = memory::process_memory().rss_bytes;
+      report_step(e,
+                  {report.loss, lr, report.samples, "samples", report.seconds, report.peak_bytes,
+                   report.overflow_skipped},
+                  per_step, log);
       emit(e);
-      log.write({{"type", "step"},
-                 {"step", e.step},
-                 {"epoch", e.epoch},
-                 {"loss", e.loss},
-                 {"lr", lr},
-                 {"samples", report.samples},
-                 {"seconds", report.seconds},
-                 {"peak_bytes", report.peak_bytes},
-                 {"rss_bytes", e.rss_bytes},
-                 {"skipped_optimizer_step", report.overflow_skipped}});
       if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 && !stream.done()) {
         checkpoint(progress);
       }

@@ -101,11 +101,7 @@ void save_checkpoint(const std::string& path, const Model& model,
   torch::serialize::OutputArchive archive;
   write_model(archive, model);
   write_progress(archive, progress);
-  torch::serialize::OutputArchive optimizer_archive;
-  optimizer.save(optimizer_archive);
-  archive.write("optimizer", optimizer_archive);
-  archive.write("scaler", step.scaler().state());
-  archive.write("rng", generator_state());
+  write_resume_state(archive, optimizer, step.scaler());
   save_atomically(archive, path);
 }
 
@@ -400,12 +396,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   auto encoder = engine::frame_encoder(model.encoder.ptr());
   auto parameters = encoder.parameters;
   for (auto& p : model.head->parameters()) parameters.push_back(p);
-  engine::OptimizerOptions optimizer_options;
-  optimizer_options.kind = tc.optimizer;
-  optimizer_options.lr = tc.lr;
-  optimizer_options.weight_decay = tc.weight_decay;
-  optimizer_options.momentum = tc.momentum;
-  auto optimizer = engine::make_optimizer(parameters, optimizer_options);
+  auto optimizer = engine::make_optimizer(parameters, optimizer_options(tc));
   engine::TrainingStep step(encoder, model.head, optimizer, options);
   if (planned) {
     step.replan = plan::make_replanner(request, sizes, costs.at(progress.settings.precision),
@@ -413,33 +404,21 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   }
 
   if (resumed) {
-    torch::serialize::InputArchive encoder_archive, head_archive, optimizer_archive;
+    torch::serialize::InputArchive encoder_archive, head_archive;
     resumed->read("encoder", encoder_archive);
     resumed->read("head", head_archive);
-    resumed->read("optimizer", optimizer_archive);
     model.encoder->load(encoder_archive);
     model.head->load(head_archive);
     model.encoder->to(device);
     model.head->to(device);
-    optimizer->load(optimizer_archive);
-    torch::Tensor scaler, rng;
-    resumed->read("scaler", scaler);
-    resumed->read("rng", rng);
-    step.scaler().load_state(scaler);
-    set_generator_state(rng);
+    read_resume_state(*resumed, *optimizer, step.scaler());
   }
 
   const int64_t videos = train_set.size();
-  const int64_t steps_per_epoch = (videos + tc.accumulate - 1) / tc.accumulate;
-  const int64_t total_steps = tc.max_steps > 0 ? tc.max_steps : tc.epochs * steps_per_epoch;
-  const int64_t epochs = (total_steps + steps_per_epoch - 1) / steps_per_epoch;
-  Schedule schedule;
-  schedule.kind = tc.schedule;
-  schedule.lr = tc.lr;
-  schedule.warmup = tc.warmup_steps;
-  schedule.step_size = tc.step_size > 0 ? tc.step_size : steps_per_epoch;
-  schedule.gamma = tc.gamma;
-  schedule.min_lr = tc.min_lr;
+  const auto run = run_length(tc, (videos + tc.accumulate - 1) / tc.accumulate);
+  const int64_t total_steps = run.total_steps;
+  const int64_t epochs = run.epochs;
+  const auto& schedule = run.schedule;
 
   JsonlLog log(out_dir + "/log.jsonl", progress.step, resumed.has_value());
   TrainResult result;
@@ -450,9 +429,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
 
   int64_t last_saved_step = resumed ? progress.step : -1;
   auto checkpoint = [&](Progress saved) {
-    char name[32];
-    std::snprintf(name, sizeof(name), "/step_%08lld.pt", static_cast<long long>(saved.step));
-    result.last_checkpoint = checkpoint_dir + name;
+    result.last_checkpoint = step_checkpoint_path(checkpoint_dir, saved.step);
     saved.seconds += seconds_since(start);
     save_checkpoint(result.last_checkpoint, model, *optimizer, step, saved);
     prune_checkpoints(checkpoint_dir, tc.keep_last);
@@ -518,25 +495,13 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
       for (const auto& r : report.replans) emit(Event::note(Event::Kind::Warning, r));
 
       Event e = progress_event(Event::Kind::Step);
-      e.loss = report.loss;
-      e.lr = lr;
-      e.frames_per_second = report.frames / std::max(1e-9, report.seconds);
       const double per_step =
           seconds_since(start) / static_cast<double>(progress.step - first_step);
-      e.eta_seconds = per_step * static_cast<double>(total_steps - progress.step);
-      e.peak_bytes = report.peak_bytes;
-      e.rss_bytes = memory::process_memory().rss_bytes;
+      report_step(e,
+                  {report.loss, lr, report.frames, "frames", report.seconds, report.peak_bytes,
+                   report.overflow_skipped},
+                  per_step, log);
       emit(e);
-      log.write({{"type", "step"},
-                 {"step", e.step},
-                 {"epoch", e.epoch},
-                 {"loss", e.loss},
-                 {"lr", lr},
-                 {"frames", report.frames},
-                 {"seconds", report.seconds},
-                 {"peak_bytes", report.peak_bytes},
-                 {"rss_bytes", e.rss_bytes},
-                 {"skipped_optimizer_step", report.overflow_skipped}});
       // A checkpoint that completes the epoch is written after its validation, below.
       if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 &&
           progress.position < videos) {
