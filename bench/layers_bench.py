@@ -40,15 +40,24 @@ def mib(n):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only-cost", action="store_true",
+                        help="rerun section 1 only; sections 2 and 3 come from layers.json")
     opts = parser.parse_args()
-    repeat = "1" if opts.quick else "3"
+    # Steps of well under a second are noisy on a shared machine: more of them per median.
+    repeat = "1" if opts.quick else "7"
     results = {"cost": [], "unet_batch": [], "seed001": []}
     machine = None
+    if opts.only_cost:
+        with open(os.path.join(OUT, "layers.json")) as f:
+            previous = json.load(f)
+        results["unet_batch"], results["seed001"] = previous["unet_batch"], previous["seed001"]
 
     # 1. Cost of checkpointing at a fixed batch.
     nets = [("unet", "3,128,128", ["--width", "32", "--depth", "4", "--classes", "2"], "8"),
             ("r3d_18", "3,16,112,112", ["--classes", "20"], "2"),
-            ("clip3d", "3,30,115,115", ["--classes", "20"], "2")]
+            ("clip3d", "3,30,115,115", ["--classes", "20"], "2"),
+            # seeds/000's per-frame encoder as a chain of its 16 bottleneck blocks
+            ("resnet50", "3,160,160", ["--classes", "10"], "4")]
     if opts.quick:
         nets = [("unet", "3,64,64", ["--width", "8", "--depth", "3", "--classes", "2"], "4")]
     for net, shape, extra, batch in nets:
@@ -72,11 +81,14 @@ def main():
 
     # 2. UNet's largest batch within a fixed budget.
     unet_shape, unet_budget = ("3,64,64", "64MiB") if opts.quick else ("3,128,128", "512MiB")
+    sections = (("fp32, no checkpointing", ["--precision", "fp32", "--checkpoint", "off"]),
+                ("fp32, checkpointing", ["--precision", "fp32", "--checkpoint", "auto"]),
+                ("bf16, checkpointing", ["--precision", "bf16", "--checkpoint", "auto"]))
+    if opts.only_cost:
+        sections = ()
     unet = ["--net", "unet", "--input", unet_shape, "--width", "16", "--depth", "4", "--classes",
             "2", "--batch", "0", "--budget", unet_budget, "--repeat", "1"]
-    for label, extra in (("fp32, no checkpointing", ["--precision", "fp32", "--checkpoint", "off"]),
-                         ("fp32, checkpointing", ["--precision", "fp32", "--checkpoint", "auto"]),
-                         ("bf16, checkpointing", ["--precision", "bf16", "--checkpoint", "auto"])):
+    for label, extra in sections:
         row = bench(*unet, *extra)
         results["unet_batch"].append({"setting": label, "budget": unet_budget,
                                       **{k: row.get(k) for k in ("planned_batch", "largest_batch",
@@ -86,7 +98,7 @@ def main():
               flush=True)
 
     # 3. seeds/001 corrected, full-size clips, 12 GiB.
-    if not opts.quick:
+    if not opts.quick and not opts.only_cost:
         for label, extra in (("fp32, no checkpointing", ["--checkpoint", "off"]),
                              ("fp32, checkpointing", ["--checkpoint", "auto"])):
             row = bench("--net", "clip3d", "--input", "3,60,230,230", "--classes", "20", "--batch",
@@ -104,11 +116,13 @@ def main():
         json.dump(results, f, indent=1)
     lines = ["# Layer checkpointing and the largest batch", "",
              f"Machine: {machine}. Produced by `bench/layers_bench.py`"
-             f"{' --quick' if opts.quick else ''}; times are medians of {repeat} steps.", "",
+             f"{' --quick' if opts.quick else ''}; section 1's times are medians of {repeat} steps "
+             "(sections 2 and 3: one measured step each).", "",
              "## Cost of checkpointing (same batch)", "",
+             "Target (issue #6): >= 2x less activation memory for <= 1.35x the step time.", "",
              "| net | input | batch | checkpointing | recomputed stages | activation memory | vs off "
-             "| step time | vs off | predicted peak | measured peak |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| step time | vs off | target met | predicted peak | measured peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {}
     for r in results["cost"]:
         key = (r["net"], r["input"])
@@ -116,10 +130,12 @@ def main():
             base[key] = r
         b = base[key]
         recomputed = sum(e - s for s, e in r["recomputed"] or [])
+        less = b["activation_bytes"] / max(1, r["activation_bytes"])
+        slower = r["step_seconds"] / b["step_seconds"]
+        met = "-" if r["mode"] == "off" else ("yes" if less >= 2 and slower <= 1.35 else "no")
         lines.append(f"| {r['net']} | {r['input']} | {r['batch']} | {r['mode']} | "
                      f"{recomputed} of {r['stages']} | {mib(r['activation_bytes'])} | "
-                     f"{b['activation_bytes'] / max(1, r['activation_bytes']):.2f}x less | "
-                     f"{r['step_seconds']:.3f} s | {r['step_seconds'] / b['step_seconds']:.2f}x | "
+                     f"{less:.2f}x less | {r['step_seconds']:.3f} s | {slower:.2f}x | {met} | "
                      f"{mib(r['predicted_peak_bytes'])} | {mib(r['peak_bytes'])} |")
     lines += ["", f"## UNet: largest batch within {unet_budget} (input {unet_shape}, width 16, depth 4)",
               "", "| setting | planner's batch | largest batch that ran | peak at it | step time |",

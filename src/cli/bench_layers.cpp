@@ -14,6 +14,7 @@
 #include "framefit/engine/checkpoint.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/network.h"
+#include "framefit/models/resnet.h"
 #include "framefit/models/unet.h"
 #include "framefit/models/video_resnet.h"
 #include "framefit/plan/calibration.h"
@@ -57,6 +58,11 @@ LayerNet build_net(const Args& args, const std::vector<int64_t>& input) {
                                                        .depth(args.integer("depth")))
                                           .ptr());
     net.dense = true;
+  } else if (name == "resnet18" || name == "resnet50") {
+    TORCH_CHECK(input.size() == 3 && input[0] == 3, "--net ", name, " takes --input 3,H,W");
+    net.chain = engine::chain_network(
+        models::ResNet(models::ResNetOptions(models::parse_resnet_name(name)).num_classes(classes))
+            .ptr());
   } else if (name == "r3d_18" || name == "r2plus1d_18") {
     TORCH_CHECK(input.size() == 4 && input[0] == 3, "--net ", name, " takes --input 3,T,H,W");
     net.chain = engine::chain_network(

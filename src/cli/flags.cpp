@@ -300,10 +300,10 @@ const std::vector<Flag>& flag_table() {
        {"bench-layers"},
        FlagType::Choice,
        "Batch network: seeds/001's clip classifier fixed (clip3d) or depthwise-separable, "
-       "torchvision's video ResNets, or a 2D UNet.",
+       "torchvision's video ResNets, a 2D UNet, or the per-frame ResNets as image classifiers.",
        "",
        true,
-       {"clip3d", "clip3d_separable", "r3d_18", "r2plus1d_18", "unet"}},
+       {"clip3d", "clip3d_separable", "r3d_18", "r2plus1d_18", "unet", "resnet18", "resnet50"}},
       {"input",
        {"bench-layers"},
        FlagType::Text,
@@ -398,6 +398,13 @@ const std::vector<Flag>& flag_table() {
        "Check a training config instead of flags; with model.layers and model.input, the "
        "layer-list network: every layer's shape and parameters, and the memory per batch.",
        ""},
+      {"config",
+       {"plan"},
+       FlagType::ExistingFile,
+       "Plan a clips or segmentation training config instead of flags: calibrate its network on "
+       "the training data's sample shape and print the batch and layer checkpointing `framefit "
+       "train` will use, with the predicted peak in parts.",
+       ""},
       {"batch",
        {"doctor"},
        FlagType::Int,
@@ -407,7 +414,7 @@ const std::vector<Flag>& flag_table() {
        {},
        1},
       {"set",
-       {"train", "eval", "predict", "bench-data", "doctor"},
+       {"train", "eval", "predict", "bench-data", "doctor", "plan"},
        FlagType::Repeated,
        "Override a config key: --set train.lr=0.0005 (repeatable; the value is YAML).",
        ""},

@@ -11,6 +11,7 @@
 #include "framefit/plan/calibration.h"
 #include "framefit/plan/doctor.h"
 #include "framefit/train/config.h"
+#include "framefit/train/tasks.h"
 
 namespace framefit::cli {
 
@@ -242,6 +243,18 @@ int run_doctor(const Args& args) {
     const int64_t budget = args.bytes("budget") > 0  ? args.bytes("budget")
                            : config.train.budget > 0 ? config.train.budget
                                                      : tracker.available_bytes();
+    if (train::is_batch_task(config) && train::network_kind(config) != "layers") {
+      int64_t static_bytes = 0;
+      auto findings = train::diagnose_batch_task(config, budget, &static_bytes);
+      if (!args.on("json") && static_bytes > 0) {
+        fmt::print(
+            "framefit doctor: {} for task {}: static memory (parameters, buffers, gradients, "
+            "{} state) {} of budget {}; `framefit plan --config` finds the batch\n",
+            train::network_kind(config), config.task, config.train.optimizer,
+            memory::format_bytes(static_bytes), memory::format_bytes(budget));
+      }
+      return print_findings(args, findings);
+    }
     TORCH_CHECK(!config.model.layers.empty() && !config.model.input.empty(), "config ",
                 args.text("config"),
                 ": `framefit doctor --config` checks a layer-list network; set model.layers and "
@@ -253,7 +266,50 @@ int run_doctor(const Args& args) {
                                                                      : tracker.available_bytes()));
 }
 
+// framefit plan --config: what a clips or segmentation run will use.
+int plan_batch_config(const Args& args) {
+  auto overrides = args.list("set");
+  if (args.bytes("budget") > 0) overrides.push_back("train.budget=" + args.text("budget"));
+  const auto config = train::load_config(args.text("config"), overrides);
+  TORCH_CHECK(train::is_batch_task(config), "config ", args.text("config"), ": task ", config.task,
+              " is planned from flags (framefit plan --model ... --frames ...); --config plans "
+              "task clips or segmentation");
+  const auto plan = train::plan_batch_task(config, [](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Warning) fmt::print(stderr, "warning: {}\n", e.message);
+  });
+  const auto flags = engine::recomputed(plan.segments);
+  if (args.on("json")) {
+    nlohmann::json out = {{"fits", plan.batch > 0},
+                          {"planned", plan.planned},
+                          {"batch", plan.batch},
+                          {"largest_batch", plan.largest_batch},
+                          {"samples", plan.samples},
+                          {"input", plan.input},
+                          {"precision", engine::to_string(plan.precision)},
+                          {"recomputed_stages", std::count(flags.begin(), flags.end(), true)},
+                          {"stages", flags.size()},
+                          {"budget_bytes", plan.budget_bytes},
+                          {"step_budget_bytes", plan.step_budget_bytes},
+                          {"static_bytes", plan.static_bytes},
+                          {"input_bytes", plan.input_bytes},
+                          {"activation_bytes", plan.activation_bytes},
+                          {"predicted_peak_bytes", plan.predicted_peak_bytes},
+                          {"minimum_bytes_one_sample", plan.minimum_bytes_one_sample},
+                          {"machine", machine_info().describe()}};
+    fmt::print("{}\n", out.dump(2));
+  } else {
+    fmt::print("{}\n", plan.describe());
+    if (plan.largest_batch > plan.batch && plan.planned) {
+      fmt::print("  the budget fits a batch of {}; the {} training samples cap it\n",
+                 plan.largest_batch, plan.samples);
+    }
+    fmt::print("  {}\n", machine_info().describe());
+  }
+  return plan.batch > 0 ? 0 : 2;
+}
+
 int run_plan(const Args& args) {
+  if (args.has("config")) return plan_batch_config(args);
   const auto request = plan_request(args);
   const auto device = request.model.device;
   auto& tracker = memory::Tracker::of(device);

@@ -608,6 +608,13 @@ ChainNetwork chain_network(const std::shared_ptr<models::VideoResNetImpl>& video
   return net;
 }
 
+ChainNetwork chain_network(const std::shared_ptr<models::ResNetImpl>& resnet) {
+  ChainNetwork net;
+  net.module = resnet;
+  net.stages = resnet_stages(resnet);
+  return net;
+}
+
 ChainNetwork chain_network(const std::shared_ptr<models::UNetImpl>& unet) {
   ChainNetwork net;
   net.module = unet;

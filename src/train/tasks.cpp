@@ -256,24 +256,6 @@ engine::Precision batch_precision(const Config& config) {
                                           : engine::parse_precision(config.train.precision);
 }
 
-std::vector<engine::ChainSegment> segments_from_flags(const std::vector<bool>& flags) {
-  std::vector<engine::ChainSegment> segments;
-  const int64_t n = static_cast<int64_t>(flags.size());
-  for (int64_t i = 0; i < n;) {
-    int64_t j = i;
-    while (j < n && flags[j] == flags[i]) ++j;
-    // A recomputed run becomes one segment per stage: a UNet cannot merge stages, and per-stage
-    // segments are what the planner's flags mean.
-    if (flags[i]) {
-      for (int64_t k = i; k < j; ++k) segments.push_back({k, k + 1, true});
-    } else {
-      segments.push_back({i, j, false});
-    }
-    i = j;
-  }
-  return segments;
-}
-
 // What a batch-task checkpoint records about the run.
 struct BatchProgress {
   int64_t step = 0;
@@ -283,7 +265,7 @@ struct BatchProgress {
   int64_t batch = 0;
   int64_t micro_batches = 1;
   engine::Precision precision = engine::Precision::FP32;
-  std::vector<bool> recompute;
+  std::vector<engine::ChainSegment> segments;  // the recomputation the step runs with
   double best_score = -1;
   double seconds = 0;
 };
@@ -302,15 +284,18 @@ void write_progress(torch::serialize::OutputArchive& archive, const BatchProgres
                                            p.micro_batches, static_cast<int64_t>(p.precision)},
                                           torch::kLong));
   archive.write("progress_real", torch::tensor({p.best_score, p.seconds}, torch::kDouble));
-  std::vector<int64_t> flags(p.recompute.begin(), p.recompute.end());
-  archive.write("recompute", torch::tensor(flags, torch::kLong));
+  std::vector<int64_t> segments;  // [S,3]: begin, end, recompute
+  for (const auto& g : p.segments) {
+    segments.insert(segments.end(), {g.begin, g.end, static_cast<int64_t>(g.recompute)});
+  }
+  archive.write("segments", torch::tensor(segments, torch::kLong).view({-1, 3}));
 }
 
 BatchProgress read_progress(torch::serialize::InputArchive& archive) {
-  torch::Tensor p, r, flags;
+  torch::Tensor p, r, segments;
   archive.read("progress", p);
   archive.read("progress_real", r);
-  archive.read("recompute", flags);
+  archive.read("segments", segments);
   const auto* v = p.data_ptr<int64_t>();
   BatchProgress progress;
   progress.step = v[0];
@@ -320,8 +305,9 @@ BatchProgress read_progress(torch::serialize::InputArchive& archive) {
   progress.batch = v[4];
   progress.micro_batches = v[5];
   progress.precision = static_cast<engine::Precision>(v[6]);
-  for (int64_t i = 0; i < flags.numel(); ++i)
-    progress.recompute.push_back(flags[i].item<int64_t>() != 0);
+  const auto rows = segments.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < rows.size(0); ++i)
+    progress.segments.push_back({rows[i][0], rows[i][1], rows[i][2] != 0});
   progress.best_score = r[0].item<double>();
   progress.seconds = r[1].item<double>();
   return progress;
@@ -368,6 +354,69 @@ PhaseMetrics evaluate_data(BatchModel& model, const TaskData& data, const EventC
     }
   }
   return confusion.metrics();
+}
+
+// The batch and checkpointing for `config` on `data`'s samples: calibrated on a probe copy
+// before the trained model exists (calibration runs forward passes that move BatchNorm
+// statistics and the random generator, which must not touch the run).
+BatchTaskPlan plan_for(const Config& config, const TaskData& data,
+                       const std::vector<int64_t>& input, torch::Device device, int64_t budget,
+                       int64_t step_budget) {
+  const auto& tc = config.train;
+  const auto fixed_batch = fixed_count(tc.batch);
+  TORCH_CHECK(!fixed_batch || *fixed_batch > 0,
+              "train.batch: 0 samples per batch; use auto or a count");
+  BatchTaskPlan plan;
+  plan.input = input;
+  plan.samples = data.samples();
+  plan.precision = batch_precision(config);
+  plan.budget_bytes = budget;
+  plan.step_budget_bytes = step_budget;
+  plan.checkpointing = tc.checkpointing;
+  auto probe = build_batch_model(config, input);
+  probe.network.module->train();
+  const int64_t stages = probe.network.stage_count();
+  plan.static_bytes = plan::training_static_bytes(*probe.network.module, tc.optimizer);
+  std::vector<engine::ChainSegment> segments;
+  if (fixed_batch && tc.checkpointing != "auto") {  // nothing to choose
+    plan.batch = plan.largest_batch = *fixed_batch;
+    segments =
+        tc.checkpointing == "all" ? engine::recompute_every(stages, 1) : engine::store_all(stages);
+    plan.segments = segments;
+    return plan;
+  }
+  plan.planned = true;
+  // Per sample: the stored uint8 sample, its float input and its int64 label(s).
+  int64_t sample_bytes = 1;
+  for (int64_t size : input) sample_bytes *= size;
+  const int64_t label_bytes = config.task == "clips" ? 8 : 8 * input[1] * input[2];
+  const auto costs = plan::calibrate_batch(
+      probe.network,
+      [&](int64_t b) {
+        std::vector<int64_t> shape = {b};
+        shape.insert(shape.end(), input.begin(), input.end());
+        return torch::randn(shape, torch::TensorOptions().device(device));
+      },
+      plan.static_bytes, sample_bytes * (1 + 4) + label_bytes, step_budget, device, plan.precision);
+  const bool may_checkpoint = tc.checkpointing != "off";
+  if (fixed_batch) {
+    plan.batch = plan.largest_batch = *fixed_batch;
+  } else {
+    const auto planned = plan::plan_batch(costs, step_budget, may_checkpoint);
+    plan.minimum_bytes_one_sample = planned.minimum_bytes_one_sample;
+    plan.largest_batch = planned.batch;
+    plan.batch = std::min(planned.batch, plan.samples);
+    if (plan.batch == 0) return plan;
+  }
+  segments = tc.checkpointing == "all"
+                 ? engine::recompute_every(stages, 1)
+                 : plan::plan_batch_chain(costs, plan.batch, step_budget, may_checkpoint).segments;
+  plan.segments = segments;
+  const auto chain = engine::evaluate_chain(costs.at(plan.batch), segments);
+  plan.input_bytes = costs.input_bytes_per_sample * plan.batch;
+  plan.activation_bytes = chain.predicted_bytes;
+  plan.predicted_peak_bytes = plan::batch_peak_bytes(costs, plan.batch, chain);
+  return plan;
 }
 
 }  // namespace
@@ -511,6 +560,119 @@ PhaseMetrics evaluate_batch(BatchModel& model, const std::string& split,
   return evaluate_data(model, data, on_event);
 }
 
+std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t budget_bytes,
+                                               int64_t* static_bytes) {
+  using Severity = plan::Finding::Severity;
+  std::vector<plan::Finding> findings;
+  auto add = [&](Severity severity, std::string problem, std::string fix) {
+    findings.push_back({severity, std::move(problem), std::move(fix)});
+  };
+  TORCH_CHECK(is_batch_task(config), "diagnose_batch_task is for task clips or segmentation");
+  const auto kind = network_kind(config);
+  const bool clips = config.task == "clips";
+  const int64_t classes = static_cast<int64_t>(config.data.classes.size());
+  if (classes < 2) {
+    add(Severity::Error, "data.classes lists " + std::to_string(classes) + " classes",
+        "list at least two class names in label order");
+  }
+  int64_t parameters = 0, buffer_bytes = 0;
+  const int64_t side = config.data.crop > 0 ? config.data.crop : config.data.resize;
+  if (kind == "r3d_18" || kind == "r2plus1d_18") {
+    if (!clips) {
+      add(Severity::Error, "model.network " + kind + " classifies clips, not pixels",
+          "use task clips, or model.network unet for segmentation");
+    }
+    const auto size =
+        models::video_resnet_size(models::VideoResNetOptions(kind).num_classes(classes));
+    parameters = size.parameters;
+    buffer_bytes = 4 * size.buffer_elements + 8 * size.buffer_counters;
+    if (side > 0 && side < size.min_input_size) {
+      add(Severity::Error,
+          c10::str("frames of ", side, " pixels are smaller than ", kind, "'s spatial stride of ",
+                   size.min_input_size),
+          c10::str("set data.resize / data.crop to at least ", size.min_input_size));
+    }
+  } else if (kind == "unet") {
+    if (clips) {
+      add(Severity::Error, "model.network unet segments images, it does not classify clips",
+          "use task segmentation, or model.network r3d_18 for clips");
+    }
+    const auto size =
+        models::unet_size(models::UNetOptions()
+                              .classes(std::max<int64_t>(classes, 1))
+                              .width(config.model.width)
+                              .depth(config.model.depth)
+                              .norm(models::parse_norm_kind(config.model.norm))
+                              .groups(std::min(config.model.groups, config.model.width))
+                              .bilinear(config.model.bilinear));
+    parameters = size.parameters;
+    buffer_bytes = 4 * size.buffer_elements + 8 * size.buffer_counters;
+    if (config.data.resize == 0) {
+      add(Severity::Warning, "data.resize is 0: images keep their own size",
+          c10::str("every image's height and width must be a multiple of ", size.size_multiple,
+                   " (2^model.depth); set data.resize to one"));
+    } else if (config.data.resize % size.size_multiple != 0) {
+      add(Severity::Error,
+          c10::str("data.resize ", config.data.resize, " is not a multiple of ", size.size_multiple,
+                   ": a UNet of depth ", config.model.depth, " halves the image ",
+                   config.model.depth, " times"),
+          c10::str("set data.resize to ",
+                   (config.data.resize / size.size_multiple + 1) * size.size_multiple,
+                   " or lower model.depth"));
+    }
+  } else {
+    add(Severity::Warning, "model.network " + kind + ": no static sizes without building it",
+        kind == "layers" ? "set model.input and run framefit doctor --config for the layer list"
+                         : "framefit plan --config measures it");
+    return findings;
+  }
+  const int64_t copies = 1 + 1 + (config.train.optimizer == "sgd" ? 1 : 2);
+  const int64_t bytes = 4 * parameters * copies + buffer_bytes;
+  if (static_bytes) *static_bytes = bytes;
+  if (budget_bytes > 0 && bytes >= budget_bytes) {
+    add(Severity::Error,
+        c10::str(kind, " has ", models::format_count(parameters),
+                 " parameters: with gradients and ", config.train.optimizer, " state they take ",
+                 memory::format_bytes(bytes), ", not less than train.budget ",
+                 memory::format_bytes(budget_bytes)),
+        "raise train.budget, or use sgd or a smaller network");
+  }
+  return findings;
+}
+
+std::string BatchTaskPlan::describe() const {
+  const auto recompute = engine::recomputed(segments);
+  const auto count = std::count(recompute.begin(), recompute.end(), true);
+  if (batch == 0) {
+    return c10::str("training does not fit in train.budget ", memory::format_bytes(budget_bytes),
+                    ": one sample needs at least ", memory::format_bytes(minimum_bytes_one_sample),
+                    " with every stage recomputed; raise train.budget or shrink the input");
+  }
+  if (!planned) {
+    return c10::str("settings: batch ", batch, ", checkpointing ", checkpointing, " (", count,
+                    " of ", recompute.size(),
+                    " stages recomputed; fixed by the config, not planned)");
+  }
+  return c10::str(
+      "plan: batch ", batch, ", ", count, " of ", recompute.size(), " stages recomputed, ",
+      engine::to_string(precision), ", predicted peak ", memory::format_bytes(predicted_peak_bytes),
+      " of ", memory::format_bytes(step_budget_bytes), " (budget ",
+      memory::format_bytes(budget_bytes), " less prefetch): static ",
+      memory::format_bytes(static_bytes), ", inputs ", memory::format_bytes(input_bytes),
+      ", activations ", memory::format_bytes(activation_bytes));
+}
+
+BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_event) {
+  TORCH_CHECK(is_batch_task(config), "plan_batch_task is for task clips or segmentation");
+  TaskData data(config, config.data.train_split, true, on_event);
+  TORCH_CHECK(data.samples() > 0, "no training samples in split \"", config.data.train_split, "\"");
+  const torch::Device device(config.device);
+  const int64_t budget =
+      config.train.budget > 0 ? config.train.budget : memory::Tracker::of(device).available_bytes();
+  const int64_t step_budget = budget - std::min(config.data.prefetch_bytes, budget / 4);
+  return plan_for(config, data, data.sample_shape(), device, budget, step_budget);
+}
+
 TrainResult train_batch(const Config& config, const std::string& resume,
                         const EventCallback& on_event) {
   TORCH_CHECK(is_batch_task(config), "train_batch is for task clips or segmentation");
@@ -554,68 +716,15 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     info("resuming from " + resume_from + " at step " + std::to_string(progress.step) +
          " with its batch of " + std::to_string(progress.batch));
   } else {
-    // Planned on a probe copy before the trained model exists: calibration runs forward passes
-    // (BatchNorm statistics, the random generator) that must not touch the run.
-    const auto fixed_batch = fixed_count(tc.batch);
-    TORCH_CHECK(!fixed_batch || *fixed_batch > 0,
-                "train.batch: 0 samples per batch; use auto or a count");
-    const int64_t samples = train_set.samples();
-    std::vector<engine::ChainSegment> segments;
-    int64_t stages = 0;
-    if (!fixed_batch || tc.checkpointing == "auto") {
-      auto probe = build_batch_model(config, input);
-      probe.network.module->train();
-      stages = probe.network.stage_count();
-      // Per sample: the stored uint8 sample, its float input and its int64 label(s).
-      int64_t sample_bytes = 1;
-      for (int64_t size : input) sample_bytes *= size;
-      const int64_t label_bytes = config.task == "clips" ? 8 : 8 * input[1] * input[2];
-      const auto costs = plan::calibrate_batch(
-          probe.network,
-          [&](int64_t b) {
-            std::vector<int64_t> shape = {b};
-            shape.insert(shape.end(), input.begin(), input.end());
-            return torch::randn(shape, torch::TensorOptions().device(device));
-          },
-          plan::training_static_bytes(*probe.network.module, tc.optimizer),
-          sample_bytes * (1 + 4) + label_bytes, step_budget, device, progress.precision);
-      const bool may_checkpoint = tc.checkpointing != "off";
-      if (fixed_batch) {
-        progress.batch = *fixed_batch;
-      } else {
-        const auto planned = plan::plan_batch(costs, step_budget, may_checkpoint);
-        TORCH_CHECK(planned.batch > 0, "training does not fit in train.budget ",
-                    memory::format_bytes(budget), ": one sample needs at least ",
-                    memory::format_bytes(planned.minimum_bytes_one_sample),
-                    " (with every stage recomputed); raise train.budget or shrink the input");
-        progress.batch = std::min(planned.batch, samples);
-        if (planned.batch > samples) {
-          info("the budget fits a batch of " + std::to_string(planned.batch) + "; using " +
-               std::to_string(samples) + ", every training sample");
-        }
-      }
-      segments =
-          tc.checkpointing == "all"
-              ? engine::recompute_every(stages, 1)
-              : plan::plan_batch_chain(costs, progress.batch, step_budget, may_checkpoint).segments;
-      const auto predicted = plan::batch_peak_bytes(
-          costs, progress.batch, engine::evaluate_chain(costs.at(progress.batch), segments));
-      const auto flags = engine::recomputed(segments);
-      info(c10::str("plan: batch ", progress.batch, ", ",
-                    std::count(flags.begin(), flags.end(), true), " of ", stages,
-                    " stages recomputed, ", engine::to_string(progress.precision),
-                    ", predicted peak ", memory::format_bytes(predicted), " of ",
-                    memory::format_bytes(step_budget), " (budget ", memory::format_bytes(budget),
-                    " less prefetch)"));
-    } else {
-      progress.batch = *fixed_batch;
-      stages = build_batch_model(config, input).network.stage_count();
-      segments = tc.checkpointing == "all" ? engine::recompute_every(stages, 1)
-                                           : engine::store_all(stages);
-      info(c10::str("settings: batch ", progress.batch, ", checkpointing ", tc.checkpointing,
-                    " (fixed by the config; not planned)"));
+    const auto plan = plan_for(config, train_set, input, device, budget, step_budget);
+    TORCH_CHECK(plan.batch > 0, plan.describe());
+    if (plan.largest_batch > plan.batch && plan.planned) {
+      info(c10::str("the budget fits a batch of ", plan.largest_batch, "; using ", plan.batch,
+                    ", every training sample"));
     }
-    progress.recompute = engine::recomputed(segments);
+    info(plan.describe());
+    progress.batch = plan.batch;
+    progress.segments = plan.segments;
   }
 
   BatchModel model = build_batch_model(config, input);
@@ -630,7 +739,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   engine::BatchStepOptions options;
   options.device = device;
   options.precision = progress.precision;
-  options.segments = segments_from_flags(progress.recompute);
+  options.segments = progress.segments;
   options.micro_batches = progress.micro_batches;
   options.clip_grad_norm = tc.clip_grad_norm;
   options.to_input = [&model](const torch::Tensor& samples) { return batch_input(model, samples); };
@@ -707,7 +816,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
       ++progress.step;
       // A step that ran out of memory was retried with more recomputation or micro-batches:
       // later steps and checkpoints (so a resumed run) keep them.
-      progress.recompute = engine::recomputed(step.options().segments);
+      progress.segments = step.options().segments;
       progress.micro_batches = step.options().micro_batches;
       for (const auto& r : report.replans) emit(Event::note(Event::Kind::Warning, r));
       loss_sum += report.loss;

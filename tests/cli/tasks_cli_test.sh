@@ -9,6 +9,23 @@ rm -rf "$work" && mkdir -p "$work" && cd "$work"
   --min-frames 100 --max-frames 150 --no-frame-folders > /dev/null 2>&1
 test -f demo/segmentation/train/masks/0000.png
 
+# The doctor checks the named network from its options; a UNet that cannot halve the images.
+"$framefit" doctor --config "$source/configs/demo_segmentation.yaml" | grep -q "no problems found"
+if "$framefit" doctor --config "$source/configs/demo_segmentation.yaml" --set data.resize=60 \
+  > doctor.txt 2>&1; then
+  echo "the doctor passed data.resize 60 for a UNet of depth 3"; exit 1
+fi
+grep -q "set data.resize to 64" doctor.txt
+# The plan train will use, before training: planned batch within the budget, in parts.
+"$framefit" plan --config "$source/configs/demo_segmentation.yaml" --json > plan.json
+cat plan.json
+"$python" -c "
+import json
+p = json.load(open('plan.json'))
+assert p['fits'] and p['planned'] and p['batch'] >= 1, p
+assert p['predicted_peak_bytes'] == p['static_bytes'] + p['input_bytes'] + p['activation_bytes'], p
+assert p['predicted_peak_bytes'] <= p['step_budget_bytes'] <= p['budget_bytes'], p
+"
 "$framefit" train --config "$source/configs/demo_segmentation.yaml" --set train.epochs=2 \
   --set train.out_dir=seg > seg.txt 2> seg.log
 cat seg.log seg.txt

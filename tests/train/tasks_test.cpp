@@ -168,6 +168,34 @@ TEST(TaskConfig, KeysAndMismatchesAreNamed) {
             std::string::npos);
 }
 
+TEST(TaskConfig, DoctorChecksNamedNetworksWithoutAllocating) {
+  auto c = train::parse_config(
+      "task: segmentation\nmodel:\n  width: 8\n  depth: 3\ndata:\n  classes: [bg, fg]\n"
+      "  resize: 20\n",
+      "test");
+  auto& tracker = memory::Tracker::cpu();
+  const int64_t allocations = tracker.allocation_count();
+  auto findings = train::diagnose_batch_task(c, 0);
+  ASSERT_TRUE(plan::has_errors(findings));
+  EXPECT_NE(findings.front().problem.find("data.resize 20 is not a multiple of 8"),
+            std::string::npos)
+      << findings.front().problem;
+  EXPECT_NE(findings.front().fix.find("data.resize to 24"), std::string::npos);
+  c.data.resize = 32;
+  EXPECT_FALSE(plan::has_errors(train::diagnose_batch_task(c, 0)));
+  // R3D-18 has 33 million parameters: with gradients and AdamW state (4 copies) over 500 MiB.
+  c.task = "clips";
+  c.model.network = "r3d_18";
+  c.data.crop = 112;
+  int64_t static_bytes = 0;
+  findings = train::diagnose_batch_task(c, int64_t{256} << 20, &static_bytes);
+  EXPECT_GT(static_bytes, int64_t{500} << 20);
+  ASSERT_TRUE(plan::has_errors(findings));
+  EXPECT_NE(findings.back().problem.find("not less than train.budget"), std::string::npos)
+      << findings.back().problem;
+  EXPECT_EQ(tracker.allocation_count(), allocations) << "the doctor must not allocate tensors";
+}
+
 #ifdef FRAMEFIT_WITH_FFMPEG
 namespace {
 

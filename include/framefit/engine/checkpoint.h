@@ -134,6 +134,7 @@ struct ChainNetwork {
 };
 ChainNetwork chain_network(const std::shared_ptr<models::NetworkImpl>& network);
 ChainNetwork chain_network(const std::shared_ptr<models::VideoResNetImpl>& video);
+ChainNetwork chain_network(const std::shared_ptr<models::ResNetImpl>& resnet);
 ChainNetwork chain_network(const std::shared_ptr<models::UNetImpl>& unet);
 // Any module as one stage (a TorchScript network): it can be recomputed only as a whole.
 ChainNetwork chain_network(const std::shared_ptr<torch::nn::Module>& module,

@@ -12,6 +12,7 @@
 #include "framefit/data/labels.h"
 #include "framefit/engine/amp.h"
 #include "framefit/engine/checkpoint.h"
+#include "framefit/plan/doctor.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
 #include "framefit/train/trainer.h"
@@ -51,6 +52,37 @@ torch::Tensor batch_input(const BatchModel& model, const torch::Tensor& samples)
 // (the Jaccard index is the IoU; macro_jaccard the mean IoU). Evaluate events count batches.
 PhaseMetrics evaluate_batch(BatchModel& model, const std::string& split,
                             const EventCallback& on_event = {});
+
+// What a clips or segmentation run will use: the batch and the stages recomputed, with the
+// predicted peak in parts. Planned (train.batch or train.checkpointing auto) from the network
+// calibrated on a probe copy for train.budget less the prefetch reserve; capped at the number
+// of training samples.
+struct BatchTaskPlan {
+  bool planned = false;        // false: train.batch and train.checkpointing fixed by the config
+  int64_t batch = 0;           // 0: not even one sample fits
+  int64_t largest_batch = 0;   // what the budget fits, before the cap
+  int64_t samples = 0;         // training samples
+  std::vector<int64_t> input;  // per sample
+  engine::Precision precision = engine::Precision::FP32;
+  std::string checkpointing;
+  std::vector<engine::ChainSegment> segments;  // what to recompute (engine/checkpoint.h)
+  int64_t budget_bytes = 0, step_budget_bytes = 0;
+  // Predicted peak = static (parameters, buffers, gradients, optimizer state) + inputs (stored,
+  // converted, labels) + activations (the chain plan's); 0 when not planned.
+  int64_t static_bytes = 0, input_bytes = 0, activation_bytes = 0, predicted_peak_bytes = 0;
+  int64_t minimum_bytes_one_sample = 0;  // with everything recomputed
+  std::string describe() const;          // one line, as `framefit train` logs it
+};
+BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_event = {});
+
+// The doctor for a clips or segmentation config whose network is named (r3d_18, r2plus1d_18,
+// unet; layer lists have plan::diagnose_network): sizes from the options alone, nothing
+// allocated, no data read. Errors: a network that does not fit the task, a UNet whose depth does
+// not divide data.resize, frames smaller than a video ResNet's stride, static memory
+// (parameters, buffers, gradients, optimizer state) above the budget. `static_bytes` receives
+// that static memory.
+std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t budget_bytes,
+                                               int64_t* static_bytes = nullptr);
 
 // Training for task clips or segmentation; as train().
 TrainResult train_batch(const Config& config, const std::string& resume = "",
