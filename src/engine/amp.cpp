@@ -176,4 +176,9 @@ void LossScaler::load_state(const torch::Tensor& state) {
   skipped_ = static_cast<int64_t>(s[2].item<double>());
 }
 
+LossScalerOptions scaler_options_for(LossScalerOptions options, Precision precision) {
+  options.enabled = options.enabled && precision == Precision::FP16;
+  return options;
+}
+
 }  // namespace framefit::engine

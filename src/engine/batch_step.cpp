@@ -9,23 +9,13 @@
 
 namespace framefit::engine {
 
-namespace {
-
-LossScalerOptions scaler_options(const BatchStepOptions& options) {
-  auto scaler = options.scaler;
-  scaler.enabled = scaler.enabled && options.precision == Precision::FP16;
-  return scaler;
-}
-
-}  // namespace
-
 BatchTrainingStep::BatchTrainingStep(ChainNetwork network,
                                      std::shared_ptr<torch::optim::Optimizer> optimizer,
                                      BatchStepOptions options)
     : network_(std::move(network)),
       optimizer_(std::move(optimizer)),
       options_(std::move(options)),
-      scaler_(scaler_options(options_)) {
+      scaler_(scaler_options_for(options_.scaler, options_.precision)) {
   TORCH_CHECK(network_.module, "BatchTrainingStep needs a network");
   TORCH_CHECK(options_.micro_batches >= 1, "micro_batches must be at least 1, got ",
               options_.micro_batches);

@@ -594,25 +594,27 @@ std::vector<StageCost> ChainNetwork::measure(const torch::Tensor& x) const {
   return costs;
 }
 
-ChainNetwork chain_network(const std::shared_ptr<models::NetworkImpl>& network) {
+namespace {
+
+ChainNetwork chain_of(std::shared_ptr<torch::nn::Module> module, std::vector<Stage> stages) {
   ChainNetwork net;
-  net.module = network;
-  net.stages = network_stages(network);
+  net.module = std::move(module);
+  net.stages = std::move(stages);
   return net;
+}
+
+}  // namespace
+
+ChainNetwork chain_network(const std::shared_ptr<models::NetworkImpl>& network) {
+  return chain_of(network, network_stages(network));
 }
 
 ChainNetwork chain_network(const std::shared_ptr<models::VideoResNetImpl>& video) {
-  ChainNetwork net;
-  net.module = video;
-  net.stages = video_resnet_stages(video);
-  return net;
+  return chain_of(video, video_resnet_stages(video));
 }
 
 ChainNetwork chain_network(const std::shared_ptr<models::ResNetImpl>& resnet) {
-  ChainNetwork net;
-  net.module = resnet;
-  net.stages = resnet_stages(resnet);
-  return net;
+  return chain_of(resnet, resnet_stages(resnet));
 }
 
 ChainNetwork chain_network(const std::shared_ptr<models::UNetImpl>& unet) {
@@ -624,10 +626,7 @@ ChainNetwork chain_network(const std::shared_ptr<models::UNetImpl>& unet) {
 
 ChainNetwork chain_network(const std::shared_ptr<torch::nn::Module>& module,
                            std::function<torch::Tensor(const torch::Tensor&)> forward) {
-  ChainNetwork net;
-  net.module = module;
-  net.stages = {make_stage("network", *module, std::move(forward))};
-  return net;
+  return chain_of(module, {make_stage("network", *module, std::move(forward))});
 }
 
 }  // namespace framefit::engine

@@ -6,19 +6,19 @@
 
 namespace framefit::engine {
 
-std::shared_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<torch::Tensor>& parameters,
-                                                        const OptimizerOptions& options) {
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(
+    const std::vector<torch::Tensor>& parameters, const OptimizerOptions& options) {
   TORCH_CHECK(options.lr > 0, "learning rate must be > 0; got ", options.lr);
   TORCH_CHECK(options.weight_decay >= 0, "weight decay must be >= 0; got ", options.weight_decay);
   for (const auto& p : parameters) {
-    TORCH_CHECK(p.requires_grad(), "a frozen parameter (requires_grad = false) was handed to the "
+    TORCH_CHECK(p.requires_grad(),
+                "a frozen parameter (requires_grad = false) was handed to the "
                 "optimizer: pass only trained parameters");
   }
   if (options.kind == "sgd") {
-    return std::make_shared<torch::optim::SGD>(
-        parameters, torch::optim::SGDOptions(options.lr)
-                        .momentum(options.momentum)
-                        .weight_decay(options.weight_decay));
+    return std::make_shared<torch::optim::SGD>(parameters, torch::optim::SGDOptions(options.lr)
+                                                               .momentum(options.momentum)
+                                                               .weight_decay(options.weight_decay));
   }
   if (options.kind == "adam") {
     return std::make_shared<torch::optim::Adam>(
@@ -31,17 +31,8 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<torch:
   TORCH_CHECK(false, "unknown optimizer '", options.kind, "': use sgd, adam or adamw");
 }
 
-namespace {
 // Without a planner: half the effective chunk (a chunk of 0 or of at least the longest video is
 // one pass over all frames), nothing kept, down to one frame per chunk.
-
-LossScalerOptions scaler_options(const StepOptions& options) {
-  auto scaler = options.scaler;
-  scaler.enabled = scaler.enabled && options.precision == Precision::FP16;
-  return scaler;
-}
-}  // namespace
-
 std::optional<RetrySettings> halve_chunk(const OutOfMemoryEvent& event) {
   const int64_t effective =
       event.chunk == 0 ? event.longest_video : std::min(event.chunk, event.longest_video);
@@ -58,8 +49,9 @@ TrainingStep::TrainingStep(FrameEncoder encoder, std::shared_ptr<models::Tempora
       head_(std::move(head)),
       optimizer_(std::move(optimizer)),
       options_(std::move(options)),
-      scaler_(scaler_options(options_)) {
-  TORCH_CHECK(head_ != nullptr && optimizer_ != nullptr, "TrainingStep needs a head and an optimizer");
+      scaler_(scaler_options_for(options_.scaler, options_.precision)) {
+  TORCH_CHECK(head_ != nullptr && optimizer_ != nullptr,
+              "TrainingStep needs a head and an optimizer");
   TORCH_CHECK(options_.accumulate >= 1, "accumulate must be >= 1 step; got ", options_.accumulate);
   TORCH_CHECK(options_.clip_grad_norm >= 0, "clip_grad_norm must be >= 0; got ",
               options_.clip_grad_norm);
@@ -98,8 +90,8 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
   for (const auto& video : videos) {
     const std::string what = video.name.empty() ? "video" : video.name;
     check_video_frames(video.frames, what);
-    TORCH_CHECK(video.labels.dim() == 1 && video.labels.size(0) == video.frames.size(0), what,
-                ": ", video.frames.size(0), " frames but ", video.labels.numel(),
+    TORCH_CHECK(video.labels.dim() == 1 && video.labels.size(0) == video.frames.size(0), what, ": ",
+                video.frames.size(0), " frames but ", video.labels.numel(),
                 " labels: there must be one label per frame");
   }
   const auto start = std::chrono::steady_clock::now();
@@ -153,14 +145,16 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
       }
       const auto retry = replan ? replan(event) : halve_chunk(event);
       if (!retry) throw;
-      report.replans.push_back(c10::str(
-          "out of memory", event.phase.empty() ? "" : " in " + event.phase, " with chunk ",
-          event.chunk == 0 ? "0 (naive)" : std::to_string(event.chunk), ", keep ", event.keep,
-          " (", memory::format_bytes(event.in_use_bytes), " in use",
-          event.requested_bytes > 0 ? ", " + memory::format_bytes(event.requested_bytes) + " requested" : "",
-          "); retrying the step with chunk ", retry->chunk, ", keep ", retry->keep,
-          retry->cache_frozen ? ", frozen outputs cached" : "",
-          retry->reason.empty() ? "" : ": " + retry->reason));
+      report.replans.push_back(
+          c10::str("out of memory", event.phase.empty() ? "" : " in " + event.phase, " with chunk ",
+                   event.chunk == 0 ? "0 (naive)" : std::to_string(event.chunk), ", keep ",
+                   event.keep, " (", memory::format_bytes(event.in_use_bytes), " in use",
+                   event.requested_bytes > 0
+                       ? ", " + memory::format_bytes(event.requested_bytes) + " requested"
+                       : "",
+                   "); retrying the step with chunk ", retry->chunk, ", keep ", retry->keep,
+                   retry->cache_frozen ? ", frozen outputs cached" : "",
+                   retry->reason.empty() ? "" : ": " + retry->reason));
       chunked.chunk = retry->chunk;
       chunked.keep = retry->keep;
       chunked.cache_frozen = retry->cache_frozen;

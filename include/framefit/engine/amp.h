@@ -45,6 +45,10 @@ struct LossScalerOptions {
   bool enabled = true;             // disabled: scale 1, nothing checked (fp32/bf16 training)
 };
 
+// `options` for a step at `precision`: loss scaling runs for fp16 only (bf16 and fp32 have
+// float32's exponent range).
+LossScalerOptions scaler_options_for(LossScalerOptions options, Precision precision);
+
 // PyTorch's GradScaler semantics on ATen's _amp_ kernels: scale the loss, unscale gradients in
 // place while checking for inf/NaN, skip the optimizer step on overflow and back off the scale,
 // grow it after `growth_interval` clean steps.
