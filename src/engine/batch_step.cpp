@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
 
 namespace framefit::engine {
@@ -93,17 +94,10 @@ BatchStepReport BatchTrainingStep::step(const torch::Tensor& samples, const torc
       tracker.release_cache();
     }
   }
-  if (on_gradients_ready) on_gradients_ready(parameters_);
-  const bool finite = scaler_.unscale(parameters_);
-  if (finite && options_.clip_grad_norm > 0) {
-    torch::nn::utils::clip_grad_norm_(parameters_, options_.clip_grad_norm);
-  }
-  if (scaler_.update()) {
-    optimizer_->step();
-    report.optimizer_stepped = true;
-  } else {
-    report.overflow_skipped = true;
-  }
+  const auto applied = apply_gradients(parameters_, scaler_, *optimizer_, options_.clip_grad_norm,
+                                       on_gradients_ready);
+  report.optimizer_stepped = applied.optimizer_stepped;
+  report.overflow_skipped = applied.overflow_skipped;
   window.close();
   report.peak_bytes = window.peak_bytes();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -31,6 +31,25 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(
   TORCH_CHECK(false, "unknown optimizer '", options.kind, "': use sgd, adam or adamw");
 }
 
+AppliedGradients apply_gradients(
+    const std::vector<torch::Tensor>& parameters, LossScaler& scaler,
+    torch::optim::Optimizer& optimizer, double clip_grad_norm,
+    const std::function<void(const std::vector<torch::Tensor>&)>& on_gradients_ready) {
+  if (on_gradients_ready) on_gradients_ready(parameters);
+  AppliedGradients applied;
+  const bool finite = scaler.unscale(parameters);
+  if (finite && clip_grad_norm > 0) {
+    applied.grad_norm = torch::nn::utils::clip_grad_norm_(parameters, clip_grad_norm);
+  }
+  if (scaler.update()) {
+    optimizer.step();
+    applied.optimizer_stepped = true;
+  } else {
+    applied.overflow_skipped = true;
+  }
+  return applied;
+}
+
 // Without a planner: half the effective chunk (a chunk of 0 or of at least the longest video is
 // one pass over all frames), nothing kept, down to one frame per chunk.
 std::optional<RetrySettings> halve_chunk(const OutOfMemoryEvent& event) {
@@ -166,17 +185,11 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
 
   if (pending_ >= options_.accumulate) {
     pending_ = 0;
-    if (on_gradients_ready) on_gradients_ready(parameters_);
-    const bool finite = scaler_.unscale(parameters_);
-    if (finite && options_.clip_grad_norm > 0) {
-      report.grad_norm = torch::nn::utils::clip_grad_norm_(parameters_, options_.clip_grad_norm);
-    }
-    if (scaler_.update()) {
-      optimizer_->step();
-      report.optimizer_stepped = true;
-    } else {
-      report.overflow_skipped = true;
-    }
+    const auto applied = apply_gradients(parameters_, scaler_, *optimizer_, options_.clip_grad_norm,
+                                         on_gradients_ready);
+    report.optimizer_stepped = applied.optimizer_stepped;
+    report.overflow_skipped = applied.overflow_skipped;
+    report.grad_norm = applied.grad_norm;
   }
   window.close();
   report.peak_bytes = window.peak_bytes();

@@ -121,6 +121,11 @@ std::string resume_path(const std::string& resume, const std::string& out_dir,
   return resume;
 }
 
+std::optional<int64_t> fixed_count(const std::string& text) {
+  if (text == "auto") return std::nullopt;
+  return std::stoll(text);
+}
+
 void write_config(const Config& config, const std::string& out_dir) {
   std::ofstream out(out_dir + "/config.yaml");
   out << to_yaml(config);

@@ -48,8 +48,8 @@ class TaskData {
  public:
   TaskData(const Config& config, const std::string& split, bool training,
            const EventCallback& on_event)
-      : clips_task_(config.task == "clips"), training_(training), augment_(config.data.augment) {
-    if (clips_task_) {
+      : training_(training), augment_(config.data.augment) {
+    if (config.task == "clips") {
       videos_.emplace(make_dataset(config, split, training, on_event));
       clip_.length = config.data.clip_length;
       clip_.stride = config.data.clip_stride;
@@ -101,15 +101,19 @@ class TaskData {
     return c10::str(units(), " images");
   }
 
-  // Per sample, as stored: [3,L,H,W] or [3,H,W] uint8.
-  std::vector<int64_t> sample_shape() const {
+  // Per sample, as stored: [3,L,H,W] or [3,H,W] uint8 (an image's from the first image, read
+  // once).
+  const std::vector<int64_t>& sample_shape() const {
     TORCH_CHECK(units() > 0, "no samples to take the input shape from");
-    if (videos_) {
-      const auto [h, w] = videos_->frame_size(0);
-      return {3, clip_.length, h, w};
+    if (shape_.empty()) {
+      if (videos_) {
+        const auto [h, w] = videos_->frame_size(0);
+        shape_ = {3, clip_.length, h, w};
+      } else {
+        shape_ = images_->load(0).first.sizes().vec();
+      }
     }
-    const auto image = images_->load(0).first;
-    return image.sizes().vec();
+    return shape_;
   }
 
   // The epoch's samples as (unit, sample within the unit), grouped by unit so each unit is
@@ -128,7 +132,7 @@ class TaskData {
 
   int64_t unit_bytes(int64_t unit) const {
     if (videos_) return videos_->frame_bytes(unit);
-    const auto shape = sample_shape_cache();
+    const auto& shape = sample_shape();
     return shape[1] * shape[2] * (3 + 8);
   }
 
@@ -165,11 +169,6 @@ class TaskData {
   }
 
  private:
-  std::vector<int64_t> sample_shape_cache() const {
-    if (shape_.empty()) shape_ = sample_shape();
-    return shape_;
-  }
-  bool clips_task_;
   bool training_;
   bool augment_;
   bool skip_bad_ = false;
@@ -178,7 +177,7 @@ class TaskData {
   std::optional<data::ClipIndex> index_;
   std::vector<int64_t> first_clip_;  // per video, its clips' first index in index_ (+ total)
   std::optional<data::SegmentationDataset> images_;
-  mutable std::vector<int64_t> shape_;
+  mutable std::vector<int64_t> shape_;  // sample_shape(), once known
 };
 
 // Batches of an epoch's samples from `position` on, units decoded ahead in worker threads.
@@ -244,11 +243,6 @@ class SampleStream {
   int64_t loaded_unit_ = -1;
   engine::Video loaded_;
 };
-
-std::optional<int64_t> fixed_count(const std::string& text) {
-  if (text == "auto") return std::nullopt;
-  return std::stoll(text);
-}
 
 engine::Precision batch_precision(const Config& config) {
   // auto: fp32. bf16 or fp16 trade precision for a larger batch; the user chooses that.

@@ -47,11 +47,6 @@ int64_t frame_size_for_planning(const data::VideoDataset& dataset) {
   return largest;
 }
 
-std::optional<int64_t> fixed_count(const std::string& text) {
-  if (text == "auto") return std::nullopt;
-  return std::stoll(text);
-}
-
 // What a checkpoint records about the run's position and settings.
 struct Progress {
   int64_t step = 0;

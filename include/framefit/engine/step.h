@@ -33,8 +33,21 @@ struct OptimizerOptions {
   double weight_decay = 1e-4;
   double momentum = 0.9;  // sgd
 };
-std::shared_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<torch::Tensor>& parameters,
-                                                        const OptimizerOptions& options);
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(
+    const std::vector<torch::Tensor>& parameters, const OptimizerOptions& options);
+
+// The end of every training step, once the gradients are complete: `on_gradients_ready` (where
+// data-parallel training will all-reduce), unscaling with an inf/NaN check, clipping (clip > 0),
+// the scaler's update, and the optimizer step unless the gradients overflowed.
+struct AppliedGradients {
+  bool optimizer_stepped = false;
+  bool overflow_skipped = false;
+  double grad_norm = 0;  // before clipping, when clipping is on
+};
+AppliedGradients apply_gradients(
+    const std::vector<torch::Tensor>& parameters, LossScaler& scaler,
+    torch::optim::Optimizer& optimizer, double clip_grad_norm,
+    const std::function<void(const std::vector<torch::Tensor>&)>& on_gradients_ready = {});
 
 struct StepOptions {
   ChunkedOptions chunked;  // chunk size, keep-k, frozen-stage caching, device, dtype
@@ -54,11 +67,11 @@ struct OutOfMemoryEvent {
   int64_t chunk = 0;
   int64_t keep = 0;
   bool cache_frozen = false;
-  int64_t longest_video = 0;     // frames
-  int64_t requested_bytes = 0;   // the allocation that failed; 0 when the error does not say
-  int64_t in_use_bytes = 0;      // when it failed
-  int64_t budget_bytes = 0;      // 0: no framefit budget (a real device ran out)
-  std::string phase;             // encode, head, recompute, or "" (elsewhere)
+  int64_t longest_video = 0;    // frames
+  int64_t requested_bytes = 0;  // the allocation that failed; 0 when the error does not say
+  int64_t in_use_bytes = 0;     // when it failed
+  int64_t budget_bytes = 0;     // 0: no framefit budget (a real device ran out)
+  std::string phase;            // encode, head, recompute, or "" (elsewhere)
 };
 // Settings to retry the same step with after out-of-memory.
 struct RetrySettings {
