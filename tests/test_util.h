@@ -1,12 +1,15 @@
 #pragma once
 // Helpers shared by the test files.
 #include <c10/util/Exception.h>
+#include <torch/script.h>
 
 #include <ftw.h>
 
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace framefit::test_util {
 
@@ -27,6 +30,20 @@ inline void remove_tree(const std::string& path) {
       path.c_str(),
       [](const char* file, const struct stat*, int, struct FTW*) { return std::remove(file); }, 16,
       FTW_DEPTH | FTW_PHYS);
+}
+
+// A TorchScript module as torch.jit.save writes it, built in C++ so fast tests need no Python:
+// `parameters` registered as trainable, `code` its methods in TorchScript.
+inline std::string write_script_module(
+    const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+    const std::string& code) {
+  torch::jit::Module module("TestModule");
+  for (const auto& [name, value] : parameters) {
+    module.register_parameter(name, value.detach().clone().requires_grad_(), /*is_buffer=*/false);
+  }
+  module.define(code);
+  module.save(path);
+  return path;
 }
 
 }  // namespace framefit::test_util

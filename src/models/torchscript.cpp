@@ -22,7 +22,23 @@ TorchScriptEncoderImpl::TorchScriptEncoderImpl(const std::string& path, torch::D
                 e.what_without_backtrace(),
                 "). Save it in Python with torch.jit.save(torch.jit.script(model), path)");
   }
-  TORCH_CHECK(module_.find_method("forward").has_value(), "TorchScript encoder ", path,
+  register_state();
+}
+
+TorchScriptEncoderImpl::TorchScriptEncoderImpl(std::istream& in, const std::string& name,
+                                               torch::Device device)
+    : path_(name) {
+  try {
+    module_ = torch::jit::load(in, device);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "TorchScript encoder ", name, ": cannot load it (",
+                e.what_without_backtrace(), ")");
+  }
+  register_state();
+}
+
+void TorchScriptEncoderImpl::register_state() {
+  TORCH_CHECK(module_.find_method("forward").has_value(), "TorchScript encoder ", path_,
               ": the module has no forward method");
   for (const auto& p : module_.named_parameters(/*recurse=*/true)) {
     register_parameter(registered_name(p.name), p.value, p.value.requires_grad());
@@ -41,6 +57,8 @@ torch::Tensor TorchScriptEncoderImpl::forward(const torch::Tensor& x) {
               ": forward must return one tensor; it returned ", out.tagKind());
   return out.toTensor();
 }
+
+void TorchScriptEncoderImpl::save_module(std::ostream& out) const { module_.save(out); }
 
 void TorchScriptEncoderImpl::train(bool on) {
   torch::nn::Module::train(on);

@@ -39,15 +39,10 @@ struct ChunkProbe {
   double nograd_seconds = 1e30, grad_seconds = 1e30, backward_seconds = 1e30, frozen_seconds = 1e30;
 };
 
-struct Probed {
-  models::ResNet encoder{nullptr};
-  engine::FrameEncoder frame_encoder;
-};
-
-ChunkProbe probe_chunk(const ModelSpec& spec, engine::Precision precision, Probed& model, int64_t n,
+ChunkProbe probe_chunk(const ModelSpec& spec, engine::Precision precision,
+                       const engine::FrameEncoder& encoder, int64_t n,
                        const CalibrationOptions& options) {
   auto& tracker = memory::Tracker::of(spec.device);
-  const auto& encoder = model.frame_encoder;
   const auto frames = torch::randint(0, 256, {n, 3, spec.size, spec.size}, torch::kUInt8);
   auto input = [&] {
     return engine::frames_to_input(frames, spec.device, spec.dtype, spec.channels_last);
@@ -153,28 +148,33 @@ HeadProbe probe_head(const ModelSpec& spec, models::TemporalHead& head, int64_t 
 
 ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision,
                      const CalibrationOptions& options) {
+  torch::manual_seed(options.seed);
+  auto encoder = models::ResNet(spec.encoder_options());
+  encoder->to(spec.device, spec.dtype);
+  encoder->train();
+  return calibrate(spec, engine::frame_encoder(encoder.ptr()), encoder->feature_dim(), precision,
+                   options);
+}
+
+ChunkCosts calibrate(const ModelSpec& spec, const engine::FrameEncoder& encoder,
+                     int64_t feature_dim, engine::Precision precision,
+                     const CalibrationOptions& options) {
   TORCH_CHECK(
       options.chunk_frames.size() == 2 && options.chunk_frames[0] != options.chunk_frames[1] &&
           options.head_frames.size() == 2 && options.head_frames[0] != options.head_frames[1],
       "calibration needs two different chunk sizes and two different head lengths");
   torch::manual_seed(options.seed);
-  Probed model;
-  model.encoder = models::ResNet(spec.encoder_options());
-  model.encoder->to(spec.device, spec.dtype);
-  model.encoder->train();
-  model.frame_encoder = engine::frame_encoder(model.encoder.ptr());
-  auto head = models::make_head(spec.head, model.encoder->feature_dim(), spec.classes);
+  auto head = models::make_head(spec.head, feature_dim, spec.classes);
   head->to(spec.device, spec.dtype);
   head->train();
 
   // The steady state of training: parameter gradients exist (as after the first step).
-  for (auto& p : model.frame_encoder.parameters) p.mutable_grad() = torch::zeros_like(p);
+  for (auto& p : encoder.parameters) p.mutable_grad() = torch::zeros_like(p);
   std::array<ChunkProbe, 2> chunk;
   std::array<HeadProbe, 2> head_probe;
   for (size_t i = 0; i < 2; ++i) {
-    chunk[i] = probe_chunk(spec, precision, model, options.chunk_frames[i], options);
-    head_probe[i] =
-        probe_head(spec, *head, model.encoder->feature_dim(), options.head_frames[i], options);
+    chunk[i] = probe_chunk(spec, precision, encoder, options.chunk_frames[i], options);
+    head_probe[i] = probe_head(spec, *head, feature_dim, options.head_frames[i], options);
   }
   const double n1 = static_cast<double>(options.chunk_frames[0]);
   const double n2 = static_cast<double>(options.chunk_frames[1]);

@@ -27,29 +27,56 @@ models::ResNetOptions ModelSpec::encoder_options() const {
       .channels_last(channels_last);
 }
 
-StaticSizes static_sizes(const ModelSpec& spec) {
-  const auto encoder = models::resnet_size(spec.encoder_options());
+namespace {
+
+// Adds the head, the optimizer state and the per-frame sizes to an encoder's sizes.
+StaticSizes with_head(StaticSizes sizes, const ModelSpec& spec, int64_t feature_dim,
+                      int64_t encoder_largest_trained) {
   int64_t head_largest = 0;
   const int64_t head =
-      models::head_parameter_count(spec.head, encoder.feature_dim, spec.classes, &head_largest);
+      models::head_parameter_count(spec.head, feature_dim, spec.classes, &head_largest);
   const int64_t element = static_cast<int64_t>(c10::elementSize(spec.dtype));
-
-  StaticSizes sizes;
-  sizes.parameter_bytes =
-      (encoder.parameters + head + encoder.buffer_elements) * element + encoder.buffer_counters * 8;
-  sizes.trained_encoder_bytes = encoder.trained_parameters * element;
+  sizes.parameter_bytes += head * element;
   sizes.trained_head_bytes = head * element;
-  sizes.largest_trained_bytes = std::max(encoder.largest_trained, head_largest) * element;
+  sizes.largest_trained_bytes = std::max(encoder_largest_trained, head_largest * element);
   TORCH_CHECK(spec.optimizer == "sgd" || spec.optimizer == "adam" || spec.optimizer == "adamw",
               "unknown optimizer '", spec.optimizer, "': use sgd, adam or adamw");
   // SGD keeps one momentum buffer per parameter, Adam(W) two moments.
   sizes.optimizer_state_bytes = (spec.optimizer == "sgd" ? 1 : 2) * sizes.trained_bytes();
   sizes.frame_bytes = 3 * spec.size * spec.size;
-  sizes.feature_dim = encoder.feature_dim;
-  sizes.feature_bytes = encoder.feature_dim * (spec.dtype == torch::kFloat64 ? 8 : 4);
+  sizes.feature_dim = feature_dim;
+  sizes.feature_bytes = feature_dim * (spec.dtype == torch::kFloat64 ? 8 : 4);
+  return sizes;
+}
+
+}  // namespace
+
+StaticSizes static_sizes(const ModelSpec& spec) {
+  const auto encoder = models::resnet_size(spec.encoder_options());
+  const int64_t element = static_cast<int64_t>(c10::elementSize(spec.dtype));
+  StaticSizes sizes;
+  sizes.parameter_bytes =
+      (encoder.parameters + encoder.buffer_elements) * element + encoder.buffer_counters * 8;
+  sizes.trained_encoder_bytes = encoder.trained_parameters * element;
   sizes.min_input_size = encoder.min_input_size;
   sizes.frozen_stages = encoder.frozen_stages;
-  return sizes;
+  return with_head(sizes, spec, encoder.feature_dim, encoder.largest_trained * element);
+}
+
+StaticSizes static_sizes(const ModelSpec& spec, const torch::nn::Module& encoder,
+                         int64_t feature_dim) {
+  StaticSizes sizes;
+  int64_t largest = 0;
+  for (const auto& p : encoder.parameters()) {
+    const auto bytes = static_cast<int64_t>(p.nbytes());
+    sizes.parameter_bytes += bytes;
+    if (!p.requires_grad()) continue;
+    sizes.trained_encoder_bytes += bytes;
+    largest = std::max(largest, bytes);
+  }
+  for (const auto& b : encoder.buffers()) sizes.parameter_bytes += static_cast<int64_t>(b.nbytes());
+  sizes.min_input_size = 1;
+  return with_head(sizes, spec, feature_dim, largest);
 }
 
 Linear Linear::through(double n1, double y1, double n2, double y2) {

@@ -189,9 +189,11 @@ const std::vector<Entry>& entries() {
   static const std::vector<Entry> table = [] {
     std::vector<Entry> t;
     // model
-    t.push_back(choice("model.encoder", "per-frame CNN",
+    t.push_back(choice("model.encoder",
+                       "per-frame CNN (torchscript: the module in model.script, mapping "
+                       "normalised [N,3,H,W] frames to [N,D] features)",
                        FRAMEFIT_MEMBER(std::string, model.encoder),
-                       {"resnet18", "resnet34", "resnet50"}));
+                       {"resnet18", "resnet34", "resnet50", "torchscript"}));
     t.push_back(choice("model.norm", "normalisation layers of the encoder",
                        FRAMEFIT_MEMBER(std::string, model.norm),
                        {"bn", "frozen_bn", "group_norm"}));
@@ -233,9 +235,9 @@ const std::vector<Entry>& entries() {
                        "set) for clips, unet for segmentation",
                        FRAMEFIT_MEMBER(std::string, model.network),
                        {"", "layers", "r3d_18", "r2plus1d_18", "unet", "torchscript"}));
-    t.push_back(field<std::string>("model.script",
-                                   "model.network torchscript: the file torch.jit.save wrote",
-                                   FRAMEFIT_MEMBER(std::string, model.script), "a path"));
+    t.push_back(field<std::string>(
+        "model.script", "model.network or model.encoder torchscript: the file torch.jit.save wrote",
+        FRAMEFIT_MEMBER(std::string, model.script), "a path"));
     t.push_back(field<int64_t>("model.width", "UNet: channels of the first stage",
                                FRAMEFIT_MEMBER(int64_t, model.width), "an integer", at_least(1)));
     t.push_back(field<int64_t>("model.depth", "UNet: down-sampling steps",

@@ -14,6 +14,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "framefit/models/torchscript.h"
+
 namespace framefit::train::detail {
 
 double seconds_since(Clock::time_point start) {
@@ -99,6 +101,23 @@ torch::serialize::InputArchive open_archive(const std::string& path) {
                 " cannot be read (damaged or not a checkpoint): ", e.what_without_backtrace());
   }
   return archive;
+}
+
+void write_script(torch::serialize::OutputArchive& archive,
+                  const models::TorchScriptEncoderImpl& script) {
+  std::ostringstream bytes;
+  script.save_module(bytes);
+  archive.write("script_module", c10::IValue(bytes.str()));
+}
+
+std::shared_ptr<models::TorchScriptEncoderImpl> read_script(torch::serialize::InputArchive& archive,
+                                                            const std::string& checkpoint,
+                                                            torch::Device device) {
+  c10::IValue bytes;
+  if (!archive.try_read("script_module", bytes)) return nullptr;
+  std::istringstream in(bytes.toStringRef());
+  return std::make_shared<models::TorchScriptEncoderImpl>(
+      in, "the TorchScript module stored in " + checkpoint, device);
 }
 
 void prune_checkpoints(const std::string& folder, int64_t keep) {

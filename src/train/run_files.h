@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -18,6 +19,10 @@
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
 #include "framefit/train/trainer.h"
+
+namespace framefit::models {
+class TorchScriptEncoderImpl;
+}
 
 namespace framefit::train::detail {
 
@@ -34,6 +39,13 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
 torch::serialize::InputArchive open_archive(const std::string& path);
 // The config stored in a checkpoint (which must be a framefit checkpoint).
 Config read_config(torch::serialize::InputArchive& archive, const std::string& path);
+// A TorchScript network's module (code and weights) stored in a checkpoint, so that it loads
+// without the file it was trained from; read_script gives nullptr when none is stored.
+void write_script(torch::serialize::OutputArchive& archive,
+                  const models::TorchScriptEncoderImpl& script);
+std::shared_ptr<models::TorchScriptEncoderImpl> read_script(torch::serialize::InputArchive& archive,
+                                                            const std::string& checkpoint,
+                                                            torch::Device device);
 // Keeps the newest `keep` step checkpoints.
 void prune_checkpoints(const std::string& folder, int64_t keep);
 // The checkpoint a run resumes from: "" (a fresh run: out_dir must hold no checkpoints), "auto"

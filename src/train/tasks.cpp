@@ -271,6 +271,8 @@ void write_network(torch::serialize::OutputArchive& archive, const BatchModel& m
   torch::serialize::OutputArchive network;
   model.network.module->save(network);
   archive.write("network", network);
+  if (auto script = std::dynamic_pointer_cast<models::TorchScriptEncoderImpl>(model.network.module))
+    write_script(archive, *script);
 }
 
 void write_progress(torch::serialize::OutputArchive& archive, const BatchProgress& p) {
@@ -425,7 +427,11 @@ std::string network_kind(const Config& config) {
   return config.model.layers.empty() ? "r3d_18" : "layers";
 }
 
-BatchModel build_batch_model(const Config& config, const std::vector<int64_t>& input) {
+namespace {
+
+// build_batch_model with a TorchScript network loaded from a checkpoint instead of model.script.
+BatchModel build_batch_model(const Config& config, const std::vector<int64_t>& input,
+                             std::shared_ptr<models::TorchScriptEncoderImpl> stored_script) {
   TORCH_CHECK(is_batch_task(config), "build_batch_model is for task clips or segmentation, not ",
               config.task);
   TORCH_CHECK(!config.data.classes.empty(), "data.classes is not set: list the class names");
@@ -498,13 +504,20 @@ BatchModel build_batch_model(const Config& config, const std::vector<int64_t>& i
   } else {
     TORCH_CHECK(!config.model.script.empty(),
                 "model.network torchscript needs model.script: the file torch.jit.save wrote");
-    auto script = models::TorchScriptEncoder(config.model.script, model.device);
-    auto module = script.ptr();
+    auto module = stored_script
+                      ? std::move(stored_script)
+                      : models::TorchScriptEncoder(config.model.script, model.device).ptr();
     model.network = engine::chain_network(
         module, [module](const torch::Tensor& x) { return module->forward(x); });
   }
   model.network.module->to(model.device);
   return model;
+}
+
+}  // namespace
+
+BatchModel build_batch_model(const Config& config, const std::vector<int64_t>& input) {
+  return build_batch_model(config, input, nullptr);
 }
 
 torch::Tensor batch_input(const BatchModel& model, const torch::Tensor& samples) {
@@ -534,7 +547,10 @@ BatchModel load_batch_model(const std::string& checkpoint,
   archive.read("input", input);
   BatchModel model = build_batch_model(
       config,
-      std::vector<int64_t>(input.data_ptr<int64_t>(), input.data_ptr<int64_t>() + input.numel()));
+      std::vector<int64_t>(input.data_ptr<int64_t>(), input.data_ptr<int64_t>() + input.numel()),
+      network_kind(config) == "torchscript"
+          ? read_script(archive, checkpoint, torch::Device(config.device))
+          : nullptr);
   torch::serialize::InputArchive network;
   archive.read("network", network);
   model.network.module->load(network);

@@ -11,6 +11,7 @@
 #include "framefit/engine/chunked.h"
 #include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
+#include "framefit/models/torchscript.h"
 #include "framefit/plan/calibration.h"
 #include "framefit/plan/planner.h"
 #include "framefit/train/tasks.h"
@@ -62,8 +63,9 @@ void write_model(torch::serialize::OutputArchive& archive, const Model& model) {
   archive.write("format", c10::IValue(std::string("framefit-checkpoint-1")));
   archive.write("config", c10::IValue(to_yaml(model.config)));
   torch::serialize::OutputArchive encoder, head;
-  model.encoder->save(encoder);
+  model.encoder_module().save(encoder);
   model.head->save(head);
+  if (model.script) write_script(archive, *model.script);
   archive.write("encoder", encoder);
   archive.write("head", head);
 }
@@ -148,24 +150,106 @@ data::VideoDataset make_dataset(const Config& config, const std::string& split, 
                             });
 }
 
-Model build_model(const Config& config) {
+namespace {
+
+bool is_script_encoder(const Config& config) { return config.model.encoder == "torchscript"; }
+
+engine::FrameEncoder script_frame_encoder(std::shared_ptr<models::TorchScriptEncoderImpl> script) {
+  return engine::frame_encoder(script,
+                               [script](const torch::Tensor& x) { return script->forward(x); });
+}
+
+// A TorchScript encoder from config.model.script (or the module a checkpoint stored), in float32
+// like framefit's own models.
+std::shared_ptr<models::TorchScriptEncoderImpl> load_script_encoder(
+    const Config& config, torch::Device device,
+    std::shared_ptr<models::TorchScriptEncoderImpl> stored = nullptr) {
+  TORCH_CHECK(!config.model.script.empty(),
+              "model.encoder torchscript needs model.script: the file torch.jit.save wrote");
+  TORCH_CHECK(config.model.weights.empty(),
+              "model.weights loads torchvision weights into a "
+              "ResNet encoder; a TorchScript encoder (",
+              config.model.script, ") carries its own: remove model.weights");
+  TORCH_CHECK(config.model.freeze.empty(),
+              "model.freeze names ResNet stages; freeze a "
+              "TorchScript encoder's parameters in Python (requires_grad_(False)) before saving");
+  auto script = stored
+                    ? std::move(stored)
+                    : std::make_shared<models::TorchScriptEncoderImpl>(config.model.script, device);
+  script->to(torch::kFloat32);
+  const auto trained = script->parameters(/*recurse=*/true);
+  TORCH_CHECK(std::any_of(trained.begin(), trained.end(),
+                          [](const torch::Tensor& p) { return p.requires_grad(); }),
+              "model.script ", config.model.script,
+              ": none of the encoder's parameters requires grad, so there is nothing to train "
+              "end to end; save it with trainable parameters");
+  return script;
+}
+
+// Features per frame of a TorchScript encoder: one frame of the configured size through it in
+// eval mode (no BatchNorm statistics move, no dropout draws).
+int64_t script_feature_dim(models::TorchScriptEncoderImpl& script, const Config& config,
+                           torch::Device device) {
+  const int64_t side =
+      config.data.crop > 0 ? config.data.crop : (config.data.resize > 0 ? config.data.resize : 64);
+  torch::NoGradGuard no_grad;
+  const bool training = script.is_training();
+  script.eval();
+  torch::Tensor out;
+  try {
+    out = script.forward(torch::zeros({1, 3, side, side}, torch::TensorOptions().device(device)));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "model.script ", config.model.script, ": a 1x3x", side, "x", side,
+                " frame through it failed (", e.what_without_backtrace(),
+                "). A per-frame encoder maps [N,3,H,W] to [N,D]; set data.crop to the frame "
+                "size it expects");
+  }
+  script.train(training);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == 1, "model.script ", config.model.script,
+              ": a per-frame encoder maps [N,3,H,W] to features [N,D], but one frame gave ",
+              out.sizes());
+  return out.size(1);
+}
+
+Model build_model(const Config& config,
+                  std::shared_ptr<models::TorchScriptEncoderImpl> stored_script) {
   Model model;
   model.config = config;
   model.classes = data::ClassList(config.data.classes);
   model.device = torch::Device(config.device);
   torch::manual_seed(config.train.seed);
-  const auto spec = model_spec(config, 64, model.device);
-  model.encoder = models::ResNet(spec.encoder_options());
-  if (!config.model.weights.empty()) {
-    models::LoadOptions options;
-    options.ignore_prefixes = {"fc."};
-    models::load_state_dict(*model.encoder, models::read_state_dict(config.model.weights), options);
+  if (is_script_encoder(config)) {
+    model.script = load_script_encoder(config, model.device, std::move(stored_script));
+    model.feature_dim = script_feature_dim(*model.script, config, model.device);
+  } else {
+    const auto spec = model_spec(config, 64, model.device);
+    model.encoder = models::ResNet(spec.encoder_options());
+    if (!config.model.weights.empty()) {
+      models::LoadOptions options;
+      options.ignore_prefixes = {"fc."};
+      models::load_state_dict(*model.encoder, models::read_state_dict(config.model.weights),
+                              options);
+    }
+    model.feature_dim = model.encoder->feature_dim();
   }
-  model.head =
-      models::make_head(config.model.head, model.encoder->feature_dim(), model.classes.size());
-  model.encoder->to(model.device);
+  model.head = models::make_head(config.model.head, model.feature_dim, model.classes.size());
+  model.encoder_module().to(model.device);
   model.head->to(model.device);
   return model;
+}
+
+}  // namespace
+
+Model build_model(const Config& config) { return build_model(config, nullptr); }
+
+torch::nn::Module& Model::encoder_module() const {
+  TORCH_CHECK(script || encoder, "the model has no encoder: build it with build_model");
+  if (script) return *script;
+  return *encoder.ptr();
+}
+
+engine::FrameEncoder Model::frame_encoder() const {
+  return script ? script_frame_encoder(script) : engine::frame_encoder(encoder.ptr());
 }
 
 Config checkpoint_config(const std::string& checkpoint) {
@@ -181,13 +265,16 @@ Model load_model(const std::string& checkpoint, const std::vector<std::string>& 
   if (!overrides.empty())
     config = parse_config(to_yaml(config), "the config stored in " + checkpoint, overrides);
   config.model.weights.clear();  // the checkpoint has the weights
-  Model model = build_model(config);
+  Model model =
+      build_model(config, is_script_encoder(config)
+                              ? read_script(archive, checkpoint, torch::Device(config.device))
+                              : nullptr);
   torch::serialize::InputArchive encoder, head;
   archive.read("encoder", encoder);
   archive.read("head", head);
-  model.encoder->load(encoder);
+  model.encoder_module().load(encoder);
   model.head->load(head);
-  model.encoder->to(model.device);
+  model.encoder_module().to(model.device);
   model.head->to(model.device);
   torch::Tensor progress;
   if (archive.try_read("progress", progress)) {
@@ -203,7 +290,7 @@ Prediction predict(Model& model, const torch::Tensor& frames) {
   TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3, "predict expects frames [T,3,H,W], got ",
               frames.sizes());
   torch::InferenceMode inference;
-  model.encoder->eval();
+  model.encoder_module().eval();
   model.head->eval();
   engine::ChunkedOptions options;
   options.chunk = model.chunk;
@@ -211,8 +298,7 @@ Prediction predict(Model& model, const torch::Tensor& frames) {
   options.device = model.device;
   options.channels_last = model.config.model.channels_last;
   engine::AutocastGuard autocast(model.device, model.precision);
-  const auto features =
-      engine::chunked_encode(engine::frame_encoder(model.encoder.ptr()), frames, options);
+  const auto features = engine::chunked_encode(model.frame_encoder(), frames, options);
   auto logits = model.head->forward(features.to(torch::kFloat32));
   if (logits.dim() == 3) logits = logits[-1];
   Prediction p;
@@ -261,9 +347,9 @@ PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
 
 models::StateDict export_state_dict(const Model& model) {
   models::StateDict out;
-  for (auto& [name, tensor] : models::state_dict(*model.encoder)) {
-    out.emplace_back("encoder." + name, tensor.cpu());
-  }
+  const auto encoder =
+      model.script ? model.script->named_state() : models::state_dict(*model.encoder);
+  for (auto& [name, tensor] : encoder) out.emplace_back("encoder." + name, tensor.cpu());
   for (auto& [name, tensor] : models::state_dict(*model.head)) {
     out.emplace_back("head." + name, tensor.cpu());
   }
@@ -331,7 +417,17 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     request.precisions = {saved->settings.precision};
     info("resuming from " + resume_from + " at step " + std::to_string(saved->step));
   }
-  const auto sizes = plan::static_sizes(request.model);
+  // A TorchScript encoder is sized and calibrated on a copy loaded again from its file (probes
+  // move BatchNorm statistics); its costs are not cached, as the file may change under its name.
+  std::shared_ptr<models::TorchScriptEncoderImpl> probe_script;
+  int64_t script_features = 0;
+  if (is_script_encoder(config)) {
+    probe_script = load_script_encoder(config, device);
+    script_features = script_feature_dim(*probe_script, config, device);
+  }
+  const auto sizes = probe_script
+                         ? plan::static_sizes(request.model, *probe_script, script_features)
+                         : plan::static_sizes(request.model);
   const int64_t step_budget = budget - std::min(config.data.prefetch_bytes, budget / 4);
   // With chunk, keep and precision all fixed there is nothing to choose: no calibration, and an
   // out-of-memory step falls back to halving the chunk. Otherwise the planner decides.
@@ -339,8 +435,17 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   std::map<engine::Precision, plan::ChunkCosts> costs;
   plan::Plan chosen;
   if (planned) {
-    plan::CalibrationCache cache(plan::CalibrationCache::default_path());
-    costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
+    if (probe_script) {
+      for (const auto precision : request.precisions) {
+        info("calibrating the TorchScript encoder at " + engine::to_string(precision) +
+             " (probe runs)");
+        costs[precision] = plan::calibrate(request.model, script_frame_encoder(probe_script),
+                                           script_features, precision);
+      }
+    } else {
+      plan::CalibrationCache cache(plan::CalibrationCache::default_path());
+      costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
+    }
     chosen = plan::fit(request, sizes, costs, step_budget, 0.1);
     TORCH_CHECK(chosen.fits, "training does not fit in train.budget ", memory::format_bytes(budget),
                 ": ", chosen.advice);
@@ -351,6 +456,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     chosen.settings.cache_frozen = request.cache_frozen.value_or(false);
     chosen.settings.precision = request.precisions.front();
   }
+  probe_script.reset();
 
   // Built after calibration, which seeds the global generator for its probes: the model's
   // initialisation and the generator state training starts from must not depend on whether
@@ -388,7 +494,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
                                      .to(torch::kFloat32)
                                      .to(device);
   }
-  auto encoder = engine::frame_encoder(model.encoder.ptr());
+  auto encoder = model.frame_encoder();
   auto parameters = encoder.parameters;
   for (auto& p : model.head->parameters()) parameters.push_back(p);
   auto optimizer = engine::make_optimizer(parameters, optimizer_options(tc));
@@ -402,9 +508,9 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     torch::serialize::InputArchive encoder_archive, head_archive;
     resumed->read("encoder", encoder_archive);
     resumed->read("head", head_archive);
-    model.encoder->load(encoder_archive);
+    model.encoder_module().load(encoder_archive);
     model.head->load(head_archive);
-    model.encoder->to(device);
+    model.encoder_module().to(device);
     model.head->to(device);
     read_resume_state(*resumed, *optimizer, step.scaler());
   }
@@ -476,7 +582,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
       if (batch.empty()) continue;
       const double lr = learning_rate(schedule, progress.step, total_steps);
       for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
-      model.encoder->train();  // validation and prediction leave the model in eval mode
+      model.encoder_module().train();  // validation and prediction leave it in eval mode
       model.head->train();
       const auto report = step.step(batch);
       ++progress.step;

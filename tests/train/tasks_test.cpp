@@ -366,4 +366,25 @@ TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {
   EXPECT_NEAR(again.macro_jaccard, result.best.macro_jaccard, 1e-12);
   test_util::remove_tree(config.train.out_dir);
 }
+
+TEST(SegmentationTraining, TorchScriptNetworkTrainsAndItsCheckpointLoadsWithoutTheFile) {
+  auto config = segmentation_config("/tmp/framefit_segmentation_script");
+  config.model.network = "torchscript";
+  torch::manual_seed(5);
+  config.model.script = test_util::write_script_module(
+      config.train.out_dir + ".pt",
+      {{"w1", torch::randn({8, 3, 3, 3}) * 0.3}, {"w2", torch::randn({3, 8, 1, 1}) * 0.3}},
+      R"(
+def forward(self, x):
+    return torch.conv2d(torch.relu(torch.conv2d(x, self.w1, None, [1, 1], [1, 1])), self.w2)
+)");
+  config.train.batch = "4";
+  const auto result = train::train(config);
+  ASSERT_TRUE(result.validated);
+  std::remove(config.model.script.c_str());
+  auto model = train::load_batch_model(result.best_checkpoint);
+  const auto again = train::evaluate_batch(model, "val");
+  EXPECT_NEAR(again.macro_jaccard, result.best.macro_jaccard, 1e-12);
+  test_util::remove_tree(config.train.out_dir);
+}
 #endif

@@ -204,6 +204,8 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
   EXPECT_NE(test_util::error_message([&] { train::train(config); }).find("--resume"),
             std::string::npos);
 
+  // The checkpoint stores the module: it loads without the file.
+  std::remove(config.model.script.c_str());
   auto model = train::load_model(config.train.out_dir + "/checkpoints/step_00000006.pt");
   const auto test_set = train::make_dataset(model.config, "test", false);
   ASSERT_EQ(test_set.size(), 1);
@@ -265,5 +267,70 @@ TEST(Training, ResumedRunEndsWithIdenticalWeights) {
   EXPECT_EQ(step_lines, 5);
   test_util::remove_tree(base.train.out_dir);
   test_util::remove_tree(first.train.out_dir);
+}
+namespace {
+// A per-frame encoder: conv, ReLU, global mean, linear to 16 features.
+std::string write_tiny_script_encoder(const std::string& path) {
+  torch::manual_seed(3);
+  return test_util::write_script_module(path,
+                                        {{"conv_weight", torch::randn({8, 3, 3, 3}) * 0.2},
+                                         {"conv_bias", torch::zeros({8})},
+                                         {"fc_weight", torch::randn({16, 8}) * 0.3},
+                                         {"fc_bias", torch::zeros({16})}},
+                                        R"(
+def forward(self, x):
+    h = torch.relu(torch.conv2d(x, self.conv_weight, self.conv_bias, [2, 2], [1, 1]))
+    return torch.linear(h.mean([2, 3]), self.fc_weight, self.fc_bias)
+)");
+}
+}  // namespace
+
+TEST(Training, TorchScriptEncoderTrainsThroughThePlannedChunkedEngine) {
+  auto config = tiny_config("/tmp/framefit_train_test_script");
+  config.model.encoder = "torchscript";
+  config.model.script = write_tiny_script_encoder(config.train.out_dir + ".pt");
+  config.model.head = "linear";
+  config.train.chunk = "auto";  // planned: the encoder is calibrated on a copy of the file
+  config.train.keep = "auto";
+  config.train.budget = int64_t{256} << 20;
+  const auto start = train::export_state_dict(train::build_model(config));
+  std::vector<std::string> infos;
+  const auto result = train::train(config, "", [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Info) infos.push_back(e.message);
+  });
+  EXPECT_EQ(result.steps, 6);
+  auto said = [&](const std::string& text) {
+    for (const auto& m : infos)
+      if (m.find(text) != std::string::npos) return true;
+    return false;
+  };
+  EXPECT_TRUE(said("calibrating the TorchScript encoder"));
+  EXPECT_TRUE(said("plan: "));
+
+  // The checkpoint stores the module: it loads without the file.
+  std::remove(config.model.script.c_str());
+  auto model = train::load_model(config.train.out_dir + "/checkpoints/step_00000006.pt");
+  EXPECT_EQ(model.feature_dim, 16);
+  ASSERT_TRUE(model.script != nullptr);
+  EXPECT_TRUE(model.encoder.is_empty());
+  // Trained: the encoder's weights moved from the file's, and export uses the script's names.
+  const auto trained = train::export_state_dict(model);
+  ASSERT_EQ(trained.size(), start.size());
+  EXPECT_EQ(trained.front().first, "encoder.conv_weight");
+  EXPECT_FALSE(torch::allclose(trained.front().second, start.front().second));
+  const auto test_set = train::make_dataset(model.config, "test", false);
+  const auto metrics = train::evaluate(model, test_set);
+  EXPECT_EQ(metrics.frames, test_set.frames(0));
+
+  // What applies to ResNet encoders only is refused, naming the key.
+  auto bad = config;
+  bad.model.weights = "resnet18.pt";
+  EXPECT_NE(test_util::error_message([&] { train::build_model(bad); }).find("model.weights"),
+            std::string::npos);
+  bad = config;
+  bad.model.script.clear();
+  EXPECT_NE(test_util::error_message([&] { train::build_model(bad); }).find("model.script"),
+            std::string::npos);
+  test_util::remove_tree(config.train.out_dir);
 }
 #endif

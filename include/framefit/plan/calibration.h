@@ -24,6 +24,12 @@ struct CalibrationOptions {
 // Runs the probes (this allocates: a model, a few chunks of frames, their activations).
 ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision,
                      const CalibrationOptions& options = {});
+// The same probes on a given encoder of `feature_dim` features per frame (a TorchScript module):
+// spec supplies the frame size, head, device and dtype; spec.model is not read. The probes run
+// forward passes with grad and set parameter gradients: pass a copy of the trained encoder.
+ChunkCosts calibrate(const ModelSpec& spec, const engine::FrameEncoder& encoder,
+                     int64_t feature_dim, engine::Precision precision,
+                     const CalibrationOptions& options = {});
 
 // Calibrations stored as JSON: {"format": "framefit-calibration", "version": N, "entries":
 // {key: costs}}. A file of another version is ignored (and rewritten), never misread.

@@ -57,6 +57,10 @@ struct StaticSizes {
   int64_t trained_bytes() const { return trained_encoder_bytes + trained_head_bytes; }
 };
 StaticSizes static_sizes(const ModelSpec& spec);
+// The same for an encoder given as a module (a TorchScript network) of `feature_dim` features per
+// frame, counted from its tensors; spec supplies the head, frame size, optimizer and dtype.
+StaticSizes static_sizes(const ModelSpec& spec, const torch::nn::Module& encoder,
+                         int64_t feature_dim);
 
 // y = intercept + slope * n.
 struct Linear {

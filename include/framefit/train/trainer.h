@@ -13,11 +13,16 @@
 
 #include "framefit/data/dataset.h"
 #include "framefit/engine/amp.h"
+#include "framefit/engine/chunked.h"
 #include "framefit/models/heads.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/weights.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
+
+namespace framefit::models {
+class TorchScriptEncoderImpl;
+}
 
 namespace framefit::train {
 
@@ -71,11 +76,20 @@ Config checkpoint_config(const std::string& checkpoint);
 struct Model {
   Config config;
   data::ClassList classes;
+  // The per-frame encoder: a ResNet (model.encoder resnet18|34|50), or a TorchScript module
+  // (model.encoder torchscript, the file in model.script) of feature_dim features per frame.
   models::ResNet encoder{nullptr};
+  std::shared_ptr<models::TorchScriptEncoderImpl> script;
+  int64_t feature_dim = 0;
   std::shared_ptr<models::TemporalHead> head;
   torch::Device device = torch::kCPU;
   engine::Precision precision = engine::Precision::FP32;  // inference autocast
   int64_t chunk = 64;                                     // inference chunk
+
+  // Whichever encoder it is: its module (parameters, buffers, train/eval, save/load), and the
+  // chunked engine's view of it.
+  torch::nn::Module& encoder_module() const;
+  engine::FrameEncoder frame_encoder() const;
 };
 Model build_model(const Config& config);  // initialised from train.seed (and model.weights)
 // The model saved in a checkpoint. `overrides` ("key=value", as --set) change its stored
@@ -101,7 +115,8 @@ data::DataOptions data_options(const Config& config, bool training);
 data::VideoDataset make_dataset(const Config& config, const std::string& split, bool training,
                                 const EventCallback& on_event = {});
 
-// Weights as a PyTorch state_dict: "encoder.<torchvision name>" and "head.<name>".
+// Weights as a PyTorch state_dict: "encoder.<torchvision name>" (a TorchScript encoder: its
+// own names) and "head.<name>".
 models::StateDict export_state_dict(const Model& model);
 
 }  // namespace framefit::train
