@@ -1,6 +1,8 @@
 #include "framefit/engine/checkpoint.h"
 
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -138,6 +140,28 @@ MultiStage as_multi(const Stage& stage) {
           stage.parameters, stage.buffers};
 }
 
+// Gradients of `output` (seeded with `grad`) for `wrt`, as torch::autograd::grad with
+// allow_unused, but with `output` itself released before backward runs: autograd::grad holds its
+// outputs until it returns, and a recomputed stage's output is as large as its largest
+// activation; released, it is freed as soon as the graph is done with it.
+torch::autograd::variable_list grad_releasing_output(torch::Tensor output,
+                                                     const torch::Tensor& grad,
+                                                     const std::vector<torch::Tensor>& wrt) {
+  using namespace torch::autograd;
+  TORCH_CHECK(output.requires_grad(), "checkpoint: the recomputed stage's output needs no grad");
+  const edge_list roots{impl::gradient_edge(output)};
+  edge_list wanted;
+  for (const auto& w : wrt) {
+    auto node = w.grad_fn() ? w.grad_fn() : impl::try_get_grad_accumulator(w);
+    // A tensor the graph does not reach: its gradient comes back undefined.
+    wanted.emplace_back(node ? Edge(node, w.output_nr()) : Edge(std::make_shared<Identity>(), 0));
+  }
+  output.reset();
+  return Engine::get_default_engine().execute(roots, {grad}, /*keep_graph=*/false,
+                                              /*create_graph=*/false, /*accumulate_grad=*/false,
+                                              wanted);
+}
+
 struct CheckpointState : torch::CustomClassHolder {
   MultiStage stage;
   detail::RngState rng;
@@ -187,10 +211,8 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       torch::AutoGradMode grad_mode(true);
       at::autocast::clear_cache();
       auto out = s.stage.forward(inputs);
-      const auto& grad = grad_outputs.at(0);
-      grads = torch::autograd::grad({out}, wrt, {grad.to(out.scalar_type())},
-                                    /*retain_graph=*/false, /*create_graph=*/false,
-                                    /*allow_unused=*/true);
+      const auto grad = grad_outputs.at(0).to(out.scalar_type());
+      grads = grad_releasing_output(std::move(out), grad, wrt);
     }
     // One entry per forward argument, lists flattened: the state, each input, each parameter.
     torch::autograd::variable_list result{torch::Tensor()};

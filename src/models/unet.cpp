@@ -33,8 +33,10 @@ DoubleConvImpl::DoubleConvImpl(int64_t in_channels, int64_t out_channels,
   norm2 = register_module("norm2", Norm2d(norm_options));
 }
 
-torch::Tensor DoubleConvImpl::forward(const torch::Tensor& x) {
-  return torch::relu(norm2(conv2(torch::relu(norm1(conv1(x))))));
+torch::Tensor DoubleConvImpl::forward(const torch::Tensor& x) { return after_conv1(conv1(x)); }
+
+torch::Tensor DoubleConvImpl::after_conv1(const torch::Tensor& h) {
+  return torch::relu(norm2(conv2(torch::relu(norm1(h)))));
 }
 
 UNetUpImpl::UNetUpImpl(int64_t in_channels, int64_t skip_channels, bool bilinear,
@@ -60,7 +62,17 @@ torch::Tensor UNetUpImpl::forward(const torch::Tensor& x, const torch::Tensor& s
                                              .size(std::vector<int64_t>{skip.size(2), skip.size(3)})
                                              .mode(torch::kBilinear)
                                              .align_corners(false));
-  return conv(torch::cat({skip, upsampled}, 1));
+  // conv1 over the concatenation [skip, upsampled], computed as the sum of one convolution per
+  // input with conv1's weight split along its input channels: the same function, without
+  // storing the concatenation, which with its gradient was the decoder stage's largest memory
+  // (a full-resolution stage's backward held both).
+  const auto& weight = conv->conv1->weight;
+  const int64_t skip_channels = skip.size(1);
+  const auto h =
+      torch::conv2d(skip, weight.narrow(1, 0, skip_channels), {}, 1, 1) +
+      torch::conv2d(upsampled, weight.narrow(1, skip_channels, weight.size(1) - skip_channels), {},
+                    1, 1);
+  return conv->after_conv1(h);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -329,6 +329,23 @@ TEST(Checkpoint, MeasuredPeakStaysWithinThePlannedBudget) {
   EXPECT_GE(planned, plan.predicted_bytes / 2) << "predicted " << plan.predicted_bytes;
 }
 
+TEST(Checkpoint, BackwardDoesNotHoldTheRecomputedOutput) {
+  // out = 3x saves nothing for backward, so once recomputed its output is needed by nobody:
+  // backward should hold one tensor of that size at a time (the recomputed output, then x's
+  // gradient), not both, as torch::autograd::grad holding its outputs would.
+  const int64_t n = int64_t{1} << 20;  // 4 MiB of float
+  const auto x = torch::randn({n}).requires_grad_();
+  const engine::Stage triple{"triple", [](const torch::Tensor& t) { return t * 3; }, {}, {}};
+  const auto out = engine::checkpoint(triple, x);
+  const auto grad = torch::ones({n});
+  auto& tracker = memory::Tracker::cpu();
+  const int64_t base = tracker.current_bytes();
+  tracker.reset_peak();
+  out.backward(grad);
+  EXPECT_LT(tracker.peak_bytes() - base, n * 4 * 3 / 2);
+  EXPECT_TRUE(torch::allclose(x.grad(), torch::full({n}, 3.0f)));
+}
+
 TEST(Checkpoint, BadSegmentsAreRejected) {
   auto net = models::Network(models::NetworkOptions(test_layers(), {3, 8, 8}));
   const auto stages = engine::network_stages(net.ptr());

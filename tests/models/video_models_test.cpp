@@ -178,6 +178,38 @@ TEST(UNet, OutputShapes) {
   EXPECT_EQ(flat->forward(torch::randn({1, 3, 5, 7})).sizes(), (std::vector<int64_t>{1, 2, 5, 7}));
 }
 
+TEST(UNet, DecoderStageIsItsDoubleConvOverTheConcatenation) {
+  // The stage computes conv1 per input instead of over torch::cat; it must be the same function,
+  // value and gradients (float64), for transposed and bilinear upsampling.
+  for (bool bilinear : {false, true}) {
+    UNetUp up(16, 8, bilinear, Norm2dOptions(8).kind(NormKind::BatchNorm));
+    up->to(torch::kDouble);
+    up->eval();  // the same running statistics for both evaluations
+    const auto x = torch::randn({2, 16, 5, 6}, torch::kDouble);
+    const auto skip = torch::randn({2, 8, 10, 12}, torch::kDouble);
+    auto gradients = [&](const torch::Tensor& out) {
+      up->zero_grad();
+      out.pow(2).sum().backward();
+      std::vector<torch::Tensor> g;
+      for (const auto& p : up->parameters()) g.push_back(p.grad().clone());
+      return std::make_pair(out.detach(), g);
+    };
+    const auto [value, grads] = gradients(up->forward(x, skip));
+    const auto upsampled = bilinear ? torch::nn::functional::interpolate(
+                                          x, torch::nn::functional::InterpolateFuncOptions()
+                                                 .size(std::vector<int64_t>{10, 12})
+                                                 .mode(torch::kBilinear)
+                                                 .align_corners(false))
+                                    : up->upconv->forward(x);
+    const auto [reference, reference_grads] =
+        gradients(up->conv->forward(torch::cat({skip, upsampled}, 1)));
+    EXPECT_TRUE(torch::allclose(value, reference, 1e-12, 1e-12)) << "bilinear " << bilinear;
+    ASSERT_EQ(grads.size(), reference_grads.size());
+    for (size_t i = 0; i < grads.size(); ++i)
+      EXPECT_TRUE(torch::allclose(grads[i], reference_grads[i], 1e-12, 1e-12)) << i;
+  }
+}
+
 TEST(UNet, ReadableChildNames) {
   const auto transposed = state_dict(*UNet(UNetOptions()));
   for (const char* name :

@@ -36,6 +36,8 @@ class DoubleConvImpl : public torch::nn::Module {
  public:
   DoubleConvImpl(int64_t in_channels, int64_t out_channels, const Norm2dOptions& norm);
   torch::Tensor forward(const torch::Tensor& x);
+  // The rest of forward given conv1's output.
+  torch::Tensor after_conv1(const torch::Tensor& h);
 
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   Norm2d norm1{nullptr}, norm2{nullptr};
@@ -43,7 +45,8 @@ class DoubleConvImpl : public torch::nn::Module {
 TORCH_MODULE(DoubleConv);
 
 // One decoder stage: upsample x by 2 (ConvTranspose2d `upconv` halving its channels to the
-// skip's, or bilinear without parameters), concatenate [skip, x] on channels, DoubleConv `conv`.
+// skip's, or bilinear without parameters), concatenate [skip, x] on channels, DoubleConv `conv`
+// (its first convolution is computed per input, without materialising the concatenation).
 class UNetUpImpl : public torch::nn::Module {
  public:
   UNetUpImpl(int64_t in_channels, int64_t skip_channels, bool bilinear, const Norm2dOptions& norm);
@@ -76,7 +79,7 @@ class UNetImpl : public torch::nn::Module {
   std::vector<UNetUp> up;          // depth stages, children "up0" ... "up<depth-1>"
   torch::nn::Conv2d out{nullptr};  // 1x1 convolution to class logits, child "out"
 
- // Rank, channels and a size divisible by 2^depth, with what to change (forward checks it).
+  // Rank, channels and a size divisible by 2^depth, with what to change (forward checks it).
   void check_input(const torch::Tensor& x) const;
 
  private:
