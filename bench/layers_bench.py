@@ -1,6 +1,6 @@
 """Layer checkpointing and the largest batch, measured (issue #6 targets).
 
-  /usr/bin/python3 bench/layers_bench.py            # 3 measured steps per row (median)
+  /usr/bin/python3 bench/layers_bench.py            # section 1: 3 interleaved rounds of 7 steps
   /usr/bin/python3 bench/layers_bench.py --quick    # small inputs only, for a smoke run
 
 1. Cost of checkpointing: the same batch trained without checkpointing, with the planner's
@@ -18,6 +18,7 @@ would). Writes bench/results/layers.{md,json}.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,28 +61,43 @@ def main():
             ("resnet50", "3,160,160", ["--classes", "10"], "4")]
     if opts.quick:
         nets = [("unet", "3,64,64", ["--width", "8", "--depth", "3", "--classes", "2"], "4")]
+    # Processes run minutes apart see different machine load: the four settings of a net run
+    # interleaved, `rounds` times, and each setting's slowdown is the median over rounds of its
+    # time divided by the plain run's in the same round.
+    rounds = 1 if opts.quick else 3
+    modes = ("off", "auto, budget halfway", "auto, half the activations", "all")
     for net, shape, extra, batch in nets:
         common = ["--net", net, "--input", shape, *extra, "--batch", batch, "--repeat", repeat]
-        plain = bench(*common)
-        machine = plain["machine"]
-        activation = plain["activation_bytes"]
-        every = bench(*common, "--checkpoint", "all")
-        # A budget halfway between every stage recomputed and none: the planner's trade.
-        middle = plain["static_bytes"] + (activation + every["activation_bytes"]) // 2
-        auto = bench(*common, "--checkpoint", "auto", "--budget", str(middle))
-        # The target's question: the cheapest plan with half the activation memory, if any.
-        half = bench(*common, "--checkpoint", "auto", "--budget",
-                     str(plain["static_bytes"] + activation // 2))
-        for mode, row in (("off", plain), ("auto, budget halfway", auto),
-                          ("auto, half the activations", half), ("all", every)):
-            results["cost"].append({"net": net, "input": shape, "batch": int(batch), "mode": mode,
-                                    **{k: row.get(k) for k in ("activation_bytes", "peak_bytes",
-                                                               "predicted_peak_bytes", "step_seconds",
-                                                               "rss_peak_bytes", "recomputed",
-                                                               "stages", "fits")}})
-        print(f"{net}: off {plain['step_seconds']:.2f} s {mib(activation)}, auto "
-              f"{auto['step_seconds']:.2f} s {mib(auto['activation_bytes'])}, all "
-              f"{every['step_seconds']:.2f} s {mib(every['activation_bytes'])}", flush=True)
+        runs = {mode: [] for mode in modes}
+        for _ in range(rounds):
+            plain = bench(*common)
+            machine = plain["machine"]
+            activation = plain["activation_bytes"]
+            every = bench(*common, "--checkpoint", "all")
+            # A budget halfway between every stage recomputed and none: the planner's trade.
+            middle = plain["static_bytes"] + (activation + every["activation_bytes"]) // 2
+            auto = bench(*common, "--checkpoint", "auto", "--budget", str(middle))
+            # The target's question: the cheapest plan with half the activation memory, if any.
+            half = bench(*common, "--checkpoint", "auto", "--budget",
+                         str(plain["static_bytes"] + activation // 2))
+            for mode, row in zip(modes, (plain, auto, half, every)):
+                runs[mode].append(row)
+        for mode in modes:
+            row = runs[mode][0]  # memory and plans do not change between rounds
+            entry = {"net": net, "input": shape, "batch": int(batch), "mode": mode,
+                     **{k: row.get(k) for k in ("activation_bytes", "peak_bytes",
+                                                "predicted_peak_bytes", "rss_peak_bytes",
+                                                "recomputed", "stages", "fits")}}
+            if row.get("step_seconds") is not None:
+                times = [r["step_seconds"] for r in runs[mode]]
+                entry["step_seconds_rounds"] = times
+                entry["step_seconds"] = statistics.median(times)
+                entry["time_ratio"] = statistics.median(
+                    t / r["step_seconds"] for t, r in zip(times, runs["off"]))
+            results["cost"].append(entry)
+        print(f"{net}: " + ", ".join(
+            f"{mode} {statistics.median(r['step_seconds'] for r in runs[mode]):.2f} s"
+            for mode in modes if runs[mode][0].get("step_seconds") is not None), flush=True)
 
     # 2. UNet's largest batch within a fixed budget.
     unet_shape, unet_budget = ("3,64,64", "64MiB") if opts.quick else ("3,128,128", "512MiB")
@@ -120,8 +136,10 @@ def main():
         json.dump(results, f, indent=1)
     lines = ["# Layer checkpointing and the largest batch", "",
              f"Machine: {machine}. Produced by `bench/layers_bench.py`"
-             f"{' --quick' if opts.quick else ''}; section 1's times are medians of {repeat} steps "
-             "(sections 2 and 3: one measured step each).", "",
+             f"{' --quick' if opts.quick else ''}; section 1: each setting run {rounds} times, "
+             f"interleaved with the others, each run the median of {repeat} steps; step time is the "
+             "median of the runs, \"vs off\" the median of each run's time over the plain run's in "
+             "the same round (sections 2 and 3: one measured step each).", "",
              "## Cost of checkpointing (same batch)", "",
              "Target (issue #6): >= 2x less activation memory for <= 1.35x the step time.", "",
              "| net | input | batch | checkpointing | recomputed stages | activation memory | vs off "
@@ -139,7 +157,7 @@ def main():
             continue
         recomputed = sum(e - s for s, e in r["recomputed"] or [])
         less = b["activation_bytes"] / max(1, r["activation_bytes"])
-        slower = r["step_seconds"] / b["step_seconds"]
+        slower = r.get("time_ratio", r["step_seconds"] / b["step_seconds"])
         met = "-" if r["mode"] == "off" else ("yes" if less >= 2 and slower <= 1.35 else "no")
         lines.append(f"| {r['net']} | {r['input']} | {r['batch']} | {r['mode']} | "
                      f"{recomputed} of {r['stages']} | {mib(r['activation_bytes'])} | "
