@@ -65,7 +65,7 @@ torch::Tensor UNetUpImpl::forward(const torch::Tensor& x, const torch::Tensor& s
   // conv1 over the concatenation [skip, upsampled], computed as the sum of one convolution per
   // input with conv1's weight split along its input channels: the same function, without
   // storing the concatenation, which with its gradient was the decoder stage's largest memory
-  // (a full-resolution stage's backward held both).
+  // (a full-resolution stage's backward held both). conv1 is conv3x3: stride 1, padding 1, no bias.
   const auto& weight = conv->conv1->weight;
   const int64_t skip_channels = skip.size(1);
   const auto h =
