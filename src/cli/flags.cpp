@@ -401,9 +401,9 @@ const std::vector<Flag>& flag_table() {
       {"config",
        {"plan"},
        FlagType::ExistingFile,
-       "Plan a clips or segmentation training config instead of flags: calibrate its network on "
-       "the training data's sample shape and print the batch and layer checkpointing `framefit "
-       "train` will use, with the predicted peak in parts.",
+       "Plan a training config instead of flags, as `framefit train` will: for phases the step "
+       "settings (chunk, keep, precision) for the longest training video, for clips and "
+       "segmentation the batch and layer checkpointing, with the predicted peak in parts.",
        ""},
       {"batch",
        {"doctor"},

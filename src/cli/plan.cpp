@@ -12,6 +12,7 @@
 #include "framefit/plan/doctor.h"
 #include "framefit/train/config.h"
 #include "framefit/train/tasks.h"
+#include "framefit/train/trainer.h"
 
 namespace framefit::cli {
 
@@ -266,14 +267,55 @@ int run_doctor(const Args& args) {
                                                                      : tracker.available_bytes()));
 }
 
-// framefit plan --config: what a clips or segmentation run will use.
-int plan_batch_config(const Args& args) {
+// framefit plan --config on a phases config: the step `framefit train` will run.
+int plan_phases_config(const Args& args, const train::Config& config) {
+  const auto plan = train::plan_phases(config, [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Warning) fmt::print(stderr, "warning: {}\n", e.message);
+    if (e.kind == train::Event::Kind::Info && !args.on("json"))
+      fmt::print(stderr, "framefit plan: {}\n", e.message);
+  });
+  if (args.on("json")) {
+    nlohmann::json out = {{"fits", plan.fits},
+                          {"planned", plan.planned},
+                          {"settings", settings_json(plan.settings)},
+                          {"videos", plan.videos},
+                          {"longest_frames", plan.longest_frames},
+                          {"frame_size", plan.frame_size},
+                          {"budget_bytes", plan.budget_bytes},
+                          {"step_budget_bytes", plan.step_budget_bytes},
+                          {"machine", machine_info().describe()}};
+    if (plan.planned) {
+      out["predicted_peak_bytes"] = plan.breakdown.peak_bytes;
+      out["breakdown"] = breakdown_json(plan.breakdown);
+    }
+    if (!plan.fits) out["advice"] = plan.advice;
+    fmt::print("{}\n", out.dump(2));
+    return plan.fits ? 0 : 2;
+  }
+  fmt::print(
+      "framefit plan: {} + {} head, {} training videos, the longest {} frames of {}x{}, "
+      "budget {} ({} less prefetch)\n",
+      config.model.encoder, config.model.head, plan.videos, plan.longest_frames, plan.frame_size,
+      plan.frame_size, memory::format_bytes(plan.budget_bytes),
+      memory::format_bytes(plan.step_budget_bytes));
+  if (!plan.planned) {
+    fmt::print("  {} (fixed by the config; not planned)\n", plan::describe(plan.settings));
+  } else if (plan.fits) {
+    fmt::print("  {}\n", plan::describe(plan.settings));
+    print_breakdown(plan.breakdown, 0);
+  } else {
+    fmt::print("  does not fit: {}\n", plan.advice);
+  }
+  fmt::print("  {}\n", machine_info().describe());
+  return plan.fits ? 0 : 2;
+}
+
+// framefit plan --config: what a run of the config will use.
+int plan_config(const Args& args) {
   auto overrides = args.list("set");
   if (args.bytes("budget") > 0) overrides.push_back("train.budget=" + args.text("budget"));
   const auto config = train::load_config(args.text("config"), overrides);
-  TORCH_CHECK(train::is_batch_task(config), "config ", args.text("config"), ": task ", config.task,
-              " is planned from flags (framefit plan --model ... --frames ...); --config plans "
-              "task clips or segmentation");
+  if (!train::is_batch_task(config)) return plan_phases_config(args, config);
   const auto plan = train::plan_batch_task(config, [](const train::Event& e) {
     if (e.kind == train::Event::Kind::Warning) fmt::print(stderr, "warning: {}\n", e.message);
   });
@@ -309,7 +351,7 @@ int plan_batch_config(const Args& args) {
 }
 
 int run_plan(const Args& args) {
-  if (args.has("config")) return plan_batch_config(args);
+  if (args.has("config")) return plan_config(args);
   const auto request = plan_request(args);
   const auto device = request.model.device;
   auto& tracker = memory::Tracker::of(device);

@@ -358,6 +358,109 @@ models::StateDict export_state_dict(const Model& model) {
 
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+
+// The step a phases run trains with: planned for the longest training video (and the largest
+// frame) within train.budget less the prefetch reserve, unless chunk, keep and precision are all
+// fixed, by the config or by `fixed` (a resumed run's settings).
+struct StepPlan {
+  plan::PlanRequest request;
+  plan::StaticSizes sizes;
+  std::map<engine::Precision, plan::ChunkCosts> costs;
+  plan::Plan chosen;
+  bool planned = false;
+  int64_t budget = 0, step_budget = 0;
+};
+
+StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
+                   const std::optional<plan::StepSettings>& fixed,
+                   const std::function<void(const std::string&)>& info) {
+  const auto& tc = config.train;
+  const torch::Device device(config.device);
+  StepPlan result;
+  result.budget = tc.budget > 0 ? tc.budget : memory::Tracker::of(device).available_bytes();
+  result.step_budget = result.budget - std::min(config.data.prefetch_bytes, result.budget / 4);
+  int64_t longest = 0;
+  for (int64_t i = 0; i < train_set.size(); ++i) longest = std::max(longest, train_set.frames(i));
+  auto& request = result.request;
+  request.model = model_spec(config, frame_size_for_planning(train_set), device);
+  request.frames = longest;
+  request.videos = tc.accumulate;
+  request.accumulate = 1;
+  request.chunk = fixed_count(tc.chunk);
+  request.keep = fixed_count(tc.keep);
+  request.precisions = tc.precision == "auto"
+                           ? plan::candidate_precisions(device)
+                           : std::vector<engine::Precision>{engine::parse_precision(tc.precision)};
+  if (fixed) {
+    request.chunk = fixed->chunk;
+    request.keep = fixed->keep;
+    request.cache_frozen = fixed->cache_frozen;
+    request.precisions = {fixed->precision};
+  }
+  // A TorchScript encoder is sized and calibrated on a copy loaded again from its file (probes
+  // move BatchNorm statistics); its costs are not cached, as the file may change under its name.
+  std::shared_ptr<models::TorchScriptEncoderImpl> probe_script;
+  int64_t script_features = 0;
+  if (is_script_encoder(config)) {
+    probe_script = load_script_encoder(config, device);
+    script_features = script_feature_dim(*probe_script, config, device);
+  }
+  result.sizes = probe_script ? plan::static_sizes(request.model, *probe_script, script_features)
+                              : plan::static_sizes(request.model);
+  // With chunk, keep and precision all fixed there is nothing to choose: no calibration, and an
+  // out-of-memory step falls back to halving the chunk. Otherwise the planner decides.
+  result.planned = !request.chunk || !request.keep || request.precisions.size() > 1;
+  auto& chosen = result.chosen;
+  if (!result.planned) {
+    chosen.fits = true;
+    chosen.settings.frames = request.frames;
+    chosen.settings.chunk = *request.chunk;
+    chosen.settings.keep = *request.keep;
+    chosen.settings.cache_frozen = request.cache_frozen.value_or(false);
+    chosen.settings.precision = request.precisions.front();
+    return result;
+  }
+  if (probe_script) {
+    for (const auto precision : request.precisions) {
+      info("calibrating the TorchScript encoder at " + engine::to_string(precision) +
+           " (probe runs)");
+      result.costs[precision] = plan::calibrate(request.model, script_frame_encoder(probe_script),
+                                                script_features, precision);
+    }
+  } else {
+    plan::CalibrationCache cache(plan::CalibrationCache::default_path());
+    result.costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
+  }
+  chosen = plan::fit(request, result.sizes, result.costs, result.step_budget, 0.1);
+  return result;
+}
+
+}  // namespace
+
+PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
+  TORCH_CHECK(!is_batch_task(config), "plan_phases is for task phases; task ", config.task,
+              " is planned by plan_batch_task");
+  const auto train_set = make_dataset(config, config.data.train_split, true, on_event);
+  TORCH_CHECK(train_set.size() > 0, "no videos in split \"", config.data.train_split, "\" of ",
+              config.data.manifest);
+  const auto step = plan_step(config, train_set, std::nullopt, [&](const std::string& message) {
+    if (on_event) on_event(Event::note(Event::Kind::Info, message));
+  });
+  PhasePlan result;
+  result.planned = step.planned;
+  result.fits = step.chosen.fits;
+  result.settings = step.chosen.settings;
+  result.breakdown = step.chosen.breakdown;
+  result.advice = step.chosen.advice;
+  result.videos = train_set.size();
+  result.longest_frames = step.request.frames;
+  result.frame_size = step.request.model.size;
+  result.budget_bytes = step.budget;
+  result.step_budget_bytes = step.step_budget;
+  return result;
+}
+
 TrainResult train(const Config& config, const std::string& resume, const EventCallback& on_event) {
   if (is_batch_task(config)) return train_batch(config, resume, on_event);
   auto emit = [&](Event e) {
@@ -388,21 +491,6 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
 
   write_config(config, out_dir);
 
-  // Plan the step for the longest training video under the budget, minus what prefetching holds.
-  auto& tracker = memory::Tracker::of(device);
-  const int64_t budget = tc.budget > 0 ? tc.budget : tracker.available_bytes();
-  int64_t longest = 0;
-  for (int64_t i = 0; i < train_set.size(); ++i) longest = std::max(longest, train_set.frames(i));
-  plan::PlanRequest request;
-  request.model = model_spec(config, frame_size_for_planning(train_set), device);
-  request.frames = longest;
-  request.videos = tc.accumulate;
-  request.accumulate = 1;
-  request.chunk = fixed_count(tc.chunk);
-  request.keep = fixed_count(tc.keep);
-  request.precisions = tc.precision == "auto"
-                           ? plan::candidate_precisions(device)
-                           : std::vector<engine::Precision>{engine::parse_precision(tc.precision)};
   // A resumed run continues with the checkpoint's settings (the plan it was trained with, and
   // any re-planning after out-of-memory), so its steps are those of the uninterrupted run.
   std::optional<torch::serialize::InputArchive> resumed;
@@ -411,52 +499,18 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     resumed.emplace(open_archive(resume_from));
     read_config(*resumed, resume_from);  // is a checkpoint
     saved = read_progress(*resumed);
-    request.chunk = saved->settings.chunk;
-    request.keep = saved->settings.keep;
-    request.cache_frozen = saved->settings.cache_frozen;
-    request.precisions = {saved->settings.precision};
     info("resuming from " + resume_from + " at step " + std::to_string(saved->step));
   }
-  // A TorchScript encoder is sized and calibrated on a copy loaded again from its file (probes
-  // move BatchNorm statistics); its costs are not cached, as the file may change under its name.
-  std::shared_ptr<models::TorchScriptEncoderImpl> probe_script;
-  int64_t script_features = 0;
-  if (is_script_encoder(config)) {
-    probe_script = load_script_encoder(config, device);
-    script_features = script_feature_dim(*probe_script, config, device);
-  }
-  const auto sizes = probe_script
-                         ? plan::static_sizes(request.model, *probe_script, script_features)
-                         : plan::static_sizes(request.model);
-  const int64_t step_budget = budget - std::min(config.data.prefetch_bytes, budget / 4);
-  // With chunk, keep and precision all fixed there is nothing to choose: no calibration, and an
-  // out-of-memory step falls back to halving the chunk. Otherwise the planner decides.
-  const bool planned = !request.chunk || !request.keep || request.precisions.size() > 1;
-  std::map<engine::Precision, plan::ChunkCosts> costs;
-  plan::Plan chosen;
-  if (planned) {
-    if (probe_script) {
-      for (const auto precision : request.precisions) {
-        info("calibrating the TorchScript encoder at " + engine::to_string(precision) +
-             " (probe runs)");
-        costs[precision] = plan::calibrate(request.model, script_frame_encoder(probe_script),
-                                           script_features, precision);
-      }
-    } else {
-      plan::CalibrationCache cache(plan::CalibrationCache::default_path());
-      costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
-    }
-    chosen = plan::fit(request, sizes, costs, step_budget, 0.1);
-    TORCH_CHECK(chosen.fits, "training does not fit in train.budget ", memory::format_bytes(budget),
-                ": ", chosen.advice);
-  } else {
-    chosen.settings.frames = request.frames;
-    chosen.settings.chunk = *request.chunk;
-    chosen.settings.keep = *request.keep;
-    chosen.settings.cache_frozen = request.cache_frozen.value_or(false);
-    chosen.settings.precision = request.precisions.front();
-  }
-  probe_script.reset();
+  auto& tracker = memory::Tracker::of(device);
+  const auto step_plan =
+      plan_step(config, train_set,
+                saved ? std::optional<plan::StepSettings>(saved->settings) : std::nullopt, info);
+  const auto& chosen = step_plan.chosen;
+  const bool planned = step_plan.planned;
+  const int64_t budget = step_plan.budget, step_budget = step_plan.step_budget;
+  const int64_t longest = step_plan.request.frames;
+  TORCH_CHECK(chosen.fits, "training does not fit in train.budget ", memory::format_bytes(budget),
+              ": ", chosen.advice);
 
   // Built after calibration, which seeds the global generator for its probes: the model's
   // initialisation and the generator state training starts from must not depend on whether
@@ -500,7 +554,8 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   auto optimizer = engine::make_optimizer(parameters, optimizer_options(tc));
   engine::TrainingStep step(encoder, model.head, optimizer, options);
   if (planned) {
-    step.replan = plan::make_replanner(request, sizes, costs.at(progress.settings.precision),
+    step.replan = plan::make_replanner(step_plan.request, step_plan.sizes,
+                                       step_plan.costs.at(progress.settings.precision),
                                        progress.settings.precision, step_budget, 0.1);
   }
 

@@ -64,9 +64,15 @@ PY
   exit 0
 fi
 
+# plan --config says what train will run (same calibration cache): the same settings.
+"$framefit" plan --config tiny.yaml > plan.txt 2> plan.err || { cat plan.err; fail "plan --config"; }
+"$framefit" plan --config tiny.yaml --json > plan.json 2> /dev/null
+settings=$(sed -n 2p plan.txt | sed 's/^ *//')
+test -n "$settings" || fail "no settings line in plan.txt"
 # Train; the JSON result names the checkpoints; the log has steps and epochs.
 "$framefit" train --config tiny.yaml --threads 2 --json > train.json 2> train.err
-grep -q "plan:" train.err || fail "no plan line"
+grep -qF "plan: $settings, predicted peak" train.err \
+  || { cat plan.txt train.err; fail "train ran other settings than plan --config printed"; }
 test -f run/best.pt && test -f run/config.yaml && test -s run/log.jsonl
 # Eval on the test split (MP4) and on the same videos as JPEG frame folders.
 "$framefit" eval --checkpoint run/best.pt --json --out metrics.json > eval.json
@@ -77,6 +83,12 @@ test -f run/best.pt && test -f run/config.yaml && test -s run/log.jsonl
 "$framefit" export --checkpoint run/best.pt --out weights.pt > /dev/null
 "$python" - <<'PY'
 import json, torch, torchvision
+plan = json.load(open("plan.json"))
+assert plan["fits"] and plan["planned"], plan
+assert 0 < plan["predicted_peak_bytes"] <= plan["step_budget_bytes"] < plan["budget_bytes"], plan
+assert plan["videos"] == 3 and plan["frame_size"] == 32 and plan["longest_frames"] > 0, plan
+assert sum(plan["breakdown"][k] for k in ("parameters", "gradients", "optimizer_state",
+           "input_frames", "features", "activations", "workspace")) > 0
 result = json.load(open("train.json"))
 assert result["steps"] == 6 and result["best_checkpoint"].endswith("best.pt"), result
 log = [json.loads(line) for line in open("run/log.jsonl")]

@@ -17,6 +17,7 @@
 #include "framefit/models/heads.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/weights.h"
+#include "framefit/plan/memory_model.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
 
@@ -67,6 +68,21 @@ struct TrainResult {
 // the newest checkpoint in out_dir, anything else is a checkpoint path.
 TrainResult train(const Config& config, const std::string& resume = "",
                   const EventCallback& on_event = {});
+
+// What `train` will run a phases config with, without training: the step settings for the
+// longest training video at the largest frame size, within train.budget less the prefetch
+// reserve (data.prefetch_bytes, at most a quarter), and the predicted peak in parts. Calibrates
+// the encoder when not cached (seconds); a TorchScript encoder each time.
+struct PhasePlan {
+  bool planned = false;  // false: train.chunk, train.keep and train.precision fix the settings
+  bool fits = false;
+  plan::StepSettings settings;
+  plan::Breakdown breakdown;  // planned only
+  std::string advice;         // when it does not fit: the least budget and how
+  int64_t videos = 0, longest_frames = 0, frame_size = 0;
+  int64_t budget_bytes = 0, step_budget_bytes = 0;
+};
+PhasePlan plan_phases(const Config& config, const EventCallback& on_event = {});
 
 // The config stored in a checkpoint (its task says whether load_model or load_batch_model reads
 // it).
