@@ -365,7 +365,7 @@ namespace {
 // fixed, by the config or by `fixed` (a resumed run's settings).
 struct StepPlan {
   plan::PlanRequest request;
-  plan::StaticSizes sizes;
+  plan::StaticSizes sizes;  // planned only, as are the costs
   std::map<engine::Precision, plan::ChunkCosts> costs;
   plan::Plan chosen;
   bool planned = false;
@@ -398,16 +398,6 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
     request.cache_frozen = fixed->cache_frozen;
     request.precisions = {fixed->precision};
   }
-  // A TorchScript encoder is sized and calibrated on a copy loaded again from its file (probes
-  // move BatchNorm statistics); its costs are not cached, as the file may change under its name.
-  std::shared_ptr<models::TorchScriptEncoderImpl> probe_script;
-  int64_t script_features = 0;
-  if (is_script_encoder(config)) {
-    probe_script = load_script_encoder(config, device);
-    script_features = script_feature_dim(*probe_script, config, device);
-  }
-  result.sizes = probe_script ? plan::static_sizes(request.model, *probe_script, script_features)
-                              : plan::static_sizes(request.model);
   // With chunk, keep and precision all fixed there is nothing to choose: no calibration, and an
   // out-of-memory step falls back to halving the chunk. Otherwise the planner decides.
   result.planned = !request.chunk || !request.keep || request.precisions.size() > 1;
@@ -421,6 +411,16 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
     chosen.settings.precision = request.precisions.front();
     return result;
   }
+  // A TorchScript encoder is sized and calibrated on a copy loaded again from its file (probes
+  // move BatchNorm statistics); its costs are not cached, as the file may change under its name.
+  std::shared_ptr<models::TorchScriptEncoderImpl> probe_script;
+  int64_t script_features = 0;
+  if (is_script_encoder(config)) {
+    probe_script = load_script_encoder(config, device);
+    script_features = script_feature_dim(*probe_script, config, device);
+  }
+  result.sizes = probe_script ? plan::static_sizes(request.model, *probe_script, script_features)
+                              : plan::static_sizes(request.model);
   if (probe_script) {
     for (const auto precision : request.precisions) {
       info("calibrating the TorchScript encoder at " + engine::to_string(precision) +
