@@ -1,6 +1,9 @@
 #include "framefit/models/heads.h"
 
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
+
+#include <cmath>
 
 namespace framefit::models {
 
@@ -24,7 +27,129 @@ torch::Tensor LinearHeadImpl::forward(const torch::Tensor& features) {
   return fc(features).unsqueeze(0);
 }
 
+namespace {
+
 // ---------------------------------------------------------------------------------------------
+// LSTM layer for the CPU with a batched weight gradient.
+//
+// LibTorch's CPU LSTM backward runs through one autograd node per time step, and each step adds
+// a rank-1 update to the full [4H,H] recurrent weight gradient: at T = 1024 and H = 512 that is
+// 1024 passes over a 4 MiB matrix, nine times the forward's time. Here backward keeps the
+// per-step gate gradients [T,4H] and forms every weight gradient with one matrix product at the
+// end; the recurrence itself is one matrix-vector product per step, as in forward. Same
+// function, same parameters (PyTorch's gate order i, f, g, o), gradients equal up to rounding.
+
+template <typename T>
+T sigmoid(T v) {
+  return T(1) / (T(1) + std::exp(-v));
+}
+
+struct LstmLayerState : torch::CustomClassHolder {
+  bool reverse = false;
+};
+
+class LstmLayerFunction : public torch::autograd::Function<LstmLayerFunction> {
+ public:
+  // x [T,I], w_ih [4H,I], w_hh [4H,H], b_ih/b_hh [4H] -> hidden states [T,H], from zero initial
+  // state, run from the last frame to the first when `reverse`.
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& w_ih, const torch::Tensor& w_hh,
+                               const torch::Tensor& b_ih, const torch::Tensor& b_hh,
+                               bool reverse) {
+    const int64_t frames = x.size(0), hidden = w_hh.size(1);
+    // Activated gates [T,4H] and cell states [T,H]: all backward needs besides x and the output.
+    auto gates = torch::addmm(b_ih + b_hh, x, w_ih.t());
+    auto cells = torch::empty({frames, hidden}, x.options());
+    auto out = torch::empty({frames, hidden}, x.options());
+    auto h_prev = torch::zeros({hidden}, x.options());
+    auto c_prev = torch::zeros({hidden}, x.options());
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "lstm_forward", [&] {
+      for (int64_t step = 0; step < frames; ++step) {
+        const int64_t t = reverse ? frames - 1 - step : step;
+        auto row = gates[t];
+        row.addmv_(w_hh, h_prev);
+        auto* g = row.data_ptr<scalar_t>();
+        const auto* cp = c_prev.data_ptr<scalar_t>();
+        auto* c = cells[t].data_ptr<scalar_t>();
+        auto* h = out[t].data_ptr<scalar_t>();
+        for (int64_t k = 0; k < hidden; ++k) {
+          const scalar_t i = sigmoid(g[k]), f = sigmoid(g[hidden + k]);
+          const scalar_t gg = std::tanh(g[2 * hidden + k]), o = sigmoid(g[3 * hidden + k]);
+          g[k] = i, g[hidden + k] = f, g[2 * hidden + k] = gg, g[3 * hidden + k] = o;
+          c[k] = f * cp[k] + i * gg;
+          h[k] = o * std::tanh(c[k]);
+        }
+        h_prev = out[t];
+        c_prev = cells[t];
+      }
+    });
+    auto state = c10::make_intrusive<LstmLayerState>();
+    state->reverse = reverse;
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    ctx->save_for_backward({x, w_ih, w_hh, gates, cells, out});
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const bool reverse =
+        c10::static_intrusive_pointer_cast<LstmLayerState>(ctx->saved_data["state"].toCapsule())
+            ->reverse;
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &w_ih = saved[1], &w_hh = saved[2];
+    const auto &gates = saved[3], &cells = saved[4], &out = saved[5];
+    const int64_t frames = x.size(0), hidden = w_hh.size(1);
+    auto grad_out = grad_outputs.at(0);
+    if (!grad_out.defined()) grad_out = torch::zeros_like(out);
+    grad_out = grad_out.contiguous();
+    auto grad_gates = torch::empty_like(gates);  // pre-activation gate gradients
+    auto grad_h = torch::zeros({hidden}, x.options());  // from the next step
+    auto grad_c = torch::zeros({hidden}, x.options());
+    const auto w_hh_t = w_hh.t();
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "lstm_backward", [&] {
+      const auto zero = torch::zeros({hidden}, x.options());
+      for (int64_t step = frames - 1; step >= 0; --step) {
+        const int64_t t = reverse ? frames - 1 - step : step;
+        const int64_t prev = reverse ? t + 1 : t - 1;
+        const bool first = step == 0;
+        const auto* a = gates[t].data_ptr<scalar_t>();
+        const auto* c = cells[t].data_ptr<scalar_t>();
+        const auto* cp = first ? zero.data_ptr<scalar_t>() : cells[prev].data_ptr<scalar_t>();
+        const auto* gy = grad_out[t].data_ptr<scalar_t>();
+        auto* gh = grad_h.data_ptr<scalar_t>();
+        auto* gc = grad_c.data_ptr<scalar_t>();
+        auto* d = grad_gates[t].data_ptr<scalar_t>();
+        for (int64_t k = 0; k < hidden; ++k) {
+          const scalar_t i = a[k], f = a[hidden + k], g = a[2 * hidden + k], o = a[3 * hidden + k];
+          const scalar_t tc = std::tanh(c[k]);
+          const scalar_t dh = gy[k] + gh[k];
+          const scalar_t dc = gc[k] + dh * o * (scalar_t(1) - tc * tc);
+          d[k] = dc * g * i * (scalar_t(1) - i);
+          d[hidden + k] = dc * cp[k] * f * (scalar_t(1) - f);
+          d[2 * hidden + k] = dc * i * (scalar_t(1) - g * g);
+          d[3 * hidden + k] = dh * tc * o * (scalar_t(1) - o);
+          gc[k] = dc * f;
+        }
+        at::mv_out(grad_h, w_hh_t, grad_gates[t]);
+      }
+    });
+    // h_{t-1} for every step (zero before the first): the recurrent weight's gradient in one
+    // product.
+    auto h_prev = torch::zeros_like(out);
+    if (frames > 1) {
+      if (reverse) {
+        h_prev.narrow(0, 0, frames - 1).copy_(out.narrow(0, 1, frames - 1));
+      } else {
+        h_prev.narrow(0, 1, frames - 1).copy_(out.narrow(0, 0, frames - 1));
+      }
+    }
+    const auto grad_bias = grad_gates.sum(0);
+    return {grad_gates.mm(w_ih), grad_gates.t().mm(x), grad_gates.t().mm(h_prev), grad_bias,
+            grad_bias.clone(), torch::Tensor()};
+  }
+};
+
+}  // namespace
 
 LSTMHeadImpl::LSTMHeadImpl(const LSTMHeadOptions& options) : options_(options) {
   TORCH_CHECK(options.hidden() > 0 && options.layers() > 0, "LSTM head needs hidden > 0 and layers > 0");
@@ -40,8 +165,31 @@ LSTMHeadImpl::LSTMHeadImpl(const LSTMHeadOptions& options) : options_(options) {
 
 torch::Tensor LSTMHeadImpl::forward(const torch::Tensor& features) {
   check_features(features, options_.input_dim());
-  auto out = std::get<0>(lstm(features.unsqueeze(0)));  // [1,T,H]
-  return fc(dropout(out));                              // [1,T,C]
+  const auto dtype = lstm->named_parameters()["weight_ih_l0"].scalar_type();
+  const bool fast = features.device().is_cpu() && features.scalar_type() == dtype &&
+                    (dtype == torch::kFloat || dtype == torch::kDouble) &&
+                    !at::autocast::is_cpu_enabled();
+  if (!fast) {  // CUDA has cuDNN's fused LSTM
+    auto out = std::get<0>(lstm(features.unsqueeze(0)));  // [1,T,H]
+    return fc(dropout(out));                              // [1,T,C]
+  }
+  const auto params = lstm->named_parameters();
+  auto x = features.contiguous();
+  for (int64_t layer = 0; layer < options_.layers(); ++layer) {
+    std::vector<torch::Tensor> directions;
+    for (const bool reverse : {false, true}) {
+      if (reverse && !options_.bidirectional()) break;
+      const auto name = [&](const char* kind) {
+        return std::string(kind) + "_l" + std::to_string(layer) + (reverse ? "_reverse" : "");
+      };
+      directions.push_back(LstmLayerFunction::apply(x, params[name("weight_ih")],
+                                                    params[name("weight_hh")],
+                                                    params[name("bias_ih")],
+                                                    params[name("bias_hh")], reverse));
+    }
+    x = directions.size() == 1 ? directions[0] : torch::cat(directions, 1);
+  }
+  return fc(dropout(x)).unsqueeze(0);  // [1,T,C]
 }
 
 // ---------------------------------------------------------------------------------------------

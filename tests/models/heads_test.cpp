@@ -81,3 +81,49 @@ TEST(PhaseLoss, CrossEntropyWeightsSmoothingAndChecks) {
   EXPECT_NE(message(torch::zeros({9}, torch::kLong)).find("one label per frame"), std::string::npos);
   EXPECT_NE(message(torch::full({10}, 4, torch::kLong)).find("[0, 4)"), std::string::npos);
 }
+
+namespace {
+// The head's output and gradients (features, then every parameter) for a fixed upstream grad.
+std::vector<torch::Tensor> head_gradients(models::LSTMHeadImpl& head, const torch::Tensor& features,
+                                          const torch::Tensor& upstream, bool reference) {
+  head.zero_grad();
+  auto x = features.detach().requires_grad_(true);
+  const auto logits = reference ? head.fc(std::get<0>(head.lstm(x.unsqueeze(0)))) : head.forward(x);
+  (logits * upstream).sum().backward();
+  std::vector<torch::Tensor> result{logits.detach(), x.grad()};
+  for (const auto& p : head.parameters()) result.push_back(p.grad().clone());
+  return result;
+}
+}  // namespace
+
+// The LSTM head's own CPU layer (one matrix product for each weight gradient) computes what
+// LibTorch's LSTM module computes, in every shape the head supports.
+TEST(Heads, LstmLayerMatchesLibTorchLstm) {
+  torch::manual_seed(5);
+  struct Case {
+    int64_t layers;
+    bool bidirectional;
+    int64_t frames;
+  };
+  for (const auto dtype : {torch::kDouble, torch::kFloat}) {
+    for (const auto& c : {Case{1, false, 37}, Case{2, true, 23}, Case{1, true, 1}}) {
+      SCOPED_TRACE(::testing::Message() << "dtype " << dtype << ", layers " << c.layers
+                                        << ", bidirectional " << c.bidirectional << ", T "
+                                        << c.frames);
+      models::LSTMHead head(
+          models::LSTMHeadOptions(12, 5).hidden(16).layers(c.layers).bidirectional(c.bidirectional));
+      head->to(dtype);
+      const auto features = torch::randn({c.frames, 12}, dtype);
+      const auto upstream = torch::randn({1, c.frames, 5}, dtype);
+      const auto ours = head_gradients(*head, features, upstream, false);
+      const auto expected = head_gradients(*head, features, upstream, true);
+      ASSERT_EQ(ours.size(), expected.size());
+      const double tolerance = dtype == torch::kDouble ? 1e-10 : 1e-4;
+      for (size_t i = 0; i < ours.size(); ++i) {
+        const double scale = expected[i].abs().max().item<double>() + 1e-12;
+        EXPECT_LT((ours[i] - expected[i]).abs().max().item<double>() / scale, tolerance)
+            << "tensor " << i << " (0: logits, 1: features' gradient, then parameters)";
+      }
+    }
+  }
+}
