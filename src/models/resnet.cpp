@@ -49,9 +49,17 @@ void Norm2dImpl::freeze() {
 }
 
 torch::Tensor Norm2dImpl::forward(const torch::Tensor& input) {
-  // Under autocast, activations arrive in bf16/fp16 while parameters stay float32; LibTorch
-  // 1.13's CPU norm kernels need one dtype, so normalise in the parameters' precision.
-  const auto x = input.scalar_type() == weight.scalar_type() ? input : input.to(weight.scalar_type());
+  // Under autocast, activations arrive in bf16/fp16 while parameters stay float32. BatchNorm has
+  // mixed-dtype kernels (CPU: bf16, CUDA: fp16) that compute in float32 and save the
+  // low-precision input; for anything else (GroupNorm, LibTorch 1.13's CPU kernels need one
+  // dtype) normalise a float32 copy, which backward keeps: twice the input's bytes.
+  const bool mixed = options_.kind() != NormKind::GroupNorm &&
+                     weight.scalar_type() == torch::kFloat &&
+                     (input.is_cuda() ? input.scalar_type() == torch::kHalf
+                                      : input.scalar_type() == torch::kBFloat16);
+  const auto x = mixed || input.scalar_type() == weight.scalar_type()
+                     ? input
+                     : input.to(weight.scalar_type());
   auto out = norm(x);
   return out.scalar_type() == input.scalar_type() ? out : out.to(input.scalar_type());
 }
