@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -76,6 +77,8 @@ def main():
     ap.add_argument("--full-size", action="store_true")
     ap.add_argument("--lengths", help="comma-separated T values (overrides --quick)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="runs of each configuration, interleaved (step time: their median)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     lengths = [64, 256] if a.quick else [64, 256, 1024, 2048]
@@ -84,40 +87,95 @@ def main():
     chunk = 32
     rows = []
 
-    def add(T, name, precision, result):
-        result.update({"T": T, "name": name, "precision": precision})
-        rows.append(result)
-        status = result.get("error") or f"{result['step_seconds']:.2f} s, RSS {mib(result['rss_peak_bytes'])} MiB"
+    def add(T, name, precision, results):
+        """One row from its runs (one per round): median step time, memory of the first run."""
+        ok = [r for r in results if "error" not in r]
+        if not ok:
+            row = dict(results[0])
+        else:
+            row = dict(ok[0])
+            row["step_seconds"] = statistics.median(r["step_seconds"] for r in ok)
+            row["frames_per_second"] = T / row["step_seconds"]
+            row["rss_peak_bytes"] = max(r["rss_peak_bytes"] for r in ok)
+            row["round_seconds"] = [r.get("step_seconds") for r in results]
+        row.update({"T": T, "name": name, "precision": precision})
+        rows.append(row)
+        status = row.get("error") or (f"{row['step_seconds']:.2f} s (rounds: "
+                                      + ", ".join(f"{t:.2f}" if t else "-" for t in row["round_seconds"])
+                                      + f"), RSS {mib(row['rss_peak_bytes'])} MiB")
         print(f"T={T:5d} {precision} {name:38s} {status}", flush=True)
+
+    def interleaved(T, configs):
+        """Runs every configuration once per round, in turn, so that drift of a shared machine
+        hits all of them alike; configurations marked once run in the first round only."""
+        results = {name: [] for name, _, _, _ in configs}
+        for r in range(a.rounds):
+            for name, precision, once, fn in configs:
+                if once and r > 0:
+                    continue
+                results[name].append(fn())
+                print(f"  round {r + 1} T={T} {precision} {name}: "
+                      + str(results[name][-1].get("step_seconds", results[name][-1].get("error"))),
+                      flush=True)
+        for name, precision, _, _ in configs:
+            add(T, name, precision, results[name])
 
     print(machine(), flush=True)
     for T in lengths:
         steps = 3 if T <= 256 else 1
-        add(T, "framefit chunked", "fp32", framefit(T, chunk, steps))
-        add(T, "framefit chunked, channels-last", "fp32", framefit(T, chunk, steps, channels_last=True))
-        add(T, "framefit naive", "fp32", framefit(T, 0, steps))
+        configs = [
+            ("framefit chunked", "fp32", False, lambda: framefit(T, chunk, steps)),
+            ("framefit chunked, channels-last", "fp32", False,
+             lambda: framefit(T, chunk, steps, channels_last=True)),
+            # Naive is the slowest row at T=2048 and a reference only: once is enough there.
+            ("framefit naive", "fp32", T > NAIVE_LIMIT_FRAMES, lambda: framefit(T, 0, steps)),
+        ]
         for tuned in (False, True):
             suffix = " (malloc tuned)" if tuned else ""
             if T <= NAIVE_LIMIT_FRAMES:
-                add(T, "PyTorch naive" + suffix, "fp32", peer("naive", T, chunk, steps, tuned=tuned))
-            add(T, "PyTorch checkpoint" + suffix, "fp32", peer("checkpoint", T, chunk, steps, tuned=tuned))
-            add(T, "PyTorch ETAD" + suffix, "fp32", peer("etad", T, chunk, steps, tuned=tuned))
+                configs.append(("PyTorch naive" + suffix, "fp32", True,
+                                lambda tuned=tuned: peer("naive", T, chunk, steps, tuned=tuned)))
+            configs.append(("PyTorch checkpoint" + suffix, "fp32", False,
+                            lambda tuned=tuned: peer("checkpoint", T, chunk, steps, tuned=tuned)))
+            configs.append(("PyTorch ETAD" + suffix, "fp32", False,
+                            lambda tuned=tuned: peer("etad", T, chunk, steps, tuned=tuned)))
+        interleaved(T, configs)
     T = lengths[min(1, len(lengths) - 1)]
-    add(T, "framefit chunked", "bf16", framefit(T, chunk, 3, "bf16"))
-    add(T, "framefit chunked, channels-last", "bf16", framefit(T, chunk, 3, "bf16", channels_last=True))
+    configs = [("framefit chunked", "bf16", False, lambda: framefit(T, chunk, 3, "bf16")),
+               ("framefit chunked, channels-last", "bf16", False,
+                lambda: framefit(T, chunk, 3, "bf16", channels_last=True))]
     for tuned in (False, True):
         suffix = " (malloc tuned)" if tuned else ""
-        add(T, "PyTorch checkpoint" + suffix, "bf16", peer("checkpoint", T, chunk, 3, "bf16", tuned))
-        add(T, "PyTorch ETAD" + suffix, "bf16", peer("etad", T, chunk, 3, "bf16", tuned))
+        configs.append(("PyTorch checkpoint" + suffix, "bf16", False,
+                        lambda tuned=tuned: peer("checkpoint", T, chunk, 3, "bf16", tuned)))
+        configs.append(("PyTorch ETAD" + suffix, "bf16", False,
+                        lambda tuned=tuned: peer("etad", T, chunk, 3, "bf16", tuned)))
+    interleaved(T, configs)
     full = None
     if a.full_size:
         full = framefit(2000, 8, 1, model="resnet50", size=224, extra=["--no-warmup"])
         print("full size:", full, flush=True)
 
     with open(os.path.join(a.out, "step_bench.json"), "w") as f:
-        json.dump({"machine": machine(), "rows": rows, "full_size": full}, f, indent=1)
-    write_markdown(a.out, rows, full)
+        json.dump({"machine": machine(), "rounds": a.rounds, "rows": rows, "full_size": full}, f, indent=1)
+    write_markdown(a.out, rows, full, a.rounds)
     write_plot(a.out, rows)
+
+
+def same_round_ratio(ours, others):
+    """Median over rounds of ours / the fastest of `others` in the same round; with fewer runs of
+    a row than rounds, the ratio of medians."""
+    rounds = [[t for t in r.get("round_seconds", [])] for r in [ours, *others]]
+    n = min(len(x) for x in rounds)
+    if n == len(rounds[0]) and n > 0 and all(len(x) == n for x in rounds):
+        per_round = []
+        for i in range(n):
+            theirs = [x[i] for x in rounds[1:] if x[i]]
+            if rounds[0][i] and theirs:
+                per_round.append(rounds[0][i] / min(theirs))
+        if per_round:
+            return statistics.median(per_round)
+    return ours["step_seconds"] / min(o["step_seconds"] for o in others)
 
 
 def targets(rows):
@@ -126,22 +184,25 @@ def targets(rows):
     by = {(r["T"], r["name"], r["precision"]): r for r in rows if "error" not in r}
     Ts = sorted({r["T"] for r in rows})
     base = by.get((Ts[0], "framefit chunked", "fp32"))
-    for T in Ts:
-        for layout in ("framefit chunked", "framefit chunked, channels-last"):
-            ours = by.get((T, layout, "fp32"))
-            if not ours:
-                continue
-            peers = [r for (t, n, p), r in by.items() if t == T and p == "fp32" and n.startswith("PyTorch")
-                     and ("checkpoint" in n or "ETAD" in n)]
-            if peers:
+    for precision in ("fp32", "bf16"):
+        for T in Ts:
+            for layout in ("framefit chunked", "framefit chunked, channels-last"):
+                ours = by.get((T, layout, precision))
+                if not ours:
+                    continue
+                peers = [r for (t, n, p), r in by.items() if t == T and p == precision
+                         and n.startswith("PyTorch") and ("checkpoint" in n or "ETAD" in n)]
+                if not peers:
+                    continue
                 fastest = min(peers, key=lambda r: r["step_seconds"])
-                lines.append(f"| {T} | {layout} | {ours['step_seconds'] / fastest['step_seconds']:.2f}x "
-                             f"({fastest['name']}) | " + (
-                                 f"{ours['step_seconds'] / by[(T, 'framefit naive', 'fp32')]['step_seconds']:.2f}x"
-                                 if (T, "framefit naive", "fp32") in by else "n/a") + " | "
-                             + ("yes" if all(ours["rss_peak_bytes"] < p["rss_peak_bytes"] for p in
-                                             [r for (t, n, pr), r in by.items() if t == T and pr == "fp32" and n.startswith("PyTorch")])
-                                else "no") + " |")
+                naive = by.get((T, "framefit naive", precision))
+                all_peers = [r for (t, n, p), r in by.items() if t == T and p == precision
+                             and n.startswith("PyTorch")]
+                rss_ok = all(ours["rss_peak_bytes"] < p["rss_peak_bytes"] for p in all_peers)
+                lines.append(f"| {T} | {precision} | {layout} | {same_round_ratio(ours, peers):.2f}x "
+                             f"(fastest by median: {fastest['name']}) | "
+                             + (f"{same_round_ratio(ours, [naive]):.2f}x" if naive else "n/a") + " | "
+                             + ("yes" if rss_ok else "no") + " |")
     growth = ""
     longest = by.get((Ts[-1], "framefit chunked", "fp32"))
     if base and longest:
@@ -153,13 +214,16 @@ def targets(rows):
     return lines, growth
 
 
-def write_markdown(out, rows, full):
+def write_markdown(out, rows, full, rounds):
     lines = ["# One training step: framefit vs PyTorch recipes", "",
              f"Machine: {machine()}", "",
              "ResNet-18 encoder + LSTM(512) + Linear(7), 112x112 frames, chunk 32 (framefit keeps the last "
-             "chunk's graph), AdamW, BatchNorm in train mode. Generated by `bench/step_bench.py`; each row is "
-             "its own process. Peak tensor memory is framefit's tracking allocator (PyTorch on CPU has no "
-             "such counter); peak RSS is the process's VmHWM / ru_maxrss.", "",
+             "chunk's graph), AdamW, BatchNorm in train mode. Generated by `bench/step_bench.py`: each run is "
+             f"its own process; every configuration ran {rounds} times, interleaved with the others of its T "
+             "(PyTorch naive, and framefit naive beyond T=1024, once); step time is the median of the runs "
+             "(each the median of its measured steps after one warm-up), peak RSS the highest. Peak tensor "
+             "memory is framefit's tracking allocator (PyTorch on CPU has no such counter); peak RSS is the "
+             "process's VmHWM / ru_maxrss.", "",
              "| T | precision | run | step (s) | frames/s | peak tensors (MiB) | peak RSS (MiB) |",
              "|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
@@ -170,8 +234,10 @@ def write_markdown(out, rows, full):
                      f"{r['frames_per_second']:.1f} | {mib(r.get('peak_bytes'))} | {mib(r['rss_peak_bytes'])} |")
     ratio_lines, growth = targets(rows)
     lines += ["", "## Targets", "", growth, "",
-              "| T | framefit | time vs fastest chunked PyTorch peer (target <= 0.8x) | vs framefit naive "
-              "(target <= 1.35x) | RSS below every peer |", "|---:|---|---|---|---|", *ratio_lines]
+              "Time ratios are medians over rounds of the ratio within a round (to the fastest chunked peer of "
+              "that round), so that machine drift between rounds cancels.", "",
+              "| T | precision | framefit | time vs fastest chunked PyTorch peer (target <= 0.8x) | vs framefit "
+              "naive (target <= 1.35x) | RSS below every peer |", "|---:|---|---|---|---|---|", *ratio_lines]
     if full:
         lines += ["", "## seeds/000 at full size", ""]
         if "error" in full:
