@@ -44,18 +44,13 @@ T sigmoid(T v) {
   return T(1) / (T(1) + std::exp(-v));
 }
 
-struct LstmLayerState : torch::CustomClassHolder {
-  bool reverse = false;
-};
-
 class LstmLayerFunction : public torch::autograd::Function<LstmLayerFunction> {
  public:
   // x [T,I], w_ih [4H,I], w_hh [4H,H], b_ih/b_hh [4H] -> hidden states [T,H], from zero initial
   // state, run from the last frame to the first when `reverse`.
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& w_ih, const torch::Tensor& w_hh,
-                               const torch::Tensor& b_ih, const torch::Tensor& b_hh,
-                               bool reverse) {
+                               const torch::Tensor& b_ih, const torch::Tensor& b_hh, bool reverse) {
     const int64_t frames = x.size(0), hidden = w_hh.size(1);
     // Activated gates [T,4H] and cell states [T,H]: all backward needs besides x and the output.
     auto gates = torch::addmm(b_ih + b_hh, x, w_ih.t());
@@ -83,18 +78,14 @@ class LstmLayerFunction : public torch::autograd::Function<LstmLayerFunction> {
         c_prev = cells[t];
       }
     });
-    auto state = c10::make_intrusive<LstmLayerState>();
-    state->reverse = reverse;
-    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    ctx->saved_data["reverse"] = reverse;
     ctx->save_for_backward({x, w_ih, w_hh, gates, cells, out});
     return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    const bool reverse =
-        c10::static_intrusive_pointer_cast<LstmLayerState>(ctx->saved_data["state"].toCapsule())
-            ->reverse;
+    const bool reverse = ctx->saved_data["reverse"].toBool();
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &w_ih = saved[1], &w_hh = saved[2];
     const auto &gates = saved[3], &cells = saved[4], &out = saved[5];
@@ -102,7 +93,7 @@ class LstmLayerFunction : public torch::autograd::Function<LstmLayerFunction> {
     auto grad_out = grad_outputs.at(0);
     if (!grad_out.defined()) grad_out = torch::zeros_like(out);
     grad_out = grad_out.contiguous();
-    auto grad_gates = torch::empty_like(gates);  // pre-activation gate gradients
+    auto grad_gates = torch::empty_like(gates);         // pre-activation gate gradients
     auto grad_h = torch::zeros({hidden}, x.options());  // from the next step
     auto grad_c = torch::zeros({hidden}, x.options());
     const auto w_hh_t = w_hh.t();
@@ -143,21 +134,24 @@ class LstmLayerFunction : public torch::autograd::Function<LstmLayerFunction> {
         h_prev.narrow(0, 1, frames - 1).copy_(out.narrow(0, 0, frames - 1));
       }
     }
+    // b_ih and b_hh enter as their sum: the same gradient; `reverse` has none.
     const auto grad_bias = grad_gates.sum(0);
-    return {grad_gates.mm(w_ih), grad_gates.t().mm(x), grad_gates.t().mm(h_prev), grad_bias,
-            grad_bias.clone(), torch::Tensor()};
+    const auto grad_x = grad_gates.mm(w_ih);
+    return {grad_x,    grad_gates.t().mm(x), grad_gates.t().mm(h_prev),
+            grad_bias, grad_bias.clone(),    {}};
   }
 };
 
 }  // namespace
 
 LSTMHeadImpl::LSTMHeadImpl(const LSTMHeadOptions& options) : options_(options) {
-  TORCH_CHECK(options.hidden() > 0 && options.layers() > 0, "LSTM head needs hidden > 0 and layers > 0");
-  lstm = register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(options.input_dim(),
-                                                                         options.hidden())
-                                                     .num_layers(options.layers())
-                                                     .bidirectional(options.bidirectional())
-                                                     .batch_first(true)));
+  TORCH_CHECK(options.hidden() > 0 && options.layers() > 0,
+              "LSTM head needs hidden > 0 and layers > 0");
+  lstm = register_module(
+      "lstm", torch::nn::LSTM(torch::nn::LSTMOptions(options.input_dim(), options.hidden())
+                                  .num_layers(options.layers())
+                                  .bidirectional(options.bidirectional())
+                                  .batch_first(true)));
   dropout = register_module("dropout", torch::nn::Dropout(options.dropout()));
   const int64_t out = options.hidden() * (options.bidirectional() ? 2 : 1);
   fc = register_module("fc", torch::nn::Linear(out, options.num_classes()));
@@ -165,15 +159,15 @@ LSTMHeadImpl::LSTMHeadImpl(const LSTMHeadOptions& options) : options_(options) {
 
 torch::Tensor LSTMHeadImpl::forward(const torch::Tensor& features) {
   check_features(features, options_.input_dim());
-  const auto dtype = lstm->named_parameters()["weight_ih_l0"].scalar_type();
-  const bool fast = features.device().is_cpu() && features.scalar_type() == dtype &&
-                    (dtype == torch::kFloat || dtype == torch::kDouble) &&
-                    !at::autocast::is_cpu_enabled();
-  if (!fast) {  // CUDA has cuDNN's fused LSTM
+  const auto params = lstm->named_parameters();
+  const auto dtype = params["weight_ih_l0"].scalar_type();
+  const bool own_layer = features.device().is_cpu() && features.scalar_type() == dtype &&
+                         (dtype == torch::kFloat || dtype == torch::kDouble) &&
+                         !at::autocast::is_cpu_enabled();
+  if (!own_layer) {  // CUDA (cuDNN fuses the recurrence), autocast, other dtypes
     auto out = std::get<0>(lstm(features.unsqueeze(0)));  // [1,T,H]
     return fc(dropout(out));                              // [1,T,C]
   }
-  const auto params = lstm->named_parameters();
   auto x = features.contiguous();
   for (int64_t layer = 0; layer < options_.layers(); ++layer) {
     std::vector<torch::Tensor> directions;
@@ -182,10 +176,9 @@ torch::Tensor LSTMHeadImpl::forward(const torch::Tensor& features) {
       const auto name = [&](const char* kind) {
         return std::string(kind) + "_l" + std::to_string(layer) + (reverse ? "_reverse" : "");
       };
-      directions.push_back(LstmLayerFunction::apply(x, params[name("weight_ih")],
-                                                    params[name("weight_hh")],
-                                                    params[name("bias_ih")],
-                                                    params[name("bias_hh")], reverse));
+      directions.push_back(
+          LstmLayerFunction::apply(x, params[name("weight_ih")], params[name("weight_hh")],
+                                   params[name("bias_ih")], params[name("bias_hh")], reverse));
     }
     x = directions.size() == 1 ? directions[0] : torch::cat(directions, 1);
   }
