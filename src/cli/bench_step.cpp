@@ -38,7 +38,8 @@ BenchModel build(const Args& args, const Settings& settings) {
   const auto dtype = args.text("dtype") == "float64" ? torch::kFloat64 : torch::kFloat32;
   torch::manual_seed(static_cast<uint64_t>(args.integer("seed")));
   BenchModel m;
-  m.encoder = models::ResNet(model_spec(args).encoder_options());
+  const auto spec = model_spec(args);
+  m.encoder = models::ResNet(spec.encoder_options());
   m.head = models::make_head(args.text("head"), m.encoder->feature_dim(), args.integer("classes"));
   m.encoder->to(device, dtype);
   m.head->to(device, dtype);
@@ -51,7 +52,7 @@ BenchModel build(const Args& args, const Settings& settings) {
   step.chunked.cache_frozen = settings.cache_frozen;
   step.chunked.device = device;
   step.chunked.dtype = dtype;
-  step.chunked.channels_last = args.on("channels-last");
+  step.chunked.channels_last = spec.channels_last;
   step.precision = settings.precision;
   step.retry_on_out_of_memory = !args.on("no-retry");
   auto encoder = engine::frame_encoder(m.encoder.ptr());

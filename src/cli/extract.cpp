@@ -20,12 +20,15 @@ int run_extract(const Args& args) {
   const auto frames = models::read_tensor(args.text("input"));
   engine::check_video_frames(frames, args.text("input"));
 
+  const auto norm = models::parse_norm_kind(args.text("norm"));
+  const bool channels_last =
+      models::use_channels_last(models::parse_activation_layout(args.text("layout")), norm, device);
   models::ResNet encoder(models::ResNetOptions(models::parse_resnet_name(args.text("model")))
                              .num_classes(0)
-                             .norm(models::parse_norm_kind(args.text("norm")))
+                             .norm(norm)
                              .groups(args.integer("groups"))
                              .drop_layer4(args.on("drop-layer4"))
-                             .channels_last(args.on("channels-last")));
+                             .channels_last(channels_last));
   if (args.has("weights")) {
     models::LoadOptions load;
     load.ignore_prefixes = {"fc."};
@@ -40,7 +43,7 @@ int run_extract(const Args& args) {
   engine::ExtractOptions options;
   options.chunk = args.integer("chunk");
   options.device = device;
-  options.channels_last = args.on("channels-last");
+  options.channels_last = channels_last;
   const bool terminal = isatty(fileno(stderr));
   options.on_progress = [terminal](int64_t done, int64_t total) {
     if (terminal) fmt::print(stderr, "\rframefit extract: {}/{} frames", done, total);

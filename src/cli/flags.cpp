@@ -271,8 +271,14 @@ const std::vector<Flag>& flag_table() {
        1},
       {"drop-layer4", with({"extract"}, step), FlagType::Switch,
        "Use the slim ResNet without layer4 (256-d or 1024-d features).", ""},
-      {"channels-last", with({"extract"}, step), FlagType::Switch,
-       "Run convolutions in channels-last (NHWC) layout: faster on CPU.", ""},
+      {"layout",
+       with({"extract"}, step),
+       FlagType::Choice,
+       "Activation layout of the encoder: auto (channels-last on CPU with bn or frozen_bn, "
+       "where it is faster; NCHW with group_norm and on CUDA), nchw, channels_last.",
+       "auto",
+       false,
+       {"auto", "nchw", "channels_last"}},
       {"budget", with({"extract", "bench-layers"}, step), FlagType::Bytes,
        "Memory budget for tensors, e.g. 2GiB: exceeding it is an out-of-memory error. Without "
        "it, plans use the device's memory (CPU: what the system has available).",

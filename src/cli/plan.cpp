@@ -25,11 +25,13 @@ plan::ModelSpec model_spec(const Args& args) {
   spec.groups = args.integer("groups");
   spec.freeze = args.has("freeze") ? args.text("freeze") : "";
   spec.drop_layer4 = args.on("drop-layer4");
-  spec.channels_last = args.on("channels-last");
   spec.size = args.integer("size");
   spec.dtype = args.text("dtype") == "float64" ? torch::kFloat64 : torch::kFloat32;
   spec.optimizer = args.text("optimizer");
   spec.device = torch::Device(args.text("device"));
+  spec.channels_last =
+      models::use_channels_last(models::parse_activation_layout(args.text("layout")),
+                                models::parse_norm_kind(spec.norm), spec.device);
   return spec;
 }
 

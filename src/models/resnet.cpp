@@ -22,6 +22,18 @@ std::string to_string(NormKind kind) {
   return "?";
 }
 
+ActivationLayout parse_activation_layout(const std::string& name) {
+  if (name == "auto") return ActivationLayout::Auto;
+  if (name == "nchw") return ActivationLayout::Nchw;
+  if (name == "channels_last") return ActivationLayout::ChannelsLast;
+  TORCH_CHECK(false, "unknown layout '", name, "': use auto, nchw or channels_last");
+}
+
+bool use_channels_last(ActivationLayout layout, NormKind norm, const c10::Device& device) {
+  if (layout != ActivationLayout::Auto) return layout == ActivationLayout::ChannelsLast;
+  return device.is_cpu() && norm != NormKind::GroupNorm;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Norm2d
 

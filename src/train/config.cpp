@@ -207,8 +207,11 @@ const std::vector<Entry>& entries() {
     t.push_back(field<std::string>("model.weights",
                                    "torchvision state_dict (.pt/.pth) to start the encoder from",
                                    FRAMEFIT_MEMBER(std::string, model.weights), "a path"));
-    t.push_back(field<bool>("model.channels_last", "channels-last memory layout for the encoder",
-                            FRAMEFIT_MEMBER(bool, model.channels_last), "true or false"));
+    t.push_back(choice("model.layout",
+                       "activation layout of the encoder: auto is channels-last on CPU with bn "
+                       "or frozen_bn, else NCHW",
+                       FRAMEFIT_MEMBER(std::string, model.layout),
+                       {"auto", "nchw", "channels_last"}));
     {
       Entry e;
       e.key = {"model.layers",

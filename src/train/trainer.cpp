@@ -23,6 +23,15 @@ namespace {
 
 using namespace detail;
 
+bool is_script_encoder(const Config& config) { return config.model.encoder == "torchscript"; }
+
+bool channels_last(const Config& config, torch::Device device) {
+  const auto layout = models::parse_activation_layout(config.model.layout);
+  // Auto leaves a TorchScript encoder's layout as the user wrote it.
+  if (is_script_encoder(config)) return layout == models::ActivationLayout::ChannelsLast;
+  return models::use_channels_last(layout, models::parse_norm_kind(config.model.norm), device);
+}
+
 plan::ModelSpec model_spec(const Config& config, int64_t size, torch::Device device) {
   plan::ModelSpec spec;
   spec.model = config.model.encoder;
@@ -31,7 +40,7 @@ plan::ModelSpec model_spec(const Config& config, int64_t size, torch::Device dev
   spec.norm = config.model.norm;
   spec.groups = config.model.groups;
   spec.freeze = config.model.freeze;
-  spec.channels_last = config.model.channels_last;
+  spec.channels_last = channels_last(config, device);
   spec.size = size;
   spec.optimizer = config.train.optimizer;
   spec.device = device;
@@ -151,8 +160,6 @@ data::VideoDataset make_dataset(const Config& config, const std::string& split, 
 }
 
 namespace {
-
-bool is_script_encoder(const Config& config) { return config.model.encoder == "torchscript"; }
 
 engine::FrameEncoder script_frame_encoder(std::shared_ptr<models::TorchScriptEncoderImpl> script) {
   return engine::frame_encoder(script,
@@ -296,7 +303,7 @@ Prediction predict(Model& model, const torch::Tensor& frames) {
   options.chunk = model.chunk;
   options.keep = 0;
   options.device = model.device;
-  options.channels_last = model.config.model.channels_last;
+  options.channels_last = channels_last(model.config, model.device);
   engine::AutocastGuard autocast(model.device, model.precision);
   const auto features = engine::chunked_encode(model.frame_encoder(), frames, options);
   auto logits = model.head->forward(features.to(torch::kFloat32));
@@ -535,7 +542,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   options.chunked.keep = progress.settings.keep;
   options.chunked.cache_frozen = progress.settings.cache_frozen;
   options.chunked.device = device;
-  options.chunked.channels_last = config.model.channels_last;
+  options.chunked.channels_last = channels_last(config, device);
   options.precision = progress.settings.precision;
   options.clip_grad_norm = tc.clip_grad_norm;
   options.loss.smoothing = tc.smoothing;

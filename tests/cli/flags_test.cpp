@@ -24,14 +24,14 @@ void expect_error(const std::vector<std::string>& argv, const std::string& fragm
 
 TEST(Flags, ParsesValuesAndFillsDefaults) {
   const auto r =
-      parse_command_line(extract_with({"--chunk", "16", "--budget", "2GiB", "--channels-last"}));
+      parse_command_line(extract_with({"--chunk", "16", "--budget", "2GiB", "--drop-layer4"}));
   ASSERT_TRUE(r.args.has_value()) << r.output;
   EXPECT_EQ(r.args->command(), "extract");
   EXPECT_EQ(r.args->integer("chunk"), 16);
   EXPECT_EQ(r.args->bytes("budget"), int64_t(2) << 30);
-  EXPECT_TRUE(r.args->on("channels-last"));
-  EXPECT_FALSE(r.args->on("drop-layer4"));
-  EXPECT_EQ(r.args->text("norm"), "bn");  // default
+  EXPECT_TRUE(r.args->on("drop-layer4"));
+  EXPECT_EQ(r.args->text("norm"), "bn");  // defaults
+  EXPECT_EQ(r.args->text("layout"), "auto");
   EXPECT_EQ(r.args->integer("threads"), 0);
   EXPECT_FALSE(r.args->has("weights"));
 }

@@ -1,6 +1,7 @@
 #pragma once
 // ResNet-18/34/50 with torchvision's architecture and parameter names, so torchvision
 // state_dicts load as they are and framefit's weights load back in torchvision.
+#include <c10/core/Device.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
@@ -19,6 +20,14 @@ enum class NormKind {
 };
 NormKind parse_norm_kind(const std::string& name);  // "bn" | "frozen_bn" | "group_norm"
 std::string to_string(NormKind kind);
+
+// Memory layout of the encoder's activations. Auto picks channels-last (NHWC) where it is
+// measured faster: on the CPU with BatchNorm or frozen BatchNorm (bench/results/step_bench.md).
+// GroupNorm stays NCHW there (LibTorch 1.13's CPU GroupNorm is slower on NHWC input), and CUDA
+// stays NCHW, cuDNN's default; channels_last forces NHWC anywhere.
+enum class ActivationLayout { Auto, Nchw, ChannelsLast };
+ActivationLayout parse_activation_layout(const std::string& name);  // auto | nchw | channels_last
+bool use_channels_last(ActivationLayout layout, NormKind norm, const c10::Device& device);
 
 // One normalisation layer with torchvision's parameter and buffer names (weight, bias,
 // running_mean, running_var, num_batches_tracked) whatever its kind.
@@ -74,7 +83,7 @@ struct ResNetOptions {
   TORCH_ARG(int64_t, groups) = 32;          // for NormKind::GroupNorm
   TORCH_ARG(std::string, freeze) = "";      // freeze up to and including: conv1, layer1..layer4
   TORCH_ARG(bool, drop_layer4) = false;     // slim variant: features from layer3
-  TORCH_ARG(bool, channels_last) = false;   // NHWC activations (faster convolutions on CPU)
+  TORCH_ARG(bool, channels_last) = false;   // NHWC activations (see use_channels_last)
 };
 
 // Parses "resnet18" | "resnet34" | "resnet50" into a depth.

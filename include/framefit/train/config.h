@@ -17,7 +17,7 @@ struct ModelConfig {
   std::string freeze;         // last frozen stage (conv1, layer1..layer4), "" for none
   std::string head = "lstm";  // lstm | tcn | linear
   std::string weights;        // torchvision state_dict for the encoder, "" for random
-  bool channels_last = false;
+  std::string layout = "auto";  // auto | nchw | channels_last (models::ActivationLayout)
   // A network written as a list of layers (models/network.h) and its input per sample,
   // [C,H,W] or [C,T,H,W]; checked by `framefit doctor --config`.
   std::vector<models::LayerSpec> layers;
