@@ -1,6 +1,6 @@
 #include "framefit/models/heads.h"
 
-#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -28,6 +28,12 @@ torch::Tensor LinearHeadImpl::forward(const torch::Tensor& features) {
 }
 
 namespace {
+
+// The check behind at::autocast::is_cpu_enabled(), which LibTorch 2.4 renamed: CPU autocast is on
+// while its dispatch key is not excluded on this thread.
+bool cpu_autocast_enabled() {
+  return !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutocastCPU);
+}
 
 // ---------------------------------------------------------------------------------------------
 // LSTM layer for the CPU with a batched weight gradient.
@@ -163,7 +169,7 @@ torch::Tensor LSTMHeadImpl::forward(const torch::Tensor& features) {
   const auto dtype = params["weight_ih_l0"].scalar_type();
   const bool own_layer = features.device().is_cpu() && features.scalar_type() == dtype &&
                          (dtype == torch::kFloat || dtype == torch::kDouble) &&
-                         !at::autocast::is_cpu_enabled();
+                         !cpu_autocast_enabled();
   if (!own_layer) {  // CUDA (cuDNN fuses the recurrence), autocast, other dtypes
     auto out = std::get<0>(lstm(features.unsqueeze(0)));  // [1,T,H]
     return fc(dropout(out));                              // [1,T,C]
