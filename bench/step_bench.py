@@ -51,20 +51,35 @@ def run(cmd, env_extra=None):
     return out
 
 
-def framefit(frames, chunk, steps, precision="fp32", channels_last=False, model="resnet18",
+def framefit(frames, chunk, steps, precision="fp32", layout="auto", model="resnet18",
              size=112, extra=()):
     cmd = [FRAMEFIT, "bench-step", "--model", model, "--head", "lstm", "--frames", str(frames),
            "--size", str(size), "--chunk", str(chunk), "--precision", precision, "--threads", "2",
-           "--steps", str(steps), "--json", *extra]
-    if channels_last:
-        cmd.append("--channels-last")
+           "--steps", str(steps), "--layout", layout, "--json", *extra]
     return run(cmd)
 
 
-def peer(recipe, frames, chunk, steps, precision="fp32", tuned=False):
+def peer(recipe, frames, chunk, steps, precision="fp32", tuned=False, channels_last=False):
     cmd = [PYTHON, PEERS, "--recipe", recipe, "--frames", str(frames), "--size", "112",
            "--chunk", str(chunk), "--precision", precision, "--steps", str(steps), "--threads", "2"]
+    if channels_last:
+        cmd.append("--channels-last")
     return run(cmd, TUNED if tuned else None)
+
+
+def chunked_peers(T, chunk, steps, precision):
+    """The chunked PyTorch recipes: with and without the malloc tunable, and in channels-last
+    (tuned only: the tunable was faster in every earlier row) since framefit's CPU default is."""
+    configs = []
+    for recipe, label in (("checkpoint", "PyTorch checkpoint"), ("etad", "PyTorch ETAD")):
+        for tuned in (False, True):
+            suffix = " (malloc tuned)" if tuned else ""
+            configs.append((label + suffix, precision, False,
+                            lambda recipe=recipe, tuned=tuned: peer(recipe, T, chunk, steps, precision,
+                                                                    tuned)))
+        configs.append((label + ", channels-last (malloc tuned)", precision, False,
+                        lambda recipe=recipe: peer(recipe, T, chunk, steps, precision, True, True)))
+    return configs
 
 
 def mib(b):
@@ -125,32 +140,21 @@ def main():
         steps = 3 if T <= 256 else 1
         configs = [
             ("framefit chunked", "fp32", False, lambda: framefit(T, chunk, steps)),
-            ("framefit chunked, channels-last", "fp32", False,
-             lambda: framefit(T, chunk, steps, channels_last=True)),
+            ("framefit chunked, NCHW", "fp32", False,
+             lambda: framefit(T, chunk, steps, layout="nchw")),
             # Naive is the slowest row at T=2048 and a reference only: once is enough there.
             ("framefit naive", "fp32", T > NAIVE_LIMIT_FRAMES, lambda: framefit(T, 0, steps)),
         ]
         for tuned in (False, True):
-            suffix = " (malloc tuned)" if tuned else ""
             if T <= NAIVE_LIMIT_FRAMES:
-                configs.append(("PyTorch naive" + suffix, "fp32", True,
+                configs.append(("PyTorch naive" + (" (malloc tuned)" if tuned else ""), "fp32", True,
                                 lambda tuned=tuned: peer("naive", T, chunk, steps, tuned=tuned)))
-            configs.append(("PyTorch checkpoint" + suffix, "fp32", False,
-                            lambda tuned=tuned: peer("checkpoint", T, chunk, steps, tuned=tuned)))
-            configs.append(("PyTorch ETAD" + suffix, "fp32", False,
-                            lambda tuned=tuned: peer("etad", T, chunk, steps, tuned=tuned)))
-        interleaved(T, configs)
+        interleaved(T, configs + chunked_peers(T, chunk, steps, "fp32"))
     T = lengths[min(1, len(lengths) - 1)]
     configs = [("framefit chunked", "bf16", False, lambda: framefit(T, chunk, 3, "bf16")),
-               ("framefit chunked, channels-last", "bf16", False,
-                lambda: framefit(T, chunk, 3, "bf16", channels_last=True))]
-    for tuned in (False, True):
-        suffix = " (malloc tuned)" if tuned else ""
-        configs.append(("PyTorch checkpoint" + suffix, "bf16", False,
-                        lambda tuned=tuned: peer("checkpoint", T, chunk, 3, "bf16", tuned)))
-        configs.append(("PyTorch ETAD" + suffix, "bf16", False,
-                        lambda tuned=tuned: peer("etad", T, chunk, 3, "bf16", tuned)))
-    interleaved(T, configs)
+               ("framefit chunked, NCHW", "bf16", False,
+                lambda: framefit(T, chunk, 3, "bf16", layout="nchw"))]
+    interleaved(T, configs + chunked_peers(T, chunk, 3, "bf16"))
     full = None
     if a.full_size:
         full = framefit(2000, 8, 1, model="resnet50", size=224, extra=["--no-warmup"])
@@ -186,7 +190,7 @@ def targets(rows):
     base = by.get((Ts[0], "framefit chunked", "fp32"))
     for precision in ("fp32", "bf16"):
         for T in Ts:
-            for layout in ("framefit chunked", "framefit chunked, channels-last"):
+            for layout in ("framefit chunked", "framefit chunked, NCHW"):
                 ours = by.get((T, layout, precision))
                 if not ours:
                     continue
@@ -218,7 +222,9 @@ def write_markdown(out, rows, full, rounds):
     lines = ["# One training step: framefit vs PyTorch recipes", "",
              f"Machine: {machine()}", "",
              "ResNet-18 encoder + LSTM(512) + Linear(7), 112x112 frames, chunk 32 (framefit keeps the last "
-             "chunk's graph), AdamW, BatchNorm in train mode. Generated by `bench/step_bench.py`: each run is "
+             "chunk's graph), AdamW, BatchNorm in train mode. framefit runs in its default layout (auto: "
+             "channels-last on this CPU) unless the row says NCHW; PyTorch in NCHW unless it says "
+             "channels-last. Generated by `bench/step_bench.py`: each run is "
              f"its own process; every configuration ran {rounds} times, interleaved with the others of its T "
              "(PyTorch naive, and framefit naive beyond T=1024, once); step time is the median of the runs "
              "(each the median of its measured steps after one warm-up), peak RSS the highest. Peak tensor "
