@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
 # Builds framefit against the CUDA LibTorch of the python3 on PATH (a GPU machine's PyTorch)
-# and runs the fast tests, the CUDA ones included. No Debian packages are needed there: the CLI
-# and FFmpeg are left out, GoogleTest is built from the source tree given as $1, and
-# nlohmann-json and yaml-cpp come from copies of Debian's under the prefixes given as $3 and $4
-# (defaults .device/json: /usr/include/nlohmann and /usr/share/cmake/nlohmann_json as include/
-# and share/cmake/; .device/yaml: /usr/include/yaml-cpp, libyaml-cpp.so* and its cmake folder
-# under include/ and lib/x86_64-linux-gnu/).
-#   scripts/cuda_check.sh /path/to/googletest-source [build-dir] [json-prefix] [yaml-prefix]
+# and runs the fast tests, the CUDA ones included. No Debian packages are needed there: FFmpeg is
+# left out, GoogleTest is built from its source tree, and the other libraries come from copies of
+# Debian's files under prefixes in $FRAMEFIT_DEPS (default .device):
+#   googletest/  /usr/src/googletest (source)
+#   json/        /usr/include/nlohmann and /usr/share/cmake/nlohmann_json (include/, share/cmake/)
+#   yaml/        /usr/include/yaml-cpp, libyaml-cpp.so* and its cmake folder (include/, lib/<arch>/)
+#   cli11/, fmt/ (optional: the CLI is built when both are there) likewise from libcli11-dev,
+#                libfmt-dev and libfmt9
+#   scripts/cuda_check.sh [build-dir]     FRAMEFIT_TESTS=<gtest filter> limits the tests run
 set -euo pipefail
 cd "$(dirname "$0")/.."
-gtest_src=$(realpath "$1")
-build=${2:-build-cuda}
-json_prefix=$(realpath "${3:-.device/json}")
-yaml_prefix=$(realpath "${4:-.device/yaml}")
+build=${1:-build-cuda}
+deps=$(realpath "${FRAMEFIT_DEPS:-.device}")
 torch_dir=$(python3 -c 'import os, torch; print(os.path.join(torch.utils.cmake_prefix_path, "Torch"))')
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+prefixes="$deps/json;$deps/yaml"
+cli=OFF
+targets=(framefit_tests_fast)
+if [[ -d $deps/cli11 && -d $deps/fmt ]]; then
+  prefixes="$prefixes;$deps/cli11;$deps/fmt"
+  cli=ON
+  targets+=(framefit_exe)
+fi
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \
-  -DCMAKE_CXX_STANDARD=20 -DFRAMEFIT_BUILD_CLI=OFF -DFRAMEFIT_WITH_FFMPEG=OFF \
-  -DFRAMEFIT_GTEST_SOURCE_DIR="$gtest_src" -DCMAKE_PREFIX_PATH="$json_prefix;$yaml_prefix"
-cmake --build "$build" --parallel "$(nproc)" --target framefit_tests_fast
-"$build/tests/framefit_tests_fast"
+  -DCMAKE_CXX_STANDARD=20 -DFRAMEFIT_BUILD_CLI=$cli -DFRAMEFIT_WITH_FFMPEG=OFF \
+  -DFRAMEFIT_GTEST_SOURCE_DIR="$deps/googletest" -DCMAKE_PREFIX_PATH="$prefixes"
+# -k 0: one build shows every error at once (GPU time is short).
+cmake --build "$build" --parallel "$(nproc)" --target "${targets[@]}" -- -k 0
+"$build/tests/framefit_tests_fast" --gtest_filter="${FRAMEFIT_TESTS:-*}"

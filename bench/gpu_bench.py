@@ -1,0 +1,213 @@
+"""framefit vs the PyTorch recipes on one CUDA GPU, and layer checkpointing's cost there.
+
+Run on a GPU machine after scripts/cuda_check.sh has built framefit against its CUDA LibTorch,
+with that machine's python3 (PyTorch with CUDA) for the peers:
+
+  python3 bench/gpu_bench.py --framefit build-cuda/src/cli/framefit --out bench/results
+
+Rows: seeds/000's model (ResNet-50 + LSTM(512) + Linear(7), 224x224, chunk 32, AdamW, BatchNorm
+in train mode) at T = 256 (where naive training fits) and T = 2,000 (full size), fp32 and bf16;
+framefit's planner under a 24 GiB budget (the card seeds/000 ran out of memory on); and a UNet's
+step with and without layer checkpointing. Each row is one process: one warm-up step, then the
+median of its measured steps. Peak tensor bytes are the CUDA caching allocator's peak of
+allocated bytes for both framefit and PyTorch.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEERS = os.path.join(ROOT, "bench", "pytorch_peers.py")
+
+
+def machine():
+    import torch
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{gpu}; torch {torch.__version__} (CUDA {torch.version.cuda}); {os.cpu_count()} CPU "
+            f"cores; {platform.platform()}")
+
+
+class Runner:
+    def __init__(self, deadline):
+        self.deadline = time.time() + deadline
+
+    def __call__(self, cmd, timeout=240):
+        if time.time() > self.deadline:
+            return {"error": "skipped (out of time)"}
+        t0 = time.time()
+        # The last run may overrun the deadline by at most 45 s.
+        timeout = min(timeout, self.deadline + 45 - t0)
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+        lines = p.stdout.strip().splitlines()
+        # Exit code 2: bench-layers' plan does not fit the budget; its JSON says so.
+        if p.returncode not in (0, 2) or not lines:
+            return {"error": f"exit {p.returncode}: {p.stderr.strip()[-300:]}"}
+        out = json.loads(lines[-1])
+        if p.returncode == 2:
+            return {"error": "does not fit the budget", **out}
+        out["wall_seconds"] = time.time() - t0
+        return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--framefit", required=True, help="framefit built against CUDA LibTorch")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--deadline", type=float, default=420,
+                    help="seconds after which no further run starts")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, to check the script")
+    a = ap.parse_args()
+    run = Runner(a.deadline)
+    device = "cpu" if a.quick else "cuda"
+    model, size, long_t, short_t = ("resnet18", 64, 64, 32) if a.quick else ("resnet50", 224, 2000, 256)
+    chunk = 32 if not a.quick else 16
+    threads = str(os.cpu_count())
+    rows = []
+
+    def framefit(label, frames, precision, steps, extra=()):
+        cmd = [a.framefit, "bench-step", "--model", model, "--head", "lstm", "--frames", str(frames),
+               "--size", str(size), "--precision", precision, "--device", device, "--steps",
+               str(steps), "--json", *extra]
+        if "--chunk" not in extra:
+            cmd += ["--chunk", str(chunk)]
+        add(label, frames, precision, run(cmd))
+
+    def peer(label, recipe, frames, precision, steps, channels_last=False):
+        cmd = [sys.executable, PEERS, "--recipe", recipe, "--model", model, "--frames", str(frames),
+               "--size", str(size), "--chunk", str(chunk), "--precision", precision, "--steps",
+               str(steps), "--threads", threads, "--device", device]
+        if channels_last:
+            cmd.append("--channels-last")
+        add(label, frames, precision, run(cmd))
+
+    def add(label, frames, precision, out):
+        out.update({"name": label, "T": frames, "precision": precision})
+        rows.append(out)
+        print(f"T={frames} {precision} {label}: "
+              + (out.get("error") or f"{out['step_seconds']:.3f} s, peak {mib(out.get('peak_bytes'))} MiB"),
+              flush=True)
+
+    print(machine(), flush=True)
+    # seeds/000 at full size first: the row this benchmark exists for.
+    framefit("framefit chunked", long_t, "fp32", 1)
+    peer("PyTorch checkpoint", "checkpoint", long_t, "fp32", 1)
+    peer("PyTorch ETAD", "etad", long_t, "fp32", 1)
+    framefit("framefit planner, budget 24GiB", long_t, "fp32", 1,
+             ["--chunk", "auto", "--budget", "24GiB"])
+    framefit("framefit chunked", long_t, "bf16", 1)
+    peer("PyTorch checkpoint", "checkpoint", long_t, "bf16", 1)
+    for precision in ("fp32", "bf16"):
+        framefit("framefit chunked", short_t, precision, 3)
+        framefit("framefit chunked, channels-last", short_t, precision, 3,
+                 ["--layout", "channels_last"])
+        framefit("framefit naive", short_t, precision, 3, ["--chunk", "0"])
+        peer("PyTorch naive", "naive", short_t, precision, 3)
+        peer("PyTorch checkpoint", "checkpoint", short_t, precision, 3)
+        peer("PyTorch checkpoint, channels-last", "checkpoint", short_t, precision, 3, True)
+        peer("PyTorch ETAD", "etad", short_t, precision, 3)
+    layers = layer_checkpointing(a, run, device)
+
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "gpu.json"), "w") as f:
+        json.dump({"machine": machine(), "rows": rows, "layers": layers}, f, indent=1)
+    write_markdown(a.out, rows, layers, model, size, chunk)
+
+
+def layer_checkpointing(a, run, device):
+    """A UNet step: plain, the planner at half the activation memory, every stage recomputed;
+    three rounds, interleaved; slowdown = median over rounds of the same-round ratio."""
+    shape, batch = ("3,64,64", "2") if a.quick else ("3,256,256", "32")
+    common = [a.framefit, "bench-layers", "--json", "--net", "unet", "--input", shape, "--width",
+              "32", "--depth", "4", "--classes", "2", "--batch", batch, "--repeat", "5",
+              "--device", device]
+    modes = {"off": [], "half": [], "all": []}
+    for _ in range(3):
+        plain = run(common)
+        if "error" in plain:
+            return {"error": plain["error"]}
+        half_budget = plain["static_bytes"] + plain["activation_bytes"] // 2
+        modes["off"].append(plain)
+        modes["half"].append(run(common + ["--checkpoint", "auto", "--budget", str(half_budget)]))
+        modes["all"].append(run(common + ["--checkpoint", "all"]))
+    result = {"input": shape, "batch": int(batch), "modes": {}}
+    for mode, runs in modes.items():
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            result["modes"][mode] = {"error": runs[0].get("error")}
+            continue
+        ratios = [r["step_seconds"] / p["step_seconds"] for r, p in zip(runs, modes["off"])
+                  if "error" not in r]
+        result["modes"][mode] = {"activation_bytes": ok[0]["activation_bytes"],
+                                 "step_seconds": statistics.median(r["step_seconds"] for r in ok),
+                                 "time_ratio": statistics.median(ratios),
+                                 "recomputed": ok[0].get("recomputed")}
+    print("unet:", json.dumps(result), flush=True)
+    return result
+
+
+def mib(b):
+    return f"{b / 2**20:,.0f}" if b else "n/a"
+
+
+def write_markdown(out, rows, layers, model, size, chunk):
+    lines = ["# framefit on one GPU", "", f"Machine: {machine()}", "",
+             f"{model} + LSTM(512) + Linear(7), {size}x{size}, chunk {chunk}, AdamW, BatchNorm in train "
+             "mode. Generated by `bench/gpu_bench.py`: each row is one process, one warm-up step, then "
+             "the median of its measured steps (3 at T = 256, 1 at T = 2,000). framefit runs in its "
+             "default layout (auto: NCHW on CUDA) unless the row says channels-last. Peak tensors: the "
+             "CUDA caching allocator's peak of allocated bytes (framefit and PyTorch alike).", "",
+             "| T | precision | run | step (s) | frames/s | peak tensors (MiB) | peak RSS (MiB) |",
+             "|---:|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['T']} | {r['precision']} | {r['name']} | {r['error']} | | | |")
+            continue
+        extra = f" (chunk {r['chunk']})" if "planner" in r["name"] else ""
+        lines.append(f"| {r['T']} | {r['precision']} | {r['name']}{extra} | {r['step_seconds']:.2f} | "
+                     f"{r['T'] / r['step_seconds']:.0f} | {mib(r.get('peak_bytes'))} | "
+                     f"{mib(r.get('rss_peak_bytes'))} |")
+    lines += ["", "## Ratios", "", "| T | precision | framefit vs fastest chunked peer | vs framefit naive |",
+              "|---:|---|---|---|"]
+    by = {(r["T"], r["precision"], r["name"]): r for r in rows if "error" not in r}
+    for (T, precision, name), r in sorted(by.items()):
+        if name != "framefit chunked":
+            continue
+        peers = [p for (t, pr, n), p in by.items() if t == T and pr == precision
+                 and n.startswith("PyTorch") and "naive" not in n]
+        naive = by.get((T, precision, "framefit naive"))
+        vs_peer = (f"{r['step_seconds'] / min(p['step_seconds'] for p in peers):.2f}x"
+                   if peers else "n/a")
+        vs_naive = f"{r['step_seconds'] / naive['step_seconds']:.2f}x" if naive else "n/a"
+        lines.append(f"| {T} | {precision} | {vs_peer} | {vs_naive} |")
+    lines += ["", "## Layer checkpointing (UNet, width 32, depth 4)", ""]
+    if "error" in layers:
+        lines.append(f"failed: {layers['error']}")
+    else:
+        lines += [f"Input {layers['input']}, batch {layers['batch']}, fp32; 3 interleaved rounds of 5 "
+                  "steps; slowdown = median over rounds of the same-round ratio to no checkpointing.", "",
+                  "| checkpointing | activations (MiB) | less memory | step (s) | slowdown |",
+                  "|---|---:|---:|---:|---:|"]
+        base = layers["modes"].get("off", {})
+        for mode, label in (("off", "off"), ("half", "planner at half the activations"),
+                            ("all", "every stage")):
+            m = layers["modes"].get(mode, {})
+            if "error" in m or not m:
+                lines.append(f"| {label} | {m.get('error', 'missing')} | | | |")
+                continue
+            less = base["activation_bytes"] / m["activation_bytes"] if m["activation_bytes"] else 0
+            lines.append(f"| {label} | {mib(m['activation_bytes'])} | {less:.2f}x | "
+                         f"{m['step_seconds']:.3f} | {m['time_ratio']:.2f}x |")
+    with open(os.path.join(out, "gpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
