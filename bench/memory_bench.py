@@ -41,7 +41,7 @@ GRID = [
     ("resnet50", "lstm", 224, 32, "fp32", [], "8"),
     ("resnet18", "lstm", 224, 64, "fp32", ["--norm", "frozen_bn"], "8,0"),
     ("resnet50", "lstm", 224, 32, "bf16", ["--freeze", "layer1"], "8"),
-    ("resnet18", "lstm", 112, 256, "fp32", ["--drop-layer4", "--channels-last"], "32"),
+    ("resnet18", "lstm", 112, 256, "fp32", ["--drop-layer4", "--layout", "channels_last"], "32"),
     ("resnet18", "lstm", 160, 1024, "fp32", [], "64"),
 ]
 QUICK = [0, 1, 7, 11]
