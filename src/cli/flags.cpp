@@ -274,8 +274,8 @@ const std::vector<Flag>& flag_table() {
       {"layout",
        with({"extract"}, step),
        FlagType::Choice,
-       "Activation layout of the encoder: auto (channels-last on CPU with bn or frozen_bn, "
-       "where it is faster; NCHW with group_norm and on CUDA), nchw, channels_last.",
+       "Activation layout of the encoder: auto (channels-last with bn or frozen_bn, where it is "
+       "faster; NCHW with group_norm), nchw, channels_last.",
        "auto",
        false,
        {"auto", "nchw", "channels_last"}},

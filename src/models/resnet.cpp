@@ -31,7 +31,7 @@ ActivationLayout parse_activation_layout(const std::string& name) {
 
 bool use_channels_last(ActivationLayout layout, NormKind norm, const c10::Device& device) {
   if (layout != ActivationLayout::Auto) return layout == ActivationLayout::ChannelsLast;
-  return device.is_cpu() && norm != NormKind::GroupNorm;
+  return norm != NormKind::GroupNorm;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -62,13 +62,14 @@ void Norm2dImpl::freeze() {
 
 torch::Tensor Norm2dImpl::forward(const torch::Tensor& input) {
   // Under autocast, activations arrive in bf16/fp16 while parameters stay float32. BatchNorm has
-  // mixed-dtype kernels (CPU: bf16, CUDA: fp16) that compute in float32 and save the
-  // low-precision input; for anything else (GroupNorm, LibTorch 1.13's CPU kernels need one
-  // dtype) normalise a float32 copy, which backward keeps: twice the input's bytes.
+  // mixed-dtype kernels (CPU: bf16, CUDA: fp16 and bf16, as PyTorch's autocast uses them) that
+  // compute in float32 and save the low-precision input; for anything else (GroupNorm, LibTorch
+  // 1.13's CPU kernels need one dtype) normalise a float32 copy, which backward keeps: twice the
+  // input's bytes.
+  const auto low = input.scalar_type();
   const bool mixed = options_.kind() != NormKind::GroupNorm &&
                      weight.scalar_type() == torch::kFloat &&
-                     (input.is_cuda() ? input.scalar_type() == torch::kHalf
-                                      : input.scalar_type() == torch::kBFloat16);
+                     (low == torch::kBFloat16 || (input.is_cuda() && low == torch::kHalf));
   const auto x = mixed || input.scalar_type() == weight.scalar_type()
                      ? input
                      : input.to(weight.scalar_type());

@@ -208,8 +208,8 @@ const std::vector<Entry>& entries() {
                                    "torchvision state_dict (.pt/.pth) to start the encoder from",
                                    FRAMEFIT_MEMBER(std::string, model.weights), "a path"));
     t.push_back(choice("model.layout",
-                       "activation layout of the encoder: auto is channels-last on CPU with bn "
-                       "or frozen_bn, else NCHW",
+                       "activation layout of the encoder: auto is channels-last with bn or "
+                       "frozen_bn, NCHW with group_norm",
                        FRAMEFIT_MEMBER(std::string, model.layout),
                        {"auto", "nchw", "channels_last"}));
     {

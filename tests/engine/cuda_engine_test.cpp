@@ -53,6 +53,27 @@ TEST_F(CudaEngine, ChunkedGradientsEqualNaiveInFloat64) {
   EXPECT_LE(worst, 1e-10);
 }
 
+TEST_F(CudaEngine, BatchNormKeepsBf16And16BitInputs) {
+  // Mixed-dtype kernels: float32 statistics and parameters, the 16-bit input kept as it is.
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    torch::manual_seed(0);
+    models::Norm2d low(models::Norm2dOptions(8)), ref(models::Norm2dOptions(8));
+    low->to(cuda);
+    ref->to(cuda);
+    const auto x = torch::randn({4, 8, 5, 5}, cuda).to(dtype).requires_grad_();
+    const auto y = low->forward(x);
+    EXPECT_EQ(y.scalar_type(), dtype);
+    // Straight from the norm kernel: no float32 copy in or out, which backward would keep.
+    EXPECT_EQ(y.grad_fn()->name().find("ToCopy"), std::string::npos) << y.grad_fn()->name();
+    EXPECT_TRUE(torch::allclose(y.to(torch::kFloat), ref->forward(x.detach().to(torch::kFloat)),
+                                2e-2, 2e-2));
+    EXPECT_TRUE(torch::allclose(low->running_mean, ref->running_mean, 1e-3, 1e-3));
+    y.to(torch::kFloat).square().sum().backward();
+    EXPECT_EQ(x.grad().scalar_type(), dtype);
+    EXPECT_TRUE(low->weight.grad().defined());
+  }
+}
+
 TEST_F(CudaEngine, Fp16StepWithLossScaling) {
   torch::manual_seed(0);
   models::ResNet net(models::ResNetOptions(18).num_classes(0).norm(models::NormKind::FrozenBatchNorm));

@@ -122,12 +122,13 @@ TEST(ResNet, ChannelsLastGivesTheSameOutput) {
   EXPECT_TRUE(torch::allclose(plain->forward(x), nhwc->forward(x), 1e-4, 1e-4));
 }
 
-TEST(ResNet, AutoLayoutIsChannelsLastOnCpuWithBatchNormOnly) {
+TEST(ResNet, AutoLayoutIsChannelsLastWithBatchNormOnly) {
   const c10::Device cpu(c10::kCPU), cuda(c10::kCUDA);
   EXPECT_TRUE(use_channels_last(ActivationLayout::Auto, NormKind::BatchNorm, cpu));
   EXPECT_TRUE(use_channels_last(ActivationLayout::Auto, NormKind::FrozenBatchNorm, cpu));
   EXPECT_FALSE(use_channels_last(ActivationLayout::Auto, NormKind::GroupNorm, cpu));
-  EXPECT_FALSE(use_channels_last(ActivationLayout::Auto, NormKind::BatchNorm, cuda));
+  EXPECT_TRUE(use_channels_last(ActivationLayout::Auto, NormKind::BatchNorm, cuda));
+  EXPECT_FALSE(use_channels_last(ActivationLayout::Auto, NormKind::GroupNorm, cuda));
   EXPECT_TRUE(use_channels_last(ActivationLayout::ChannelsLast, NormKind::GroupNorm, cuda));
   EXPECT_FALSE(use_channels_last(ActivationLayout::Nchw, NormKind::BatchNorm, cpu));
   EXPECT_EQ(parse_activation_layout("channels_last"), ActivationLayout::ChannelsLast);

@@ -21,10 +21,10 @@ enum class NormKind {
 NormKind parse_norm_kind(const std::string& name);  // "bn" | "frozen_bn" | "group_norm"
 std::string to_string(NormKind kind);
 
-// Memory layout of the encoder's activations. Auto picks channels-last (NHWC) where it is
-// measured faster: on the CPU with BatchNorm or frozen BatchNorm (bench/results/step_bench.md).
-// GroupNorm stays NCHW there (LibTorch 1.13's CPU GroupNorm is slower on NHWC input), and CUDA
-// stays NCHW, cuDNN's default; channels_last forces NHWC anywhere.
+// Memory layout of the encoder's activations. Auto picks channels-last (NHWC) with BatchNorm or
+// frozen BatchNorm: measured faster on the CPU at long T (bench/results/step_bench.md) and on
+// CUDA in bf16, no slower in fp32 (bench/results/gpu.md). GroupNorm stays NCHW (LibTorch 1.13's
+// CPU GroupNorm is slower on NHWC input); channels_last forces NHWC anyway.
 enum class ActivationLayout { Auto, Nchw, ChannelsLast };
 ActivationLayout parse_activation_layout(const std::string& name);  // auto | nchw | channels_last
 bool use_channels_last(ActivationLayout layout, NormKind norm, const c10::Device& device);
