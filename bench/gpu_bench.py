@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -36,14 +37,15 @@ class Runner:
     def __init__(self, deadline):
         self.deadline = time.time() + deadline
 
-    def __call__(self, cmd, timeout=240):
+    def __call__(self, cmd, timeout=240, env=None):
         if time.time() > self.deadline:
             return {"error": "skipped (out of time)"}
         t0 = time.time()
         # The last run may overrun the deadline by at most 45 s.
         timeout = min(timeout, self.deadline + 45 - t0)
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                               env=None if env is None else {**os.environ, **env})
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
         lines = p.stdout.strip().splitlines()
@@ -64,23 +66,47 @@ def main():
     ap.add_argument("--deadline", type=float, default=420,
                     help="seconds after which no further run starts")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, to check the script")
+    ap.add_argument("--rows", default="",
+                    help="regular expression: run only the rows whose 'T precision name' matches "
+                         "('unet' for layer checkpointing)")
+    ap.add_argument("--name", default="gpu", help="output files NAME.json and NAME.md")
+    ap.add_argument("--from-json", help="only write NAME.md again from a NAME.json of a run")
     a = ap.parse_args()
+    if a.from_json:
+        with open(a.from_json) as f:
+            saved = json.load(f)
+        first = saved["rows"][0] if saved["rows"] else {}
+        write_markdown(a.out, a.name, saved["machine"], saved["rows"], saved["layers"],
+                       first.get("model", "resnet50"), first.get("size", 224), first.get("chunk", 32))
+        return
     run = Runner(a.deadline)
     device = "cpu" if a.quick else "cuda"
     model, size, long_t, short_t = ("resnet18", 64, 64, 32) if a.quick else ("resnet50", 224, 2000, 256)
     chunk = 32 if not a.quick else 16
     threads = str(os.cpu_count())
     rows = []
+    layers = {"error": "not run"}
+    wanted = lambda key: re.search(a.rows, key) is not None
 
-    def framefit(label, frames, precision, steps, extra=()):
+    def save():
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, a.name + ".json"), "w") as f:
+            json.dump({"machine": machine(), "rows": rows, "layers": layers}, f, indent=1)
+        write_markdown(a.out, a.name, machine(), rows, layers, model, size, chunk)
+
+    def framefit(label, frames, precision, steps, extra=(), timeout=240):
+        if not wanted(f"{frames} {precision} {label}"):
+            return
         cmd = [a.framefit, "bench-step", "--model", model, "--head", "lstm", "--frames", str(frames),
                "--size", str(size), "--precision", precision, "--device", device, "--steps",
                str(steps), "--json", *extra]
         if "--chunk" not in extra:
             cmd += ["--chunk", str(chunk)]
-        add(label, frames, precision, run(cmd))
+        add(label, frames, precision, run(cmd, timeout))
 
     def peer(label, recipe, frames, precision, steps, channels_last=False):
+        if not wanted(f"{frames} {precision} {label}"):
+            return
         cmd = [sys.executable, PEERS, "--recipe", recipe, "--model", model, "--frames", str(frames),
                "--size", str(size), "--chunk", str(chunk), "--precision", precision, "--steps",
                str(steps), "--threads", threads, "--device", device]
@@ -91,52 +117,55 @@ def main():
     def add(label, frames, precision, out):
         out.update({"name": label, "T": frames, "precision": precision})
         rows.append(out)
+        save()
         print(f"T={frames} {precision} {label}: "
               + (out.get("error") or f"{out['step_seconds']:.3f} s, peak {mib(out.get('peak_bytes'))} MiB"),
               flush=True)
 
     print(machine(), flush=True)
     # seeds/000 at full size first: the row this benchmark exists for.
-    framefit("framefit chunked", long_t, "fp32", 1)
-    peer("PyTorch checkpoint", "checkpoint", long_t, "fp32", 1)
-    peer("PyTorch ETAD", "etad", long_t, "fp32", 1)
-    framefit("framefit planner, budget 24GiB", long_t, "fp32", 1,
-             ["--chunk", "auto", "--budget", "24GiB"])
-    framefit("framefit chunked", long_t, "bf16", 1)
-    peer("PyTorch checkpoint", "checkpoint", long_t, "bf16", 1)
+    for precision in ("fp32", "bf16"):
+        framefit("framefit chunked", long_t, precision, 1)
+        peer("PyTorch checkpoint", "checkpoint", long_t, precision, 1)
+        peer("PyTorch ETAD", "etad", long_t, precision, 1)
     for precision in ("fp32", "bf16"):
         framefit("framefit chunked", short_t, precision, 3)
-        framefit("framefit chunked, channels-last", short_t, precision, 3,
-                 ["--layout", "channels_last"])
+        framefit("framefit chunked, NCHW", short_t, precision, 3, ["--layout", "nchw"])
         framefit("framefit naive", short_t, precision, 3, ["--chunk", "0"])
         peer("PyTorch naive", "naive", short_t, precision, 3)
         peer("PyTorch checkpoint", "checkpoint", short_t, precision, 3)
         peer("PyTorch checkpoint, channels-last", "checkpoint", short_t, precision, 3, True)
         peer("PyTorch ETAD", "etad", short_t, precision, 3)
-    layers = layer_checkpointing(a, run, device)
-
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "gpu.json"), "w") as f:
-        json.dump({"machine": machine(), "rows": rows, "layers": layers}, f, indent=1)
-    write_markdown(a.out, rows, layers, model, size, chunk)
+    if wanted("unet"):
+        layers = layer_checkpointing(a, run, device)
+        save()
+    # Last: calibration makes it the longest run.
+    framefit("framefit planner, budget 24GiB", long_t, "fp32", 1,
+             ["--chunk", "auto", "--budget", "24GiB"], timeout=150)
+    save()
 
 
 def layer_checkpointing(a, run, device):
     """A UNet step: plain, the planner at half the activation memory, every stage recomputed;
-    three rounds, interleaved; slowdown = median over rounds of the same-round ratio."""
+    three rounds, interleaved; slowdown = median over rounds of the same-round ratio. The CUDA
+    budget caps the caching allocator's reserved bytes while plans count allocated bytes:
+    expandable segments keep the two close (without them a plan at exactly the budget ran out
+    of memory from fragmentation)."""
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     shape, batch = ("3,64,64", "2") if a.quick else ("3,256,256", "32")
     common = [a.framefit, "bench-layers", "--json", "--net", "unet", "--input", shape, "--width",
               "32", "--depth", "4", "--classes", "2", "--batch", batch, "--repeat", "5",
               "--device", device]
     modes = {"off": [], "half": [], "all": []}
     for _ in range(3):
-        plain = run(common)
+        plain = run(common, env=env)
         if "error" in plain:
             return {"error": plain["error"]}
         half_budget = plain["static_bytes"] + plain["activation_bytes"] // 2
         modes["off"].append(plain)
-        modes["half"].append(run(common + ["--checkpoint", "auto", "--budget", str(half_budget)]))
-        modes["all"].append(run(common + ["--checkpoint", "all"]))
+        modes["half"].append(run(common + ["--checkpoint", "auto", "--budget", str(half_budget)],
+                                 env=env))
+        modes["all"].append(run(common + ["--checkpoint", "all"], env=env))
     result = {"input": shape, "batch": int(batch), "modes": {}}
     for mode, runs in modes.items():
         ok = [r for r in runs if "error" not in r]
@@ -157,12 +186,12 @@ def mib(b):
     return f"{b / 2**20:,.0f}" if b else "n/a"
 
 
-def write_markdown(out, rows, layers, model, size, chunk):
-    lines = ["# framefit on one GPU", "", f"Machine: {machine()}", "",
+def write_markdown(out, basename, machine_line, rows, layers, model, size, chunk):
+    lines = ["# framefit on one GPU", "", f"Machine: {machine_line}", "",
              f"{model} + LSTM(512) + Linear(7), {size}x{size}, chunk {chunk}, AdamW, BatchNorm in train "
              "mode. Generated by `bench/gpu_bench.py`: each row is one process, one warm-up step, then "
              "the median of its measured steps (3 at T = 256, 1 at T = 2,000). framefit runs in its "
-             "default layout (auto: NCHW on CUDA) unless the row says channels-last. Peak tensors: the "
+             "default layout (auto: channels-last with BatchNorm) unless the row says NCHW. Peak tensors: the "
              "CUDA caching allocator's peak of allocated bytes (framefit and PyTorch alike).", "",
              "| T | precision | run | step (s) | frames/s | peak tensors (MiB) | peak RSS (MiB) |",
              "|---:|---|---|---:|---:|---:|---:|"]
@@ -187,7 +216,7 @@ def write_markdown(out, rows, layers, model, size, chunk):
                    if peers else "n/a")
         vs_naive = f"{r['step_seconds'] / naive['step_seconds']:.2f}x" if naive else "n/a"
         lines.append(f"| {T} | {precision} | {vs_peer} | {vs_naive} |")
-    lines += ["", "## Layer checkpointing (UNet, width 32, depth 4)", ""]
+    lines += ["", "## Layer checkpointing (UNet, width 32, depth 4; allocator with expandable segments)", ""]
     if "error" in layers:
         lines.append(f"failed: {layers['error']}")
     else:
@@ -205,7 +234,7 @@ def write_markdown(out, rows, layers, model, size, chunk):
             less = base["activation_bytes"] / m["activation_bytes"] if m["activation_bytes"] else 0
             lines.append(f"| {label} | {mib(m['activation_bytes'])} | {less:.2f}x | "
                          f"{m['step_seconds']:.3f} | {m['time_ratio']:.2f}x |")
-    with open(os.path.join(out, "gpu.md"), "w") as f:
+    with open(os.path.join(out, basename + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 

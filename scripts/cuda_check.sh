@@ -23,8 +23,10 @@ if [[ -d $deps/cli11 && -d $deps/fmt ]]; then
   cli=ON
   targets+=(framefit_exe)
 fi
+# PyTorch's wheels ship their own, newer fmt headers, which torch's include path puts first: fmt
+# is compiled header-only so that no fmt library has to match them.
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \
-  -DCMAKE_CXX_STANDARD=20 -DFRAMEFIT_BUILD_CLI=$cli -DFRAMEFIT_WITH_FFMPEG=OFF \
+  -DCMAKE_CXX_FLAGS=-DFMT_HEADER_ONLY=1 -DCMAKE_CXX_STANDARD=20 -DFRAMEFIT_BUILD_CLI=$cli -DFRAMEFIT_WITH_FFMPEG=OFF \
   -DFRAMEFIT_GTEST_SOURCE_DIR="$deps/googletest" -DCMAKE_PREFIX_PATH="$prefixes"
 # -k 0: one build shows every error at once (GPU time is short).
 cmake --build "$build" --parallel "$(nproc)" --target "${targets[@]}" -- -k 0
