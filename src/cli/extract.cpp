@@ -22,7 +22,7 @@ int run_extract(const Args& args) {
 
   const auto norm = models::parse_norm_kind(args.text("norm"));
   const bool channels_last =
-      models::use_channels_last(models::parse_activation_layout(args.text("layout")), norm, device);
+      models::use_channels_last(models::parse_activation_layout(args.text("layout")), norm);
   models::ResNet encoder(models::ResNetOptions(models::parse_resnet_name(args.text("model")))
                              .num_classes(0)
                              .norm(norm)

@@ -29,7 +29,7 @@ ActivationLayout parse_activation_layout(const std::string& name) {
   TORCH_CHECK(false, "unknown layout '", name, "': use auto, nchw or channels_last");
 }
 
-bool use_channels_last(ActivationLayout layout, NormKind norm, const c10::Device& device) {
+bool use_channels_last(ActivationLayout layout, NormKind norm) {
   if (layout != ActivationLayout::Auto) return layout == ActivationLayout::ChannelsLast;
   return norm != NormKind::GroupNorm;
 }

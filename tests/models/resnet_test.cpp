@@ -123,14 +123,11 @@ TEST(ResNet, ChannelsLastGivesTheSameOutput) {
 }
 
 TEST(ResNet, AutoLayoutIsChannelsLastWithBatchNormOnly) {
-  const c10::Device cpu(c10::kCPU), cuda(c10::kCUDA);
-  EXPECT_TRUE(use_channels_last(ActivationLayout::Auto, NormKind::BatchNorm, cpu));
-  EXPECT_TRUE(use_channels_last(ActivationLayout::Auto, NormKind::FrozenBatchNorm, cpu));
-  EXPECT_FALSE(use_channels_last(ActivationLayout::Auto, NormKind::GroupNorm, cpu));
-  EXPECT_TRUE(use_channels_last(ActivationLayout::Auto, NormKind::BatchNorm, cuda));
-  EXPECT_FALSE(use_channels_last(ActivationLayout::Auto, NormKind::GroupNorm, cuda));
-  EXPECT_TRUE(use_channels_last(ActivationLayout::ChannelsLast, NormKind::GroupNorm, cuda));
-  EXPECT_FALSE(use_channels_last(ActivationLayout::Nchw, NormKind::BatchNorm, cpu));
+  EXPECT_TRUE(use_channels_last(ActivationLayout::Auto, NormKind::BatchNorm));
+  EXPECT_TRUE(use_channels_last(ActivationLayout::Auto, NormKind::FrozenBatchNorm));
+  EXPECT_FALSE(use_channels_last(ActivationLayout::Auto, NormKind::GroupNorm));
+  EXPECT_TRUE(use_channels_last(ActivationLayout::ChannelsLast, NormKind::GroupNorm));
+  EXPECT_FALSE(use_channels_last(ActivationLayout::Nchw, NormKind::BatchNorm));
   EXPECT_EQ(parse_activation_layout("channels_last"), ActivationLayout::ChannelsLast);
   EXPECT_THROW(parse_activation_layout("nhwc"), c10::Error);
 }

@@ -1,7 +1,6 @@
 #pragma once
 // ResNet-18/34/50 with torchvision's architecture and parameter names, so torchvision
 // state_dicts load as they are and framefit's weights load back in torchvision.
-#include <c10/core/Device.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
@@ -27,7 +26,7 @@ std::string to_string(NormKind kind);
 // CPU GroupNorm is slower on NHWC input); channels_last forces NHWC anyway.
 enum class ActivationLayout { Auto, Nchw, ChannelsLast };
 ActivationLayout parse_activation_layout(const std::string& name);  // auto | nchw | channels_last
-bool use_channels_last(ActivationLayout layout, NormKind norm, const c10::Device& device);
+bool use_channels_last(ActivationLayout layout, NormKind norm);
 
 // One normalisation layer with torchvision's parameter and buffer names (weight, bias,
 // running_mean, running_var, num_batches_tracked) whatever its kind.
