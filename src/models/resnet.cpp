@@ -66,15 +66,13 @@ torch::Tensor Norm2dImpl::forward(const torch::Tensor& input) {
   // compute in float32 and save the low-precision input; for anything else (GroupNorm, LibTorch
   // 1.13's CPU kernels need one dtype) normalise a float32 copy, which backward keeps: twice the
   // input's bytes.
-  const auto low = input.scalar_type();
+  const auto dtype = input.scalar_type();
   const bool mixed = options_.kind() != NormKind::GroupNorm &&
                      weight.scalar_type() == torch::kFloat &&
-                     (low == torch::kBFloat16 || (input.is_cuda() && low == torch::kHalf));
-  const auto x = mixed || input.scalar_type() == weight.scalar_type()
-                     ? input
-                     : input.to(weight.scalar_type());
+                     (dtype == torch::kBFloat16 || (input.is_cuda() && dtype == torch::kHalf));
+  const auto x = mixed || dtype == weight.scalar_type() ? input : input.to(weight.scalar_type());
   auto out = norm(x);
-  return out.scalar_type() == input.scalar_type() ? out : out.to(input.scalar_type());
+  return out.scalar_type() == dtype ? out : out.to(dtype);
 }
 
 torch::Tensor Norm2dImpl::norm(const torch::Tensor& x) {
