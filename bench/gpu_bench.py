@@ -72,6 +72,7 @@ def main():
     ap.add_argument("--name", default="gpu", help="output files NAME.json and NAME.md")
     ap.add_argument("--from-json", help="only write NAME.md again from a NAME.json of a run")
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
     if a.from_json:
         with open(a.from_json) as f:
             saved = json.load(f)
@@ -88,11 +89,12 @@ def main():
     layers = {"error": "not run"}
     wanted = lambda key: re.search(a.rows, key) is not None
 
+    machine_line = machine()
+
     def save():
-        os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, a.name + ".json"), "w") as f:
-            json.dump({"machine": machine(), "rows": rows, "layers": layers}, f, indent=1)
-        write_markdown(a.out, a.name, machine(), rows, layers, model, size, chunk)
+            json.dump({"machine": machine_line, "rows": rows, "layers": layers}, f, indent=1)
+        write_markdown(a.out, a.name, machine_line, rows, layers, model, size, chunk)
 
     def framefit(label, frames, precision, steps, extra=(), timeout=240):
         if not wanted(f"{frames} {precision} {label}"):
@@ -122,7 +124,7 @@ def main():
               + (out.get("error") or f"{out['step_seconds']:.3f} s, peak {mib(out.get('peak_bytes'))} MiB"),
               flush=True)
 
-    print(machine(), flush=True)
+    print(machine_line, flush=True)
     # seeds/000 at full size first: the row this benchmark exists for.
     for precision in ("fp32", "bf16"):
         framefit("framefit chunked", long_t, precision, 1)

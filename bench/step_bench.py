@@ -96,13 +96,13 @@ def main():
                     help="runs of each configuration, interleaved (step time: their median)")
     ap.add_argument("--from-json", help="only write the markdown and plot again from a run's JSON")
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
     if a.from_json:
         with open(a.from_json) as f:
             saved = json.load(f)
         write_markdown(a.out, saved["rows"], saved["full_size"], saved["rounds"], saved["machine"])
         write_plot(a.out, saved["rows"])
         return
-    os.makedirs(a.out, exist_ok=True)
     lengths = [64, 256] if a.quick else [64, 256, 1024, 2048]
     if a.lengths:
         lengths = [int(x) for x in a.lengths.split(",")]
@@ -142,7 +142,8 @@ def main():
         for name, precision, _, _ in configs:
             add(T, name, precision, results[name])
 
-    print(machine(), flush=True)
+    machine_line = machine()
+    print(machine_line, flush=True)
     for T in lengths:
         steps = 3 if T <= 256 else 1
         configs = [
@@ -168,8 +169,9 @@ def main():
         print("full size:", full, flush=True)
 
     with open(os.path.join(a.out, "step_bench.json"), "w") as f:
-        json.dump({"machine": machine(), "rounds": a.rounds, "rows": rows, "full_size": full}, f, indent=1)
-    write_markdown(a.out, rows, full, a.rounds, machine())
+        json.dump({"machine": machine_line, "rounds": a.rounds, "rows": rows, "full_size": full}, f,
+                  indent=1)
+    write_markdown(a.out, rows, full, a.rounds, machine_line)
     write_plot(a.out, rows)
 
 
