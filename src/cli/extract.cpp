@@ -21,14 +21,15 @@ int run_extract(const Args& args) {
   engine::check_video_frames(frames, args.text("input"));
 
   const auto norm = models::parse_norm_kind(args.text("norm"));
-  const bool channels_last =
-      models::use_channels_last(models::parse_activation_layout(args.text("layout")), norm);
+  const auto layout = models::resolve_layout(models::parse_activation_layout(args.text("layout")),
+                                             norm, device.type());
   models::ResNet encoder(models::ResNetOptions(models::parse_resnet_name(args.text("model")))
                              .num_classes(0)
                              .norm(norm)
                              .groups(args.integer("groups"))
                              .drop_layer4(args.on("drop-layer4"))
-                             .channels_last(channels_last));
+                             .channels_last(layout.channels_last)
+                             .nchw_from(layout.nchw_from));
   if (args.has("weights")) {
     models::LoadOptions load;
     load.ignore_prefixes = {"fc."};
@@ -43,7 +44,7 @@ int run_extract(const Args& args) {
   engine::ExtractOptions options;
   options.chunk = args.integer("chunk");
   options.device = device;
-  options.channels_last = channels_last;
+  options.channels_last = layout.channels_last;
   const bool terminal = isatty(fileno(stderr));
   options.on_progress = [terminal](int64_t done, int64_t total) {
     if (terminal) fmt::print(stderr, "\rframefit extract: {}/{} frames", done, total);

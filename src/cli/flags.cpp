@@ -275,7 +275,8 @@ const std::vector<Flag>& flag_table() {
        with({"extract"}, step),
        FlagType::Choice,
        "Activation layout of the encoder: auto (channels-last with bn or frozen_bn, where it is "
-       "faster; NCHW with group_norm), nchw, channels_last.",
+       "faster, with layer4 in NCHW on the CPU; NCHW with group_norm), nchw, channels_last (every "
+       "stage).",
        "auto",
        false,
        {"auto", "nchw", "channels_last"}},

@@ -29,8 +29,11 @@ plan::ModelSpec model_spec(const Args& args) {
   spec.dtype = args.text("dtype") == "float64" ? torch::kFloat64 : torch::kFloat32;
   spec.optimizer = args.text("optimizer");
   spec.device = torch::Device(args.text("device"));
-  spec.channels_last = models::use_channels_last(
-      models::parse_activation_layout(args.text("layout")), models::parse_norm_kind(spec.norm));
+  const auto layout =
+      models::resolve_layout(models::parse_activation_layout(args.text("layout")),
+                             models::parse_norm_kind(spec.norm), spec.device.type());
+  spec.channels_last = layout.channels_last;
+  spec.nchw_from = layout.nchw_from;
   return spec;
 }
 

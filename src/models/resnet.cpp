@@ -29,9 +29,10 @@ ActivationLayout parse_activation_layout(const std::string& name) {
   TORCH_CHECK(false, "unknown layout '", name, "': use auto, nchw or channels_last");
 }
 
-bool use_channels_last(ActivationLayout layout, NormKind norm) {
-  if (layout != ActivationLayout::Auto) return layout == ActivationLayout::ChannelsLast;
-  return norm != NormKind::GroupNorm;
+StageLayout resolve_layout(ActivationLayout layout, NormKind norm, c10::DeviceType device) {
+  if (layout != ActivationLayout::Auto) return {layout == ActivationLayout::ChannelsLast, ""};
+  if (norm == NormKind::GroupNorm) return {};
+  return {true, device == c10::DeviceType::CPU ? "layer4" : ""};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -129,10 +130,13 @@ ResidualBlockImpl::ResidualBlockImpl(int64_t in_channels, int64_t width, int64_t
 }
 
 torch::Tensor ResidualBlockImpl::forward(const torch::Tensor& x) {
-  auto out = torch::relu(bn1(conv1(x)));
+  // In place where autograd allows it, as torchvision does: no norm's backward needs its output.
+  auto out = bn1(conv1(x)).relu_();
   out = bn2(conv2(out));
-  if (conv3) out = bn3(conv3(torch::relu(out)));
+  if (conv3) out = bn3(conv3(out.relu_()));
   const auto identity = downsample ? downsample->forward(x) : x;
+  // Under autocast a float32 identity cannot be added into a bf16/fp16 output in place.
+  if (out.scalar_type() == identity.scalar_type()) return out.add_(identity).relu_();
   return torch::relu(out + identity);
 }
 
@@ -201,12 +205,31 @@ ResNetImpl::ResNetImpl(const ResNetOptions& options) : options_(options) {
     }
   }
   if (!options.freeze().empty()) freeze_up_to(options.freeze());
+  const auto names = stage_names();
+  first_nchw_stage_ = static_cast<int64_t>(names.size());
+  if (!options.nchw_from().empty()) {
+    const auto it = std::find(names.begin(), names.end(), options.nchw_from());
+    TORCH_CHECK(it != names.end() || (options.drop_layer4() && options.nchw_from() == "layer4"),
+                "nchw_from must name a stage (conv1, layer1, ..., layer4); got '",
+                options.nchw_from(), "'");
+    first_nchw_stage_ = it - names.begin();
+  }
   if (options.channels_last()) {
     torch::NoGradGuard no_grad;
-    for (auto& p : parameters()) {
-      if (p.dim() == 4) p.set_data(p.contiguous(torch::MemoryFormat::ChannelsLast));
+    for (int64_t stage = 0; stage < first_nchw_stage_; ++stage) {
+      for (auto& module : stage_modules(names[stage])) {
+        for (auto& p : module->parameters()) {
+          if (p.dim() == 4) p.set_data(p.contiguous(torch::MemoryFormat::ChannelsLast));
+        }
+      }
     }
   }
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> ResNetImpl::stage_modules(
+    const std::string& stage) {
+  if (stage == "conv1") return {conv1.ptr(), bn1.ptr()};
+  return {named_children()[stage]};
 }
 
 std::vector<std::string> ResNetImpl::stage_names() const {
@@ -221,13 +244,7 @@ void ResNetImpl::freeze_up_to(const std::string& stage) {
   TORCH_CHECK(last != names.end(), "cannot freeze up to '", stage, "': stages are conv1, layer1, "
               "layer2, layer3", layer4 ? ", layer4" : " (layer4 is dropped)");
   for (auto it = names.begin(); it != last + 1; ++it) {
-    std::vector<std::shared_ptr<torch::nn::Module>> roots;
-    if (*it == "conv1") {
-      roots = {conv1.ptr(), bn1.ptr()};
-    } else {
-      roots = {named_children()[*it]};
-    }
-    for (auto& root : roots) {
+    for (auto& root : stage_modules(*it)) {
       for (auto& p : root->parameters()) p.set_requires_grad(false);
       for (auto& m : root->modules(/*include_self=*/true)) {
         if (auto* norm = m->as<Norm2d>()) norm->freeze();
@@ -262,13 +279,15 @@ torch::Tensor ResNetImpl::forward_stages(const torch::Tensor& input, int64_t beg
   TORCH_CHECK(0 <= begin && begin <= end && end <= count, "stage range [", begin, ", ", end,
               ") outside the ", count, " stages of this ResNet");
   auto x = input;
-  if (begin == 0) {
-    check_input(x);
-    if (options_.channels_last()) x = x.contiguous(torch::MemoryFormat::ChannelsLast);
-  }
+  if (begin == 0) check_input(x);
   for (int64_t stage = begin; stage < end; ++stage) {
+    if (options_.channels_last()) {
+      // The convolutions follow their input's layout, so each stage gets its own.
+      x = x.contiguous(stage < first_nchw_stage_ ? torch::MemoryFormat::ChannelsLast
+                                                 : torch::MemoryFormat::Contiguous);
+    }
     switch (stage) {
-      case 0: x = torch::max_pool2d(torch::relu(bn1(conv1(x))), 3, 2, 1); break;
+      case 0: x = torch::max_pool2d(bn1(conv1(x)).relu_(), 3, 2, 1); break;
       case 1: x = layer1->forward(x); break;
       case 2: x = layer2->forward(x); break;
       case 3: x = layer3->forward(x); break;

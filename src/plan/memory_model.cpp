@@ -13,8 +13,10 @@ namespace framefit::plan {
 std::string ModelSpec::calibration_key(engine::Precision precision) const {
   return c10::str(model, "/", norm, norm == "group_norm" ? c10::str(groups) : "",
                   "/freeze=", freeze.empty() ? "none" : freeze, drop_layer4 ? "/no-layer4" : "",
-                  channels_last ? "/channels-last" : "", "/", head, "/", size, "px/", dtype, "/",
-                  engine::to_string(precision), "/", device.type() == torch::kCPU ? "cpu" : "cuda");
+                  channels_last ? "/channels-last" : "",
+                  channels_last && !nchw_from.empty() ? "/nchw-from-" + nchw_from : "", "/", head,
+                  "/", size, "px/", dtype, "/", engine::to_string(precision), "/",
+                  device.type() == torch::kCPU ? "cpu" : "cuda");
 }
 
 models::ResNetOptions ModelSpec::encoder_options() const {
@@ -24,7 +26,8 @@ models::ResNetOptions ModelSpec::encoder_options() const {
       .groups(groups)
       .freeze(freeze)
       .drop_layer4(drop_layer4)
-      .channels_last(channels_last);
+      .channels_last(channels_last)
+      .nchw_from(nchw_from);
 }
 
 namespace {

@@ -209,7 +209,7 @@ const std::vector<Entry>& entries() {
                                    FRAMEFIT_MEMBER(std::string, model.weights), "a path"));
     t.push_back(choice("model.layout",
                        "activation layout of the encoder: auto is channels-last with bn or "
-                       "frozen_bn, NCHW with group_norm",
+                       "frozen_bn (layer4 in NCHW on the CPU), NCHW with group_norm",
                        FRAMEFIT_MEMBER(std::string, model.layout),
                        {"auto", "nchw", "channels_last"}));
     {

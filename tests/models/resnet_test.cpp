@@ -122,12 +122,48 @@ TEST(ResNet, ChannelsLastGivesTheSameOutput) {
   EXPECT_TRUE(torch::allclose(plain->forward(x), nhwc->forward(x), 1e-4, 1e-4));
 }
 
-TEST(ResNet, AutoLayoutIsChannelsLastWithBatchNormOnly) {
-  EXPECT_TRUE(use_channels_last(ActivationLayout::Auto, NormKind::BatchNorm));
-  EXPECT_TRUE(use_channels_last(ActivationLayout::Auto, NormKind::FrozenBatchNorm));
-  EXPECT_FALSE(use_channels_last(ActivationLayout::Auto, NormKind::GroupNorm));
-  EXPECT_TRUE(use_channels_last(ActivationLayout::ChannelsLast, NormKind::GroupNorm));
-  EXPECT_FALSE(use_channels_last(ActivationLayout::Nchw, NormKind::BatchNorm));
+TEST(ResNet, MixedLayoutGivesTheSameOutputAndGradients) {
+  ResNet plain(ResNetOptions(18).num_classes(5));
+  ResNet mixed(ResNetOptions(18).num_classes(5).channels_last(true).nchw_from("layer4"));
+  load_state_dict(*mixed, state_dict(*plain));
+  EXPECT_TRUE(mixed->layer3->parameters()[0].is_contiguous(torch::MemoryFormat::ChannelsLast));
+  EXPECT_FALSE(mixed->layer4->parameters()[0].is_contiguous(torch::MemoryFormat::ChannelsLast));
+  // float64: the layouts sum in different orders, which float32 BatchNorm gradients magnify.
+  plain->to(torch::kFloat64);
+  mixed->to(torch::kFloat64);
+  EXPECT_TRUE(mixed->layer3->parameters()[0].is_contiguous(torch::MemoryFormat::ChannelsLast));
+  const auto x = torch::randn({4, 3, 64, 64}, torch::kFloat64);
+  const auto layer4_input = mixed->forward_stages(x, 0, 4);
+  EXPECT_TRUE(layer4_input.is_contiguous(torch::MemoryFormat::ChannelsLast));
+  plain->forward(x).square().sum().backward();
+  mixed->forward(x).square().sum().backward();
+  const auto mixed_parameters = mixed->named_parameters();
+  for (const auto& item : plain->named_parameters()) {
+    const auto& q = mixed_parameters[item.key()];
+    EXPECT_TRUE(torch::allclose(item.value().grad(), q.grad(), 1e-9, 1e-10)) << item.key();
+  }
+}
+
+TEST(ResNet, NchwFromMustNameAStage) {
+  EXPECT_THROW(ResNet(ResNetOptions(18).channels_last(true).nchw_from("layer5")), c10::Error);
+  // The auto layout names layer4 whether or not it is dropped.
+  ResNet slim(ResNetOptions(18).channels_last(true).nchw_from("layer4").drop_layer4(true));
+  EXPECT_TRUE(slim->layer3->parameters()[0].is_contiguous(torch::MemoryFormat::ChannelsLast));
+}
+
+TEST(ResNet, AutoLayoutIsChannelsLastWithBatchNormAndLayer4NchwOnTheCpu) {
+  const auto cpu = c10::DeviceType::CPU;
+  const auto cuda = c10::DeviceType::CUDA;
+  auto resolved = [](ActivationLayout layout, NormKind norm, c10::DeviceType device) {
+    const auto r = resolve_layout(layout, norm, device);
+    return std::string(r.channels_last ? "nhwc" : "nchw") + "/" + r.nchw_from;
+  };
+  EXPECT_EQ(resolved(ActivationLayout::Auto, NormKind::BatchNorm, cpu), "nhwc/layer4");
+  EXPECT_EQ(resolved(ActivationLayout::Auto, NormKind::FrozenBatchNorm, cpu), "nhwc/layer4");
+  EXPECT_EQ(resolved(ActivationLayout::Auto, NormKind::BatchNorm, cuda), "nhwc/");
+  EXPECT_EQ(resolved(ActivationLayout::Auto, NormKind::GroupNorm, cpu), "nchw/");
+  EXPECT_EQ(resolved(ActivationLayout::ChannelsLast, NormKind::GroupNorm, cpu), "nhwc/");
+  EXPECT_EQ(resolved(ActivationLayout::Nchw, NormKind::BatchNorm, cuda), "nchw/");
   EXPECT_EQ(parse_activation_layout("channels_last"), ActivationLayout::ChannelsLast);
   EXPECT_THROW(parse_activation_layout("nhwc"), c10::Error);
 }

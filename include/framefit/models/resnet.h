@@ -22,11 +22,19 @@ std::string to_string(NormKind kind);
 
 // Memory layout of the encoder's activations. Auto picks channels-last (NHWC) with BatchNorm or
 // frozen BatchNorm: measured faster on the CPU at long T (bench/results/step_bench.md) and on
-// CUDA in bf16, no slower in fp32 (bench/results/gpu.md). GroupNorm stays NCHW (LibTorch 1.13's
-// CPU GroupNorm is slower on NHWC input); channels_last forces NHWC anyway.
+// CUDA in bf16, no slower in fp32 (bench/results/gpu.md). On the CPU layer4 returns to NCHW:
+// oneDNN's convolutions on its small feature maps are faster in NCHW (ResNet-18 at 112 px: 8%
+// less time per encoder step; never slower at 64-224 px). GroupNorm stays NCHW (LibTorch 1.13's
+// CPU GroupNorm is slower on NHWC input); channels_last forces NHWC everywhere.
 enum class ActivationLayout { Auto, Nchw, ChannelsLast };
 ActivationLayout parse_activation_layout(const std::string& name);  // auto | nchw | channels_last
-bool use_channels_last(ActivationLayout layout, NormKind norm);
+
+// What a layout means for a ResNet's stages (ResNetOptions::channels_last and nchw_from).
+struct StageLayout {
+  bool channels_last = false;  // the input and the stages before nchw_from run in NHWC
+  std::string nchw_from;       // first stage back in NCHW; "" = none
+};
+StageLayout resolve_layout(ActivationLayout layout, NormKind norm, c10::DeviceType device);
 
 // One normalisation layer with torchvision's parameter and buffer names (weight, bias,
 // running_mean, running_var, num_batches_tracked) whatever its kind.
@@ -82,7 +90,8 @@ struct ResNetOptions {
   TORCH_ARG(int64_t, groups) = 32;          // for NormKind::GroupNorm
   TORCH_ARG(std::string, freeze) = "";      // freeze up to and including: conv1, layer1..layer4
   TORCH_ARG(bool, drop_layer4) = false;     // slim variant: features from layer3
-  TORCH_ARG(bool, channels_last) = false;   // NHWC activations (see use_channels_last)
+  TORCH_ARG(bool, channels_last) = false;   // NHWC activations (see resolve_layout) ...
+  TORCH_ARG(std::string, nchw_from) = "";   // ... up to this stage; a dropped layer4 is ignored
 };
 
 // Parses "resnet18" | "resnet34" | "resnet50" into a depth.
@@ -134,7 +143,10 @@ class ResNetImpl : public torch::nn::Module {
  private:
   void check_input(const torch::Tensor& x) const;
   void freeze_up_to(const std::string& stage);
+  // The modules holding a stage's parameters: conv1 and bn1 for "conv1", else the layer.
+  std::vector<std::shared_ptr<torch::nn::Module>> stage_modules(const std::string& stage);
   ResNetOptions options_;
+  int64_t first_nchw_stage_ = 0;  // with channels_last: stages from here on run NCHW
   int64_t feature_dim_ = 0;
 };
 TORCH_MODULE(ResNet);

@@ -29,7 +29,8 @@ struct ModelSpec {
   int64_t groups = 32;
   std::string freeze;  // last frozen stage, "" for none
   bool drop_layer4 = false;
-  bool channels_last = false;
+  bool channels_last = false;  // NHWC activations (models::StageLayout) ...
+  std::string nchw_from;       // ... up to this stage
   int64_t size = 112;  // frame height and width
   torch::ScalarType dtype = torch::kFloat32;
   std::string optimizer = "adamw";  // sgd | adam | adamw
