@@ -2,7 +2,7 @@
 recipes of shared/workloads.md (naive, torch.utils.checkpoint per chunk, ETAD), ResNet-18 + LSTM
 at 112x112, in one run on one machine. Writes bench/results/step_bench.{md,json,png}.
 
-  /usr/bin/python3 bench/step_bench.py            # T in 64, 256, 1024, 2048 (about 30 min)
+  /usr/bin/python3 bench/step_bench.py            # T in 64, 256, 1024, 2048 (about 95 min with --full-size)
   /usr/bin/python3 bench/step_bench.py --quick    # T in 64, 256 (a few minutes)
   /usr/bin/python3 bench/step_bench.py --full-size  # adds seeds/000's ResNet-50, T=2000, 224x224
 
