@@ -25,16 +25,17 @@ using namespace detail;
 
 bool is_script_encoder(const Config& config) { return config.model.encoder == "torchscript"; }
 
-models::StageLayout stage_layout(const Config& config) {
+models::StageLayout stage_layout(const Config& config, torch::Device device) {
   const auto layout = models::parse_activation_layout(config.model.layout);
   // Auto leaves a TorchScript encoder's layout as the user wrote it.
   if (is_script_encoder(config)) return {layout == models::ActivationLayout::ChannelsLast, ""};
-  return models::resolve_layout(layout, models::parse_norm_kind(config.model.norm),
-                                torch::Device(config.device).type());
+  return models::resolve_layout(layout, models::parse_norm_kind(config.model.norm), device.type());
 }
 
 // The layout of the frames fed to the encoder: that of its first stage.
-bool channels_last_input(const Config& config) { return stage_layout(config).channels_last; }
+bool channels_last_input(const Config& config, torch::Device device) {
+  return stage_layout(config, device).channels_last;
+}
 
 plan::ModelSpec model_spec(const Config& config, int64_t size, torch::Device device) {
   plan::ModelSpec spec;
@@ -44,7 +45,7 @@ plan::ModelSpec model_spec(const Config& config, int64_t size, torch::Device dev
   spec.norm = config.model.norm;
   spec.groups = config.model.groups;
   spec.freeze = config.model.freeze;
-  const auto layout = stage_layout(config);
+  const auto layout = stage_layout(config, device);
   spec.channels_last = layout.channels_last;
   spec.nchw_from = layout.nchw_from;
   spec.size = size;
@@ -309,7 +310,7 @@ Prediction predict(Model& model, const torch::Tensor& frames) {
   options.chunk = model.chunk;
   options.keep = 0;
   options.device = model.device;
-  options.channels_last = channels_last_input(model.config);
+  options.channels_last = channels_last_input(model.config, model.device);
   engine::AutocastGuard autocast(model.device, model.precision);
   const auto features = engine::chunked_encode(model.frame_encoder(), frames, options);
   auto logits = model.head->forward(features.to(torch::kFloat32));
@@ -548,7 +549,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   options.chunked.keep = progress.settings.keep;
   options.chunked.cache_frozen = progress.settings.cache_frozen;
   options.chunked.device = device;
-  options.chunked.channels_last = channels_last_input(config);
+  options.chunked.channels_last = channels_last_input(config, device);
   options.precision = progress.settings.precision;
   options.clip_grad_norm = tc.clip_grad_norm;
   options.loss.smoothing = tc.smoothing;
