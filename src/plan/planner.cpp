@@ -350,7 +350,14 @@ BatchCosts BatchCosts::through(int64_t b1, const std::vector<engine::StageCost>&
     engine::StageCost slope, intercept;
     const auto line = [&](double y1, double y2, double& s, double& c) {
       s = std::max(0.0, (y2 - y1) / db);
-      c = std::max(0.0, y1 - s * static_cast<double>(b1));
+      c = y1 - s * static_cast<double>(b1);
+      if (c < 0) {
+        // Faster than proportional growth between the two (a convolution algorithm with a
+        // workspace chosen from some batch on): the line through the larger measurement and
+        // zero, so the model gives what was measured there instead of overshooting it.
+        s = y2 / static_cast<double>(b2);
+        c = 0;
+      }
     };
     double s = 0, c = 0;
     line(static_cast<double>(c1[i].kept_bytes), static_cast<double>(c2[i].kept_bytes), s, c);

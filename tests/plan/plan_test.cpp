@@ -222,6 +222,72 @@ TEST(Planner, ChoosesTheFastestThatFitsAndRespectsFixedSettings) {
   EXPECT_EQ(batch.accumulate * batch.settings.videos_per_call >= 4, true);
 }
 
+TEST(BatchPlanner, CostLinesGiveTheMeasurementsAndNeverFallBelowThem) {
+  const auto cost = [](int64_t kept, int64_t peak, double seconds) {
+    engine::StageCost c;
+    c.kept_bytes = kept;
+    c.output_bytes = kept / 2;
+    c.peak_bytes = peak;
+    c.seconds = seconds;
+    return c;
+  };
+  // Stage 0 grows linearly with a fixed part; stage 1's backward workspace appears from batch 2
+  // on (faster than proportional); stage 2's falls (a cheaper algorithm at the larger batch).
+  const std::vector<engine::StageCost> at2 = {cost(300, 500, 0.3), cost(20, 100, 0.2),
+                                              cost(10, 40, 0.1)};
+  const std::vector<engine::StageCost> at4 = {cost(500, 900, 0.5), cost(40, 1000, 0.4),
+                                              cost(20, 30, 0.2)};
+  const auto costs = plan::BatchCosts::through(2, at2, 4, at4);
+  for (const auto& [batch, measured] : {std::pair{int64_t{2}, at2}, std::pair{int64_t{4}, at4}}) {
+    const auto model = costs.at(batch);
+    for (size_t i = 0; i < 2; ++i) {  // stages 0 and 1 as measured at both batches
+      EXPECT_EQ(model[i].kept_bytes, measured[i].kept_bytes) << "stage " << i << ", " << batch;
+      EXPECT_NEAR(model[i].seconds, measured[i].seconds, 1e-12) << "stage " << i;
+    }
+    EXPECT_EQ(model[0].peak_bytes, measured[0].peak_bytes) << "batch " << batch;
+    EXPECT_GE(model[2].peak_bytes, std::max(at2[2].peak_bytes, at4[2].peak_bytes));
+  }
+  // The workspace's line runs through its larger measurement and zero: 1,000 at 4 as measured,
+  // growing in proportion beyond; at 2 it errs high (500, measured 100) rather than overshoot
+  // at 4 as the line through both points cut off at zero did (1,800 at 4).
+  EXPECT_EQ(costs.at(4)[1].peak_bytes, 1000);
+  EXPECT_EQ(costs.at(8)[1].peak_bytes, 2000);
+  EXPECT_EQ(costs.at(2)[1].peak_bytes, 500);
+}
+
+TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
+  plan::BatchCosts costs;
+  costs.static_bytes = 1000;
+  costs.input_bytes_per_sample = 10;
+  for (int i = 0; i < 6; ++i) {
+    engine::StageCost c;
+    c.kept_bytes = 100;
+    c.output_bytes = 20;
+    c.peak_bytes = 150;
+    c.seconds = 0.01;
+    costs.per_sample.push_back(c);
+    costs.fixed.push_back(engine::StageCost{});
+  }
+  const int64_t budget = 10'000;
+  const auto plain = plan::plan_batch(costs, budget, false);
+  ASSERT_GT(plain.batch, 0);
+  EXPECT_LE(plain.predicted_peak_bytes, budget);
+  EXPECT_GT(plan::batch_peak_bytes(
+                costs, plain.batch + 1,
+                engine::evaluate_chain(costs.at(plain.batch + 1), engine::store_all(6))),
+            budget);
+  EXPECT_EQ(plain.chain.recomputed_stages(), 0);
+  // Checkpointing keeps 20 of each stage's 100 bytes per sample: a larger batch fits.
+  const auto checkpointed = plan::plan_batch(costs, budget, true);
+  EXPECT_GT(checkpointed.batch, plain.batch);
+  EXPECT_LE(checkpointed.predicted_peak_bytes, budget);
+  EXPECT_GT(checkpointed.chain.recomputed_stages(), 0);
+  // Not even one sample: batch 0 and the least memory one sample needs.
+  const auto none = plan::plan_batch(costs, 1050, true);
+  EXPECT_EQ(none.batch, 0);
+  EXPECT_GT(none.minimum_bytes_one_sample, 1050);
+}
+
 TEST(Planner, DoesNotFitNamesTheMinimumAndHowToGetThere) {
   plan::PlanRequest request;
   request.model = tiny_spec();

@@ -332,7 +332,7 @@ TEST(ClipTraining, ResumedRunEndsWithIdenticalWeights) {
 TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {
   auto config = segmentation_config("/tmp/framefit_segmentation");
   config.train.epochs = 30;
-  config.train.budget = 5 << 20;  // small enough that the planner chooses the batch
+  config.train.budget = 4 << 20;  // small enough that the planner chooses the batch
   config.data.prefetch_bytes = 512 << 10;
   std::vector<std::string> infos, warnings;
   const auto result = train::train(config, "", [&](const train::Event& e) {

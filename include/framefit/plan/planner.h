@@ -112,7 +112,9 @@ struct BatchCosts {
   std::vector<engine::StageCost> per_sample;
   int64_t max_segment_stages = 0;  // plan_chain's limit (1 for a UNet)
   std::vector<engine::StageCost> at(int64_t batch) const;
-  // Through measurements at batches b1 < b2 (each clamped at zero).
+  // Through measurements at batches b1 < b2, never below them: a cost that falls from b1 to b2
+  // stays at its b1 value, one that grows faster than proportionally follows the line through
+  // (0, 0) and its b2 value.
   static BatchCosts through(int64_t b1, const std::vector<engine::StageCost>& c1, int64_t b2,
                             const std::vector<engine::StageCost>& c2);
 };
