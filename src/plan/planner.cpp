@@ -345,33 +345,30 @@ BatchCosts BatchCosts::through(int64_t b1, const std::vector<engine::StageCost>&
               "BatchCosts::through: two measurements at "
               "different batches of the same stages");
   BatchCosts costs;
-  const double db = static_cast<double>(b2 - b1);
+  const auto n1 = static_cast<double>(b1);
+  const auto n2 = static_cast<double>(b2);
+  const auto line = [&](double y1, double y2) {
+    auto l = Linear::through(n1, y1, n2, y2);
+    if (l.slope < 0) l = Linear{y1, 0.0};  // falling: the smaller batch's (larger) value
+    // Faster than proportional growth between the two (a convolution algorithm with a workspace
+    // chosen from some batch on): the line through the larger measurement and zero, so the
+    // model gives what was measured there instead of overshooting it.
+    if (l.intercept < 0) l = Linear{0.0, y2 / n2};
+    return l;
+  };
+  const auto bytes = [&](int64_t y1, int64_t y2, int64_t& slope, int64_t& intercept) {
+    const auto l = line(static_cast<double>(y1), static_cast<double>(y2));
+    slope = static_cast<int64_t>(std::ceil(l.slope));
+    intercept = static_cast<int64_t>(std::ceil(l.intercept));
+  };
   for (size_t i = 0; i < c1.size(); ++i) {
     engine::StageCost slope, intercept;
-    const auto line = [&](double y1, double y2, double& s, double& c) {
-      s = std::max(0.0, (y2 - y1) / db);
-      c = y1 - s * static_cast<double>(b1);
-      if (c < 0) {
-        // Faster than proportional growth between the two (a convolution algorithm with a
-        // workspace chosen from some batch on): the line through the larger measurement and
-        // zero, so the model gives what was measured there instead of overshooting it.
-        s = y2 / static_cast<double>(b2);
-        c = 0;
-      }
-    };
-    double s = 0, c = 0;
-    line(static_cast<double>(c1[i].kept_bytes), static_cast<double>(c2[i].kept_bytes), s, c);
-    slope.kept_bytes = static_cast<int64_t>(std::ceil(s));
-    intercept.kept_bytes = static_cast<int64_t>(std::ceil(c));
-    line(static_cast<double>(c1[i].output_bytes), static_cast<double>(c2[i].output_bytes), s, c);
-    slope.output_bytes = static_cast<int64_t>(std::ceil(s));
-    intercept.output_bytes = static_cast<int64_t>(std::ceil(c));
-    line(static_cast<double>(c1[i].peak_bytes), static_cast<double>(c2[i].peak_bytes), s, c);
-    slope.peak_bytes = static_cast<int64_t>(std::ceil(s));
-    intercept.peak_bytes = static_cast<int64_t>(std::ceil(c));
-    line(c1[i].seconds, c2[i].seconds, s, c);
-    slope.seconds = s;
-    intercept.seconds = c;
+    bytes(c1[i].kept_bytes, c2[i].kept_bytes, slope.kept_bytes, intercept.kept_bytes);
+    bytes(c1[i].output_bytes, c2[i].output_bytes, slope.output_bytes, intercept.output_bytes);
+    bytes(c1[i].peak_bytes, c2[i].peak_bytes, slope.peak_bytes, intercept.peak_bytes);
+    const auto seconds = line(c1[i].seconds, c2[i].seconds);
+    slope.seconds = seconds.slope;
+    intercept.seconds = seconds.intercept;
     costs.per_sample.push_back(slope);
     costs.fixed.push_back(intercept);
   }
