@@ -330,6 +330,7 @@ int plan_config(const Args& args) {
                           {"batch", plan.batch},
                           {"largest_batch", plan.largest_batch},
                           {"samples", plan.samples},
+                          {"accumulate", plan.accumulate},
                           {"input", plan.input},
                           {"precision", engine::to_string(plan.precision)},
                           {"recomputed_stages", std::count(flags.begin(), flags.end(), true)},

@@ -60,12 +60,10 @@ SegmentationDataset::SegmentationDataset(const std::string& images_dir,
   TORCH_CHECK(!items_.empty(), "segmentation data: no images in ", images_dir);
 }
 
-std::pair<torch::Tensor, torch::Tensor> SegmentationDataset::load(int64_t i) const {
+torch::Tensor SegmentationDataset::mask(int64_t i) const {
   const auto& item = items_.at(static_cast<size_t>(i));
   const int64_t h = options_.size > 0 ? options_.size : item.height;
   const int64_t w = options_.size > 0 ? options_.size : item.width;
-  auto image = torch::empty({3, h, w}, torch::kUInt8);
-  read_image(item.image, image);
   // Masks are read at their own size and resized by nearest neighbour: class ids never blend.
   auto mask_rgb = torch::empty({3, item.height, item.width}, torch::kUInt8);
   read_image(item.mask, mask_rgb);
@@ -83,7 +81,16 @@ std::pair<torch::Tensor, torch::Tensor> SegmentationDataset::load(int64_t i) con
   TORCH_CHECK(largest < options_.classes, "segmentation data: mask ", item.mask, " has class id ",
               largest, " but there are ", options_.classes, " classes (ids 0..",
               options_.classes - 1, ")");
-  return {image, mask};
+  return mask;
+}
+
+std::pair<torch::Tensor, torch::Tensor> SegmentationDataset::load(int64_t i) const {
+  const auto& item = items_.at(static_cast<size_t>(i));
+  const int64_t h = options_.size > 0 ? options_.size : item.height;
+  const int64_t w = options_.size > 0 ? options_.size : item.width;
+  auto image = torch::empty({3, h, w}, torch::kUInt8);
+  read_image(item.image, image);
+  return {image, mask(i)};
 }
 
 std::pair<torch::Tensor, torch::Tensor> SegmentationDataset::batch(

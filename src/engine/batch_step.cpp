@@ -24,12 +24,29 @@ BatchTrainingStep::BatchTrainingStep(ChainNetwork network,
   for (const auto& p : network_.module->parameters()) {
     if (p.requires_grad()) parameters_.push_back(p);
   }
+  if (options_.class_weights.defined()) {
+    TORCH_CHECK(options_.class_weights.dim() == 1 && options_.class_weights.size(0) >= 2,
+                "class_weights must be [C], one weight per class, got ",
+                options_.class_weights.sizes());
+    TORCH_CHECK(options_.class_weights.min().item<double>() >= 0 &&
+                    options_.class_weights.sum().item<double>() > 0,
+                "class_weights must be non-negative and not all zero");
+    weights_ = options_.class_weights.to(options_.device);
+  }
 }
 
 double BatchTrainingStep::accumulate_gradients(const torch::Tensor& samples,
                                                const torch::Tensor& labels) {
   const int64_t batch = samples.size(0);
   const int64_t parts = std::min(options_.micro_batches, batch);
+  // Each micro-batch's summed loss is divided by the whole batch's label count (or weight), so
+  // the micro-batches' gradients add up to those of the batch's mean.
+  const double denominator = weights_.defined() ? weights_.cpu()
+                                                      .to(torch::kDouble)
+                                                      .index_select(0, labels.flatten().cpu())
+                                                      .sum()
+                                                      .item<double>()
+                                                : static_cast<double>(labels.numel());
   double loss_sum = 0;
   int64_t begin = 0;
   for (int64_t part = 0; part < parts; ++part) {
@@ -42,12 +59,12 @@ double BatchTrainingStep::accumulate_gradients(const torch::Tensor& samples,
     {
       AutocastGuard autocast(options_.device, options_.precision);
       const auto logits = network_.forward(x, options_.segments);
-      // Weighted by the micro-batch's share, so the summed gradients are the whole batch's mean.
       // Reduced-precision logits go to float32 for the loss; float64 stays (exactness tests).
       const auto scores =
           logits.scalar_type() == torch::kDouble ? logits : logits.to(torch::kFloat32);
-      loss = torch::nn::functional::cross_entropy(scores, y) *
-             (static_cast<double>(count) / static_cast<double>(batch));
+      auto loss_options = torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum);
+      if (weights_.defined()) loss_options.weight(weights_.to(scores.options()));
+      loss = torch::nn::functional::cross_entropy(scores, y, loss_options) / denominator;
     }
     scaler_.scale(loss).backward();
     loss_sum += loss.item<double>();
@@ -61,6 +78,12 @@ BatchStepReport BatchTrainingStep::step(const torch::Tensor& samples, const torc
   TORCH_CHECK(labels.scalar_type() == torch::kLong && labels.size(0) == samples.size(0),
               "a batch step needs int64 labels with one entry per sample: ", samples.size(0),
               " samples, labels ", labels.sizes(), " ", labels.scalar_type());
+  if (weights_.defined()) {
+    const auto [low, high] = torch::aminmax(labels);
+    TORCH_CHECK(low.item<int64_t>() >= 0 && high.item<int64_t>() < weights_.size(0),
+                "a batch step with ", weights_.size(0), " class weights got labels from ",
+                low.item<int64_t>(), " to ", high.item<int64_t>());
+  }
   const auto start = std::chrono::steady_clock::now();
   auto& tracker = memory::Tracker::of(options_.device);
   auto window = tracker.mark();

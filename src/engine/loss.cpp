@@ -51,4 +51,11 @@ torch::Tensor phase_loss(const torch::Tensor& logits_in, const torch::Tensor& la
   return total;
 }
 
+torch::Tensor inverse_frequency_weights(const torch::Tensor& counts) {
+  TORCH_CHECK(counts.dim() == 1 && counts.numel() > 0,
+              "inverse_frequency_weights: counts must be [C], got ", counts.sizes());
+  const auto c = counts.to(torch::kDouble);
+  return (c.sum() / (c.clamp_min(1) * c.numel())).to(torch::kFloat32);
+}
+
 }  // namespace framefit::engine

@@ -343,16 +343,19 @@ const std::vector<Entry>& entries() {
     t.push_back(field<std::string>("train.keep", "chunks whose graph is kept: auto or a count",
                                    FRAMEFIT_MEMBER(std::string, train.keep), "auto or a count",
                                    auto_or_count()));
-    t.push_back(field<int64_t>("train.accumulate", "videos per optimizer step (gradients averaged)",
+    t.push_back(field<int64_t>("train.accumulate",
+                               "videos (phases) or batches (clips, segmentation) per optimizer "
+                               "step, gradients averaged",
                                FRAMEFIT_MEMBER(int64_t, train.accumulate), "an integer",
                                at_least(1)));
     t.push_back(field<double>("train.clip_grad_norm", "clip the gradient norm; 0: off",
                               FRAMEFIT_MEMBER(double, train.clip_grad_norm), "a number",
                               non_negative()));
-    t.push_back(field<double>("train.smoothing", "MS-TCN smoothing loss weight; 0: off",
+    t.push_back(field<double>("train.smoothing", "phases: MS-TCN smoothing loss weight; 0: off",
                               FRAMEFIT_MEMBER(double, train.smoothing), "a number",
                               non_negative()));
-    t.push_back(field<bool>("train.class_weights", "weight the loss by inverse class frequency",
+    t.push_back(field<bool>("train.class_weights",
+                            "weight the loss by inverse class frequency (frames, clips or pixels)",
                             FRAMEFIT_MEMBER(bool, train.class_weights), "true or false"));
     t.push_back(field<uint64_t>("train.seed", "initialisation, data order and augmentation",
                                 FRAMEFIT_MEMBER(uint64_t, train.seed), "a non-negative integer"));

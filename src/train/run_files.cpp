@@ -178,6 +178,19 @@ void read_resume_state(torch::serialize::InputArchive& archive, torch::optim::Op
   set_generator_state(rng);
 }
 
+std::string describe_class_weights(const torch::Tensor& weights,
+                                   const std::vector<std::string>& names) {
+  const auto w = weights.to(torch::kDouble).cpu();
+  std::string out;
+  for (int64_t c = 0; c < w.numel(); ++c) {
+    char value[32];
+    std::snprintf(value, sizeof(value), "%.3g", w[c].item<double>());
+    out +=
+        (c ? ", " : "") + (c < static_cast<int64_t>(names.size()) ? names[c] : "?") + " " + value;
+  }
+  return out;
+}
+
 engine::OptimizerOptions optimizer_options(const TrainConfig& train) {
   engine::OptimizerOptions options;
   options.kind = train.optimizer;

@@ -72,6 +72,10 @@ void read_resume_state(torch::serialize::InputArchive& archive, torch::optim::Op
 
 engine::OptimizerOptions optimizer_options(const TrainConfig& train);
 
+// train.class_weights for the log: "name weight, ..." in class order.
+std::string describe_class_weights(const torch::Tensor& weights,
+                                   const std::vector<std::string>& names);
+
 // A run's length and learning-rate schedule for `steps_per_epoch` optimizer steps per epoch.
 struct RunLength {
   int64_t steps_per_epoch = 1;

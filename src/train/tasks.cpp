@@ -130,6 +130,21 @@ class TaskData {
     return out;
   }
 
+  // Training labels per class [C]: clips per label, or mask pixels per class (each mask read
+  // once; one that fails to read is passed over under data.on_error skip), for class weights.
+  torch::Tensor class_counts(int64_t classes) const {
+    if (videos_) return torch::tensor(index_->label_counts(classes), torch::kLong);
+    auto counts = torch::zeros({classes}, torch::kLong);
+    for (int64_t i = 0; i < units(); ++i) {
+      try {
+        counts += torch::bincount(images_->mask(i).flatten(), {}, classes);
+      } catch (const c10::Error&) {
+        if (!skip_bad_) throw;
+      }
+    }
+    return counts;
+  }
+
   int64_t unit_bytes(int64_t unit) const {
     if (videos_) return videos_->frame_bytes(unit);
     const auto& shape = sample_shape();
@@ -352,6 +367,15 @@ PhaseMetrics evaluate_data(BatchModel& model, const TaskData& data, const EventC
   return confusion.metrics();
 }
 
+// train.* keys that are for phases only, or out of range, before any data is read.
+void check_train_settings(const Config& config) {
+  const auto& tc = config.train;
+  TORCH_CHECK(tc.smoothing == 0, "train.smoothing ", tc.smoothing,
+              " is MS-TCN's smoothing between consecutive frames, for task phases; task ",
+              config.task, " has no frame sequence to smooth: set train.smoothing to 0");
+  TORCH_CHECK(tc.accumulate >= 1, "train.accumulate must be at least 1, got ", tc.accumulate);
+}
+
 // The batch and checkpointing for `config` on `data`'s samples: calibrated on a probe copy
 // before the trained model exists (calibration runs forward passes that move BatchNorm
 // statistics and the random generator, which must not touch the run).
@@ -365,6 +389,7 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
   BatchTaskPlan plan;
   plan.input = input;
   plan.samples = data.samples();
+  plan.accumulate = tc.accumulate;
   plan.precision = batch_precision(config);
   plan.budget_bytes = budget;
   plan.step_budget_bytes = step_budget;
@@ -382,10 +407,12 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
     return plan;
   }
   plan.planned = true;
-  // Per sample: the stored uint8 sample, its float input and its int64 label(s).
+  // Per sample of a batch: the stored uint8 samples and int64 label(s) of the optimizer step's
+  // train.accumulate batches, and the float input of the batch being run.
   int64_t sample_bytes = 1;
   for (int64_t size : input) sample_bytes *= size;
   const int64_t label_bytes = config.task == "clips" ? 8 : 8 * input[1] * input[2];
+
   const auto costs = plan::calibrate_batch(
       probe.network,
       [&](int64_t b) {
@@ -393,7 +420,8 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
         shape.insert(shape.end(), input.begin(), input.end());
         return torch::randn(shape, torch::TensorOptions().device(device));
       },
-      plan.static_bytes, sample_bytes * (1 + 4) + label_bytes, step_budget, device, plan.precision);
+      plan.static_bytes, (sample_bytes + label_bytes) * plan.accumulate + sample_bytes * 4,
+      step_budget, device, plan.precision);
   const bool may_checkpoint = tc.checkpointing != "off";
   if (fixed_batch) {
     plan.batch = plan.largest_batch = *fixed_batch;
@@ -585,6 +613,13 @@ std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t bud
     add(Severity::Error, "data.classes lists " + std::to_string(classes) + " classes",
         "list at least two class names in label order");
   }
+  if (config.train.smoothing != 0) {
+    add(Severity::Error,
+        c10::str("train.smoothing ", config.train.smoothing,
+                 " smooths consecutive frames (MS-TCN), for task phases; task ", config.task,
+                 " has no frame sequence"),
+        "set train.smoothing to 0");
+  }
   int64_t parameters = 0, buffer_bytes = 0;
   const int64_t side = config.data.crop > 0 ? config.data.crop : config.data.resize;
   if (kind == "r3d_18" || kind == "r2plus1d_18") {
@@ -658,22 +693,25 @@ std::string BatchTaskPlan::describe() const {
                     ": one sample needs at least ", memory::format_bytes(minimum_bytes_one_sample),
                     " with every stage recomputed; raise train.budget or shrink the input");
   }
+  const std::string accumulated =
+      accumulate > 1 ? c10::str(" (", accumulate, " per optimizer step)") : std::string();
   if (!planned) {
-    return c10::str("settings: batch ", batch, ", checkpointing ", checkpointing, " (", count,
-                    " of ", recompute.size(),
+    return c10::str("settings: batch ", batch, accumulated, ", checkpointing ", checkpointing, " (",
+                    count, " of ", recompute.size(),
                     " stages recomputed; fixed by the config, not planned)");
   }
   return c10::str(
-      "plan: batch ", batch, ", ", count, " of ", recompute.size(), " stages recomputed, ",
-      engine::to_string(precision), ", predicted peak ", memory::format_bytes(predicted_peak_bytes),
-      " of ", memory::format_bytes(step_budget_bytes), " (budget ",
-      memory::format_bytes(budget_bytes), " less prefetch): static ",
+      "plan: batch ", batch, accumulated, ", ", count, " of ", recompute.size(),
+      " stages recomputed, ", engine::to_string(precision), ", predicted peak ",
+      memory::format_bytes(predicted_peak_bytes), " of ", memory::format_bytes(step_budget_bytes),
+      " (budget ", memory::format_bytes(budget_bytes), " less prefetch): static ",
       memory::format_bytes(static_bytes), ", inputs ", memory::format_bytes(input_bytes),
       ", activations ", memory::format_bytes(activation_bytes));
 }
 
 BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_event) {
   TORCH_CHECK(is_batch_task(config), "plan_batch_task is for task clips or segmentation");
+  check_train_settings(config);
   TaskData data(config, config.data.train_split, true, on_event);
   TORCH_CHECK(data.samples() > 0, "no training samples in split \"", config.data.train_split, "\"");
   const torch::Device device(config.device);
@@ -691,6 +729,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   };
   auto info = [&](const std::string& message) { emit(Event::note(Event::Kind::Info, message)); };
   const auto& tc = config.train;
+  check_train_settings(config);
   const std::string out_dir = tc.out_dir;
   const std::string checkpoint_dir = out_dir + "/checkpoints";
   make_directories(checkpoint_dir);
@@ -750,8 +789,16 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   options.device = device;
   options.precision = progress.precision;
   options.segments = progress.segments;
-  options.micro_batches = progress.micro_batches;
+  // The train.accumulate batches of an optimizer step run as micro-batches of the step.
+  options.micro_batches = progress.micro_batches * tc.accumulate;
   options.clip_grad_norm = tc.clip_grad_norm;
+  if (tc.class_weights) {
+    const auto counts = train_set.class_counts(model.classes.size());
+    options.class_weights = engine::inverse_frequency_weights(counts);
+    info("class weights (inverse frequency over the training " +
+         std::string(config.task == "clips" ? "clips" : "pixels") +
+         "): " + describe_class_weights(options.class_weights, model.classes.names()));
+  }
   options.to_input = [&model](const torch::Tensor& samples) { return batch_input(model, samples); };
   engine::BatchTrainingStep step(model.network, optimizer, options);
 
@@ -763,7 +810,8 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     read_resume_state(*resumed, *optimizer, step.scaler());
   }
 
-  const auto run = run_length(tc, (train_set.samples() + progress.batch - 1) / progress.batch);
+  const int64_t step_samples = progress.batch * tc.accumulate;
+  const auto run = run_length(tc, (train_set.samples() + step_samples - 1) / step_samples);
   const int64_t total_steps = run.total_steps;
   const int64_t epochs = run.epochs;
   const auto& schedule = run.schedule;
@@ -814,7 +862,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     double loss_sum = 0;
     int64_t loss_count = 0;
     while (!stream.done() && progress.step < total_steps) {
-      auto batch = stream.next(progress.batch);
+      auto batch = stream.next(step_samples);
       progress.position = stream.position();
       progress.skipped += batch.skipped_units;
       for (const auto& w : batch.warnings) emit(Event::note(Event::Kind::Warning, w));
@@ -827,7 +875,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
       // A step that ran out of memory was retried with more recomputation or micro-batches:
       // later steps and checkpoints (so a resumed run) keep them.
       progress.segments = step.options().segments;
-      progress.micro_batches = step.options().micro_batches;
+      progress.micro_batches = (step.options().micro_batches + tc.accumulate - 1) / tc.accumulate;
       for (const auto& r : report.replans) emit(Event::note(Event::Kind::Warning, r));
       loss_sum += report.loss;
       ++loss_count;

@@ -558,9 +558,10 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     for (int64_t i = 0; i < train_set.size(); ++i) {
       counts += torch::bincount(train_set.labels(i), {}, model.classes.size()).to(torch::kDouble);
     }
-    options.loss.class_weights = (counts.sum() / (counts.clamp_min(1) * model.classes.size()))
-                                     .to(torch::kFloat32)
-                                     .to(device);
+    const auto weights = engine::inverse_frequency_weights(counts);
+    info("class weights (inverse frequency over the training frames): " +
+         describe_class_weights(weights, model.classes.names()));
+    options.loss.class_weights = weights.to(device);
   }
   auto encoder = model.frame_encoder();
   auto parameters = encoder.parameters;

@@ -10,8 +10,10 @@
 #include "test_util.h"
 
 #include "framefit/data/demo.h"
+#include "framefit/data/segmentation.h"
 #include "framefit/engine/batch_step.h"
 #include "framefit/engine/checkpoint.h"
+#include "framefit/engine/loss.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/network.h"
 #include "framefit/train/config.h"
@@ -115,6 +117,37 @@ TEST(BatchStep, OutOfMemoryRetriesWithRecomputeThenMicroBatches) {
   EXPECT_LT(largest_difference(reference.gradients, retried.gradients), 1e-12);
   // Too small for even one sample with everything recomputed: the error comes through.
   EXPECT_THROW(run_step(plain, 4 * 1024), c10::Error);
+}
+
+TEST(BatchStep, ClassWeightsGiveTheWeightedMeanWhateverTheMicroBatches) {
+  engine::BatchStepOptions weighted;
+  weighted.class_weights = torch::tensor({0.5, 2.0, 1.0, 3.0}, torch::kDouble);
+  const auto gradients = run_step(weighted).gradients;
+  // PyTorch's weighted cross-entropy over the whole batch, as run_step draws it.
+  auto network = small_network();
+  torch::manual_seed(7);
+  const auto x = torch::randn({6, 3, 12, 12}, torch::kDouble);
+  const auto y = torch::randint(0, 4, {6}, torch::kLong);
+  torch::nn::functional::cross_entropy(
+      network->forward(x), y,
+      torch::nn::functional::CrossEntropyFuncOptions().weight(weighted.class_weights))
+      .backward();
+  std::vector<torch::Tensor> reference;
+  for (const auto& p : network->parameters()) reference.push_back(p.grad());
+  EXPECT_LT(largest_difference(reference, gradients), 1e-12);
+  engine::BatchStepOptions micro = weighted;
+  micro.micro_batches = 4;  // 2, 2, 1, 1 samples: each divided by the whole batch's weight
+  EXPECT_LT(largest_difference(reference, run_step(micro).gradients), 1e-12);
+  EXPECT_GT(largest_difference(reference, run_step({}).gradients), 1e-6) << "weights must matter";
+
+  auto small = small_network();
+  auto optimizer =
+      std::make_shared<torch::optim::SGD>(small->parameters(), torch::optim::SGDOptions(0.0));
+  engine::BatchTrainingStep step(engine::chain_network(small.ptr()), optimizer, weighted);
+  EXPECT_NE(test_util::error_message([&] {
+              step.step(x, torch::tensor({0, 1, 2, 3, 4, 1}, torch::kLong));
+            }).find("4 class weights got labels from 0 to 4"),
+            std::string::npos);
 }
 
 TEST(TaskConfig, KeysAndMismatchesAreNamed) {
@@ -281,6 +314,18 @@ train::Config segmentation_config(const std::string& name) {
   return c;
 }
 
+// The tracked peaks of a run's steps, from its log.jsonl.
+std::vector<int64_t> step_peaks(const std::string& out_dir) {
+  std::ifstream log(out_dir + "/log.jsonl");
+  std::vector<int64_t> peaks;
+  for (std::string line; std::getline(log, line);) {
+    const auto at = line.find("\"peak_bytes\":");
+    if (line.find("\"type\":\"step\"") == std::string::npos || at == std::string::npos) continue;
+    peaks.push_back(std::stoll(line.substr(at + 13)));
+  }
+  return peaks;
+}
+
 std::vector<torch::Tensor> checkpoint_weights(const std::string& path) {
   std::vector<torch::Tensor> out;
   const auto model = train::load_batch_model(path);
@@ -329,6 +374,54 @@ TEST(ClipTraining, ResumedRunEndsWithIdenticalWeights) {
   test_util::remove_tree(first.train.out_dir);
 }
 
+TEST(ClipTraining, AccumulatedBatchesTrainAsOneBatchOfTheirSamples) {
+  // Without BatchNorm, two accumulated batches of 2 give the gradients of one batch of 4: the
+  // same steps, the same weights (up to float32 summation order), class weights included.
+  auto one = clips_config("/tmp/framefit_clips_accumulate_a");
+  one.model.layers[1].type = "relu";
+  one.train.optimizer = "sgd";
+  one.train.lr = 0.05;
+  one.train.epochs = 1;
+  one.train.batch = "4";
+  one.train.class_weights = true;
+  std::vector<std::string> infos;
+  const auto a = train::train(one, "", [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Info) infos.push_back(e.message);
+  });
+  bool logged = false;
+  for (const auto& m : infos)
+    logged = logged || m.rfind("class weights (inverse frequency over the training clips)", 0) == 0;
+  EXPECT_TRUE(logged);
+  auto two = clips_config("/tmp/framefit_clips_accumulate_b");
+  two.model.layers = one.model.layers;
+  two.train.optimizer = one.train.optimizer;
+  two.train.lr = one.train.lr;
+  two.train.epochs = 1;
+  two.train.batch = "2";
+  two.train.accumulate = 2;
+  two.train.class_weights = true;
+  const auto b = train::train(two);
+  EXPECT_EQ(a.steps, b.steps);
+  EXPECT_GE(a.steps, 3);
+  const auto wa = checkpoint_weights(a.last_checkpoint);
+  const auto wb = checkpoint_weights(b.last_checkpoint);
+  ASSERT_EQ(wa.size(), wb.size());
+  for (size_t i = 0; i < wa.size(); ++i)
+    EXPECT_TRUE(torch::allclose(wa[i], wb[i], 1e-4, 1e-6)) << "tensor " << i;
+  // ... in the memory of one batch of 2: each step's peak below the batch of 4's.
+  const auto peaks_a = step_peaks(one.train.out_dir), peaks_b = step_peaks(two.train.out_dir);
+  ASSERT_EQ(peaks_a.size(), peaks_b.size());
+  EXPECT_LT(*std::max_element(peaks_b.begin(), peaks_b.end()),
+            *std::max_element(peaks_a.begin(), peaks_a.end()));
+  // Smoothing is for frame sequences: an error, not silently ignored.
+  auto smoothed = clips_config("/tmp/framefit_clips_accumulate_c");
+  smoothed.train.smoothing = 0.15;
+  EXPECT_NE(test_util::error_message([&] { train::train(smoothed); }).find("train.smoothing 0.15"),
+            std::string::npos);
+  EXPECT_TRUE(plan::has_errors(train::diagnose_batch_task(smoothed, 0)));
+  for (const auto* c : {&one, &two, &smoothed}) test_util::remove_tree(c->train.out_dir);
+}
+
 TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {
   auto config = segmentation_config("/tmp/framefit_segmentation");
   config.train.epochs = 30;
@@ -348,15 +441,9 @@ TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {
   EXPECT_EQ(plan.find(" 0 of "), std::string::npos) << plan;
   // No step needed a retry, and every step's measured peak stayed in the budget.
   EXPECT_TRUE(warnings.empty()) << warnings.front();
-  std::ifstream log(config.train.out_dir + "/log.jsonl");
-  int steps = 0;
-  for (std::string line; std::getline(log, line);) {
-    const auto at = line.find("\"peak_bytes\":");
-    if (line.find("\"type\":\"step\"") == std::string::npos || at == std::string::npos) continue;
-    ++steps;
-    EXPECT_LE(std::stoll(line.substr(at + 13)), config.train.budget) << line;
-  }
-  EXPECT_EQ(steps, result.steps);
+  const auto peaks = step_peaks(config.train.out_dir);
+  for (const auto peak : peaks) EXPECT_LE(peak, config.train.budget);
+  EXPECT_EQ(static_cast<int64_t>(peaks.size()), result.steps);
   ASSERT_TRUE(result.validated);
   // Per pixel: 4 validation images of 32 x 32; better than calling everything background.
   EXPECT_EQ(result.best.frames, 4 * 32 * 32);
@@ -379,8 +466,30 @@ def forward(self, x):
     return torch.conv2d(torch.relu(torch.conv2d(x, self.w1, None, [1, 1], [1, 1])), self.w2)
 )");
   config.train.batch = "4";
-  const auto result = train::train(config);
+  config.train.class_weights = true;
+  std::string weights_line;
+  const auto result = train::train(config, "", [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Info && e.message.rfind("class weights", 0) == 0)
+      weights_line = e.message;
+  });
   ASSERT_TRUE(result.validated);
+  // Class weights from the training masks' pixels: the background, most pixels, weighs least.
+  data::SegmentationOptions options;
+  options.classes = static_cast<int64_t>(config.data.classes.size());
+  const data::SegmentationDataset masks(tiny_data() + "/segmentation/train/images",
+                                        tiny_data() + "/segmentation/train/masks", options);
+  auto counts = torch::zeros({options.classes}, torch::kLong);
+  for (int64_t i = 0; i < masks.size(); ++i)
+    counts += torch::bincount(masks.mask(i).flatten(), {}, options.classes);
+  const auto weights = engine::inverse_frequency_weights(counts);
+  EXPECT_LT(weights[0].item<double>(), 1.0);
+  char expected[64];
+  std::snprintf(expected, sizeof(expected), "%s %.3g, %s %.3g", config.data.classes[0].c_str(),
+                weights[0].item<double>(), config.data.classes[1].c_str(),
+                weights[1].item<double>());
+  EXPECT_NE(weights_line.find(std::string("over the training pixels): ") + expected),
+            std::string::npos)
+      << weights_line << " vs " << expected;
   std::remove(config.model.script.c_str());
   auto model = train::load_batch_model(result.best_checkpoint);
   const auto again = train::evaluate_batch(model, "val");

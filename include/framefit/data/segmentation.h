@@ -27,6 +27,8 @@ class SegmentationDataset {
   // Image [3,H,W] uint8 and mask [H,W] int64. A class id outside [0, classes) is an error naming
   // the mask file and the value.
   std::pair<torch::Tensor, torch::Tensor> load(int64_t i) const;
+  // The mask alone [H,W] int64, as load() gives it (e.g. to count pixels per class).
+  torch::Tensor mask(int64_t i) const;
   // A batch of samples: images [N,3,H,W] uint8, masks [N,H,W] int64 (same size required).
   std::pair<torch::Tensor, torch::Tensor> batch(const std::vector<int64_t>& indices) const;
 

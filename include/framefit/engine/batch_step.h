@@ -25,7 +25,11 @@ struct BatchStepOptions {
   // BatchNorm (statistics per micro-batch).
   int64_t micro_batches = 1;
   double clip_grad_norm = 0;  // 0: no clipping
-  LossScalerOptions scaler;   // used with Precision::FP16 only
+  // [C], optional: the loss is the weighted mean over the whole batch (sum of weight x loss over
+  // samples or pixels, divided by the sum of their labels' weights), as PyTorch's weighted
+  // cross-entropy, whatever the micro-batches.
+  torch::Tensor class_weights;
+  LossScalerOptions scaler;  // used with Precision::FP16 only
   bool retry_on_out_of_memory = true;
   // Stored samples (uint8 clips or images) to network input on the device, one micro-batch at
   // a time; unset: the samples are the input.
@@ -33,7 +37,7 @@ struct BatchStepOptions {
 };
 
 struct BatchStepReport {
-  double loss = 0;  // mean over the batch's samples (or pixels)
+  double loss = 0;  // mean over the batch's samples (or pixels), weighted by class_weights
   int64_t samples = 0;
   bool optimizer_stepped = false;
   bool overflow_skipped = false;
@@ -61,6 +65,7 @@ class BatchTrainingStep {
   BatchStepOptions options_;
   LossScaler scaler_;
   std::vector<torch::Tensor> parameters_;
+  torch::Tensor weights_;  // class_weights on the device
   double accumulate_gradients(const torch::Tensor& samples, const torch::Tensor& labels);
 };
 

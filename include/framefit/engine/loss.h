@@ -18,4 +18,9 @@ struct PhaseLossOptions {
 torch::Tensor phase_loss(const torch::Tensor& logits, const torch::Tensor& labels,
                          const PhaseLossOptions& options = {});
 
+// Class weights from the training labels' counts per class [C]: total / (count x C), so a class
+// at the average frequency weighs 1 and a rare one more; a class that never occurs counts as 1.
+// Float32 on the CPU.
+torch::Tensor inverse_frequency_weights(const torch::Tensor& counts);
+
 }  // namespace framefit::engine

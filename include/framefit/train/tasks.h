@@ -62,13 +62,15 @@ struct BatchTaskPlan {
   int64_t batch = 0;           // 0: not even one sample fits
   int64_t largest_batch = 0;   // what the budget fits, before the cap
   int64_t samples = 0;         // training samples
+  int64_t accumulate = 1;      // batches per optimizer step (train.accumulate), run one by one
   std::vector<int64_t> input;  // per sample
   engine::Precision precision = engine::Precision::FP32;
   std::string checkpointing;
   std::vector<engine::ChainSegment> segments;  // what to recompute (engine/checkpoint.h)
   int64_t budget_bytes = 0, step_budget_bytes = 0;
-  // Predicted peak = static (parameters, buffers, gradients, optimizer state) + inputs (stored,
-  // converted, labels) + activations (the chain plan's); 0 when not planned.
+  // Predicted peak = static (parameters, buffers, gradients, optimizer state) + inputs (stored
+  // samples and labels of the accumulated batches, the float input of one) + activations (the
+  // chain plan's); 0 when not planned.
   int64_t static_bytes = 0, input_bytes = 0, activation_bytes = 0, predicted_peak_bytes = 0;
   int64_t minimum_bytes_one_sample = 0;  // with everything recomputed
   std::string describe() const;          // one line, as `framefit train` logs it
