@@ -294,7 +294,7 @@ namespace {
 // nothing: BatchNorm statistics are restored, the random stream replayed, and gradients are
 // returned (torch::autograd::grad), not accumulated.
 StageCost measure_stage(const MultiStage& stage, const std::vector<torch::Tensor>& inputs,
-                        torch::Tensor& output) {
+                        torch::Tensor& output, bool held_gradient) {
   auto& tracker = memory::Tracker::of(inputs.front().device());
   torch::AutoGradMode grad_mode(true);
   const auto rng = detail::RngState::capture(inputs.front().device());
@@ -311,15 +311,26 @@ StageCost measure_stage(const MultiStage& stage, const std::vector<torch::Tensor
   detail::RngReplay replay(rng);
   detail::BufferSnapshot snapshot(stage.buffers);
   auto window = tracker.mark();
+  // As a stored stage in training: gradients only for the inputs that need one (not the
+  // network's input). Unless `held_gradient`, the output is released before backward (only what
+  // the graph saved of it stays) and the incoming gradient freed once the stage's last operation
+  // has used it: it comes as the product's gradient, whose factor only the graph holds.
   std::vector<torch::Tensor> alone, wrt;
   for (const auto& x : inputs) {
     alone.push_back(x.detach());
-    if (x.is_floating_point()) wrt.push_back(alone.back().requires_grad_(true));
+    if (x.requires_grad()) wrt.push_back(alone.back().requires_grad_(true));
   }
   wrt.insert(wrt.end(), stage.parameters.begin(), stage.parameters.end());
   auto y = stage.forward(alone);
   if (!wrt.empty() && y.requires_grad()) {
-    torch::autograd::grad({y}, wrt, {torch::ones_like(y)}, false, false, /*allow_unused=*/true);
+    if (held_gradient) {
+      torch::autograd::grad({y}, wrt, {torch::ones_like(y)}, false, false, /*allow_unused=*/true);
+    } else {
+      auto seeded = (y * torch::ones_like(y)).sum();
+      y.reset();
+      grad_releasing_output(std::move(seeded), torch::ones_like(seeded), wrt);
+      cost.held_gradient_bytes = cost.output_bytes;
+    }
   }
   cost.peak_bytes = window.peak_bytes() - window.entry_bytes();
   return cost;
@@ -334,7 +345,7 @@ std::vector<StageCost> measure_stages(const std::vector<Stage>& stages,
   auto x = input;
   for (const auto& stage : stages) {
     torch::Tensor y;
-    costs.push_back(measure_stage(as_multi(stage), {x}, y));
+    costs.push_back(measure_stage(as_multi(stage), {x}, y, /*held_gradient=*/false));
     outputs.push_back(y);
     x = y;
   }
@@ -347,6 +358,8 @@ std::vector<StageCost> scale_costs(const std::vector<StageCost>& costs, double f
     c.kept_bytes = static_cast<int64_t>(static_cast<double>(c.kept_bytes) * factor);
     c.output_bytes = static_cast<int64_t>(static_cast<double>(c.output_bytes) * factor);
     c.peak_bytes = static_cast<int64_t>(static_cast<double>(c.peak_bytes) * factor);
+    c.held_gradient_bytes =
+        static_cast<int64_t>(static_cast<double>(c.held_gradient_bytes) * factor);
     c.seconds *= factor;
   }
   return scaled;
@@ -385,14 +398,15 @@ struct Prefix {
 };
 
 // Backward's transient above what a stage keeps (gradients of its input, output and
-// intermediates), the largest over a segment.
+// intermediates), the largest over a segment, plus the segment's incoming gradient, which its
+// checkpoint holds throughout.
 int64_t backward_extra(const std::vector<StageCost>& costs, int64_t b, int64_t e) {
   int64_t extra = 0;
   for (int64_t i = b; i < e; ++i) {
     extra = std::max(
         extra, costs[static_cast<size_t>(i)].peak_bytes - costs[static_cast<size_t>(i)].kept_bytes);
   }
-  return extra;
+  return extra + costs[static_cast<size_t>(e - 1)].held_gradient_bytes;
 }
 
 }  // namespace
@@ -460,7 +474,9 @@ double least_recompute(const std::vector<StageCost>& costs, int64_t budget, int6
       for (int64_t e = i + 1; e <= std::min(n, i + longest); ++e) {
         const auto& last = costs[static_cast<size_t>(e - 1)];
         extra = std::max(extra, last.peak_bytes - last.kept_bytes);
-        if (kept + prefix.segment_kept(i, e) + extra > budget) break;  // only grows with e
+        const int64_t segment = kept + prefix.segment_kept(i, e) + extra;
+        if (segment > budget) break;                                // only grows with e
+        if (segment + last.held_gradient_bytes > budget) continue;  // as backward_extra
         const int64_t next = m + units(last.output_bytes);
         const double t = time[i][m] + prefix.segment_seconds(i, e);
         if (next <= kUnits && t < time[e][next]) {
@@ -573,8 +589,11 @@ torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const 
     if (costs == nullptr) return forward(inputs);
     const auto stage = make_stage(names[i], module, {});
     torch::Tensor y;
+    // Held: a stage's output gradient comes in parts (the next stage's and a skip's), and the
+    // first part waits for the others, so the stored-stage measure of a chain would undercount.
     costs->push_back(measure_stage(
-        MultiStage{names[i], std::move(forward), stage.parameters, stage.buffers}, inputs, y));
+        MultiStage{names[i], std::move(forward), stage.parameters, stage.buffers}, inputs, y,
+        /*held_gradient=*/true));
     return y;
   };
   std::vector<torch::Tensor> skips;

@@ -334,6 +334,7 @@ std::vector<engine::StageCost> BatchCosts::at(int64_t batch) const {
     costs[i].kept_bytes += fixed[i].kept_bytes;
     costs[i].output_bytes += fixed[i].output_bytes;
     costs[i].peak_bytes += fixed[i].peak_bytes;
+    costs[i].held_gradient_bytes += fixed[i].held_gradient_bytes;
     costs[i].seconds += fixed[i].seconds;
   }
   return costs;
@@ -366,6 +367,8 @@ BatchCosts BatchCosts::through(int64_t b1, const std::vector<engine::StageCost>&
     bytes(c1[i].kept_bytes, c2[i].kept_bytes, slope.kept_bytes, intercept.kept_bytes);
     bytes(c1[i].output_bytes, c2[i].output_bytes, slope.output_bytes, intercept.output_bytes);
     bytes(c1[i].peak_bytes, c2[i].peak_bytes, slope.peak_bytes, intercept.peak_bytes);
+    bytes(c1[i].held_gradient_bytes, c2[i].held_gradient_bytes, slope.held_gradient_bytes,
+          intercept.held_gradient_bytes);
     const auto seconds = line(c1[i].seconds, c2[i].seconds);
     slope.seconds = seconds.slope;
     intercept.seconds = seconds.intercept;
