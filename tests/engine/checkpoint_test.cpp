@@ -283,30 +283,37 @@ TEST(Checkpoint, PlannerIsOptimalAgainstExhaustiveSearch) {
   EXPECT_FALSE(engine::plan_chain(costs, 1).fits);
 }
 
-TEST(Checkpoint, MeasuredPeakStaysWithinThePlannedBudget) {
-  torch::manual_seed(3);
-  // Ten conv-bn-relu blocks of one size: checkpointing has something to save.
-  std::vector<LayerSpec> layers;
-  for (int i = 0; i < 10; ++i) {
-    LayerSpec conv{"conv2d", "conv" + std::to_string(i)};
-    conv.out = 8;
-    conv.padding = {1};
-    layers.push_back(conv);
-    layers.push_back({"bn", "bn" + std::to_string(i)});
-    layers.push_back({"relu", "relu" + std::to_string(i)});
+namespace {
+
+// Ten conv-bn-relu blocks of one size (checkpointing has something to save), the tracked peak
+// of a training step above what exists before it.
+struct ConvChain {
+  models::Network net{nullptr};
+  std::vector<engine::Stage> stages;
+  torch::Tensor input;
+  ConvChain() {
+    torch::manual_seed(3);
+    std::vector<LayerSpec> layers;
+    for (int i = 0; i < 10; ++i) {
+      LayerSpec conv{"conv2d", "conv" + std::to_string(i)};
+      conv.out = 8;
+      conv.padding = {1};
+      layers.push_back(conv);
+      layers.push_back({"bn", "bn" + std::to_string(i)});
+      layers.push_back({"relu", "relu" + std::to_string(i)});
+    }
+    layers.push_back({"global_avgpool"});
+    layers.push_back({"flatten"});
+    LayerSpec fc{"linear", "fc"};
+    fc.out = 5;
+    layers.push_back(fc);
+    net = models::Network(models::NetworkOptions(layers, {3, 48, 48}));
+    net->train();
+    stages = engine::network_stages(net.ptr());
+    input = torch::randn({8, 3, 48, 48});
   }
-  layers.push_back({"global_avgpool"});
-  layers.push_back({"flatten"});
-  LayerSpec fc{"linear", "fc"};
-  fc.out = 5;
-  layers.push_back(fc);
-  auto net = models::Network(models::NetworkOptions(layers, {3, 48, 48}));
-  net->train();
-  const auto stages = engine::network_stages(net.ptr());
-  const auto input = torch::randn({8, 3, 48, 48});
-  const auto costs = engine::measure_stages(stages, input);
-  auto& tracker = memory::Tracker::cpu();
-  auto measure = [&](const std::vector<ChainSegment>& segments) {
+  int64_t measure(const std::vector<ChainSegment>& segments) {
+    auto& tracker = memory::Tracker::cpu();
     net->zero_grad();
     for (auto& p : net->parameters()) p.mutable_grad() = torch::zeros_like(p);  // not counted
     const int64_t base = tracker.current_bytes();
@@ -314,8 +321,15 @@ TEST(Checkpoint, MeasuredPeakStaysWithinThePlannedBudget) {
     auto out = engine::run_chain(stages, segments, input);
     out.pow(2).sum().backward();
     return tracker.peak_bytes() - base;
-  };
-  const int64_t plain = measure(engine::store_all(static_cast<int64_t>(stages.size())));
+  }
+};
+
+}  // namespace
+
+TEST(Checkpoint, MeasuredPeakStaysWithinThePlannedBudget) {
+  ConvChain chain;
+  const auto costs = engine::measure_stages(chain.stages, chain.input);
+  const int64_t plain = chain.measure(engine::store_all(static_cast<int64_t>(chain.stages.size())));
   // A budget well below what training without checkpointing measurably takes.
   const int64_t least = engine::plan_chain(costs, 1).minimum_bytes;
   ASSERT_LT(least, plain * 7 / 10) << "plain " << plain;
@@ -323,10 +337,27 @@ TEST(Checkpoint, MeasuredPeakStaysWithinThePlannedBudget) {
   const auto plan = engine::plan_chain(costs, budget);
   ASSERT_TRUE(plan.fits) << "minimum " << plan.minimum_bytes << " budget " << budget;
   EXPECT_GT(plan.recomputed_stages(), 0);
-  const int64_t planned = measure(plan.segments);
+  const int64_t planned = chain.measure(plan.segments);
   EXPECT_LE(planned, budget) << "plain " << plain << ", predicted " << plan.predicted_bytes;
   // The model errs on the safe side, not by much.
   EXPECT_GE(planned, plan.predicted_bytes / 2) << "predicted " << plan.predicted_bytes;
+}
+
+TEST(Checkpoint, StageCostsPredictStoredAndRecomputedStepsClosely) {
+  // Stages are measured as training runs them (no gradient for the network's input, the stage
+  // output and its incoming gradient released when training releases them), so the chain model
+  // gives the step's peak closely: it used to count one output and one gradient too many per
+  // stage (8% high on seeds/001's network). Not modelled: each checkpoint's saved random state
+  // (5 KB), 0.7% of this small network's recomputed step.
+  ConvChain chain;
+  const auto costs = engine::measure_stages(chain.stages, chain.input);
+  const auto n = static_cast<int64_t>(chain.stages.size());
+  for (const auto& segments : {engine::store_all(n), engine::recompute_every(n, 1)}) {
+    const int64_t predicted = engine::evaluate_chain(costs, segments).predicted_bytes;
+    const int64_t measured = chain.measure(segments);
+    EXPECT_GE(predicted, measured * 99 / 100) << segments.size() << " segments";
+    EXPECT_LE(predicted, measured * 103 / 100) << segments.size() << " segments";
+  }
 }
 
 TEST(Checkpoint, BackwardDoesNotHoldTheRecomputedOutput) {
