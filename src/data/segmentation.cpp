@@ -60,10 +60,14 @@ SegmentationDataset::SegmentationDataset(const std::string& images_dir,
   TORCH_CHECK(!items_.empty(), "segmentation data: no images in ", images_dir);
 }
 
+std::pair<int64_t, int64_t> SegmentationDataset::output_size(const Item& item) const {
+  if (options_.size > 0) return {options_.size, options_.size};
+  return {item.height, item.width};
+}
+
 torch::Tensor SegmentationDataset::mask(int64_t i) const {
   const auto& item = items_.at(static_cast<size_t>(i));
-  const int64_t h = options_.size > 0 ? options_.size : item.height;
-  const int64_t w = options_.size > 0 ? options_.size : item.width;
+  const auto [h, w] = output_size(item);
   // Masks are read at their own size and resized by nearest neighbour: class ids never blend.
   auto mask_rgb = torch::empty({3, item.height, item.width}, torch::kUInt8);
   read_image(item.mask, mask_rgb);
@@ -86,8 +90,7 @@ torch::Tensor SegmentationDataset::mask(int64_t i) const {
 
 std::pair<torch::Tensor, torch::Tensor> SegmentationDataset::load(int64_t i) const {
   const auto& item = items_.at(static_cast<size_t>(i));
-  const int64_t h = options_.size > 0 ? options_.size : item.height;
-  const int64_t w = options_.size > 0 ? options_.size : item.width;
+  const auto [h, w] = output_size(item);
   auto image = torch::empty({3, h, w}, torch::kUInt8);
   read_image(item.image, image);
   return {image, mask(i)};

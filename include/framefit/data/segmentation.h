@@ -39,6 +39,8 @@ class SegmentationDataset {
   };
   SegmentationOptions options_;
   std::vector<Item> items_;
+  // The size a sample comes out at: options.size square, or the item's own.
+  std::pair<int64_t, int64_t> output_size(const Item& item) const;
 };
 
 }  // namespace framefit::data
