@@ -178,7 +178,9 @@ int doctor_network(const Args& args, const train::Config& config, int64_t budget
   training.optimizer = config.train.optimizer;
   const auto& layers = config.model.layers;
   const auto& input = config.model.input;
-  const auto findings = plan::diagnose_network(layers, input, training, budget);
+  auto findings = plan::diagnose_network(layers, input, training, budget);
+  const auto settings = train::diagnose_task_settings(config);
+  findings.insert(findings.begin(), settings.begin(), settings.end());
   // Shapes for the table; a list that cannot even be read is already one of the findings.
   std::optional<models::NetworkShapes> shapes;
   try {

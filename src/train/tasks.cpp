@@ -367,13 +367,11 @@ PhaseMetrics evaluate_data(BatchModel& model, const TaskData& data, const EventC
   return confusion.metrics();
 }
 
-// train.* keys that are for phases only, or out of range, before any data is read.
+// diagnose_task_settings' errors refuse the config before any data is read.
 void check_train_settings(const Config& config) {
-  const auto& tc = config.train;
-  TORCH_CHECK(tc.smoothing == 0, "train.smoothing ", tc.smoothing,
-              " is MS-TCN's smoothing between consecutive frames, for task phases; task ",
-              config.task, " has no frame sequence to smooth: set train.smoothing to 0");
-  TORCH_CHECK(tc.accumulate >= 1, "train.accumulate must be at least 1, got ", tc.accumulate);
+  for (const auto& f : diagnose_task_settings(config)) {
+    TORCH_CHECK(f.severity != plan::Finding::Severity::Error, f.problem, ": ", f.fix);
+  }
 }
 
 // The batch and checkpointing for `config` on `data`'s samples: calibrated on a probe copy
@@ -601,7 +599,7 @@ PhaseMetrics evaluate_batch(BatchModel& model, const std::string& split,
 std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t budget_bytes,
                                                int64_t* static_bytes) {
   using Severity = plan::Finding::Severity;
-  std::vector<plan::Finding> findings;
+  auto findings = diagnose_task_settings(config);
   auto add = [&](Severity severity, std::string problem, std::string fix) {
     findings.push_back({severity, std::move(problem), std::move(fix)});
   };
@@ -612,13 +610,6 @@ std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t bud
   if (classes < 2) {
     add(Severity::Error, "data.classes lists " + std::to_string(classes) + " classes",
         "list at least two class names in label order");
-  }
-  if (config.train.smoothing != 0) {
-    add(Severity::Error,
-        c10::str("train.smoothing ", config.train.smoothing,
-                 " smooths consecutive frames (MS-TCN), for task phases; task ", config.task,
-                 " has no frame sequence"),
-        "set train.smoothing to 0");
   }
   int64_t parameters = 0, buffer_bytes = 0;
   const int64_t side = config.data.crop > 0 ? config.data.crop : config.data.resize;
@@ -681,6 +672,19 @@ std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t bud
                  memory::format_bytes(bytes), ", not less than train.budget ",
                  memory::format_bytes(budget_bytes)),
         "raise train.budget, or use sgd or a smaller network");
+  }
+  return findings;
+}
+
+std::vector<plan::Finding> diagnose_task_settings(const Config& config) {
+  std::vector<plan::Finding> findings;
+  if (is_batch_task(config) && config.train.smoothing != 0) {
+    findings.push_back({plan::Finding::Severity::Error,
+                        c10::str("train.smoothing ", config.train.smoothing,
+                                 " is MS-TCN's smoothing between consecutive frames, for task "
+                                 "phases; task ",
+                                 config.task, " has no frame sequence to smooth"),
+                        "set train.smoothing to 0"});
   }
   return findings;
 }

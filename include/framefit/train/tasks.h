@@ -77,6 +77,10 @@ struct BatchTaskPlan {
 };
 BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_event = {});
 
+// train.* settings a clips or segmentation config sets that do not apply to it (train.smoothing,
+// for frame sequences) as errors; training and planning refuse such a config.
+std::vector<plan::Finding> diagnose_task_settings(const Config& config);
+
 // The doctor for a clips or segmentation config whose network is named (r3d_18, r2plus1d_18,
 // unet; layer lists have plan::diagnose_network): sizes from the options alone, nothing
 // allocated, no data read. Errors: a network that does not fit the task, a UNet whose depth does
