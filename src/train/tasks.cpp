@@ -410,7 +410,6 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
   int64_t sample_bytes = 1;
   for (int64_t size : input) sample_bytes *= size;
   const int64_t label_bytes = config.task == "clips" ? 8 : 8 * input[1] * input[2];
-
   const auto costs = plan::calibrate_batch(
       probe.network,
       [&](int64_t b) {
