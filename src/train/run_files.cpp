@@ -233,4 +233,27 @@ void report_step(Event& e, const StepOutcome& step, double seconds_per_step, Jso
              {"skipped_optimizer_step", step.overflow_skipped}});
 }
 
+void end_epoch(Event e, double loss_sum, int64_t loss_count, const EpochValidation& validation,
+               const std::vector<std::string>& class_names, double& best_score, TrainResult& result,
+               const EventCallback& emit, JsonlLog& log) {
+  e.loss = loss_count ? loss_sum / static_cast<double>(loss_count) : 0;
+  nlohmann::json record = {
+      {"type", "epoch"}, {"step", e.step}, {"epoch", e.epoch}, {"loss", e.loss}};
+  if (validation.validate) {
+    e.metrics = validation.validate();
+    e.validated = true;
+    record["val"] = nlohmann::json::parse(to_json(e.metrics, class_names));
+    if (validation.score(e.metrics) > best_score) {
+      best_score = validation.score(e.metrics);
+      e.best = true;
+      validation.save_best();
+      result.best = e.metrics;
+      result.validated = true;
+    }
+    record["best"] = e.best;
+  }
+  emit(e);
+  log.write(record);
+}
+
 }  // namespace framefit::train::detail

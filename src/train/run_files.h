@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -128,6 +129,18 @@ class JsonlLog {
 // Fills the Step event `e` (rate, ETA from `seconds_per_step`, memory now) and writes the
 // step's log record.
 void report_step(Event& e, const StepOutcome& step, double seconds_per_step, JsonlLog& log);
+
+// The end of an epoch: the Epoch event `e` gets the epoch's mean loss and, where `validate` is
+// given, the validation metrics; metrics that beat `best_score` by `score` become the run's best
+// (`save_best` writes them). Emits the event and writes the epoch's log record.
+struct EpochValidation {
+  std::function<PhaseMetrics()> validate;  // empty: the run has no validation split
+  std::function<double(const PhaseMetrics&)> score;
+  std::function<void()> save_best;
+};
+void end_epoch(Event e, double loss_sum, int64_t loss_count, const EpochValidation& validation,
+               const std::vector<std::string>& class_names, double& best_score, TrainResult& result,
+               const EventCallback& emit, JsonlLog& log);
 
 // Sets the tracker's budget for the run and lifts it when the run ends, however it ends.
 class BudgetScope {

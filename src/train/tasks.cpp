@@ -897,27 +897,14 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     }
     if (!stream.done()) break;  // max_steps reached mid-epoch
 
-    Event epoch_event = progress_event(Event::Kind::Epoch);
-    epoch_event.loss = loss_count ? loss_sum / loss_count : 0;
-    nlohmann::json record = {{"type", "epoch"},
-                             {"step", progress.step},
-                             {"epoch", progress.epoch + 1},
-                             {"loss", epoch_event.loss}};
+    EpochValidation validation;
     if (val_set) {
-      epoch_event.metrics = evaluate_data(model, *val_set, {});
-      epoch_event.validated = true;
-      record["val"] = nlohmann::json::parse(to_json(epoch_event.metrics, model.classes.names()));
-      if (score(config, epoch_event.metrics) > progress.best_score) {
-        progress.best_score = score(config, epoch_event.metrics);
-        epoch_event.best = true;
-        save_best();
-        result.best = epoch_event.metrics;
-        result.validated = true;
-      }
-      record["best"] = epoch_event.best;
+      validation.validate = [&] { return evaluate_data(model, *val_set, {}); };
+      validation.score = [&](const PhaseMetrics& m) { return score(config, m); };
+      validation.save_best = save_best;
     }
-    emit(epoch_event);
-    log.write(record);
+    end_epoch(progress_event(Event::Kind::Epoch), loss_sum, loss_count, validation,
+              model.classes.names(), progress.best_score, result, emit, log);
     progress.position = 0;
     if (tc.checkpoint_every == 0 || progress.step % tc.checkpoint_every == 0) {
       BatchProgress next = progress;

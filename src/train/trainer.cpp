@@ -681,30 +681,19 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     }
     if (progress.position < videos) break;  // max_steps reached mid-epoch
 
-    Event epoch_event = progress_event(Event::Kind::Epoch);
-    epoch_event.loss = loss_count ? loss_sum / loss_count : 0;
-    nlohmann::json record = {{"type", "epoch"},
-                             {"step", progress.step},
-                             {"epoch", progress.epoch + 1},
-                             {"loss", epoch_event.loss}};
+    EpochValidation validation;
     if (val_set) {
-      model.precision = progress.settings.precision;  // validate as `framefit eval` will
-      if (device.is_cpu() && model.precision == engine::Precision::FP16)
-        model.precision = engine::Precision::FP32;
-      epoch_event.metrics = evaluate(model, *val_set);
-      epoch_event.validated = true;
-      record["val"] = nlohmann::json::parse(to_json(epoch_event.metrics, model.classes.names()));
-      if (epoch_event.metrics.accuracy > progress.best_accuracy) {
-        progress.best_accuracy = epoch_event.metrics.accuracy;
-        epoch_event.best = true;
-        save_best();
-        result.best = epoch_event.metrics;
-        result.validated = true;
-      }
-      record["best"] = epoch_event.best;
+      validation.validate = [&] {
+        model.precision = progress.settings.precision;  // validate as `framefit eval` will
+        if (device.is_cpu() && model.precision == engine::Precision::FP16)
+          model.precision = engine::Precision::FP32;
+        return evaluate(model, *val_set);
+      };
+      validation.score = [](const PhaseMetrics& m) { return m.accuracy; };
+      validation.save_best = save_best;
     }
-    emit(epoch_event);
-    log.write(record);
+    end_epoch(progress_event(Event::Kind::Epoch), loss_sum, loss_count, validation,
+              model.classes.names(), progress.best_accuracy, result, emit, log);
     progress.position = 0;
     if (tc.checkpoint_every == 0 || progress.step % tc.checkpoint_every == 0) {
       Progress next = progress;
