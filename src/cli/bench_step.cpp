@@ -1,8 +1,10 @@
 // framefit bench-step: one warm-up and one measured training step on random data.
 #include <fmt/core.h>
-#include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
+#include <fstream>
 #include <optional>
 #include <sstream>
 
@@ -159,6 +161,13 @@ int run_bench_step(const Args& args) {
   {
     std::optional<memory::TraceRecorder> trace;
     if (args.has("trace")) trace.emplace(tracker);
+    // Written when it goes out of scope, after the measured steps.
+    std::optional<torch::autograd::profiler::RecordProfile> profile;
+    if (args.has("profile")) {
+      TORCH_CHECK(std::ofstream(args.text("profile")).good(), "cannot write the profile ",
+                  args.text("profile"));
+      profile.emplace(args.text("profile"));
+    }
     memory::LeakDetector leaks;
     for (int64_t i = 0; i < args.integer("steps"); ++i) {
       if (trace) trace->mark("step " + std::to_string(i + 1));

@@ -236,6 +236,13 @@ const std::vector<Flag>& flag_table() {
        "Write a Chrome trace (phases as slices, bytes in use as a counter) of the measured steps; "
        "open it in Perfetto or chrome://tracing.",
        ""},
+      {"profile",
+       {"bench-step"},
+       FlagType::Path,
+       "Write LibTorch's operator profile of the measured steps (Chrome trace: one slice per "
+       "operator and autograd node; bench/step_profile.py sums it per operator). Profiling slows "
+       "the step a little.",
+       ""},
       {"no-warmup",
        {"bench-step"},
        FlagType::Switch,

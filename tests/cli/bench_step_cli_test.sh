@@ -8,13 +8,17 @@ mode=$1 framefit=$2 python=$3
 case "$mode" in
 json)
   out=$("$framefit" bench-step --model resnet18 --head tcn --frames 12 --size 32 --chunk 4 --json \
-    --trace trace.json)
+    --trace trace.json --profile profile.json)
   echo "$out"
   "$python" - "$out" <<'PY'
 import json, sys
 trace = json.load(open("trace.json"))["traceEvents"]
 assert {e["name"] for e in trace if e["ph"] == "B"} >= {"encode", "head", "recompute"}
 assert any(e["ph"] == "C" and e["args"]["bytes"] > 0 for e in trace)
+# The operator profile: ResNet-18's 20 convolutions run for each of the 3 chunks, then again for
+# the 2 recomputed ones (the last chunk's graph is kept).
+ops = [e["name"] for e in json.load(open("profile.json")) if e.get("ph") == "X"]
+assert ops.count("aten::conv2d") == 20 * (3 + 2), ops.count("aten::conv2d")
 r = json.loads(sys.argv[1])
 for key in ("peak_bytes", "rss_peak_bytes", "step_seconds", "frames_per_second", "phases"):
     assert key in r, key
