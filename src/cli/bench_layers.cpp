@@ -66,7 +66,9 @@ LayerNet build_net(const Args& args, const std::vector<int64_t>& input) {
   } else if (name == "r3d_18" || name == "r2plus1d_18") {
     TORCH_CHECK(input.size() == 4 && input[0] == 3, "--net ", name, " takes --input 3,T,H,W");
     net.chain = engine::chain_network(
-        models::VideoResNet(models::VideoResNetOptions(name).num_classes(classes)).ptr());
+        models::VideoResNet(models::VideoResNetOptions(name).num_classes(classes).lean_backward(
+                                !args.on("onednn-backward")))
+            .ptr());
   } else {
     net.chain = engine::chain_network(
         models::Network(models::NetworkOptions(

@@ -372,6 +372,13 @@ const std::vector<Flag>& flag_table() {
        false,
        {},
        1},
+      {"onednn-backward",
+       {"bench-layers"},
+       FlagType::Switch,
+       "R3D-18 / R(2+1)D-18 on the CPU: every convolution's backward through oneDNN, as in "
+       "LibTorch, instead of LibTorch's own kernel where oneDNN's workspace is many times the "
+       "weight (few output positions: layer4 on 112-pixel clips; models/conv3d.h).",
+       ""},
       // make-demo
       {"out", {"make-demo"}, FlagType::Path, "Folder to write the demo data set into.", "", true},
       {"train-videos", {"make-demo"}, FlagType::Int, "Training videos.", "12", false, {}, 1},

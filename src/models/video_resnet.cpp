@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include "framefit/models/conv3d.h"
+
 namespace framefit::models {
 
 VideoArch parse_video_arch(const std::string& name) {
@@ -20,7 +22,6 @@ std::string to_string(VideoArch arch) {
 
 namespace {
 using torch::nn::BatchNorm3d;
-using torch::nn::Conv3d;
 using torch::nn::Conv3dOptions;
 using torch::nn::ReLU;
 using torch::nn::ReLUOptions;
@@ -35,8 +36,8 @@ int64_t mid_channels(int64_t in_channels, int64_t channels) {
   return (in_channels * channels * 3 * 3 * 3) / (in_channels * 3 * 3 + 3 * channels);
 }
 
-Conv3d conv3x3x3(int64_t in, int64_t out, int64_t stride) {
-  return Conv3d(Conv3dOptions(in, out, 3).stride(stride).padding(1).bias(false));
+LeanConv3d conv3x3x3(int64_t in, int64_t out, int64_t stride) {
+  return LeanConv3d(Conv3dOptions(in, out, 3).stride(stride).padding(1).bias(false));
 }
 
 // Conv3DSimple or Conv2Plus1D, as torchvision's conv_builder.
@@ -56,16 +57,16 @@ constexpr int64_t kWidths[] = {64, 128, 256, 512};
 
 Conv2Plus1dImpl::Conv2Plus1dImpl(int64_t in_channels, int64_t out_channels, int64_t mid_channels,
                                  int64_t stride) {
-  spatial = register_module("0", Conv3d(Conv3dOptions(in_channels, mid_channels, {1, 3, 3})
-                                            .stride({1, stride, stride})
-                                            .padding({0, 1, 1})
-                                            .bias(false)));
+  spatial = register_module("0", LeanConv3d(Conv3dOptions(in_channels, mid_channels, {1, 3, 3})
+                                                .stride({1, stride, stride})
+                                                .padding({0, 1, 1})
+                                                .bias(false)));
   norm = register_module("1", BatchNorm3d(mid_channels));
   relu = register_module("2", make_relu());
-  temporal = register_module("3", Conv3d(Conv3dOptions(mid_channels, out_channels, {3, 1, 1})
-                                             .stride({stride, 1, 1})
-                                             .padding({1, 0, 0})
-                                             .bias(false)));
+  temporal = register_module("3", LeanConv3d(Conv3dOptions(mid_channels, out_channels, {3, 1, 1})
+                                                 .stride({stride, 1, 1})
+                                                 .padding({1, 0, 0})
+                                                 .bias(false)));
 }
 
 torch::Tensor Conv2Plus1dImpl::forward(const torch::Tensor& x) {
@@ -91,7 +92,7 @@ VideoBasicBlockImpl::VideoBasicBlockImpl(VideoArch arch, int64_t in_channels, in
     downsample = register_module(
         "downsample",
         torch::nn::Sequential(
-            Conv3d(Conv3dOptions(in_channels, channels, 1).stride(stride).bias(false)),
+            LeanConv3d(Conv3dOptions(in_channels, channels, 1).stride(stride).bias(false)),
             BatchNorm3d(channels)));
   }
 }
@@ -113,7 +114,7 @@ VideoResNetImpl::VideoResNetImpl(const VideoResNetOptions& options)
     stem = register_module(
         "stem",
         torch::nn::Sequential(
-            Conv3d(
+            LeanConv3d(
                 Conv3dOptions(3, 64, {3, 7, 7}).stride({1, 2, 2}).padding({1, 3, 3}).bias(false)),
             BatchNorm3d(64), make_relu()));
   } else {
@@ -121,10 +122,10 @@ VideoResNetImpl::VideoResNetImpl(const VideoResNetOptions& options)
     stem = register_module(
         "stem",
         torch::nn::Sequential(
-            Conv3d(
+            LeanConv3d(
                 Conv3dOptions(3, 45, {1, 7, 7}).stride({1, 2, 2}).padding({0, 3, 3}).bias(false)),
             BatchNorm3d(45), make_relu(),
-            Conv3d(Conv3dOptions(45, 64, {3, 1, 1}).stride(1).padding({1, 0, 0}).bias(false)),
+            LeanConv3d(Conv3dOptions(45, 64, {3, 1, 1}).stride(1).padding({1, 0, 0}).bias(false)),
             BatchNorm3d(64), make_relu()));
   }
   int64_t channels = 64;
@@ -143,8 +144,9 @@ VideoResNetImpl::VideoResNetImpl(const VideoResNetOptions& options)
 
   // torchvision's initialisation: He (fan_out) for convolutions, N(0, 0.01) for fc.
   for (auto& module : modules(/*include_self=*/false)) {
-    if (auto* c = module->as<torch::nn::Conv3d>()) {
+    if (auto* c = module->as<LeanConv3d>()) {
       torch::nn::init::kaiming_normal_(c->weight, 0.0, torch::kFanOut, torch::kReLU);
+      c->lean_backward = options.lean_backward();
     }
   }
   if (fc) {

@@ -476,7 +476,9 @@ BatchModel build_batch_model(const Config& config, const std::vector<int64_t>& i
   if (kind == "r3d_18" || kind == "r2plus1d_18") {
     TORCH_CHECK(clips, "model.network ", kind,
                 " classifies clips: use task clips, or model.network unet for segmentation");
-    auto video = models::VideoResNet(models::VideoResNetOptions(kind).num_classes(classes));
+    auto video =
+        models::VideoResNet(models::VideoResNetOptions(kind).num_classes(classes).lean_backward(
+            config.model.lean_backward));
     if (!config.model.weights.empty()) {
       models::LoadOptions options;
       options.strict = false;

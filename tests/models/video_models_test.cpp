@@ -1,10 +1,16 @@
-// VideoResNet (R3D-18, R(2+1)D-18) and UNet: shapes, names, sizes without building, errors.
+// VideoResNet (R3D-18, R(2+1)D-18), its lean Conv3d, and UNet: shapes, names, sizes without
+// building, errors.
 // Parity with torchvision is in video_parity_test.cpp (slow).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <set>
+
 #include "test_util.h"
 
+#include "framefit/engine/amp.h"
+#include "framefit/memory/tracker.h"
+#include "framefit/models/conv3d.h"
 #include "framefit/models/unet.h"
 #include "framefit/models/video_resnet.h"
 #include "framefit/models/weights.h"
@@ -161,6 +167,115 @@ TEST(VideoResNet, BadInputIsExplained) {
 
 // ---------------------------------------------------------------------------------------------
 // UNet
+
+// Whether the autograd graph behind `output` has a node whose name contains `name`.
+bool graph_has_node(const torch::Tensor& output, const std::string& name) {
+  std::vector<std::shared_ptr<torch::autograd::Node>> todo = {output.grad_fn()};
+  std::set<torch::autograd::Node*> seen;
+  while (!todo.empty()) {
+    auto node = todo.back();
+    todo.pop_back();
+    if (!node || !seen.insert(node.get()).second) continue;
+    if (contains(node->name(), name)) return true;
+    for (const auto& edge : node->next_edges()) todo.push_back(edge.function);
+  }
+  return false;
+}
+
+TEST(LeanConv3d, SameOutputAndGradientsAsConv3dWhereItApplies) {
+  torch::manual_seed(0);
+  struct Case {
+    torch::nn::Conv3dOptions options;
+    std::vector<int64_t> input;
+  };
+  const std::vector<Case> cases = {
+      {torch::nn::Conv3dOptions(16, 24, 3).padding(1).bias(false), {2, 16, 2, 7, 7}},
+      // Strided, with bias, from 4x14x14 to 2x7x7 positions.
+      {torch::nn::Conv3dOptions(8, 16, 3).stride(2).padding(1), {2, 8, 4, 14, 14}},
+      // (2+1)D's factorised kernels.
+      {torch::nn::Conv3dOptions(8, 12, {1, 3, 3}).padding({0, 1, 1}).bias(false), {2, 8, 2, 8, 8}},
+  };
+  for (const auto& c : cases) {
+    torch::nn::Conv3d plain(c.options);
+    LeanConv3d lean(c.options);
+    lean->weight.data().copy_(plain->weight.data());
+    if (plain->bias.defined()) lean->bias.data().copy_(plain->bias.data());
+    const auto x = torch::randn(c.input);
+    const auto x_plain = x.clone().requires_grad_(true), x_lean = x.clone().requires_grad_(true);
+    ASSERT_TRUE(takes_lean_backward(*lean, x_lean));
+    const auto y_plain = plain(x_plain), y_lean = lean(x_lean);
+    EXPECT_TRUE(graph_has_node(y_lean, "LeanConv3dFunction"));
+    EXPECT_TRUE(torch::equal(y_plain, y_lean));  // the same forward kernel
+    const auto grad = torch::randn_like(y_plain);
+    y_plain.backward(grad);
+    y_lean.backward(grad);
+    EXPECT_TRUE(at::globalContext().userEnabledMkldnn());  // restored after backward
+    const auto close = [](const torch::Tensor& a, const torch::Tensor& b) {
+      return (a - b).abs().max().item<double>() <= 1e-4 * b.abs().max().item<double>();
+    };
+    EXPECT_TRUE(close(x_lean.grad(), x_plain.grad()));
+    EXPECT_TRUE(close(lean->weight.grad(), plain->weight.grad()));
+    if (plain->bias.defined()) EXPECT_TRUE(close(lean->bias.grad(), plain->bias.grad()));
+  }
+}
+
+TEST(LeanConv3d, TakenOnlyForTrainingOnFewOutputPositionsInFloat32OnTheCpu) {
+  LeanConv3d conv(torch::nn::Conv3dOptions(4, 4, 3).padding(1));
+  const auto few = torch::randn({2, 4, 2, 8, 8}).requires_grad_(true);   // 128 positions
+  const auto many = torch::randn({2, 4, 4, 7, 7}).requires_grad_(true);  // 196
+  EXPECT_TRUE(takes_lean_backward(*conv, few));
+  EXPECT_FALSE(takes_lean_backward(*conv, many));
+  EXPECT_FALSE(takes_lean_backward(*conv, few.to(torch::kFloat64)));
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_FALSE(takes_lean_backward(*conv, few));
+    EXPECT_FALSE(graph_has_node(conv(few), "LeanConv3dFunction"));
+  }
+  {
+    framefit::engine::AutocastGuard bf16(torch::kCPU, framefit::engine::Precision::BF16);
+    EXPECT_FALSE(takes_lean_backward(*conv, few));
+  }
+  conv->lean_backward = false;
+  EXPECT_FALSE(takes_lean_backward(*conv, few));
+  EXPECT_FALSE(graph_has_node(conv(few), "LeanConv3dFunction"));
+}
+
+TEST(LeanConv3d, BackwardHoldsOneWeightGradientAndItsColumns) {
+  // 256 -> 256, 3x3x3 on 2x7x7: the shape where oneDNN's weight-gradient pass holds about nine
+  // weight-sized buffers. LibTorch's kernel: the weight's gradient, the input's columns
+  // (C x 27 per output position per sample) and the input's gradient.
+  auto& tracker = framefit::memory::Tracker::cpu();
+  LeanConv3d conv(torch::nn::Conv3dOptions(256, 256, 3).padding(1).bias(false));
+  const auto x = torch::randn({2, 256, 2, 7, 7}).requires_grad_(true);
+  const auto y = conv(x);
+  const auto grad = torch::ones_like(y);
+  const int64_t before = tracker.current_bytes();
+  tracker.reset_peak();
+  y.backward(grad);
+  const int64_t weight_bytes = conv->weight.numel() * 4;
+  const int64_t column_bytes = 2 * 256 * 27 * (2 * 7 * 7) * 4;
+  const int64_t input_bytes = x.numel() * 4;
+  EXPECT_LE(tracker.peak_bytes() - before, weight_bytes + column_bytes + input_bytes + (1 << 20));
+}
+
+TEST(VideoResNet, LeanBackwardChangesNoGradientBeyondRounding) {
+  // 4 x 32 x 32 clips: layer2 to layer4 end on at most 2x8x8 positions, so take the lean backward.
+  const auto x = torch::randn({1, 3, 4, 32, 32});
+  std::vector<std::vector<torch::Tensor>> grads;
+  for (const bool lean : {true, false}) {
+    torch::manual_seed(0);
+    VideoResNet model(VideoResNetOptions("r3d_18").num_classes(5).lean_backward(lean));
+    const auto y = model(x);
+    EXPECT_EQ(graph_has_node(y, "LeanConv3dFunction"), lean);
+    y.pow(2).sum().backward();
+    grads.emplace_back();
+    for (const auto& p : model->parameters()) grads.back().push_back(p.grad());
+  }
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    const double scale = grads[1][i].abs().max().item<double>();
+    EXPECT_LE((grads[0][i] - grads[1][i]).abs().max().item<double>(), 1e-4 * scale + 1e-12) << i;
+  }
+}
 
 TEST(UNet, OutputShapes) {
   torch::NoGradGuard no_grad;

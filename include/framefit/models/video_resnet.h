@@ -10,6 +10,8 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include "framefit/models/conv3d.h"
+
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,6 +29,9 @@ struct VideoResNetOptions {
   VideoResNetOptions(std::string arch = "r3d_18") : arch_(std::move(arch)) {}
   TORCH_ARG(std::string, arch);           // "r3d_18" or "r2plus1d_18"
   TORCH_ARG(int64_t, num_classes) = 400;  // Kinetics-400; 0: feature mode, no fc
+  // On the CPU, the backward of convolutions with few output positions (layer4 on 112-pixel
+  // clips) without oneDNN's weight-sized per-thread workspace (models/conv3d.h).
+  TORCH_ARG(bool, lean_backward) = true;
 };
 
 // Sizes from the options alone, without building the model (for the planner). Counts are
@@ -48,7 +53,7 @@ class Conv2Plus1dImpl : public torch::nn::Module {
   Conv2Plus1dImpl(int64_t in_channels, int64_t out_channels, int64_t mid_channels, int64_t stride);
   torch::Tensor forward(const torch::Tensor& x);
 
-  torch::nn::Conv3d spatial{nullptr}, temporal{nullptr};
+  LeanConv3d spatial{nullptr}, temporal{nullptr};
   torch::nn::BatchNorm3d norm{nullptr};
   torch::nn::ReLU relu{nullptr};
 };

@@ -30,6 +30,9 @@ struct ModelConfig {
   int64_t width = 32;
   int64_t depth = 4;
   bool bilinear = false;
+  // r3d_18 / r2plus1d_18 on the CPU: layer4's backward without oneDNN's weight-sized workspace
+  // (models/conv3d.h).
+  bool lean_backward = true;
 };
 
 struct DataConfig {
