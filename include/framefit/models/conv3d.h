@@ -1,11 +1,13 @@
 #pragma once
 // A Conv3d (same options, parameters and names) whose backward, on the CPU, skips oneDNN for
 // convolutions with few output positions. For those - layer4 of R3D-18 / R(2+1)D-18 on
-// 16-frame 112-pixel clips, 2x7x7 per sample - oneDNN 2.x's weight-gradient pass holds about
-// nine copies of the weight at once (a 512->512 3x3x3 layer: +249 MiB at 2 threads for a
-// 28 MiB weight), which makes that layer's backward the peak of the whole step. LibTorch's own
-// kernel needs one copy plus its columns (+38 MiB), at up to 1.7x that layer's time. The forward
-// pass is unchanged (oneDNN), and so are the gradients, up to floating-point rounding.
+// 16-frame 112-pixel clips, 2x7x7 per sample - oneDNN's weight-gradient pass holds several
+// weight-sized buffers at once (a 512->512 3x3x3 weight is 27 MiB), which made layer4's backward
+// the peak of the whole step. LibTorch's own kernel holds one weight gradient and the input's
+// columns (test: LeanConv3d.BackwardHoldsOneWeightGradientAndItsColumns). R3D-18, batch 2 at
+// 3x16x112x112 (bench/results/layers.md): peak 866 MiB instead of 1,077, activations 357 MiB
+// instead of 568, for 9-12% more step time. The forward pass is unchanged (oneDNN), and so are
+// the gradients, up to floating-point rounding.
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
@@ -21,9 +23,10 @@ class LeanConv3dImpl : public torch::nn::Conv3dImpl {
 };
 TORCH_MODULE(LeanConv3d);
 
-// Output positions (T x H x W, per sample) up to which the lean backward is taken: oneDNN's
-// large weight-gradient workspace was measured at 2x7x7 and 2x8x8 outputs, not at 4x7x7 (196),
-// where oneDNN is both leaner and faster.
+// Output positions (T x H x W, per sample) up to which the lean backward is taken: layer4 of the
+// video ResNets on 16-frame clips of 112 or 128 pixels (2x7x7, 2x8x8) takes it; layer3 (4x14x14),
+// where oneDNN's workspace was about the weight's size and oneDNN the faster when this limit was
+// set, does not.
 constexpr int64_t kLeanBackwardMaxPositions = 128;
 
 // Whether `conv` (lean_backward on) runs x's backward with LibTorch's kernel: a CPU float32
