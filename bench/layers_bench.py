@@ -56,6 +56,8 @@ def main():
     # 1. Cost of checkpointing at a fixed batch.
     nets = [("unet", "3,128,128", ["--width", "32", "--depth", "4", "--classes", "2"], "8"),
             ("r3d_18", "3,16,112,112", ["--classes", "20"], "2"),
+            # tiny clips: layer2-4 take the lean convolution backward, whose cost shows there
+            ("r3d_18", "3,4,32,32", ["--classes", "20"], "4"),
             ("clip3d", "3,30,115,115", ["--classes", "20"], "2"),
             # seeds/000's per-frame encoder as a chain of its 16 bottleneck blocks
             ("resnet50", "3,160,160", ["--classes", "10"], "4")]

@@ -335,6 +335,7 @@ int plan_config(const Args& args) {
                           {"accumulate", plan.accumulate},
                           {"input", plan.input},
                           {"precision", engine::to_string(plan.precision)},
+                          {"lean_backward", plan.lean_backward},
                           {"recomputed_stages", std::count(flags.begin(), flags.end(), true)},
                           {"stages", flags.size()},
                           {"budget_bytes", plan.budget_bytes},

@@ -89,6 +89,17 @@ bool takes_lean_backward(const LeanConv3dImpl& conv, const torch::Tensor& x) {
   return positions <= kLeanBackwardMaxPositions;
 }
 
+int64_t set_lean_backward(torch::nn::Module& module, bool on) {
+  int64_t count = 0;
+  for (const auto& child : module.modules()) {
+    if (auto* conv = child->as<LeanConv3dImpl>()) {
+      conv->lean_backward = on;
+      ++count;
+    }
+  }
+  return count;
+}
+
 torch::Tensor LeanConv3dImpl::forward(const torch::Tensor& x) {
   if (!takes_lean_backward(*this, x)) return Conv3dImpl::forward(x);
   const auto& padding = c10::get<torch::ExpandingArray<3>>(options.padding());

@@ -16,6 +16,7 @@
 #include "framefit/engine/extract.h"
 #include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
+#include "framefit/models/conv3d.h"
 #include "framefit/models/network.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/torchscript.h"
@@ -275,6 +276,7 @@ struct BatchProgress {
   int64_t micro_batches = 1;
   engine::Precision precision = engine::Precision::FP32;
   std::vector<engine::ChainSegment> segments;  // the recomputation the step runs with
+  bool lean_backward = false;                  // models/conv3d.h, as planned
   double best_score = -1;
   double seconds = 0;
 };
@@ -292,7 +294,8 @@ void write_network(torch::serialize::OutputArchive& archive, const BatchModel& m
 
 void write_progress(torch::serialize::OutputArchive& archive, const BatchProgress& p) {
   archive.write("progress", torch::tensor({p.step, p.epoch, p.position, p.skipped, p.batch,
-                                           p.micro_batches, static_cast<int64_t>(p.precision)},
+                                           p.micro_batches, static_cast<int64_t>(p.precision),
+                                           static_cast<int64_t>(p.lean_backward)},
                                           torch::kLong));
   archive.write("progress_real", torch::tensor({p.best_score, p.seconds}, torch::kDouble));
   std::vector<int64_t> segments;  // [S,3]: begin, end, recompute
@@ -316,6 +319,8 @@ BatchProgress read_progress(torch::serialize::InputArchive& archive) {
   progress.batch = v[4];
   progress.micro_batches = v[5];
   progress.precision = static_cast<engine::Precision>(v[6]);
+  // Checkpoints from before the lean backward ran every convolution's backward through oneDNN.
+  progress.lean_backward = p.numel() > 7 && v[7] != 0;
   const auto rows = segments.accessor<int64_t, 2>();
   for (int64_t i = 0; i < rows.size(0); ++i)
     progress.segments.push_back({rows[i][0], rows[i][1], rows[i][2] != 0});
@@ -396,12 +401,13 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
   probe.network.module->train();
   const int64_t stages = probe.network.stage_count();
   plan.static_bytes = plan::training_static_bytes(*probe.network.module, tc.optimizer);
-  std::vector<engine::ChainSegment> segments;
+  const bool has_lean =
+      models::set_lean_backward(*probe.network.module, config.model.lean_backward != "false") > 0;
+  plan.lean_backward = has_lean && config.model.lean_backward != "false";
   if (fixed_batch && tc.checkpointing != "auto") {  // nothing to choose
     plan.batch = plan.largest_batch = *fixed_batch;
-    segments =
+    plan.segments =
         tc.checkpointing == "all" ? engine::recompute_every(stages, 1) : engine::store_all(stages);
-    plan.segments = segments;
     return plan;
   }
   plan.planned = true;
@@ -410,33 +416,53 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
   int64_t sample_bytes = 1;
   for (int64_t size : input) sample_bytes *= size;
   const int64_t label_bytes = config.task == "clips" ? 8 : 8 * input[1] * input[2];
-  const auto costs = plan::calibrate_batch(
-      probe.network,
-      [&](int64_t b) {
-        std::vector<int64_t> shape = {b};
-        shape.insert(shape.end(), input.begin(), input.end());
-        return torch::randn(shape, torch::TensorOptions().device(device));
-      },
-      plan.static_bytes, (sample_bytes + label_bytes) * plan.accumulate + sample_bytes * 4,
-      step_budget, device, plan.precision);
   const bool may_checkpoint = tc.checkpointing != "off";
-  if (fixed_batch) {
-    plan.batch = plan.largest_batch = *fixed_batch;
-  } else {
-    const auto planned = plan::plan_batch(costs, step_budget, may_checkpoint);
-    plan.minimum_bytes_one_sample = planned.minimum_bytes_one_sample;
-    plan.largest_batch = planned.batch;
-    plan.batch = std::min(planned.batch, plan.samples);
-    if (plan.batch == 0) return plan;
-  }
-  segments = tc.checkpointing == "all"
-                 ? engine::recompute_every(stages, 1)
-                 : plan::plan_batch_chain(costs, plan.batch, step_budget, may_checkpoint).segments;
-  plan.segments = segments;
-  const auto chain = engine::evaluate_chain(costs.at(plan.batch), segments);
-  plan.input_bytes = costs.input_bytes_per_sample * plan.batch;
-  plan.activation_bytes = chain.predicted_bytes;
-  plan.predicted_peak_bytes = plan::batch_peak_bytes(costs, plan.batch, chain);
+  // The batch and recomputation for the probe's measured costs; `fits`: whether that batch fits.
+  const auto plan_measured = [&](BatchTaskPlan p, bool& fits) {
+    const auto costs = plan::calibrate_batch(
+        probe.network,
+        [&](int64_t b) {
+          std::vector<int64_t> shape = {b};
+          shape.insert(shape.end(), input.begin(), input.end());
+          return torch::randn(shape, torch::TensorOptions().device(device));
+        },
+        p.static_bytes, (sample_bytes + label_bytes) * p.accumulate + sample_bytes * 4, step_budget,
+        device, p.precision);
+    if (fixed_batch) {
+      p.batch = p.largest_batch = *fixed_batch;
+    } else {
+      const auto planned = plan::plan_batch(costs, step_budget, may_checkpoint);
+      p.minimum_bytes_one_sample = planned.minimum_bytes_one_sample;
+      p.largest_batch = planned.batch;
+      p.batch = std::min(planned.batch, p.samples);
+      fits = p.batch > 0;
+      if (p.batch == 0) return p;
+    }
+    const auto chain = plan::plan_batch_chain(costs, p.batch, step_budget, may_checkpoint);
+    fits = chain.fits;
+    p.segments = tc.checkpointing == "all" ? engine::recompute_every(stages, 1) : chain.segments;
+    const auto evaluated = engine::evaluate_chain(costs.at(p.batch), p.segments);
+    p.input_bytes = costs.input_bytes_per_sample * p.batch;
+    p.activation_bytes = evaluated.predicted_bytes;
+    p.predicted_peak_bytes = plan::batch_peak_bytes(costs, p.batch, evaluated);
+    return p;
+  };
+  // The lean convolution backward (models/conv3d.h) holds less but can be several times slower:
+  // with model.lean_backward auto, oneDNN's backward is planned first and the lean one taken
+  // only where it fits a larger batch, or a fixed batch oneDNN's does not fit.
+  const bool lean_can_matter = plan.lean_backward && device.is_cpu() &&
+                               plan.precision == engine::Precision::FP32 &&
+                               config.model.lean_backward == "auto";
+  bool fits = false;
+  if (!lean_can_matter) return plan_measured(plan, fits);
+  models::set_lean_backward(*probe.network.module, false);
+  auto fast = plan_measured(plan, fits);
+  fast.lean_backward = false;
+  const bool fast_fits = fits;
+  models::set_lean_backward(*probe.network.module, true);
+  const auto lean = plan_measured(plan, fits);
+  const bool take_lean = lean.batch > fast.batch || (fixed_batch && fits && !fast_fits);
+  return take_lean ? lean : fast;
   return plan;
 }
 
@@ -478,7 +504,7 @@ BatchModel build_batch_model(const Config& config, const std::vector<int64_t>& i
                 " classifies clips: use task clips, or model.network unet for segmentation");
     auto video =
         models::VideoResNet(models::VideoResNetOptions(kind).num_classes(classes).lean_backward(
-            config.model.lean_backward));
+            config.model.lean_backward != "false"));
     if (!config.model.weights.empty()) {
       models::LoadOptions options;
       options.strict = false;
@@ -707,7 +733,8 @@ std::string BatchTaskPlan::describe() const {
   }
   return c10::str(
       "plan: batch ", batch, accumulated, ", ", count, " of ", recompute.size(),
-      " stages recomputed, ", engine::to_string(precision), ", predicted peak ",
+      " stages recomputed, ", engine::to_string(precision),
+      lean_backward ? ", lean convolution backward" : "", ", predicted peak ",
       memory::format_bytes(predicted_peak_bytes), " of ", memory::format_bytes(step_budget_bytes),
       " (budget ", memory::format_bytes(budget_bytes), " less prefetch): static ",
       memory::format_bytes(static_bytes), ", inputs ", memory::format_bytes(input_bytes),
@@ -779,12 +806,14 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     info(plan.describe());
     progress.batch = plan.batch;
     progress.segments = plan.segments;
+    progress.lean_backward = plan.lean_backward;
   }
 
   BatchModel model = build_batch_model(config, input);
   model.precision = progress.precision;
   model.batch = progress.batch;
   auto& module = *model.network.module;
+  models::set_lean_backward(module, progress.lean_backward);
   std::vector<torch::Tensor> parameters;
   for (const auto& p : module.parameters()) {
     if (p.requires_grad()) parameters.push_back(p);

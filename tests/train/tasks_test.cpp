@@ -430,6 +430,43 @@ TEST(ClipTraining, AccumulatedBatchesTrainAsOneBatchOfTheirSamples) {
   for (const auto* c : {&one, &two, &smoothed}) test_util::remove_tree(c->train.out_dir);
 }
 
+TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForALargerBatch) {
+  // R3D-18 on 4 x 32 x 32 clips: layer2 to layer4 have at most 2x4x4 output positions, where
+  // oneDNN's backward holds weight-sized buffers (layer4's weights are 27 MiB each) and the lean
+  // backward (models/conv3d.h) does not; oneDNN's is the faster.
+  auto config = clips_config("/tmp/framefit_clips_lean");
+  config.model.network = "r3d_18";
+  config.model.layers.clear();
+  config.data.resize = 32;
+  config.data.crop = 32;
+  config.train.batch = "auto";
+  config.train.optimizer = "sgd";  // no moments: the static part is the weights and gradients
+  config.data.prefetch_bytes = 8 << 20;
+  std::vector<train::BatchTaskPlan> plans;
+  for (const auto& [lean, budget] : std::vector<std::pair<std::string, int64_t>>{
+           {"auto", 2ll << 30}, {"auto", 640ll << 20}, {"false", 640ll << 20}}) {
+    config.model.lean_backward = lean;
+    config.train.budget = budget;
+    plans.push_back(train::plan_batch_task(config));
+  }
+  // Every training clip fits either way: oneDNN's backward, the faster.
+  EXPECT_EQ(plans[0].batch, plans[0].samples);
+  EXPECT_FALSE(plans[0].lean_backward);
+  // A tighter budget: the lean backward fits a larger batch than oneDNN's ...
+  EXPECT_TRUE(plans[1].lean_backward);
+  EXPECT_NE(plans[1].describe().find("lean convolution backward"), std::string::npos);
+  EXPECT_FALSE(plans[2].lean_backward);
+  EXPECT_GT(plans[1].batch, plans[2].batch);
+  // ... and trains within it (that batch fixed: nothing to plan again).
+  config.model.lean_backward = "auto";
+  config.train.batch = std::to_string(plans[1].batch);
+  config.train.max_steps = 2;
+  const auto result = train::train(config);
+  EXPECT_EQ(result.steps, 2);
+  for (const auto peak : step_peaks(config.train.out_dir)) EXPECT_LE(peak, 640ll << 20);
+  test_util::remove_tree(config.train.out_dir);
+}
+
 TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {
   auto config = segmentation_config("/tmp/framefit_segmentation");
   config.train.epochs = 30;

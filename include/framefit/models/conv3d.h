@@ -34,4 +34,7 @@ constexpr int64_t kLeanBackwardMaxPositions = 128;
 // most kLeanBackwardMaxPositions output positions per sample.
 bool takes_lean_backward(const LeanConv3dImpl& conv, const torch::Tensor& x);
 
+// Sets lean_backward on every LeanConv3d in `module`; returns how many there are.
+int64_t set_lean_backward(torch::nn::Module& module, bool on);
+
 }  // namespace framefit::models

@@ -67,6 +67,8 @@ struct BatchTaskPlan {
   engine::Precision precision = engine::Precision::FP32;
   std::string checkpointing;
   std::vector<engine::ChainSegment> segments;  // what to recompute (engine/checkpoint.h)
+  // The video ResNets' lean convolution backward (models/conv3d.h, model.lean_backward).
+  bool lean_backward = false;
   int64_t budget_bytes = 0, step_budget_bytes = 0;
   // Predicted peak = static (parameters, buffers, gradients, optimizer state) + inputs (stored
   // samples and labels of the accumulated batches, the float input of one) + activations (the
