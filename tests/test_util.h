@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "framefit/data/demo.h"
+
 namespace framefit::test_util {
 
 // The message of the c10::Error that `f` throws (without backtrace), or "" if it throws none.
@@ -44,6 +46,22 @@ inline std::string write_script_module(
   module.define(code);
   module.save(path);
   return path;
+}
+
+// A small demo data set in `dir` (make-demo's videos: 3 training, 1 validation, 1 test, 32x32,
+// `min_frames` to `max_frames` frames, video files only), for tests that train.
+inline void make_tiny_demo(const std::string& dir, int64_t min_frames, int64_t max_frames) {
+  remove_tree(dir);
+  data::DemoOptions o;
+  o.train_videos = 3;
+  o.val_videos = 1;
+  o.test_videos = 1;
+  o.min_frames = min_frames;
+  o.max_frames = max_frames;
+  o.width = 32;
+  o.height = 32;
+  o.frame_folders = false;
+  data::make_demo(dir, o);
 }
 
 }  // namespace framefit::test_util

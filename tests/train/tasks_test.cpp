@@ -235,17 +235,7 @@ namespace {
 struct TinyData {
   std::string dir = "/tmp/framefit_tasks_test_" + std::to_string(::getpid());
   TinyData() {
-    test_util::remove_tree(dir);
-    data::DemoOptions o;
-    o.train_videos = 3;
-    o.val_videos = 1;
-    o.test_videos = 1;
-    o.min_frames = 40;
-    o.max_frames = 70;
-    o.width = 32;
-    o.height = 32;
-    o.frame_folders = false;
-    data::make_demo(dir, o);
+    test_util::make_tiny_demo(dir, 40, 70);
     data::SegmentationDemoOptions s;
     s.train_images = 10;
     s.val_images = 4;

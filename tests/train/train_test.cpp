@@ -120,19 +120,8 @@ struct TinyDemo {
 const std::string& tiny_demo() {
   static const TinyDemo demo;
   static const std::string dir = [] {
-    const std::string d = demo.dir;
-    test_util::remove_tree(d);
-    data::DemoOptions o;
-    o.train_videos = 3;
-    o.val_videos = 1;
-    o.test_videos = 1;
-    o.min_frames = 30;
-    o.max_frames = 60;
-    o.width = 32;
-    o.height = 32;
-    o.frame_folders = false;
-    data::make_demo(d, o);
-    return d;
+    test_util::make_tiny_demo(demo.dir, 30, 60);
+    return demo.dir;
   }();
   return dir;
 }
