@@ -2,6 +2,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 namespace framefit::models {
 
@@ -60,6 +61,15 @@ class LeanConv3dFunction : public torch::autograd::Function<LeanConv3dFunction> 
   }
 };
 
+// The autocast API moved from per-backend functions to device-type arguments in LibTorch 2.4.
+bool cpu_autocast_enabled() {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  return at::autocast::is_autocast_enabled(at::kCPU);
+#else
+  return at::autocast::is_cpu_enabled();
+#endif
+}
+
 std::vector<int64_t> output_size(const torch::nn::detail::ConvNdOptions<3>& o,
                                  const torch::Tensor& x) {
   std::vector<int64_t> out;
@@ -75,7 +85,7 @@ std::vector<int64_t> output_size(const torch::nn::detail::ConvNdOptions<3>& o,
 bool takes_lean_backward(const LeanConv3dImpl& conv, const torch::Tensor& x) {
   const auto& o = conv.options;
   if (!conv.lean_backward || !x.defined() || x.dim() != 5 || !x.device().is_cpu() ||
-      x.scalar_type() != torch::kFloat32 || at::autocast::is_cpu_enabled() ||
+      x.scalar_type() != torch::kFloat32 || cpu_autocast_enabled() ||
       !torch::GradMode::is_enabled() || !(x.requires_grad() || conv.weight.requires_grad()) ||
       o.groups() != 1 || !c10::holds_alternative<torch::ExpandingArray<3>>(o.padding()) ||
       !c10::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
