@@ -7,6 +7,7 @@
 #include "test_util.h"
 #include "plan/tiny_plan.h"
 
+#include "framefit/engine/checkpoint.h"
 #include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/heads.h"
@@ -286,6 +287,28 @@ TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
   const auto none = plan::plan_batch(costs, 1050, true);
   EXPECT_EQ(none.batch, 0);
   EXPECT_GT(none.minimum_bytes_one_sample, 1050);
+}
+
+TEST(BatchPlanner, WorkspaceFromBatchTwoOnIsNotTakenAsGrowingWithTheBatch) {
+  // A stage that, like an oneDNN convolution switching algorithm, takes a 32 MiB workspace from
+  // batch 2 on and then the same at any batch: from batches 1 and 2 alone its line would run
+  // through zero (batch 100: 1.6 GiB). Calibrated for a budget, the line starts at batch 2.
+  torch::nn::Linear linear(256, 256);
+  const auto network =
+      engine::chain_network(std::static_pointer_cast<torch::nn::Module>(linear.ptr()),
+                            [linear](const torch::Tensor& x) mutable {
+                              if (x.size(0) >= 2)
+                                torch::zeros({8 << 20}).add_(1);  // 32 MiB, freed again
+                              return linear(x).relu();
+                            });
+  const auto inputs = [](int64_t b) { return torch::randn({b, 256}); };
+  const auto costs =
+      plan::calibrate_batch(network, inputs, 0, 1024, 256 << 20, torch::kCPU, Precision::FP32);
+  const auto predicted = costs.at(100)[0].peak_bytes;
+  const auto measured = network.measure(inputs(100))[0].peak_bytes;
+  EXPECT_GE(predicted, measured);
+  EXPECT_LE(predicted, measured * 11 / 10)
+      << predicted << " predicted, " << measured << " measured";
 }
 
 TEST(Planner, DoesNotFitNamesTheMinimumAndHowToGetThere) {
