@@ -251,7 +251,7 @@ const std::vector<Entry>& entries() {
     t.push_back(choice("model.lean_backward",
                        "r3d_18/r2plus1d_18 on the CPU: convolutions with few output positions "
                        "(layer4) run their backward without oneDNN's weight-sized workspace, "
-                       "slower but leaner; auto: only where that fits a larger batch",
+                       "slower but leaner; auto: only where that fits twice the batch",
                        FRAMEFIT_MEMBER(std::string, model.lean_backward),
                        {"auto", "true", "false"}));
     // data
