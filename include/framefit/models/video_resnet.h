@@ -30,7 +30,7 @@ struct VideoResNetOptions {
   TORCH_ARG(std::string, arch);           // "r3d_18" or "r2plus1d_18"
   TORCH_ARG(int64_t, num_classes) = 400;  // Kinetics-400; 0: feature mode, no fc
   // On the CPU, the backward of convolutions with few output positions (layer4 on 112-pixel
-  // clips) without oneDNN's weight-sized per-thread workspace (models/conv3d.h).
+  // clips) without oneDNN's weight-sized workspace buffers (models/conv3d.h).
   TORCH_ARG(bool, lean_backward) = true;
 };
 
