@@ -420,7 +420,7 @@ TEST(ClipTraining, AccumulatedBatchesTrainAsOneBatchOfTheirSamples) {
   for (const auto* c : {&one, &two, &smoothed}) test_util::remove_tree(c->train.out_dir);
 }
 
-TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForALargerBatch) {
+TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForTwiceTheBatch) {
   // R3D-18 on 4 x 32 x 32 clips: layer2 to layer4 have at most 2x4x4 output positions, where
   // oneDNN's backward holds weight-sized buffers (layer4's weights are 27 MiB each) and the lean
   // backward (models/conv3d.h) does not; oneDNN's is the faster.
