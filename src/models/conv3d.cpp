@@ -80,14 +80,13 @@ std::vector<int64_t> output_size(const torch::nn::detail::ConvNdOptions<3>& o,
   return out;
 }
 
-}  // namespace
-
-bool takes_lean_backward(const LeanConv3dImpl& conv, const torch::Tensor& x) {
+// takes_lean_backward without the switch.
+bool lean_backward_applies(const LeanConv3dImpl& conv, const torch::Tensor& x) {
   const auto& o = conv.options;
-  if (!conv.lean_backward || !x.defined() || x.dim() != 5 || !x.device().is_cpu() ||
-      x.scalar_type() != torch::kFloat32 || cpu_autocast_enabled() ||
-      !torch::GradMode::is_enabled() || !(x.requires_grad() || conv.weight.requires_grad()) ||
-      o.groups() != 1 || !c10::holds_alternative<torch::ExpandingArray<3>>(o.padding()) ||
+  if (!x.defined() || x.dim() != 5 || !x.device().is_cpu() || x.scalar_type() != torch::kFloat32 ||
+      cpu_autocast_enabled() || !torch::GradMode::is_enabled() ||
+      !(x.requires_grad() || conv.weight.requires_grad()) || o.groups() != 1 ||
+      !c10::holds_alternative<torch::ExpandingArray<3>>(o.padding()) ||
       !c10::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
     return false;
   }
@@ -97,6 +96,12 @@ bool takes_lean_backward(const LeanConv3dImpl& conv, const torch::Tensor& x) {
   int64_t positions = 1;
   for (const int64_t size : output_size(o, x)) positions *= size;
   return positions <= kLeanBackwardMaxPositions;
+}
+
+}  // namespace
+
+bool takes_lean_backward(const LeanConv3dImpl& conv, const torch::Tensor& x) {
+  return conv.lean_backward && lean_backward_applies(conv, x);
 }
 
 int64_t set_lean_backward(torch::nn::Module& module, bool on) {
@@ -110,8 +115,18 @@ int64_t set_lean_backward(torch::nn::Module& module, bool on) {
   return count;
 }
 
+int64_t lean_applicable_calls(const torch::nn::Module& module) {
+  int64_t calls = 0;
+  for (const auto& child : module.modules()) {
+    if (const auto* conv = child->as<LeanConv3dImpl>()) calls += conv->lean_applicable_calls;
+  }
+  return calls;
+}
+
 torch::Tensor LeanConv3dImpl::forward(const torch::Tensor& x) {
-  if (!takes_lean_backward(*this, x)) return Conv3dImpl::forward(x);
+  if (!lean_backward_applies(*this, x)) return Conv3dImpl::forward(x);
+  ++lean_applicable_calls;
+  if (!lean_backward) return Conv3dImpl::forward(x);
   const auto& padding = c10::get<torch::ExpandingArray<3>>(options.padding());
   std::vector<torch::Tensor> biases;
   if (bias.defined()) biases.push_back(bias);

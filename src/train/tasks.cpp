@@ -458,6 +458,8 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
   models::set_lean_backward(*probe.network.module, false);
   auto fast = plan_measured(plan, fits);
   fast.lean_backward = false;
+  // No convolution small enough for it (layer4 of larger clips): nothing to compare.
+  if (models::lean_applicable_calls(*probe.network.module) == 0) return fast;
   const bool fast_fits = fits;
   models::set_lean_backward(*probe.network.module, true);
   const auto lean = plan_measured(plan, fits);

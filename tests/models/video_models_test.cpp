@@ -238,6 +238,11 @@ TEST(LeanConv3d, TakenOnlyForTrainingOnFewOutputPositionsInFloat32OnTheCpu) {
   conv->lean_backward = false;
   EXPECT_FALSE(takes_lean_backward(*conv, few));
   EXPECT_FALSE(graph_has_node(conv(few), "LeanConv3dFunction"));
+  // Applicable training calls are counted, switched on or off (the last one above; the no-grad
+  // call is not).
+  EXPECT_EQ(lean_applicable_calls(*conv), 1);
+  conv(many);
+  EXPECT_EQ(lean_applicable_calls(*conv), 1);
 }
 
 TEST(LeanConv3d, BackwardHoldsOneWeightGradientAndItsColumns) {

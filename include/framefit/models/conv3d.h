@@ -20,6 +20,9 @@ class LeanConv3dImpl : public torch::nn::Conv3dImpl {
   torch::Tensor forward(const torch::Tensor& x);
   // Whether forward(x) takes the lean backward: on by default; off runs a plain Conv3d.
   bool lean_backward = true;
+  // Calls of forward() whose input the lean backward applies to, on or off: none after a
+  // training step means switching it on changes nothing.
+  int64_t lean_applicable_calls = 0;
 };
 TORCH_MODULE(LeanConv3d);
 
@@ -36,5 +39,7 @@ bool takes_lean_backward(const LeanConv3dImpl& conv, const torch::Tensor& x);
 
 // Sets lean_backward on every LeanConv3d in `module`; returns how many there are.
 int64_t set_lean_backward(torch::nn::Module& module, bool on);
+// The LeanConv3d calls in `module` whose input the lean backward applies to (whether on or off).
+int64_t lean_applicable_calls(const torch::nn::Module& module);
 
 }  // namespace framefit::models
