@@ -467,7 +467,6 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
   const bool take_lean =
       lean.batch >= 2 * std::max<int64_t>(1, fast.batch) || (fixed_batch && fits && !fast_fits);
   return take_lean ? lean : fast;
-  return plan;
 }
 
 }  // namespace
