@@ -345,6 +345,8 @@ int plan_config(const Args& args) {
                           {"activation_bytes", plan.activation_bytes},
                           {"predicted_peak_bytes", plan.predicted_peak_bytes},
                           {"minimum_bytes_one_sample", plan.minimum_bytes_one_sample},
+                          {"eval_batch", plan.eval_batch},
+                          {"eval_predicted_peak_bytes", plan.eval_peak_bytes},
                           {"machine", machine_info().describe()}};
     fmt::print("{}\n", out.dump(2));
   } else {

@@ -348,6 +348,35 @@ bool grows_faster_than_batch(const std::vector<engine::StageCost>& one,
   }
   return false;
 }
+
+// Cost lines through batches 1 and 2, measured again toward the batch the budget plainly fits
+// (per-sample costs from tiny batches are dominated by fixed overheads). `at(b)`: the stage costs
+// of b samples; `through`: the lines through two measured batches.
+BatchCosts lines_toward_budget(
+    const std::function<std::vector<engine::StageCost>(int64_t)>& at,
+    const std::function<BatchCosts(int64_t, const std::vector<engine::StageCost>&, int64_t,
+                                   const std::vector<engine::StageCost>&)>& through,
+    int64_t budget_bytes, int64_t max_batch) {
+  const auto one = at(1), two = at(2);
+  auto costs = through(1, one, 2, two);
+  if (budget_bytes <= 0) return costs;
+  // A stage whose peak grew faster than the batch from 1 to 2 (oneDNN picking another algorithm,
+  // with a workspace, from batch 2 on) is drawn through zero and its batch-2 value; where that
+  // workspace then stays flat, the line overshoots several times (R3D-18 on 4 x 32 x 32 clips:
+  // 4,385 MiB predicted for batch 28, 843 measured). Then the lines start at batch 2.
+  const bool jump = grows_faster_than_batch(one, two);
+  const int64_t low = jump ? 2 : 1;
+  const auto& low_costs = jump ? two : one;
+  int64_t plain = plan_batch(costs, budget_bytes, false, max_batch).batch;
+  if (jump && plain >= 4 && plain < 8) {  // the overshooting model already fits batch 4
+    costs = through(2, two, 4, at(4));
+    plain = plan_batch(costs, budget_bytes, false, max_batch).batch;
+  }
+  // Measured again toward what the budget allows, the line through it holds there.
+  if (plain >= 8) costs = through(low, low_costs, plain / 2, at(plain / 2));
+  return costs;
+}
+
 }  // namespace
 
 BatchCosts calibrate_batch(const engine::ChainNetwork& network,
@@ -368,23 +397,44 @@ BatchCosts calibrate_batch(const engine::ChainNetwork& network,
     costs.max_segment_stages = network.max_segment_stages();
     return costs;
   };
-  const auto one = at(1), two = at(2);
-  auto costs = through(1, one, 2, two);
-  if (budget_bytes <= 0) return costs;
-  // A stage whose peak grew faster than the batch from 1 to 2 (oneDNN picking another algorithm,
-  // with a workspace, from batch 2 on) is drawn through zero and its batch-2 value; where that
-  // workspace then stays flat, the line overshoots several times (R3D-18 on 4 x 32 x 32 clips:
-  // 4,385 MiB predicted for batch 28, 843 measured). Then the lines start at batch 2.
-  const bool jump = grows_faster_than_batch(one, two);
-  const int64_t low = jump ? 2 : 1;
-  const auto& low_costs = jump ? two : one;
-  int64_t plain = plan_batch(costs, budget_bytes, false).batch;
-  if (jump && plain >= 4 && plain < 8) {  // the overshooting model already fits batch 4
-    costs = through(2, two, 4, at(4));
-    plain = plan_batch(costs, budget_bytes, false).batch;
-  }
-  // Measured again toward what the budget allows, the line through it holds there.
-  if (plain >= 8) costs = through(low, low_costs, plain / 2, at(plain / 2));
+  return lines_toward_budget(at, through, budget_bytes, 4096);
+}
+
+BatchCosts calibrate_inference(const engine::ChainNetwork& network,
+                               const std::function<torch::Tensor(int64_t)>& inputs,
+                               int64_t static_bytes, int64_t input_bytes_per_sample,
+                               int64_t budget_bytes, torch::Device device,
+                               engine::Precision precision, int64_t max_batch) {
+  auto& module = *network.module;
+  const bool was_training = module.is_training();
+  module.eval();
+  auto& tracker = memory::Tracker::of(device);
+  const auto segments = engine::store_all(network.stage_count());
+  // One stage that keeps nothing: nothing is saved for a backward pass.
+  const auto at = [&](int64_t batch) {
+    const auto x = inputs(batch);
+    torch::NoGradGuard no_grad;
+    engine::AutocastGuard autocast(device, precision);
+    auto window = tracker.mark();
+    const auto start = std::chrono::steady_clock::now();
+    auto logits = network.forward(x, segments);
+    if (logits.is_cuda()) torch::cuda::synchronize();
+    engine::StageCost cost;
+    cost.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    logits.reset();
+    cost.peak_bytes = window.peak_bytes() - window.entry_bytes();
+    return std::vector<engine::StageCost>{cost};
+  };
+  const auto through = [&](int64_t b1, const std::vector<engine::StageCost>& c1, int64_t b2,
+                           const std::vector<engine::StageCost>& c2) {
+    auto costs = BatchCosts::through(b1, c1, b2, c2);
+    costs.static_bytes = static_bytes;
+    costs.input_bytes_per_sample = input_bytes_per_sample;
+    costs.max_segment_stages = 1;
+    return costs;
+  };
+  const auto costs = lines_toward_budget(at, through, budget_bytes, max_batch);
+  module.train(was_training);
   return costs;
 }
 

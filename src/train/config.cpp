@@ -379,6 +379,10 @@ const std::vector<Entry>& entries() {
     t.push_back(field<std::string>(
         "train.batch", "clips/segmentation: samples per batch; auto: the largest that fits",
         FRAMEFIT_MEMBER(std::string, train.batch), "auto or a count", auto_or_count()));
+    t.push_back(field<std::string>(
+        "train.eval_batch",
+        "clips/segmentation: samples per evaluation batch; auto: the largest that fits (planned)",
+        FRAMEFIT_MEMBER(std::string, train.eval_batch), "auto or a count", auto_or_count()));
     t.push_back(choice("train.checkpointing",
                        "clips/segmentation: layer checkpointing; auto: only what the batch needs",
                        FRAMEFIT_MEMBER(std::string, train.checkpointing), {"auto", "off", "all"}));

@@ -277,6 +277,7 @@ struct BatchProgress {
   engine::Precision precision = engine::Precision::FP32;
   std::vector<engine::ChainSegment> segments;  // the recomputation the step runs with
   bool lean_backward = false;                  // models/conv3d.h, as planned
+  int64_t eval_batch = 0;                      // validation's batch, as planned
   double best_score = -1;
   double seconds = 0;
 };
@@ -295,7 +296,7 @@ void write_network(torch::serialize::OutputArchive& archive, const BatchModel& m
 void write_progress(torch::serialize::OutputArchive& archive, const BatchProgress& p) {
   archive.write("progress", torch::tensor({p.step, p.epoch, p.position, p.skipped, p.batch,
                                            p.micro_batches, static_cast<int64_t>(p.precision),
-                                           static_cast<int64_t>(p.lean_backward)},
+                                           static_cast<int64_t>(p.lean_backward), p.eval_batch},
                                           torch::kLong));
   archive.write("progress_real", torch::tensor({p.best_score, p.seconds}, torch::kDouble));
   std::vector<int64_t> segments;  // [S,3]: begin, end, recompute
@@ -321,6 +322,8 @@ BatchProgress read_progress(torch::serialize::InputArchive& archive) {
   progress.precision = static_cast<engine::Precision>(v[6]);
   // Checkpoints from before the lean backward ran every convolution's backward through oneDNN.
   progress.lean_backward = p.numel() > 7 && v[7] != 0;
+  // ... and evaluated at the training batch.
+  progress.eval_batch = p.numel() > 8 ? v[8] : progress.batch;
   const auto rows = segments.accessor<int64_t, 2>();
   for (int64_t i = 0; i < rows.size(0); ++i)
     progress.segments.push_back({rows[i][0], rows[i][1], rows[i][2] != 0});
@@ -334,6 +337,33 @@ double score(const Config& config, const PhaseMetrics& metrics) {
   return config.task == "segmentation" ? metrics.macro_jaccard : metrics.accuracy;
 }
 
+// The logits of `samples`. A forward pass that runs out of memory is run again on each half of
+// its samples (in eval mode a sample's logits do not depend on the others in its batch), and
+// `model.batch` lowered to the size that ran, so later batches start there.
+torch::Tensor evaluation_logits(BatchModel& model, const torch::Tensor& samples,
+                                const std::vector<engine::ChainSegment>& segments,
+                                const EventCallback& on_event) {
+  const int64_t n = samples.size(0);
+  try {
+    engine::AutocastGuard autocast(model.device, model.precision);
+    return model.network.forward(batch_input(model, samples), segments);
+  } catch (const std::exception& e) {
+    if (n == 1 || !memory::is_out_of_memory(e)) throw;
+  }
+  const int64_t half = (n + 1) / 2;
+  if (half < model.batch) {
+    model.batch = half;
+    if (on_event) {
+      on_event(
+          Event::note(Event::Kind::Warning, c10::str("evaluation ran out of memory at a batch of ",
+                                                     n, "; continuing with batches of ", half)));
+    }
+  }
+  return torch::cat(
+      {evaluation_logits(model, samples.narrow(0, 0, half), segments, on_event),
+       evaluation_logits(model, samples.narrow(0, half, n - half), segments, on_event)});
+}
+
 PhaseMetrics evaluate_data(BatchModel& model, const TaskData& data, const EventCallback& on_event) {
   ConfusionMatrix confusion(model.classes.size());
   torch::NoGradGuard no_grad;
@@ -342,7 +372,6 @@ PhaseMetrics evaluate_data(BatchModel& model, const TaskData& data, const EventC
                       static_cast<int>(model.config.data.workers),
                       model.config.data.prefetch_bytes);
   const auto start = Clock::now();
-  const int64_t total = (data.samples() + model.batch - 1) / model.batch;
   int64_t done = 0, samples = 0;
   const auto segments = engine::store_all(model.network.stage_count());
   while (!stream.done()) {
@@ -351,18 +380,15 @@ PhaseMetrics evaluate_data(BatchModel& model, const TaskData& data, const EventC
       if (on_event) on_event(Event::note(Event::Kind::Warning, w));
     }
     if (!batch.samples.defined()) continue;
-    torch::Tensor logits;
-    {
-      engine::AutocastGuard autocast(model.device, model.precision);
-      logits = model.network.forward(batch_input(model, batch.samples), segments);
-    }
+    const auto logits = evaluation_logits(model, batch.samples, segments, on_event);
     confusion.add(logits.argmax(1).cpu().flatten(), batch.labels.flatten());
     samples += batch.samples.size(0);
     if (on_event) {
       Event e;
       e.kind = Event::Kind::Evaluate;
       e.step = ++done;
-      e.total_steps = total;
+      e.total_steps =
+          done + (std::max<int64_t>(0, data.samples() - samples) + model.batch - 1) / model.batch;
       e.elapsed_seconds = seconds_since(start);
       e.frames_per_second = samples / std::max(1e-9, e.elapsed_seconds);
       e.rate_unit = "samples";
@@ -379,12 +405,49 @@ void check_train_settings(const Config& config) {
   }
 }
 
-// The batch and checkpointing for `config` on `data`'s samples: calibrated on a probe copy
-// before the trained model exists (calibration runs forward passes that move BatchNorm
-// statistics and the random generator, which must not touch the run).
-BatchTaskPlan plan_for(const Config& config, const TaskData& data,
-                       const std::vector<int64_t>& input, torch::Device device, int64_t budget,
-                       int64_t step_budget) {
+int64_t elements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t size : shape) n *= size;
+  return n;
+}
+
+// Per sample of a batch: the stored uint8 sample and int64 label(s).
+int64_t stored_sample_bytes(const Config& config, const std::vector<int64_t>& input) {
+  return elements(input) + (config.task == "clips" ? 8 : 8 * input[1] * input[2]);
+}
+
+// Evaluation batches beyond this only delay the first result on the CPU (time per sample is
+// flat from batch 4 on: demo clips 2.7-3.0 ms); 64 still leaves a GPU room to fill.
+constexpr int64_t kMaxEvalBatch = 64;
+
+// The evaluation batch (train.eval_batch): without grad nothing is kept for a backward pass, so
+// it is planned on its own, from the probe's forward passes in eval mode, within what training
+// leaves (its static memory stays while validating).
+void plan_evaluation(BatchTaskPlan& plan, const Config& config, const BatchModel& probe,
+                     torch::Device device) {
+  if (const auto fixed = fixed_count(config.train.eval_batch)) {
+    plan.eval_batch = *fixed;
+    return;
+  }
+  const auto costs = plan::calibrate_inference(
+      probe.network,
+      [&](int64_t b) {
+        std::vector<int64_t> shape = {b};
+        shape.insert(shape.end(), plan.input.begin(), plan.input.end());
+        return torch::randn(shape, torch::TensorOptions().device(device));
+      },
+      plan.static_bytes, stored_sample_bytes(config, plan.input) + 4 * elements(plan.input),
+      plan.step_budget_bytes, device, plan.precision, kMaxEvalBatch);
+  const auto planned = plan::plan_batch(costs, plan.step_budget_bytes, false, kMaxEvalBatch);
+  // Not even one sample: evaluation splits batches that run out of memory down to one sample.
+  plan.eval_batch = std::max<int64_t>(1, planned.batch);
+  plan.eval_peak_bytes = planned.predicted_peak_bytes;
+}
+
+// The training batch, recomputation and convolution backward (plan_for).
+BatchTaskPlan plan_training(const Config& config, const TaskData& data,
+                            const std::vector<int64_t>& input, torch::Device device, int64_t budget,
+                            int64_t step_budget, BatchModel& probe) {
   const auto& tc = config.train;
   const auto fixed_batch = fixed_count(tc.batch);
   TORCH_CHECK(!fixed_batch || *fixed_batch > 0,
@@ -397,8 +460,6 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
   plan.budget_bytes = budget;
   plan.step_budget_bytes = step_budget;
   plan.checkpointing = tc.checkpointing;
-  auto probe = build_batch_model(config, input);
-  probe.network.module->train();
   const int64_t stages = probe.network.stage_count();
   plan.static_bytes = plan::training_static_bytes(*probe.network.module, tc.optimizer);
   const bool has_lean =
@@ -411,11 +472,8 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
     return plan;
   }
   plan.planned = true;
-  // Per sample of a batch: the stored uint8 samples and int64 label(s) of the optimizer step's
+  // Per sample of a batch: the stored samples and labels of the optimizer step's
   // train.accumulate batches, and the float input of the batch being run.
-  int64_t sample_bytes = 1;
-  for (int64_t size : input) sample_bytes *= size;
-  const int64_t label_bytes = config.task == "clips" ? 8 : 8 * input[1] * input[2];
   const bool may_checkpoint = tc.checkpointing != "off";
   // The batch and recomputation for the probe's measured costs; `fits`: whether that batch fits.
   const auto plan_measured = [&](BatchTaskPlan p, bool& fits) {
@@ -426,8 +484,8 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
           shape.insert(shape.end(), input.begin(), input.end());
           return torch::randn(shape, torch::TensorOptions().device(device));
         },
-        p.static_bytes, (sample_bytes + label_bytes) * p.accumulate + sample_bytes * 4, step_budget,
-        device, p.precision);
+        p.static_bytes, stored_sample_bytes(config, input) * p.accumulate + 4 * elements(input),
+        step_budget, device, p.precision);
     if (fixed_batch) {
       p.batch = p.largest_batch = *fixed_batch;
     } else {
@@ -467,6 +525,19 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
   const bool take_lean =
       lean.batch >= 2 * std::max<int64_t>(1, fast.batch) || (fixed_batch && fits && !fast_fits);
   return take_lean ? lean : fast;
+}
+
+// The batch and checkpointing for `config` on `data`'s samples, and the evaluation batch:
+// calibrated on a probe copy before the trained model exists (calibration runs forward passes
+// that move BatchNorm statistics and the random generator, which must not touch the run).
+BatchTaskPlan plan_for(const Config& config, const TaskData& data,
+                       const std::vector<int64_t>& input, torch::Device device, int64_t budget,
+                       int64_t step_budget) {
+  auto probe = build_batch_model(config, input);
+  probe.network.module->train();
+  auto plan = plan_training(config, data, input, device, budget, step_budget, probe);
+  if (plan.batch > 0) plan_evaluation(plan, config, probe, device);
+  return plan;
 }
 
 }  // namespace
@@ -615,7 +686,8 @@ BatchModel load_batch_model(const std::string& checkpoint,
   model.precision = progress.precision;
   if (model.device.is_cpu() && model.precision == engine::Precision::FP16)
     model.precision = engine::Precision::FP32;
-  model.batch = std::max<int64_t>(1, progress.batch);
+  const auto fixed = fixed_count(config.train.eval_batch);
+  model.batch = std::max<int64_t>(1, fixed ? *fixed : progress.eval_batch);
   return model;
 }
 
@@ -716,6 +788,11 @@ std::vector<plan::Finding> diagnose_task_settings(const Config& config) {
                                  config.task, " has no frame sequence to smooth"),
                         "set train.smoothing to 0"});
   }
+  if (fixed_count(config.train.eval_batch) == int64_t{0}) {
+    findings.push_back({plan::Finding::Severity::Error,
+                        "train.eval_batch 0: evaluation needs at least one sample per batch",
+                        "set train.eval_batch to auto or a count of at least 1"});
+  }
   return findings;
 }
 
@@ -729,10 +806,14 @@ std::string BatchTaskPlan::describe() const {
   }
   const std::string accumulated =
       accumulate > 1 ? c10::str(" (", accumulate, " per optimizer step)") : std::string();
+  const std::string evaluation =
+      eval_peak_bytes > 0 ? c10::str("; evaluation batch ", eval_batch, " (predicted peak ",
+                                     memory::format_bytes(eval_peak_bytes), ")")
+                          : c10::str("; evaluation batch ", eval_batch);
   if (!planned) {
     return c10::str("settings: batch ", batch, accumulated, ", checkpointing ", checkpointing, " (",
                     count, " of ", recompute.size(),
-                    " stages recomputed; fixed by the config, not planned)");
+                    " stages recomputed; fixed by the config, not planned)", evaluation);
   }
   return c10::str(
       "plan: batch ", batch, accumulated, ", ", count, " of ", recompute.size(),
@@ -741,7 +822,7 @@ std::string BatchTaskPlan::describe() const {
       memory::format_bytes(predicted_peak_bytes), " of ", memory::format_bytes(step_budget_bytes),
       " (budget ", memory::format_bytes(budget_bytes), " less prefetch): static ",
       memory::format_bytes(static_bytes), ", inputs ", memory::format_bytes(input_bytes),
-      ", activations ", memory::format_bytes(activation_bytes));
+      ", activations ", memory::format_bytes(activation_bytes), evaluation);
 }
 
 BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_event) {
@@ -810,11 +891,14 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     progress.batch = plan.batch;
     progress.segments = plan.segments;
     progress.lean_backward = plan.lean_backward;
+    progress.eval_batch = plan.eval_batch;
   }
+  // A count given now (on resume too) is the user's; auto keeps the planned one.
+  if (const auto fixed = fixed_count(tc.eval_batch)) progress.eval_batch = *fixed;
 
   BatchModel model = build_batch_model(config, input);
   model.precision = progress.precision;
-  model.batch = progress.batch;
+  model.batch = progress.eval_batch;
   auto& module = *model.network.module;
   models::set_lean_backward(module, progress.lean_backward);
   std::vector<torch::Tensor> parameters;

@@ -25,6 +25,9 @@ p = json.load(open('plan.json'))
 assert p['fits'] and p['planned'] and p['batch'] >= 1, p
 assert p['predicted_peak_bytes'] == p['static_bytes'] + p['input_bytes'] + p['activation_bytes'], p
 assert p['predicted_peak_bytes'] <= p['step_budget_bytes'] <= p['budget_bytes'], p
+# Evaluation (no grad) planned on its own: at least the training batch, within the same budget.
+assert p['eval_batch'] >= p['batch'], p
+assert p['static_bytes'] < p['eval_predicted_peak_bytes'] <= p['step_budget_bytes'], p
 "
 "$framefit" train --config "$source/configs/demo_segmentation.yaml" --set train.epochs=2 \
   --set train.out_dir=seg > seg.txt 2> seg.log

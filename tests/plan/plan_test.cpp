@@ -12,6 +12,7 @@
 #include "framefit/memory/tracker.h"
 #include "framefit/models/heads.h"
 #include "framefit/models/resnet.h"
+#include "framefit/models/unet.h"
 #include "framefit/plan/calibration.h"
 #include "framefit/plan/doctor.h"
 #include "framefit/plan/planner.h"
@@ -309,6 +310,43 @@ TEST(BatchPlanner, WorkspaceFromBatchTwoOnIsNotTakenAsGrowingWithTheBatch) {
   EXPECT_GE(predicted, measured);
   EXPECT_LE(predicted, measured * 11 / 10)
       << predicted << " predicted, " << measured << " measured";
+}
+
+TEST(BatchPlanner, EvaluationBatchIsPlannedFromItsOwnForwardPass) {
+  // Validation runs in eval mode without grad: nothing is kept for a backward pass, so its batch
+  // is planned from its own measured forward pass (several times training's here) and the
+  // prediction holds at that batch. Calibrating it changes nothing: the network is back in train
+  // mode and BatchNorm's running statistics have not moved (eval mode does not update them).
+  torch::manual_seed(0);
+  auto unet = models::UNet(models::UNetOptions().classes(3).width(8).depth(2));
+  unet->train();
+  const auto network = engine::chain_network(unet.ptr());
+  const auto inputs = [](int64_t b) { return torch::randn({b, 3, 32, 32}); };
+  const int64_t budget = 48 << 20;
+  const auto training =
+      plan::calibrate_batch(network, inputs, 0, 0, budget, torch::kCPU, Precision::FP32);
+  std::vector<torch::Tensor> statistics;
+  for (const auto& b : unet->buffers()) statistics.push_back(b.clone());
+  const auto evaluation =
+      plan::calibrate_inference(network, inputs, 0, 0, budget, torch::kCPU, Precision::FP32, 4096);
+  EXPECT_TRUE(unet->is_training());
+  const auto buffers = unet->buffers();
+  for (size_t i = 0; i < buffers.size(); ++i) EXPECT_TRUE(torch::equal(buffers[i], statistics[i]));
+
+  const int64_t train_batch = plan::plan_batch(training, budget, false).batch;
+  const auto planned = plan::plan_batch(evaluation, budget, false);
+  EXPECT_GT(planned.batch, 2 * train_batch) << train_batch << " for training";
+  unet->eval();
+  torch::NoGradGuard no_grad;
+  const auto x = inputs(planned.batch);
+  auto& tracker = memory::Tracker::cpu();
+  auto window = tracker.mark();
+  network.forward(x, engine::store_all(network.stage_count()));
+  const int64_t measured = window.peak_bytes() - window.entry_bytes();
+  EXPECT_LE(measured, budget);
+  EXPECT_NEAR(static_cast<double>(planned.predicted_peak_bytes), static_cast<double>(measured),
+              0.1 * static_cast<double>(measured))
+      << "batch " << planned.batch;
 }
 
 TEST(Planner, DoesNotFitNamesTheMinimumAndHowToGetThere) {

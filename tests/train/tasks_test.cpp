@@ -417,7 +417,14 @@ TEST(ClipTraining, AccumulatedBatchesTrainAsOneBatchOfTheirSamples) {
   EXPECT_NE(test_util::error_message([&] { train::train(smoothed); }).find("train.smoothing 0.15"),
             std::string::npos);
   EXPECT_TRUE(plan::has_errors(train::diagnose_batch_task(smoothed, 0)));
-  for (const auto* c : {&one, &two, &smoothed}) test_util::remove_tree(c->train.out_dir);
+  auto no_eval_batch = clips_config("/tmp/framefit_clips_accumulate_d");
+  no_eval_batch.train.eval_batch = "0";
+  EXPECT_NE(test_util::error_message([&] {
+              train::train(no_eval_batch);
+            }).find("train.eval_batch 0: evaluation needs at least one sample per batch"),
+            std::string::npos);
+  for (const auto* c : {&one, &two, &smoothed, &no_eval_batch})
+    test_util::remove_tree(c->train.out_dir);
 }
 
 TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForTwiceTheBatch) {
@@ -483,9 +490,39 @@ TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {
   // Per pixel: 4 validation images of 32 x 32; better than calling everything background.
   EXPECT_EQ(result.best.frames, 4 * 32 * 32);
   EXPECT_GT(result.best.macro_jaccard, 0.3);
+  // Validation's batch was planned on its own (eval mode, no grad) within the same budget: more
+  // than a training batch; the checkpoint keeps it.
+  const auto eval_at = plan.find("; evaluation batch ");
+  ASSERT_NE(eval_at, std::string::npos) << plan;
+  const int64_t eval_batch = std::stoll(plan.substr(eval_at + 19));
+  EXPECT_GT(eval_batch, std::stoll(plan.substr(12))) << plan;
   auto model = train::load_batch_model(result.best_checkpoint);
+  EXPECT_EQ(model.batch, eval_batch);
   const auto again = train::evaluate_batch(model, "val");
   EXPECT_NEAR(again.macro_jaccard, result.best.macro_jaccard, 1e-12);
+
+  // Evaluation that runs out of memory splits the batch and goes on: a budget between the peaks
+  // of batches of 1 and of 4 gives the same metrics, with a warning, in batches of 2.
+  auto& tracker = memory::Tracker::cpu();
+  const auto peak_at = [&](int64_t batch) {
+    model.batch = batch;
+    auto window = tracker.mark();
+    train::evaluate_batch(model, "val");
+    return window.peak_bytes() - window.entry_bytes();
+  };
+  const int64_t one = peak_at(1), four = peak_at(4);
+  ASSERT_GT(four, one + (256 << 10));
+  std::vector<std::string> split_warnings;
+  tracker.set_budget(tracker.current_bytes() + (one + four) / 2);
+  const auto split = train::evaluate_batch(model, "val", [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Warning) split_warnings.push_back(e.message);
+  });
+  tracker.set_budget(0);
+  ASSERT_EQ(split_warnings.size(), 1u);
+  EXPECT_EQ(split_warnings[0],
+            "evaluation ran out of memory at a batch of 4; continuing with batches of 2");
+  EXPECT_EQ(model.batch, 2);
+  EXPECT_NEAR(split.macro_jaccard, result.best.macro_jaccard, 1e-12);
   test_util::remove_tree(config.train.out_dir);
 }
 

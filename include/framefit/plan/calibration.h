@@ -73,5 +73,13 @@ BatchCosts calibrate_batch(const engine::ChainNetwork& network,
                            const std::function<torch::Tensor(int64_t)>& inputs,
                            int64_t static_bytes, int64_t input_bytes_per_sample,
                            int64_t budget_bytes, torch::Device device, engine::Precision precision);
+// The same for evaluating it as validation does (eval mode, no grad, under `precision`): one
+// stage that keeps nothing, whose peak is the forward pass's, for plan_batch without
+// checkpointing. Measures batches up to half of `max_batch`; leaves the network in its mode.
+BatchCosts calibrate_inference(const engine::ChainNetwork& network,
+                               const std::function<torch::Tensor(int64_t)>& inputs,
+                               int64_t static_bytes, int64_t input_bytes_per_sample,
+                               int64_t budget_bytes, torch::Device device,
+                               engine::Precision precision, int64_t max_batch);
 
 }  // namespace framefit::plan

@@ -88,6 +88,9 @@ struct TrainConfig {
   // budget), and layer checkpointing (auto: only what the batch needs | off | all).
   std::string batch = "auto";
   std::string checkpointing = "auto";
+  // Evaluation (validation, framefit eval) runs without grad in eval mode, so a larger batch
+  // fits; auto: the planner's, measured (plan::calibrate_inference).
+  std::string eval_batch = "auto";
 };
 
 struct Config {

@@ -31,7 +31,7 @@ struct BatchModel {
   std::vector<int64_t> input;  // per sample: [3,L,H,W] (clips) or [3,H,W] (segmentation)
   torch::Device device = torch::kCPU;
   engine::Precision precision = engine::Precision::FP32;  // inference autocast
-  int64_t batch = 8;                                      // inference batch
+  int64_t batch = 8;  // inference batch (train.eval_batch); lowered where it runs out of memory
 };
 
 // The network for samples of shape `input`, initialised from train.seed (and model.weights:
@@ -50,6 +50,8 @@ torch::Tensor batch_input(const BatchModel& model, const torch::Tensor& samples)
 
 // Metrics of `split` (center crop, no flip): over clips for clips, over pixels for segmentation
 // (the Jaccard index is the IoU; macro_jaccard the mean IoU). Evaluate events count batches.
+// In batches of model.batch; one that runs out of memory is split in halves (a Warning event)
+// and model.batch lowered to what ran.
 PhaseMetrics evaluate_batch(BatchModel& model, const std::string& split,
                             const EventCallback& on_event = {});
 
@@ -75,7 +77,10 @@ struct BatchTaskPlan {
   // chain plan's); 0 when not planned.
   int64_t static_bytes = 0, input_bytes = 0, activation_bytes = 0, predicted_peak_bytes = 0;
   int64_t minimum_bytes_one_sample = 0;  // with everything recomputed
-  std::string describe() const;          // one line, as `framefit train` logs it
+  // Validation's batch (eval mode, no grad: plan::calibrate_inference) and its predicted peak
+  // (0 when train.eval_batch is a count).
+  int64_t eval_batch = 0, eval_peak_bytes = 0;
+  std::string describe() const;  // one line, as `framefit train` logs it
 };
 BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_event = {});
 
