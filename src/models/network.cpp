@@ -7,6 +7,8 @@
 #include <numeric>
 #include <set>
 
+#include "framefit/models/conv3d.h"
+
 namespace framefit::models {
 
 const std::vector<std::string>& layer_types() {
@@ -313,7 +315,7 @@ class GlobalAvgPoolImpl : public torch::nn::Module {
 TORCH_MODULE(GlobalAvgPool);
 
 torch::nn::AnyModule build_layer(const LayerSpec& spec, const std::vector<int64_t>& in_shape,
-                                 const std::string& name) {
+                                 const std::string& name, bool lean_backward) {
   const int64_t channels = in_shape[0];
   const int64_t spatial = static_cast<int64_t>(in_shape.size()) - 1;
   const auto& t = spec.type;
@@ -326,12 +328,15 @@ torch::nn::AnyModule build_layer(const LayerSpec& spec, const std::vector<int64_
       return torch::nn::AnyModule(SeparableConv(dims, channels, spec.out, k, s, p, spec.bias));
     const int64_t groups = std::max<int64_t>(spec.groups, 1);
     if (dims == 3) {
-      return torch::nn::AnyModule(
-          torch::nn::Conv3d(torch::nn::Conv3dOptions(channels, spec.out, torch::IntArrayRef(k))
-                                .stride(torch::IntArrayRef(s))
-                                .padding(torch::IntArrayRef(p))
-                                .groups(groups)
-                                .bias(spec.bias)));
+      const auto options = torch::nn::Conv3dOptions(channels, spec.out, torch::IntArrayRef(k))
+                               .stride(torch::IntArrayRef(s))
+                               .padding(torch::IntArrayRef(p))
+                               .groups(groups)
+                               .bias(spec.bias);
+      if (groups > 1) return torch::nn::AnyModule(torch::nn::Conv3d(options));
+      LeanConv3d conv(options);
+      conv->lean_backward = lean_backward;
+      return torch::nn::AnyModule(conv);
     }
     return torch::nn::AnyModule(
         torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, spec.out, torch::IntArrayRef(k))
@@ -397,7 +402,7 @@ NetworkImpl::NetworkImpl(const NetworkOptions& options)
   std::vector<int64_t> shape = options.input();
   for (size_t i = 0; i < options.layers().size(); ++i) {
     const auto& name = shapes_.layers[i].name;
-    auto layer = build_layer(options.layers()[i], shape, name);
+    auto layer = build_layer(options.layers()[i], shape, name, options.lean_backward());
     register_module(name, layer.ptr());
     layers_.push_back(std::move(layer));
     shape = shapes_.layers[i].output;

@@ -248,12 +248,12 @@ const std::vector<Entry>& entries() {
     t.push_back(field<bool>("model.bilinear",
                             "UNet: bilinear upsampling instead of transposed conv",
                             FRAMEFIT_MEMBER(bool, model.bilinear), "true or false"));
-    t.push_back(choice("model.lean_backward",
-                       "r3d_18/r2plus1d_18 on the CPU: convolutions with few output positions "
-                       "(layer4) run their backward without oneDNN's weight-sized workspace, "
-                       "slower but leaner; auto: only where that fits twice the batch",
-                       FRAMEFIT_MEMBER(std::string, model.lean_backward),
-                       {"auto", "true", "false"}));
+    t.push_back(choice(
+        "model.lean_backward",
+        "r3d_18/r2plus1d_18 and conv3d layers on the CPU: convolutions with few "
+        "output positions (layer4) run their backward without oneDNN's weight-sized workspace, "
+        "slower but leaner; auto: only where that fits twice the batch",
+        FRAMEFIT_MEMBER(std::string, model.lean_backward), {"auto", "true", "false"}));
     // data
     t.push_back(field<std::string>("data.manifest", "CSV listing videos, label files and splits",
                                    FRAMEFIT_MEMBER(std::string, data.manifest), "a path"));

@@ -622,7 +622,8 @@ BatchModel build_batch_model(const Config& config, const std::vector<int64_t>& i
     const auto shapes = models::infer_shapes(config.model.layers, input);
     std::vector<int64_t> wanted = {classes};
     if (!clips) wanted.insert(wanted.end(), input.begin() + 1, input.end());
-    auto network = models::Network(models::NetworkOptions(config.model.layers, input));
+    auto network = models::Network(models::NetworkOptions(config.model.layers, input)
+                                       .lean_backward(config.model.lean_backward != "false"));
     TORCH_CHECK(shapes.output == wanted, "model.layers: the network's output per sample is ",
                 models::format_shape(shapes.output), " but task ", config.task, " needs ",
                 models::format_shape(wanted), " (one score per class", clips ? "" : " and pixel",

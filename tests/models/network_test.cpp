@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "framefit/memory/tracker.h"
+#include "framefit/models/conv3d.h"
 #include "framefit/models/network.h"
 #include "framefit/models/weights.h"
 #include "framefit/plan/doctor.h"
@@ -193,6 +194,54 @@ TEST(Network, ActivationEstimateMatchesWhatAutogradKeeps) {
   const double ratio = static_cast<double>(kept) / (batch * predicted.activation_bytes_per_sample);
   EXPECT_NEAR(ratio, 1.0, 0.15) << "kept " << kept << " bytes";
   out.sum().backward();
+}
+
+TEST(Network, Conv3dLayersTakeTheLeanBackwardWhereItApplies) {
+  // conv3d layers of one group are LeanConv3d: on the CPU the one with 2x8x8 = 128 output
+  // positions per sample runs the lean backward, the one with 4x16x16 does not; a grouped conv3d
+  // stays a Conv3d. Outputs equal, gradients equal up to rounding, names unchanged.
+  std::vector<LayerSpec> layers;
+  LayerSpec conv{"conv3d", "c1"};
+  conv.out = 8;
+  conv.padding = {1};
+  layers.push_back(conv);
+  layers.push_back({"relu"});
+  LayerSpec pool{"maxpool"};
+  pool.kernel = {2};
+  layers.push_back(pool);
+  conv.name = "c2";
+  layers.push_back(conv);
+  LayerSpec grouped{"conv3d", "c3"};
+  grouped.out = 8;
+  grouped.kernel = {1};
+  grouped.groups = 2;
+  layers.push_back(grouped);
+  layers.push_back({"global_avgpool"});
+  layers.push_back({"flatten"});
+  LayerSpec fc{"linear", "fc"};
+  fc.out = 3;
+  layers.push_back(fc);
+  const models::NetworkOptions options(layers, {3, 4, 16, 16});
+  torch::manual_seed(0);
+  models::Network lean(options);
+  models::Network plain(models::NetworkOptions(options).lean_backward(false));
+  EXPECT_EQ(models::set_lean_backward(*lean, true), 2);
+  const auto lean_params = lean->named_parameters();
+  for (auto& p : plain->named_parameters()) p.value().data().copy_(lean_params[p.key()].data());
+  const auto x = torch::randn({2, 3, 4, 16, 16});
+  const auto y_lean = lean->forward(x), y_plain = plain->forward(x);
+  EXPECT_TRUE(torch::equal(y_lean, y_plain));
+  EXPECT_EQ(models::lean_applicable_calls(*lean), 1);
+  const auto weights = torch::randn_like(y_plain);
+  (y_lean * weights).sum().backward();
+  (y_plain * weights).sum().backward();
+  const auto plain_params = plain->named_parameters();
+  for (const auto& p : lean->named_parameters()) {
+    const auto& expected = plain_params[p.key()].grad();
+    EXPECT_LE((p.value().grad() - expected).abs().max().item<double>(),
+              1e-4 * expected.abs().max().item<double>())
+        << p.key();
+  }
 }
 
 TEST(Network, BadLayerListsAreNamed) {

@@ -91,6 +91,9 @@ struct NetworkOptions {
       : layers_(std::move(layers)), input_(std::move(input)) {}
   TORCH_ARG(std::vector<LayerSpec>, layers);
   TORCH_ARG(std::vector<int64_t>, input);  // per sample: [C,H,W] or [C,T,H,W]
+  // conv3d layers (one group) are LeanConv3d (models/conv3d.h): on the CPU, one with few output
+  // positions runs its backward without oneDNN's weight-sized workspace; false: oneDNN's.
+  TORCH_ARG(bool, lean_backward) = true;
 };
 
 // The network as a module whose children carry the layers' names, so its state_dict matches a

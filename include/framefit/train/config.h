@@ -30,7 +30,8 @@ struct ModelConfig {
   int64_t width = 32;
   int64_t depth = 4;
   bool bilinear = false;
-  // r3d_18 / r2plus1d_18 on the CPU: layer4's backward without oneDNN's weight-sized workspace
+  // r3d_18 / r2plus1d_18 and model.layers' conv3d layers on the CPU: the backward of
+  // convolutions with few output positions (layer4) without oneDNN's weight-sized workspace
   // (models/conv3d.h): auto (the planner takes it where it fits at least twice the batch),
   // true, false.
   std::string lean_backward = "auto";
