@@ -416,6 +416,16 @@ int64_t stored_sample_bytes(const Config& config, const std::vector<int64_t>& in
   return elements(input) + (config.task == "clips" ? 8 : 8 * input[1] * input[2]);
 }
 
+// Random network inputs of b samples of shape `input`, for calibration.
+std::function<torch::Tensor(int64_t)> random_samples(const std::vector<int64_t>& input,
+                                                     torch::Device device) {
+  return [input, device](int64_t b) {
+    std::vector<int64_t> shape = {b};
+    shape.insert(shape.end(), input.begin(), input.end());
+    return torch::randn(shape, torch::TensorOptions().device(device));
+  };
+}
+
 // Evaluation batches beyond this only delay the first result on the CPU (time per sample is
 // flat from batch 4 on: demo clips 2.7-3.0 ms); 64 still leaves a GPU room to fill.
 constexpr int64_t kMaxEvalBatch = 64;
@@ -430,14 +440,9 @@ void plan_evaluation(BatchTaskPlan& plan, const Config& config, const BatchModel
     return;
   }
   const auto costs = plan::calibrate_inference(
-      probe.network,
-      [&](int64_t b) {
-        std::vector<int64_t> shape = {b};
-        shape.insert(shape.end(), plan.input.begin(), plan.input.end());
-        return torch::randn(shape, torch::TensorOptions().device(device));
-      },
-      plan.static_bytes, stored_sample_bytes(config, plan.input) + 4 * elements(plan.input),
-      plan.step_budget_bytes, device, plan.precision, kMaxEvalBatch);
+      probe.network, random_samples(plan.input, device), plan.static_bytes,
+      stored_sample_bytes(config, plan.input) + 4 * elements(plan.input), plan.step_budget_bytes,
+      device, plan.precision, kMaxEvalBatch);
   const auto planned = plan::plan_batch(costs, plan.step_budget_bytes, false, kMaxEvalBatch);
   // Not even one sample: evaluation splits batches that run out of memory down to one sample.
   plan.eval_batch = std::max<int64_t>(1, planned.batch);
@@ -472,20 +477,15 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
     return plan;
   }
   plan.planned = true;
-  // Per sample of a batch: the stored samples and labels of the optimizer step's
-  // train.accumulate batches, and the float input of the batch being run.
   const bool may_checkpoint = tc.checkpointing != "off";
   // The batch and recomputation for the probe's measured costs; `fits`: whether that batch fits.
   const auto plan_measured = [&](BatchTaskPlan p, bool& fits) {
+    // Per sample of a batch: the stored samples and labels of the optimizer step's
+    // train.accumulate batches, and the float input of the batch being run.
     const auto costs = plan::calibrate_batch(
-        probe.network,
-        [&](int64_t b) {
-          std::vector<int64_t> shape = {b};
-          shape.insert(shape.end(), input.begin(), input.end());
-          return torch::randn(shape, torch::TensorOptions().device(device));
-        },
-        p.static_bytes, stored_sample_bytes(config, input) * p.accumulate + 4 * elements(input),
-        step_budget, device, p.precision);
+        probe.network, random_samples(input, device), p.static_bytes,
+        stored_sample_bytes(config, input) * p.accumulate + 4 * elements(input), step_budget,
+        device, p.precision);
     if (fixed_batch) {
       p.batch = p.largest_batch = *fixed_batch;
     } else {
