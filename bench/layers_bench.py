@@ -2,6 +2,7 @@
 
   /usr/bin/python3 bench/layers_bench.py            # section 1: 3 interleaved rounds of 7 steps
   /usr/bin/python3 bench/layers_bench.py --quick    # small inputs only, for a smoke run
+  /usr/bin/python3 bench/layers_bench.py --only-cost --nets unet --rounds 7   # part of section 1
 
 1. Cost of checkpointing: the same batch trained without checkpointing, with the planner's
    choice for a budget that halves the activation memory, and with every stage recomputed.
@@ -43,7 +44,12 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only-cost", action="store_true",
                         help="rerun section 1 only; sections 2 and 3 come from layers.json")
+    parser.add_argument("--nets", help="comma-separated nets of section 1 to rerun (with "
+                        "--only-cost; the other nets' rows come from layers.json)")
+    parser.add_argument("--rounds", type=int, help="section 1 rounds (default 3)")
     opts = parser.parse_args()
+    if opts.nets and not opts.only_cost:
+        parser.error("--nets reruns part of section 1: give --only-cost too")
     # Steps of well under a second are noisy on a shared machine: more of them per median.
     repeat = "1" if opts.quick else "7"
     results = {"cost": [], "unet_batch": [], "seed001": []}
@@ -63,10 +69,15 @@ def main():
             ("resnet50", "3,160,160", ["--classes", "10"], "4")]
     if opts.quick:
         nets = [("unet", "3,64,64", ["--width", "8", "--depth", "3", "--classes", "2"], "4")]
+    kept_rows = []
+    if opts.nets:
+        wanted = opts.nets.split(",")
+        nets = [n for n in nets if n[0] in wanted]
+        kept_rows = [r for r in previous["cost"] if r["net"] not in wanted]
     # Processes run minutes apart see different machine load: the four settings of a net run
     # interleaved, `rounds` times, and each setting's slowdown is the median over rounds of its
     # time divided by the plain run's in the same round.
-    rounds = 1 if opts.quick else 3
+    rounds = opts.rounds or (1 if opts.quick else 3)
     checkpoint_modes = ("off", "auto, budget halfway", "auto, half the activations", "all")
     # Settings other than checkpointing, run plain in the same rounds: the video ResNets'
     # convolution backward through oneDNN throughout (models/conv3d.h), as LibTorch runs it.
@@ -107,6 +118,12 @@ def main():
             f"{mode} {statistics.median(r['step_seconds'] for r in runs[mode]):.2f} s"
             for mode in modes if runs[mode][0].get("step_seconds") is not None), flush=True)
 
+    # Rows of nets not rerun keep their places (and their own round counts, noted per row).
+    if kept_rows:
+        order = [r["net"] for r in previous["cost"]]
+        results["cost"] = sorted(kept_rows + results["cost"],
+                                 key=lambda r: order.index(r["net"]) if r["net"] in order else 99)
+
     # 2. UNet's largest batch within a fixed budget.
     unet_shape, unet_budget = ("3,64,64", "64MiB") if opts.quick else ("3,128,128", "512MiB")
     sections = (("fp32, no checkpointing", ["--precision", "fp32", "--checkpoint", "off"]),
@@ -144,15 +161,16 @@ def main():
         json.dump(results, f, indent=1)
     lines = ["# Layer checkpointing and the largest batch", "",
              f"Machine: {machine}. Produced by `bench/layers_bench.py`"
-             f"{' --quick' if opts.quick else ''}; section 1: each setting run {rounds} times, "
-             f"interleaved with the others, each run the median of {repeat} steps; step time is the "
+             f"{' --quick' if opts.quick else ''}; section 1: each setting run several times (column "
+             f"\"runs\"), interleaved with the others of its net, each run the median of {repeat} "
+             "steps; step time is the "
              "median of the runs, \"vs off\" the median of each run's time over the plain run's in "
              "the same round (sections 2 and 3: one measured step each).", "",
              "## Cost of checkpointing (same batch)", "",
              "Target (issue #6): >= 2x less activation memory for <= 1.35x the step time.", "",
              "| net | input | batch | checkpointing | recomputed stages | activation memory | vs off "
-             "| step time | vs off | target met | predicted peak | measured peak |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| step time | vs off | target met | predicted peak | measured peak | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {}
     for r in results["cost"]:
         key = (r["net"], r["input"])
@@ -161,7 +179,7 @@ def main():
         b = base[key]
         if not r.get("fits", True) or r.get("activation_bytes") is None:
             lines.append(f"| {r['net']} | {r['input']} | {r['batch']} | {r['mode']} | "
-                         f"no plan fits | | | | | no | | |")
+                         f"no plan fits | | | | | no | | | |")
             continue
         recomputed = sum(e - s for s, e in r["recomputed"] or [])
         less = b["activation_bytes"] / max(1, r["activation_bytes"])
@@ -170,7 +188,8 @@ def main():
         lines.append(f"| {r['net']} | {r['input']} | {r['batch']} | {r['mode']} | "
                      f"{recomputed} of {r['stages']} | {mib(r['activation_bytes'])} | "
                      f"{less:.2f}x less | {r['step_seconds']:.3f} s | {slower:.2f}x | {met} | "
-                     f"{mib(r['predicted_peak_bytes'])} | {mib(r['peak_bytes'])} |")
+                     f"{mib(r['predicted_peak_bytes'])} | {mib(r['peak_bytes'])} | "
+                     f"{len(r.get('step_seconds_rounds') or [])} |")
     lines += ["", f"## UNet: largest batch within {unet_budget} (input {unet_shape}, width 16, depth 4)",
               "", "| setting | planner's batch | largest batch that ran | peak at it | step time |",
               "|---|---|---|---|---|"]
