@@ -538,6 +538,7 @@ def forward(self, x):
     return torch.conv2d(torch.relu(torch.conv2d(x, self.w1, None, [1, 1], [1, 1])), self.w2)
 )");
   config.train.batch = "4";
+  config.train.eval_batch = "3";  // a count is taken as given, and kept with the checkpoints
   config.train.class_weights = true;
   std::string weights_line;
   const auto result = train::train(config, "", [&](const train::Event& e) {
@@ -564,6 +565,7 @@ def forward(self, x):
       << weights_line << " vs " << expected;
   std::remove(config.model.script.c_str());
   auto model = train::load_batch_model(result.best_checkpoint);
+  EXPECT_EQ(model.batch, 3);
   const auto again = train::evaluate_batch(model, "val");
   EXPECT_NEAR(again.macro_jaccard, result.best.macro_jaccard, 1e-12);
   test_util::remove_tree(config.train.out_dir);
