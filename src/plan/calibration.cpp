@@ -351,12 +351,17 @@ bool grows_faster_than_batch(const std::vector<engine::StageCost>& one,
 
 // Cost lines through batches 1 and 2, measured again toward the batch the budget plainly fits
 // (per-sample costs from tiny batches are dominated by fixed overheads). `at(b)`: the stage costs
-// of b samples; `through`: the lines through two measured batches.
-BatchCosts lines_toward_budget(
-    const std::function<std::vector<engine::StageCost>(int64_t)>& at,
-    const std::function<BatchCosts(int64_t, const std::vector<engine::StageCost>&, int64_t,
-                                   const std::vector<engine::StageCost>&)>& through,
-    int64_t budget_bytes, int64_t max_batch) {
+// of b samples; `base`: the costs' static and input parts and segment limit.
+BatchCosts lines_toward_budget(const std::function<std::vector<engine::StageCost>(int64_t)>& at,
+                               const BatchCosts& base, int64_t budget_bytes, int64_t max_batch) {
+  const auto through = [&](int64_t b1, const std::vector<engine::StageCost>& c1, int64_t b2,
+                           const std::vector<engine::StageCost>& c2) {
+    auto costs = BatchCosts::through(b1, c1, b2, c2);
+    costs.static_bytes = base.static_bytes;
+    costs.input_bytes_per_sample = base.input_bytes_per_sample;
+    costs.max_segment_stages = base.max_segment_stages;
+    return costs;
+  };
   const auto one = at(1), two = at(2);
   auto costs = through(1, one, 2, two);
   if (budget_bytes <= 0) return costs;
@@ -389,15 +394,11 @@ BatchCosts calibrate_batch(const engine::ChainNetwork& network,
     engine::AutocastGuard autocast(device, precision);
     return network.measure(x);
   };
-  const auto through = [&](int64_t b1, const std::vector<engine::StageCost>& c1, int64_t b2,
-                           const std::vector<engine::StageCost>& c2) {
-    auto costs = BatchCosts::through(b1, c1, b2, c2);
-    costs.static_bytes = static_bytes;
-    costs.input_bytes_per_sample = input_bytes_per_sample;
-    costs.max_segment_stages = network.max_segment_stages();
-    return costs;
-  };
-  return lines_toward_budget(at, through, budget_bytes, 4096);
+  BatchCosts base;
+  base.static_bytes = static_bytes;
+  base.input_bytes_per_sample = input_bytes_per_sample;
+  base.max_segment_stages = network.max_segment_stages();
+  return lines_toward_budget(at, base, budget_bytes, 4096);
 }
 
 BatchCosts calibrate_inference(const engine::ChainNetwork& network,
@@ -425,15 +426,11 @@ BatchCosts calibrate_inference(const engine::ChainNetwork& network,
     cost.peak_bytes = window.peak_bytes() - window.entry_bytes();
     return std::vector<engine::StageCost>{cost};
   };
-  const auto through = [&](int64_t b1, const std::vector<engine::StageCost>& c1, int64_t b2,
-                           const std::vector<engine::StageCost>& c2) {
-    auto costs = BatchCosts::through(b1, c1, b2, c2);
-    costs.static_bytes = static_bytes;
-    costs.input_bytes_per_sample = input_bytes_per_sample;
-    costs.max_segment_stages = 1;
-    return costs;
-  };
-  const auto costs = lines_toward_budget(at, through, budget_bytes, max_batch);
+  BatchCosts base;
+  base.static_bytes = static_bytes;
+  base.input_bytes_per_sample = input_bytes_per_sample;
+  base.max_segment_stages = 1;
+  const auto costs = lines_toward_budget(at, base, budget_bytes, max_batch);
   module.train(was_training);
   return costs;
 }
