@@ -180,16 +180,26 @@ torch::Tensor chunked_encode(const FrameEncoder& encoder, const torch::Tensor& f
   const bool differentiable = torch::GradMode::is_enabled() && !encoder.parameters.empty();
 
   if (!differentiable || options.chunk == 0 || options.chunk >= total) {
-    // One pass over every frame: naive training, or plain inference.
+    // Naive training (one pass with grad), or a pass without grad (inference, evaluation): that
+    // one runs chunk by chunk too, so it holds one chunk's activations, not the video's.
     auto phase = memory::Tracker::of(options.device).phase("encode");
-    auto x = frames_to_input(frames, options.device, options.dtype, options.channels_last,
-                             options.normalization);
-    if (encoder.frozen) {
-      torch::NoGradGuard no_grad;
-      x = encoder.frozen(x);
+    const int64_t step = differentiable || options.chunk == 0 ? total : options.chunk;
+    torch::Tensor features;
+    for (int64_t begin = 0; begin < total; begin += step) {
+      const int64_t end = std::min(total, begin + step);
+      auto x = frames_to_input(frames.slice(0, begin, end), options.device, options.dtype,
+                               options.channels_last, options.normalization);
+      if (encoder.frozen) {
+        torch::NoGradGuard no_grad;
+        x = encoder.frozen(x);
+      }
+      auto out = encoder.trainable(x);
+      if (out.scalar_type() != torch::kFloat64) out = out.to(torch::kFloat32);
+      if (end - begin == total) return out;
+      if (!features.defined()) features = torch::empty({total, out.size(1)}, out.options());
+      features.slice(0, begin, end).copy_(out);
     }
-    auto out = encoder.trainable(x);
-    return out.scalar_type() == torch::kFloat64 ? out : out.to(torch::kFloat32);
+    return features;
   }
 
   auto state = c10::make_intrusive<ChunkedState>();

@@ -55,6 +55,8 @@ struct ChunkedOptions {
 // frames: [T,3,H,W] uint8 (or normalised float) on the host; only the chunk being processed is
 // converted and moved to options.device. Returns [T,D] features (float32, or float64 when the
 // encoder computes in float64) on options.device, attached to autograd when grad mode is on.
+// Without grad (inference, evaluation) the chunks simply run one after the other: memory holds
+// one chunk's activations and the features, whatever the video's length.
 // Memory phases "encode" (forward) and "recompute" (backward) are recorded on the device's
 // tracker.
 torch::Tensor chunked_encode(const FrameEncoder& encoder, const torch::Tensor& frames,
