@@ -242,7 +242,10 @@ int run_predict(const Args& args) {
                 ": expected a positive frame rate");
   }
   const auto video = data::decode_video(args.text("video"), folder_fps, options);
-  const auto prediction = train::predict(model, video.frames);
+  const auto prediction = train::predict(model, video.frames, [](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Warning)
+      fmt::print(stderr, "framefit predict: warning: {}\n", e.message);
+  });
   std::string csv = "frame,time_seconds,phase,confidence\n";
   const auto labels = prediction.labels.accessor<int64_t, 1>();
   const auto probabilities = prediction.probabilities.accessor<float, 2>();

@@ -300,9 +300,8 @@ Model load_model(const std::string& checkpoint, const std::vector<std::string>& 
   return model;
 }
 
-Prediction predict(Model& model, const torch::Tensor& frames) {
-  TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3, "predict expects frames [T,3,H,W], got ",
-              frames.sizes());
+namespace {
+Prediction predict_at_chunk(Model& model, const torch::Tensor& frames) {
   torch::InferenceMode inference;
   model.encoder_module().eval();
   model.head->eval();
@@ -319,6 +318,27 @@ Prediction predict(Model& model, const torch::Tensor& frames) {
   p.probabilities = torch::softmax(logits.to(torch::kFloat32), -1).cpu();
   p.labels = p.probabilities.argmax(-1);
   return p;
+}
+}  // namespace
+
+Prediction predict(Model& model, const torch::Tensor& frames, const EventCallback& on_event) {
+  TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3, "predict expects frames [T,3,H,W], got ",
+              frames.sizes());
+  for (;;) {
+    try {
+      return predict_at_chunk(model, frames);
+    } catch (const std::exception& e) {
+      if (model.chunk <= 1 || !memory::is_out_of_memory(e)) throw;
+    }
+    // Without grad a frame's output does not depend on its chunk: halve it and run again.
+    const int64_t half = model.chunk / 2;
+    if (on_event) {
+      on_event(Event::note(Event::Kind::Warning,
+                           c10::str("inference ran out of memory at chunks of ", model.chunk,
+                                    " frames; continuing with chunks of ", half)));
+    }
+    model.chunk = half;
+  }
 }
 
 PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
@@ -343,7 +363,7 @@ PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
                              std::string("skipping ") + e.what_without_backtrace()));
       continue;
     }
-    const auto prediction = predict(model, video.frames);
+    const auto prediction = predict(model, video.frames, on_event);
     confusion.add(prediction.labels, video.labels);
     frames += video.labels.numel();
     if (on_event) {

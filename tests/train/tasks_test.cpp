@@ -513,11 +513,16 @@ TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {
   const int64_t one = peak_at(1), four = peak_at(4);
   ASSERT_GT(four, one + (256 << 10));
   std::vector<std::string> split_warnings;
-  tracker.set_budget(tracker.current_bytes() + (one + four) / 2);
-  const auto split = train::evaluate_batch(model, "val", [&](const train::Event& e) {
-    if (e.kind == train::Event::Kind::Warning) split_warnings.push_back(e.message);
-  });
-  tracker.set_budget(0);
+  train::PhaseMetrics split;
+  {
+    struct BudgetReset {
+      ~BudgetReset() { memory::Tracker::cpu().set_budget(0); }
+    } reset;
+    tracker.set_budget(tracker.current_bytes() + (one + four) / 2);
+    split = train::evaluate_batch(model, "val", [&](const train::Event& e) {
+      if (e.kind == train::Event::Kind::Warning) split_warnings.push_back(e.message);
+    });
+  }
   ASSERT_EQ(split_warnings.size(), 1u);
   EXPECT_EQ(split_warnings[0],
             "evaluation ran out of memory at a batch of 4; continuing with batches of 2");

@@ -11,6 +11,7 @@
 #include "test_util.h"
 
 #include "framefit/data/demo.h"
+#include "framefit/memory/tracker.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
 #include "framefit/train/trainer.h"
@@ -207,6 +208,41 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
   const double accuracy =
       prediction.labels.eq(video.labels).to(torch::kDouble).mean().item<double>();
   EXPECT_NEAR(accuracy, metrics.accuracy, 1e-12);
+  // Inference that runs out of memory halves its chunk and goes on: on a long video, a budget
+  // between the peaks at chunks of 4 frames and of the whole video gives the same prediction.
+  {
+    auto& tracker = memory::Tracker::cpu();
+    auto sizes = video.frames.sizes().vec();
+    sizes[0] = 256;
+    const auto long_video = torch::randint(0, 256, sizes, torch::kUInt8);
+    const auto peak_at = [&](int64_t chunk) {
+      model.chunk = chunk;
+      auto window = tracker.mark();
+      train::predict(model, long_video);
+      return window.peak_bytes() - window.entry_bytes();
+    };
+    const int64_t small = peak_at(4), whole = peak_at(256);
+    ASSERT_GT(whole, 2 * small);
+    const auto expected = train::predict(model, long_video);
+    std::vector<std::string> warnings;
+    train::Prediction halved;
+    {
+      struct BudgetReset {
+        ~BudgetReset() { memory::Tracker::cpu().set_budget(0); }
+      } reset;
+      tracker.set_budget(tracker.current_bytes() + (small + whole) / 2);
+      halved = train::predict(model, long_video, [&](const train::Event& e) {
+        if (e.kind == train::Event::Kind::Warning) warnings.push_back(e.message);
+      });
+    }
+    ASSERT_FALSE(warnings.empty());
+    EXPECT_EQ(warnings[0],
+              "inference ran out of memory at chunks of 256 frames; continuing with "
+              "chunks of 128");
+    EXPECT_LT(model.chunk, 256);
+    EXPECT_TRUE(torch::equal(halved.labels, expected.labels));
+    EXPECT_TRUE(torch::allclose(halved.probabilities, expected.probabilities, 1e-4, 1e-6));
+  }
 
   const auto state = train::export_state_dict(model);
   EXPECT_EQ(state.front().first, "encoder.conv1.weight");

@@ -118,9 +118,11 @@ struct Prediction {
   torch::Tensor labels;
   torch::Tensor probabilities;
 };
-Prediction predict(Model& model, const torch::Tensor& frames);
+// model.chunk frames at a time; a video that runs out of memory is predicted again with the
+// chunk halved (a Warning event), and model.chunk keeps the chunk that ran.
+Prediction predict(Model& model, const torch::Tensor& frames, const EventCallback& on_event = {});
 
-// Every video of `dataset` (center crop, no flip), under inference mode.
+// Every video of `dataset` (center crop, no flip), predicted as predict() does.
 PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
                       const EventCallback& on_event = {});
 
