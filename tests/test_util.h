@@ -12,8 +12,19 @@
 #include <vector>
 
 #include "framefit/data/demo.h"
+#include "framefit/memory/tracker.h"
 
 namespace framefit::test_util {
+
+// The CPU tracker's budget for the scope's lifetime, removed however the scope ends (a failed
+// ASSERT, an exception), so that no test's budget reaches the next test.
+class CpuBudget {
+ public:
+  explicit CpuBudget(int64_t bytes) { memory::Tracker::cpu().set_budget(bytes); }
+  ~CpuBudget() { memory::Tracker::cpu().set_budget(0); }
+  CpuBudget(const CpuBudget&) = delete;
+  CpuBudget& operator=(const CpuBudget&) = delete;
+};
 
 // The message of the c10::Error that `f` throws (without backtrace), or "" if it throws none.
 inline std::string error_message(const std::function<void()>& f) {

@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "test_util.h"
+
 #include "framefit/engine/chunked.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/resnet.h"
@@ -24,9 +26,6 @@ int64_t step_peak(const engine::FrameEncoder& encoder, const torch::Tensor& fram
   return window.peak_bytes() - window.entry_bytes();
 }
 
-struct BudgetGuard {
-  ~BudgetGuard() { memory::Tracker::cpu().set_budget(0); }
-};
 }  // namespace
 
 TEST(ChunkedMemory, PeakDoesNotGrowWithVideoLength) {
@@ -44,14 +43,13 @@ TEST(ChunkedMemory, PeakDoesNotGrowWithVideoLength) {
 }
 
 TEST(ChunkedMemory, BudgetThatNaiveTrainingExceedsButChunkedFits) {
-  BudgetGuard guard;
   models::ResNet net(models::ResNetOptions(18).num_classes(0).norm(models::NormKind::FrozenBatchNorm));
   const auto encoder = engine::frame_encoder(net.ptr());
   const auto frames = video(256, 64);
   const int64_t chunked_peak = step_peak(encoder, frames, 16);
   net->zero_grad();
   auto& tracker = memory::Tracker::cpu();
-  tracker.set_budget(tracker.current_bytes() + chunked_peak * 5 / 4);
+  test_util::CpuBudget budget(tracker.current_bytes() + chunked_peak * 5 / 4);
   bool naive_failed = false;
   try {
     step_peak(encoder, frames, 0);

@@ -227,10 +227,7 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
     std::vector<std::string> warnings;
     train::Prediction halved;
     {
-      struct BudgetReset {
-        ~BudgetReset() { memory::Tracker::cpu().set_budget(0); }
-      } reset;
-      tracker.set_budget(tracker.current_bytes() + (small + whole) / 2);
+      test_util::CpuBudget budget(tracker.current_bytes() + (small + whole) / 2);
       halved = train::predict(model, long_video, [&](const train::Event& e) {
         if (e.kind == train::Event::Kind::Warning) warnings.push_back(e.message);
       });
