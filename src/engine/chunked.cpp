@@ -49,6 +49,17 @@ FrameEncoder frame_encoder(const std::shared_ptr<torch::nn::Module>& module,
 
 namespace {
 
+// Frames [N,3,H,W] as the trainable stages take them: converted, normalised, on the device, and
+// through the frozen stages, which never need grad (their output is never differentiated).
+torch::Tensor frozen_output(const FrameEncoder& encoder, const torch::Tensor& frames,
+                            const ChunkedOptions& options) {
+  auto x = frames_to_input(frames, options.device, options.dtype, options.channels_last,
+                           options.normalization);
+  if (!encoder.frozen) return x;
+  torch::NoGradGuard no_grad;
+  return encoder.frozen(x);
+}
+
 // Everything backward needs, carried through the autograd context as a capsule.
 struct ChunkedState : torch::CustomClassHolder {
   FrameEncoder encoder;
@@ -60,19 +71,11 @@ struct ChunkedState : torch::CustomClassHolder {
   std::vector<torch::Tensor> kept;                  // per chunk: output with its graph, or empty
   AutocastState autocast;
 
-  torch::Tensor input(size_t i) const {
-    const auto [begin, end] = chunks[i];
-    return frames_to_input(frames.slice(0, begin, end), options.device, options.dtype,
-                           options.channels_last, options.normalization);
-  }
-
-  // Frozen stages never need grad: their output is recomputed or cached, never differentiated.
+  // Chunk i through the frozen stages: recomputed, or cached.
   torch::Tensor frozen_output(size_t i) const {
     if (!frozen_cache.empty() && frozen_cache[i].defined()) return frozen_cache[i];
-    auto x = input(i);
-    if (!encoder.frozen) return x;
-    torch::NoGradGuard no_grad;
-    return encoder.frozen(x);
+    const auto [begin, end] = chunks[i];
+    return engine::frozen_output(encoder, frames.slice(0, begin, end), options);
   }
 };
 
@@ -187,13 +190,7 @@ torch::Tensor chunked_encode(const FrameEncoder& encoder, const torch::Tensor& f
     torch::Tensor features;
     for (int64_t begin = 0; begin < total; begin += step) {
       const int64_t end = std::min(total, begin + step);
-      auto x = frames_to_input(frames.slice(0, begin, end), options.device, options.dtype,
-                               options.channels_last, options.normalization);
-      if (encoder.frozen) {
-        torch::NoGradGuard no_grad;
-        x = encoder.frozen(x);
-      }
-      auto out = encoder.trainable(x);
+      auto out = encoder.trainable(frozen_output(encoder, frames.slice(0, begin, end), options));
       if (out.scalar_type() != torch::kFloat64) out = out.to(torch::kFloat32);
       if (end - begin == total) return out;
       if (!features.defined()) features = torch::empty({total, out.size(1)}, out.options());

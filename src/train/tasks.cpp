@@ -332,6 +332,13 @@ BatchProgress read_progress(torch::serialize::InputArchive& archive) {
   return progress;
 }
 
+// The evaluation batch: a train.eval_batch count (on resume and in framefit eval too), else the
+// one the checkpoint's run planned.
+int64_t evaluation_batch(const Config& config, const BatchProgress& progress) {
+  const auto fixed = fixed_count(config.train.eval_batch);
+  return std::max<int64_t>(1, fixed ? *fixed : progress.eval_batch);
+}
+
 // The score that picks the best checkpoint: clip accuracy, or mean IoU for segmentation.
 double score(const Config& config, const PhaseMetrics& metrics) {
   return config.task == "segmentation" ? metrics.macro_jaccard : metrics.accuracy;
@@ -687,8 +694,7 @@ BatchModel load_batch_model(const std::string& checkpoint,
   model.precision = progress.precision;
   if (model.device.is_cpu() && model.precision == engine::Precision::FP16)
     model.precision = engine::Precision::FP32;
-  const auto fixed = fixed_count(config.train.eval_batch);
-  model.batch = std::max<int64_t>(1, fixed ? *fixed : progress.eval_batch);
+  model.batch = evaluation_batch(config, progress);
   return model;
 }
 
@@ -894,8 +900,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     progress.lean_backward = plan.lean_backward;
     progress.eval_batch = plan.eval_batch;
   }
-  // A count given now (on resume too) is the user's; auto keeps the planned one.
-  if (const auto fixed = fixed_count(tc.eval_batch)) progress.eval_batch = *fixed;
+  progress.eval_batch = evaluation_batch(config, progress);
 
   BatchModel model = build_batch_model(config, input);
   model.precision = progress.precision;
