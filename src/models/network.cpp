@@ -72,9 +72,11 @@ std::string layer_name(const LayerSpec& spec, size_t index) {
   return spec.name.empty() ? spec.type + std::to_string(index) : spec.name;
 }
 
-// Output size of a sliding window, PyTorch's floor rule.
+// Output size of a sliding window, PyTorch's floor rule (0 where the window does not fit once:
+// C++ division truncates a negative span towards zero, which would give 1).
 int64_t window_out(int64_t size, int64_t kernel, int64_t stride, int64_t padding) {
-  return (size + 2 * padding - kernel) / stride + 1;
+  const int64_t span = size + 2 * padding - kernel;
+  return span < 0 ? 0 : span / stride + 1;
 }
 
 }  // namespace
@@ -201,6 +203,14 @@ NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers,
       const auto k = expand(spec.kernel, spatial, 2, out.name, "kernel");
       const auto s = spec.stride.empty() ? k : expand(spec.stride, spatial, 1, out.name, "stride");
       const auto p = expand(spec.padding, spatial, 0, out.name, "padding");
+      bool padding_ok = true;
+      for (int64_t d = 0; d < spatial; ++d) padding_ok = padding_ok && 2 * p[d] <= k[d];
+      if (!padding_ok) {
+        fail(c10::str("padding ", format_shape(p), " is more than half its window ",
+                      format_shape(k), " (PyTorch's pooling rejects it)"),
+             "use a padding of at most half the window in each dimension");
+        break;
+      }
       std::vector<int64_t> next = {channels};
       bool fits = true;
       for (int64_t d = 0; d < spatial; ++d) {

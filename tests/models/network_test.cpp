@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <optional>
+
 #include "framefit/memory/tracker.h"
 #include "framefit/models/conv3d.h"
 #include "framefit/models/network.h"
@@ -267,6 +269,45 @@ TEST(Network, BadLayerListsAreNamed) {
 
   EXPECT_THROW(models::infer_shapes({{"softmax"}}, {3, 5, 5}), c10::Error);
   EXPECT_THROW(models::infer_shapes({{"relu", "a"}, {"relu", "a"}}, {3, 5, 5}), c10::Error);
+}
+
+TEST(Network, WindowsFollowPyTorchIncludingWhereTheyDoNotFit) {
+  // Every small combination of size, kernel, stride and padding: shape inference reports a
+  // problem exactly where LibTorch's own layer throws, and otherwise the size it produces.
+  for (const std::string type : {"conv2d", "maxpool", "avgpool"}) {
+    for (int64_t size = 1; size <= 6; ++size) {
+      for (int64_t kernel = 1; kernel <= 7; ++kernel) {
+        for (int64_t stride = 1; stride <= 4; ++stride) {
+          for (int64_t padding = 0; padding <= 2; ++padding) {
+            LayerSpec layer{type, "w"};
+            layer.out = 2;
+            layer.kernel = {kernel};
+            layer.stride = {stride};
+            layer.padding = {padding};
+            const auto shapes = models::infer_shapes({layer}, {2, size, size});
+            const auto x = torch::zeros({1, 2, size, size});
+            std::optional<torch::Tensor> y;
+            try {
+              if (type == "conv2d") {
+                y = torch::conv2d(x, torch::zeros({2, 2, kernel, kernel}), {}, stride, padding);
+              } else if (type == "maxpool") {
+                y = torch::max_pool2d(x, kernel, stride, padding);
+              } else {
+                y = torch::avg_pool2d(x, kernel, stride, padding);
+              }
+            } catch (const c10::Error&) {
+            }
+            const auto where = c10::str(type, " size ", size, " kernel ", kernel, " stride ",
+                                        stride, " padding ", padding);
+            ASSERT_EQ(shapes.ok(), y.has_value()) << where;
+            if (y) {
+              EXPECT_EQ(shapes.layers[0].output, y->sizes().slice(1).vec()) << where;
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST(Network, ConfigFilesDescribeTheSeedNetworks) {
