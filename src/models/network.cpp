@@ -192,6 +192,11 @@ NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers,
     } else if (spec.type == "relu") {
       out.saved_elements = product(shape);  // relu's gradient needs its output
     } else if (spec.type == "dropout") {
+      if (!(spec.p >= 0 && spec.p <= 1)) {
+        fail(c10::str("dropout probability ", spec.p, " is not in [0, 1]"),
+             "set p to the fraction of activations to drop, e.g. 0.5");
+        break;
+      }
       out.saved_index_bytes = product(shape);  // the mask
     } else if (is_pool(spec.type)) {
       if (spatial != 2 && spatial != 3) {

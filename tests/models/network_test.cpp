@@ -267,6 +267,13 @@ TEST(Network, BadLayerListsAreNamed) {
   ASSERT_FALSE(shapes.ok());
   EXPECT_NE(shapes.problems[0].problem.find("does not fit"), std::string::npos);
 
+  LayerSpec drop{"dropout", "drop"};
+  drop.p = 1.5;
+  shapes = models::infer_shapes({drop}, {3, 5, 5});
+  ASSERT_FALSE(shapes.ok());
+  EXPECT_EQ(shapes.problems[0].layer, "drop");
+  EXPECT_NE(shapes.problems[0].problem.find("not in [0, 1]"), std::string::npos);
+
   EXPECT_THROW(models::infer_shapes({{"softmax"}}, {3, 5, 5}), c10::Error);
   EXPECT_THROW(models::infer_shapes({{"relu", "a"}, {"relu", "a"}}, {3, 5, 5}), c10::Error);
 }
