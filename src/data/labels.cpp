@@ -216,4 +216,21 @@ std::vector<VideoEntry> select_split(const std::vector<VideoEntry>& entries,
   return out;
 }
 
+std::string unused_splits(const std::vector<VideoEntry>& entries,
+                          const std::vector<std::string>& used) {
+  std::map<std::string, std::vector<std::string>> unused;  // split -> its videos' names
+  for (const auto& e : entries) {
+    if (std::find(used.begin(), used.end(), e.split) == used.end())
+      unused[e.split].push_back(e.name);
+  }
+  if (unused.empty()) return {};
+  std::string text;
+  for (const auto& [split, names] : unused) {
+    text += c10::str(text.empty() ? "" : "; ", names.size(), names.size() == 1 ? " video" : " videos",
+                     " in split \"", split, "\" (", c10::Join(", ", names), ")");
+  }
+  return text + c10::str(" used by none of the splits ", c10::Join(", ", used),
+                         ": check the manifest's split column");
+}
+
 }  // namespace framefit::data

@@ -869,6 +869,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     val_set.emplace(config, config.data.val_split, false, on_event);
     if (val_set->samples() == 0) val_set.reset();
   }
+  if (config.task == "clips") warn_unused_splits(config, on_event);
   info("data: " + train_set.describe() + " for training" +
        (val_set ? ", " + val_set->describe() + " for validation" : std::string()));
   write_config(config, out_dir);

@@ -166,6 +166,14 @@ data::VideoDataset make_dataset(const Config& config, const std::string& split, 
                             });
 }
 
+void warn_unused_splits(const Config& config, const EventCallback& on_event) {
+  const auto& d = config.data;
+  const auto note = data::unused_splits(data::read_manifest(d.manifest),
+                                        {d.train_split, d.val_split, d.test_split});
+  if (!note.empty() && on_event)
+    on_event(Event::note(Event::Kind::Warning, "manifest " + d.manifest + ": " + note));
+}
+
 namespace {
 
 engine::FrameEncoder script_frame_encoder(std::shared_ptr<models::TorchScriptEncoderImpl> script) {
@@ -517,6 +525,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     auto candidate = make_dataset(config, config.data.val_split, false, on_event);
     if (candidate.size() > 0) val_set.emplace(std::move(candidate));
   }
+  warn_unused_splits(config, on_event);
   info("data: " + std::to_string(train_set.size()) + " training videos (" +
        std::to_string(train_set.total_frames()) + " frames)" +
        (val_set ? ", " + std::to_string(val_set->size()) + " validation videos" : std::string()) +

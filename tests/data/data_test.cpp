@@ -107,6 +107,15 @@ TEST_F(DataTest, ManifestResolvesPathsAndNamesBadLines) {
   EXPECT_DOUBLE_EQ(entries[1].fps, 25);
   EXPECT_EQ(data::select_split(entries, "val").size(), 1u);
 
+  // A split no setting names is reported with its videos (a typo would drop them silently).
+  EXPECT_EQ(data::unused_splits(entries, {"train", "val", "test"}), "");
+  std::vector<data::VideoEntry> typo = entries;
+  typo.push_back({"v3", "v3.mp4", "l3.txt", "trian", 0});
+  typo.push_back({"v4", "v4.mp4", "l4.txt", "trian", 0});
+  EXPECT_EQ(data::unused_splits(typo, {"train", "val", "test"}),
+            "2 videos in split \"trian\" (v3, v4) used by none of the splits train, val, test: "
+            "check the manifest's split column");
+
   // Round trip.
   data::write_manifest(dir_ + "/w.csv", entries);
   const auto again = data::read_manifest(dir_ + "/w.csv");

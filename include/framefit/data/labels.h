@@ -49,4 +49,9 @@ void write_manifest(const std::string& path, const std::vector<VideoEntry>& entr
 std::vector<VideoEntry> select_split(const std::vector<VideoEntry>& entries,
                                      const std::string& split);
 
+// A note on the entries whose split is none of `used` (a typo such as "trian" would otherwise
+// drop a video without a word), naming each such split and its videos; empty when there are none.
+std::string unused_splits(const std::vector<VideoEntry>& entries,
+                          const std::vector<std::string>& used);
+
 }  // namespace framefit::data

@@ -133,6 +133,10 @@ data::DataOptions data_options(const Config& config, bool training);
 data::VideoDataset make_dataset(const Config& config, const std::string& split, bool training,
                                 const EventCallback& on_event = {});
 
+// A Warning event when the manifest has videos in splits that none of data.train_split,
+// val_split and test_split names (data::unused_splits).
+void warn_unused_splits(const Config& config, const EventCallback& on_event);
+
 // Weights as a PyTorch state_dict: "encoder.<torchvision name>" (a TorchScript encoder: its
 // own names) and "head.<name>".
 models::StateDict export_state_dict(const Model& model);
