@@ -12,7 +12,7 @@ packages=(
   libavformat-dev libavcodec-dev libswscale-dev libavutil-dev ffmpeg
   libcli11-dev libyaml-cpp-dev nlohmann-json3-dev libfmt-dev libspdlog-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-torch python3-torchvision python3-matplotlib
+  python3 python3-torch python3-torchvision python3-matplotlib python3-pil python3-numpy
 )
 
 missing=()

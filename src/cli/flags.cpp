@@ -47,7 +47,9 @@ const std::vector<Command>& command_table() {
        "Metrics of a checkpoint on a split of its data set: accuracy and per-class precision, "
        "recall, F1 and Jaccard (IoU for segmentation) with macro averages, over frames, clips or "
        "pixels by task."},
-      {"predict", "Per-frame phase predictions for one video file or frame folder, as CSV."},
+      {"predict",
+       "Predictions of a checkpoint: per-frame phases (phases) or per-clip classes (clips) of one "
+       "video file or frame folder as CSV; class masks of images as PNG (segmentation)."},
       {"bench-data",
        "Decoding and transform throughput of a config's data set: every video of a split "
        "through the prefetching workers, as training reads it (frames/s, tracked bytes, RSS)."},
@@ -457,7 +459,17 @@ const std::vector<Flag>& flag_table() {
        FlagType::Text,
        "Manifest split to evaluate (default: the config's data.test_split).",
        ""},
-      {"video", {"predict"}, FlagType::Text, "Video file or folder of frame images.", "", true},
+      {"video",
+       {"predict"},
+       FlagType::Text,
+       "Video file or folder of frame images (phases and clips checkpoints).",
+       ""},
+      {"image",
+       {"predict"},
+       FlagType::Text,
+       "Image file or folder of images (segmentation checkpoints): each read at the network's "
+       "input size, its mask written at the image's size.",
+       ""},
       {"fps",
        {"predict"},
        FlagType::Text,
@@ -466,7 +478,8 @@ const std::vector<Flag>& flag_table() {
       {"out",
        {"eval", "predict"},
        FlagType::Path,
-       "eval: also write the metrics as JSON here; predict: the CSV (default: standard output).",
+       "eval: also write the metrics as JSON here; predict: the CSV (default: standard output), "
+       "or for segmentation the mask PNG (one image) or a folder for the masks (a folder).",
        ""},
       {"out", {"export"}, FlagType::Path, "The state_dict file to write (.pt).", "", true},
       {"json", {"eval", "train", "bench-data"}, FlagType::Switch, "Print the result as JSON.", ""},

@@ -1,18 +1,22 @@
 // make-demo, train, eval, predict, export: the library does the work and reports through
 // events; this file renders them (a progress bar on a terminal, plain lines otherwise).
 #include <fmt/core.h>
+#include <sys/stat.h>
 #include <torch/torch.h>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 
 #include "commands.h"
 #include "framefit/core/runtime.h"
 #include "framefit/data/dataset.h"
 #include "framefit/data/demo.h"
+#include "framefit/data/media.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/train/tasks.h"
 #include "framefit/train/trainer.h"
@@ -226,14 +230,34 @@ int run_eval(const Args& args) {
   return 0;
 }
 
-int run_predict(const Args& args) {
-  const auto task = train::checkpoint_config(args.text("checkpoint")).task;
-  TORCH_CHECK(task == "phases", "framefit predict writes per-frame phases of a video; ",
-              args.text("checkpoint"), " is a ", task,
-              " model (framefit eval measures it on a split)");
-  // Overrides apply to the checkpoint's own config (device, another data.manifest, ...).
-  auto model = train::load_model(args.text("checkpoint"), args.list("set"));
-  const auto options = train::data_options(model.config, false);
+namespace {
+
+bool is_directory(const std::string& path) {
+  struct stat info {};
+  return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
+}
+
+// The CSV, to --out or standard output.
+void write_predictions(const Args& args, const std::string& csv, int64_t rows,
+                       const std::string& unit) {
+  if (!args.has("out")) {
+    fmt::print("{}", csv);
+    return;
+  }
+  std::ofstream out(args.text("out"));
+  TORCH_CHECK(out.good(), "cannot write ", args.text("out"));
+  out << csv;
+  fmt::print(stderr, "framefit predict: {} {} -> {}\n", rows, unit, args.text("out"));
+}
+
+void print_warning(const train::Event& e) {
+  if (e.kind == train::Event::Kind::Warning)
+    fmt::print(stderr, "framefit predict: warning: {}\n", e.message);
+}
+
+data::DecodedVideo decode_for(const Args& args, const train::Config& config) {
+  TORCH_CHECK(args.has("video"), "framefit predict on a ", config.task,
+              " model needs --video (a video file or frame folder)");
   double folder_fps = 0;
   if (args.has("fps")) {
     char* end = nullptr;
@@ -241,29 +265,101 @@ int run_predict(const Args& args) {
     TORCH_CHECK(*end == '\0' && folder_fps > 0, "--fps ", args.text("fps"),
                 ": expected a positive frame rate");
   }
-  const auto video = data::decode_video(args.text("video"), folder_fps, options);
-  const auto prediction = train::predict(model, video.frames, [](const train::Event& e) {
-    if (e.kind == train::Event::Kind::Warning)
-      fmt::print(stderr, "framefit predict: warning: {}\n", e.message);
-  });
+  return data::decode_video(args.text("video"), folder_fps, train::data_options(config, false));
+}
+
+double seconds_at(const data::DecodedVideo& video, int64_t source_frame) {
+  return video.source_fps > 0 ? static_cast<double>(source_frame) / video.source_fps : 0;
+}
+
+int predict_phases(const Args& args) {
+  // Overrides apply to the checkpoint's own config (device, another data.manifest, ...).
+  auto model = train::load_model(args.text("checkpoint"), args.list("set"));
+  const auto video = decode_for(args, model.config);
+  const auto prediction = train::predict(model, video.frames, print_warning);
   std::string csv = "frame,time_seconds,phase,confidence\n";
   const auto labels = prediction.labels.accessor<int64_t, 1>();
   const auto probabilities = prediction.probabilities.accessor<float, 2>();
   for (int64_t t = 0; t < labels.size(0); ++t) {
     const int64_t source = video.source_frames[t];
-    const double time = video.source_fps > 0 ? source / video.source_fps : 0;
-    csv += fmt::format("{},{:.3f},{},{:.4f}\n", source, time, model.classes.names()[labels[t]],
-                       probabilities[t][labels[t]]);
+    csv += fmt::format("{},{:.3f},{},{:.4f}\n", source, seconds_at(video, source),
+                       model.classes.names()[labels[t]], probabilities[t][labels[t]]);
   }
-  if (args.has("out")) {
-    std::ofstream out(args.text("out"));
-    TORCH_CHECK(out.good(), "cannot write ", args.text("out"));
-    out << csv;
-    fmt::print(stderr, "framefit predict: {} frames -> {}\n", labels.size(0), args.text("out"));
-  } else {
-    fmt::print("{}", csv);
-  }
+  write_predictions(args, csv, labels.size(0), "frames");
   return 0;
+}
+
+int predict_clips(const Args& args) {
+  auto model = train::load_batch_model(args.text("checkpoint"), args.list("set"));
+  const auto video = decode_for(args, model.config);
+  const auto prediction = train::predict_clips(model, video.frames, print_warning);
+  const int64_t length = model.input[1];
+  std::string csv = "clip,first_frame,last_frame,first_seconds,last_seconds,class,confidence\n";
+  const auto labels = prediction.labels.accessor<int64_t, 1>();
+  const auto confidence = prediction.confidence.accessor<float, 1>();
+  for (int64_t c = 0; c < labels.size(0); ++c) {
+    const int64_t start = prediction.starts[static_cast<size_t>(c)];
+    const int64_t first = video.source_frames[static_cast<size_t>(start)];
+    const int64_t last = video.source_frames[static_cast<size_t>(start + length - 1)];
+    csv +=
+        fmt::format("{},{},{},{:.3f},{:.3f},{},{:.4f}\n", c, first, last, seconds_at(video, first),
+                    seconds_at(video, last), model.classes.names()[labels[c]], confidence[c]);
+  }
+  write_predictions(args, csv, labels.size(0), "clips");
+  return 0;
+}
+
+// Masks as PNG files of class ids (in every channel, like the training masks), and per image
+// the share of its pixels in each class as CSV on standard output.
+int predict_masks(const Args& args) {
+  TORCH_CHECK(args.has("image") && args.has("out"),
+              "framefit predict on a segmentation model needs --image (an image file or a folder "
+              "of images) and --out (the mask PNG for one image, a folder for a folder)");
+  auto model = train::load_batch_model(args.text("checkpoint"), args.list("set"));
+  TORCH_CHECK(model.classes.size() <= 256, "masks hold class ids as 8-bit pixels; this model has ",
+              model.classes.size(), " classes");
+  const std::string input = args.text("image"), out = args.text("out");
+  const bool folder = is_directory(input);
+  std::vector<std::string> images =
+      folder ? data::list_images(input) : std::vector<std::string>{input};
+  TORCH_CHECK(!images.empty(), "no images (.jpg, .jpeg, .png, .bmp) in ", input);
+  if (folder) {
+    TORCH_CHECK(is_directory(out) || ::mkdir(out.c_str(), 0755) == 0, "cannot create the folder ",
+                out, " for the masks: ", std::strerror(errno));
+  }
+  const auto masks = train::predict_masks(model, images, print_warning);
+  std::string csv = "image,mask,height,width";
+  for (const auto& name : model.classes.names()) csv += "," + name;
+  csv += "\n";
+  for (size_t i = 0; i < images.size(); ++i) {
+    std::string path = out;
+    if (folder) {
+      const auto name = images[i].substr(images[i].rfind('/') + 1);
+      path = out + "/" + name.substr(0, name.rfind('.')) + ".png";
+    }
+    const auto& mask = masks[i];
+    data::write_image(path, mask.to(torch::kUInt8).unsqueeze(0).expand({3, -1, -1}).contiguous());
+    const auto shares = torch::bincount(mask.flatten(), {}, model.classes.size())
+                            .to(torch::kDouble)
+                            .div(static_cast<double>(mask.numel()));
+    csv += fmt::format("{},{},{},{}", images[i], path, mask.size(0), mask.size(1));
+    for (int64_t c = 0; c < shares.size(0); ++c)
+      csv += fmt::format(",{:.4f}", shares[c].item<double>());
+    csv += "\n";
+  }
+  fmt::print("{}", csv);
+  fmt::print(stderr, "framefit predict: {} mask{} -> {}\n", images.size(),
+             images.size() == 1 ? "" : "s", out);
+  return 0;
+}
+
+}  // namespace
+
+int run_predict(const Args& args) {
+  const auto task = train::checkpoint_config(args.text("checkpoint")).task;
+  if (task == "clips") return predict_clips(args);
+  if (task == "segmentation") return predict_masks(args);
+  return predict_phases(args);
 }
 
 int run_bench_data(const Args& args) {

@@ -37,20 +37,23 @@ int64_t clip_label(const torch::Tensor& frame_labels, ClipLabel rule) {
 Clips cut_clips(const engine::Video& video, const ClipOptions& options) {
   TORCH_CHECK(video.frames.dim() == 4 && video.frames.size(1) == 3, "cut_clips: frames of ",
               video.name, " must be [T,3,H,W]; got ", video.frames.sizes());
-  TORCH_CHECK(video.labels.dim() == 1 && video.labels.size(0) == video.frames.size(0),
-              "cut_clips: ", video.name, " has ", video.frames.size(0), " frames but ",
-              video.labels.numel(), " labels");
+  const bool labelled = video.labels.defined();
+  TORCH_CHECK(
+      !labelled || (video.labels.dim() == 1 && video.labels.size(0) == video.frames.size(0)),
+      "cut_clips: ", video.name, " has ", video.frames.size(0), " frames but ",
+      video.labels.numel(), " labels");
   Clips out;
   out.starts = clip_starts(video.frames.size(0), options);
   const auto k = static_cast<int64_t>(out.starts.size());
   out.clips = torch::empty({k, 3, options.length, video.frames.size(2), video.frames.size(3)},
                            video.frames.options());
-  out.labels = torch::empty({k}, torch::kLong);
+  if (labelled) out.labels = torch::empty({k}, torch::kLong);
   for (int64_t c = 0; c < k; ++c) {
     const int64_t s = out.starts[static_cast<size_t>(c)];
     // [L,3,H,W] -> [3,L,H,W]: channels first, as Conv3d wants.
     out.clips[c].copy_(video.frames.narrow(0, s, options.length).permute({1, 0, 2, 3}));
-    out.labels[c] = clip_label(video.labels.narrow(0, s, options.length), options.label);
+    if (labelled)
+      out.labels[c] = clip_label(video.labels.narrow(0, s, options.length), options.label);
   }
   return out;
 }

@@ -58,11 +58,22 @@ void check_numbering(const std::string& folder, const std::vector<std::string>& 
   }
 }
 
-// A frame folder's images sorted by name (POSIX listing: pip's LibTorch exports its own
-// std::filesystem, which crashed our directory walks when linked against it).
+// A frame folder's images sorted by name, numbered consecutively where numbered.
 std::vector<std::string> list_frames(const std::string& folder) {
+  auto paths = list_images(folder);
+  std::vector<std::string> names;
+  for (const auto& p : paths) names.push_back(p.substr(folder.size() + 1));
+  check_numbering(folder, names);
+  return paths;
+}
+
+}  // namespace
+
+// POSIX listing: pip's LibTorch exports its own std::filesystem, which crashed our directory
+// walks when linked against it.
+std::vector<std::string> list_images(const std::string& folder) {
   DIR* dir = ::opendir(folder.c_str());
-  TORCH_CHECK(dir != nullptr, "frame folder ", folder, ": cannot open");
+  TORCH_CHECK(dir != nullptr, "image folder ", folder, ": cannot open");
   std::vector<std::string> names;
   while (const dirent* e = ::readdir(dir)) {
     const std::string name = e->d_name;
@@ -70,12 +81,9 @@ std::vector<std::string> list_frames(const std::string& folder) {
   }
   ::closedir(dir);
   std::sort(names.begin(), names.end());
-  check_numbering(folder, names);
   for (auto& n : names) n = folder + "/" + n;
   return names;
 }
-
-}  // namespace
 
 Augmentation draw_augmentation(const TransformOptions& options, int64_t height, int64_t width,
                                uint64_t seed, int64_t epoch, int64_t video) {

@@ -35,6 +35,17 @@ std::map<std::string, std::string> files_by_stem(const std::string& dir) {
 
 }  // namespace
 
+torch::Tensor resize_labels(const torch::Tensor& labels, int64_t h, int64_t w) {
+  if (labels.size(0) == h && labels.size(1) == w) return labels;
+  return torch::nn::functional::interpolate(labels.to(torch::kFloat).unsqueeze(0).unsqueeze(0),
+                                            torch::nn::functional::InterpolateFuncOptions()
+                                                .size(std::vector<int64_t>{h, w})
+                                                .mode(torch::kNearest))
+      .squeeze(0)
+      .squeeze(0)
+      .to(torch::kLong);
+}
+
 SegmentationDataset::SegmentationDataset(const std::string& images_dir,
                                          const std::string& masks_dir, SegmentationOptions options)
     : options_(options) {
@@ -71,16 +82,7 @@ torch::Tensor SegmentationDataset::mask(int64_t i) const {
   // Masks are read at their own size and resized by nearest neighbour: class ids never blend.
   auto mask_rgb = torch::empty({3, item.height, item.width}, torch::kUInt8);
   read_image(item.mask, mask_rgb);
-  auto mask = mask_rgb[0].to(torch::kLong);
-  if (h != item.height || w != item.width) {
-    mask = torch::nn::functional::interpolate(mask.to(torch::kFloat).unsqueeze(0).unsqueeze(0),
-                                              torch::nn::functional::InterpolateFuncOptions()
-                                                  .size(std::vector<int64_t>{h, w})
-                                                  .mode(torch::kNearest))
-               .squeeze(0)
-               .squeeze(0)
-               .to(torch::kLong);
-  }
+  const auto mask = resize_labels(mask_rgb[0].to(torch::kLong), h, w);
   const int64_t largest = mask.max().item<int64_t>();
   TORCH_CHECK(largest < options_.classes, "segmentation data: mask ", item.mask, " has class id ",
               largest, " but there are ", options_.classes, " classes (ids 0..",

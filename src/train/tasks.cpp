@@ -11,6 +11,7 @@
 
 #include "framefit/data/clips.h"
 #include "framefit/data/dataset.h"
+#include "framefit/data/media.h"
 #include "framefit/data/segmentation.h"
 #include "framefit/engine/batch_step.h"
 #include "framefit/engine/extract.h"
@@ -703,6 +704,71 @@ PhaseMetrics evaluate_batch(BatchModel& model, const std::string& split,
   TaskData data(model.config, split, false, on_event);
   TORCH_CHECK(data.samples() > 0, "no samples in split \"", split, "\"");
   return evaluate_data(model, data, on_event);
+}
+
+torch::Tensor predict_batch(BatchModel& model, const torch::Tensor& samples,
+                            const EventCallback& on_event) {
+  TORCH_CHECK(samples.dim() == static_cast<int64_t>(model.input.size()) + 1 &&
+                  samples.sizes().slice(1) == c10::IntArrayRef(model.input),
+              "the network takes samples of ", c10::IntArrayRef(model.input), "; got ",
+              samples.sizes().slice(1));
+  torch::NoGradGuard no_grad;
+  model.network.module->eval();
+  const auto segments = engine::store_all(model.network.stage_count());
+  std::vector<torch::Tensor> parts;
+  for (int64_t begin = 0, n = samples.size(0); begin < n;) {
+    const int64_t count = std::min(model.batch, n - begin);
+    const auto logits =
+        evaluation_logits(model, samples.narrow(0, begin, count), segments, on_event);
+    parts.push_back(torch::softmax(logits.to(torch::kFloat32), 1).cpu());
+    begin += count;
+  }
+  return torch::cat(parts);
+}
+
+ClipPrediction predict_clips(BatchModel& model, const torch::Tensor& frames,
+                             const EventCallback& on_event) {
+  TORCH_CHECK(model.config.task == "clips", "predict_clips needs a clips model; this one is ",
+              model.config.task);
+  const int64_t length = model.input[1];
+  TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3 && frames.size(2) == model.input[2] &&
+                  frames.size(3) == model.input[3],
+              "the network was trained on clips of ", model.input[2], "x", model.input[3],
+              " frames; got frames of ", frames.sizes(),
+              ": decode the video with the run's data.resize and data.crop");
+  TORCH_CHECK(frames.size(0) >= length, "the video has ", frames.size(0),
+              " sampled frames, fewer than one clip of ", length, " (data.clip_length)");
+  data::ClipOptions options;
+  options.length = length;
+  options.stride = model.config.data.clip_stride;
+  engine::Video video;
+  video.frames = frames;
+  auto clips = data::cut_clips(video, options);
+  const auto probabilities = predict_batch(model, clips.clips, on_event);
+  ClipPrediction out;
+  out.starts = std::move(clips.starts);
+  std::tie(out.confidence, out.labels) = probabilities.max(1);
+  return out;
+}
+
+std::vector<torch::Tensor> predict_masks(BatchModel& model, const std::vector<std::string>& images,
+                                         const EventCallback& on_event) {
+  TORCH_CHECK(model.config.task == "segmentation",
+              "predict_masks needs a segmentation model; this one is ", model.config.task);
+  const int64_t height = model.input[1], width = model.input[2];
+  std::vector<torch::Tensor> masks;
+  for (size_t begin = 0; begin < images.size();) {
+    const size_t count = std::min(images.size() - begin, static_cast<size_t>(model.batch));
+    auto batch = torch::empty({static_cast<int64_t>(count), 3, height, width}, torch::kUInt8);
+    for (size_t i = 0; i < count; ++i) data::read_image(images[begin + i], batch[i]);
+    const auto classes = predict_batch(model, batch, on_event).argmax(1);
+    for (size_t i = 0; i < count; ++i) {
+      const auto [h, w] = data::image_size(images[begin + i]);
+      masks.push_back(data::resize_labels(classes[i], h, w));
+    }
+    begin += count;
+  }
+  return masks;
 }
 
 std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t budget_bytes,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # framefit train / eval / export on the shipped clips and segmentation configs, shortened, on a
-# tiny demo data set; PyTorch loads the exported weights; predict refuses a clips model.
+# tiny demo data set; PyTorch loads the exported weights; predict on both (clip classes as CSV,
+# masks as PNG scored against evaluation).
 #   tasks_cli_test.sh FRAMEFIT PYTHON SOURCE_DIR WORK_DIR
 set -euo pipefail
 framefit=$1 python=$2 source=$3 work=$4
@@ -38,6 +39,31 @@ grep -q "IoU" seg.txt
 "$framefit" eval --checkpoint seg/best.pt --split val --json > seg_eval.json
 grep -q '"macro_jaccard"' seg_eval.json
 "$framefit" export --checkpoint seg/best.pt --out seg_weights.pt
+# predict writes a mask PNG per image (class ids, at the image's size) and each image's class
+# shares; the masks score as evaluation does on the same images.
+"$framefit" predict --checkpoint seg/best.pt --image demo/segmentation/val/images --out masks \
+  > shares.csv
+"$framefit" eval --checkpoint seg/best.pt --split val --json > seg_val.json
+"$python" -c "
+import csv, json
+import numpy as np
+from PIL import Image
+rows = list(csv.DictReader(open('shares.csv')))
+assert len(rows) == 12 and list(rows[0])[4:] == ['background', 'disc', 'square'], rows[:1]
+confusion = np.zeros((3, 3), np.int64)
+for r in rows:
+    mask = np.array(Image.open(r['mask']))
+    truth = np.array(Image.open(r['image'].replace('/images/', '/masks/')))[..., 0]
+    assert mask.shape == (64, 64, 3) and (mask[..., 0] == mask[..., 2]).all(), mask.shape
+    shares = np.bincount(mask[..., 0].ravel(), minlength=3) / mask[..., 0].size
+    assert np.allclose(shares, [float(r[c]) for c in ('background', 'disc', 'square')], atol=1e-4)
+    np.add.at(confusion, (truth.ravel(), mask[..., 0].ravel()), 1)
+tp = np.diag(confusion)
+iou = [tp[c] / (confusion[c].sum() + confusion[:, c].sum() - tp[c])
+       for c in range(3) if confusion[c].sum() + confusion[:, c].sum() > 0]
+expected = json.load(open('seg_val.json'))['macro_jaccard']
+assert abs(np.mean(iou) - expected) < 1e-6, (np.mean(iou), expected)
+"
 "$python" -c "
 import torch, sys
 state = torch.load('seg_weights.pt')
@@ -49,11 +75,25 @@ assert 'out.weight' in state and state['out.weight'].shape[0] == 3, list(state)[
 cat clips.log clips.txt
 grep -q "clips of 4 frames" clips.log
 grep -q "clip accuracy" clips.txt
-# Resuming a finished run is allowed and changes nothing; predicting phases is refused.
+# Resuming a finished run is allowed and changes nothing.
 "$framefit" train --config "$source/configs/demo_clips.yaml" --set train.epochs=1 \
   --set train.out_dir=clips --set data.clip_length=4 --resume auto > /dev/null 2>&1
-if "$framefit" predict --checkpoint clips/best.pt --video demo/videos/video01.mp4 2> predict.log; then
-  echo "predict accepted a clips model"; exit 1
+# predict: one row per clip of the video as training cuts them (5 fps, 4 frames, stride 8).
+"$framefit" predict --checkpoint clips/best.pt --video demo/videos/video01.mp4 --out clips.csv
+"$python" -c "
+import csv
+rows = list(csv.DictReader(open('clips.csv')))
+assert rows and list(rows[0]) == ['clip', 'first_frame', 'last_frame', 'first_seconds',
+                                  'last_seconds', 'class', 'confidence'], rows[:1]
+for i, r in enumerate(rows):
+    assert int(r['clip']) == i and int(r['first_frame']) == 40 * i, r  # 25 fps sampled at 5
+    assert int(r['last_frame']) == int(r['first_frame']) + 15, r
+    assert r['class'] in ('Preparation', 'Dissection', 'Irrigation', 'Suturing', 'Inspection'), r
+    assert 0 < float(r['confidence']) <= 1, r
+"
+if "$framefit" predict --checkpoint clips/best.pt --image demo/segmentation/test/images \
+  --out x 2> predict.log; then
+  echo "predict on a clips model ran without --video"; exit 1
 fi
-grep -q "is a clips model" predict.log
+grep -q "needs --video" predict.log
 echo "tasks CLI: ok"

@@ -9,7 +9,9 @@
 
 #include "test_util.h"
 
+#include "framefit/data/clips.h"
 #include "framefit/data/demo.h"
+#include "framefit/data/media.h"
 #include "framefit/data/segmentation.h"
 #include "framefit/engine/batch_step.h"
 #include "framefit/engine/checkpoint.h"
@@ -362,6 +364,35 @@ TEST(ClipTraining, ResumedRunEndsWithIdenticalWeights) {
       const auto metrics = train::evaluate_batch(model, "val");
       EXPECT_GT(metrics.frames, 0);
       EXPECT_NEAR(metrics.accuracy, full.best.accuracy, 1e-12);
+      // Prediction cuts a video's clips as evaluation does and gives the same classes: over the
+      // validation videos, the same number of clips and the same accuracy.
+      const auto videos = train::make_dataset(model.config, "val", false);
+      data::ClipOptions clip;
+      clip.length = model.config.data.clip_length;
+      clip.stride = model.config.data.clip_stride;
+      int64_t clips = 0, correct = 0;
+      for (int64_t v = 0; v < videos.size(); ++v) {
+        const auto video = videos.load(v);
+        const auto truth = data::cut_clips(video, clip);
+        const auto predicted = train::predict_clips(model, video.frames);
+        EXPECT_EQ(predicted.starts, truth.starts);
+        ASSERT_EQ(predicted.labels.numel(), truth.labels.numel());
+        EXPECT_TRUE((predicted.confidence > 0).all().item<bool>());
+        EXPECT_TRUE((predicted.confidence <= 1).all().item<bool>());
+        clips += truth.labels.numel();
+        correct += predicted.labels.eq(truth.labels).sum().item<int64_t>();
+      }
+      EXPECT_EQ(clips, metrics.frames);
+      EXPECT_NEAR(static_cast<double>(correct) / static_cast<double>(clips), metrics.accuracy,
+                  1e-12);
+      EXPECT_NE(test_util::error_message([&] {
+                  train::predict_clips(model, videos.load(0).frames.narrow(0, 0, 3));
+                }).find("fewer than one clip of 4"),
+                std::string::npos);
+      EXPECT_NE(test_util::error_message([&] {
+                  train::predict_clips(model, torch::zeros({8, 3, 20, 20}, torch::kUInt8));
+                }).find("trained on clips of 16x16 frames"),
+                std::string::npos);
       EXPECT_NE(test_util::error_message([&] {
                   train::load_model(base.train.out_dir + "/best.pt");
                 }).find("is a clips checkpoint"),
@@ -500,6 +531,31 @@ TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {
   EXPECT_EQ(model.batch, eval_batch);
   const auto again = train::evaluate_batch(model, "val");
   EXPECT_NEAR(again.macro_jaccard, result.best.macro_jaccard, 1e-12);
+
+  // Predicted masks are evaluation's classes: over the validation images, the same mean IoU. An
+  // image of another size is read at the network's size and its mask comes back at its own.
+  const auto val_images = data::list_images(tiny_data() + "/segmentation/val/images");
+  ASSERT_EQ(val_images.size(), 4u);
+  const auto masks = train::predict_masks(model, val_images);
+  train::ConfusionMatrix confusion(model.classes.size());
+  for (size_t i = 0; i < val_images.size(); ++i) {
+    const auto name = val_images[i].substr(val_images[i].rfind('/') + 1);
+    auto truth = torch::empty({3, 32, 32}, torch::kUInt8);
+    data::read_image(tiny_data() + "/segmentation/val/masks/" + name, truth);
+    confusion.add(masks[i].flatten(), truth[0].to(torch::kLong).flatten());
+  }
+  EXPECT_NEAR(confusion.metrics().macro_jaccard, result.best.macro_jaccard, 1e-12);
+  auto wide = torch::empty({3, 40, 56}, torch::kUInt8);
+  data::read_image(val_images[0], wide);
+  const std::string wide_path = config.train.out_dir + "/wide.png";
+  data::write_image(wide_path, wide);
+  const auto wide_mask = train::predict_masks(model, {wide_path});
+  ASSERT_EQ(wide_mask.size(), 1u);
+  EXPECT_EQ(wide_mask[0].sizes(), (std::vector<int64_t>{40, 56}));
+  auto at_network_size = torch::empty({1, 3, 32, 32}, torch::kUInt8);
+  data::read_image(wide_path, at_network_size[0]);
+  const auto classes = train::predict_batch(model, at_network_size).argmax(1)[0];
+  EXPECT_TRUE(wide_mask[0].equal(data::resize_labels(classes, 40, 56)));
 
   // Evaluation that runs out of memory splits the batch and goes on: a budget between the peaks
   // of batches of 1 and of 4 gives the same metrics, with a warning, in batches of 2.

@@ -34,10 +34,10 @@ int64_t clip_label(const torch::Tensor& frame_labels, ClipLabel rule);
 
 struct Clips {
   torch::Tensor clips;   // [K,3,length,H,W] uint8, what a 3D CNN takes
-  torch::Tensor labels;  // [K] int64
+  torch::Tensor labels;  // [K] int64; undefined for a video without labels
   std::vector<int64_t> starts;
 };
-// Cuts a decoded video (frames [T,3,H,W], labels [T]) into its clips.
+// Cuts a decoded video (frames [T,3,H,W], labels [T] or none, to predict) into its clips.
 Clips cut_clips(const engine::Video& video, const ClipOptions& options);
 
 // Every clip of a data set, known without decoding: (video, start) and the label.

@@ -15,6 +15,9 @@ struct SegmentationOptions {
   int64_t size = 0;  // resize images and masks to size x size (masks: nearest); 0 keeps
 };
 
+// A label map [H,W] int64 at h x w by nearest neighbour, so class ids never blend.
+torch::Tensor resize_labels(const torch::Tensor& labels, int64_t h, int64_t w);
+
 class SegmentationDataset {
  public:
   // Pairs every image with the mask of the same name (extension aside) and checks their sizes

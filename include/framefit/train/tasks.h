@@ -55,6 +55,29 @@ torch::Tensor batch_input(const BatchModel& model, const torch::Tensor& samples)
 PhaseMetrics evaluate_batch(BatchModel& model, const std::string& split,
                             const EventCallback& on_event = {});
 
+// Class probabilities (softmax of the logits) of stored samples as the network takes them
+// (uint8 clips [N,3,L,H,W] or images [N,3,H,W]), computed as evaluation does: eval mode, no
+// grad, model.precision, batches of model.batch, a batch that runs out of memory split in halves
+// (a Warning event). [N,C] for clips, [N,C,H,W] for segmentation; float32 on the CPU.
+torch::Tensor predict_batch(BatchModel& model, const torch::Tensor& samples,
+                            const EventCallback& on_event = {});
+
+// A video's clips as training cuts them (data.clip_length, data.clip_stride) from its frames
+// [T,3,H,W] uint8 (decoded with data_options(config, false)), each with its class.
+struct ClipPrediction {
+  std::vector<int64_t> starts;  // each clip's first frame (index into the frames)
+  torch::Tensor labels;         // [K] int64
+  torch::Tensor confidence;     // [K] float: the probability of the label
+};
+ClipPrediction predict_clips(BatchModel& model, const torch::Tensor& frames,
+                             const EventCallback& on_event = {});
+
+// Per-pixel classes of image files of any size: each image read at the network's input size (as
+// data.resize made the training images), its class map resized back to the image's own size by
+// nearest neighbour. One [H,W] int64 map per image.
+std::vector<torch::Tensor> predict_masks(BatchModel& model, const std::vector<std::string>& images,
+                                         const EventCallback& on_event = {});
+
 // What a clips or segmentation run will use: the batch and the stages recomputed, with the
 // predicted peak in parts. Planned (train.batch or train.checkpointing auto) from the network
 // calibrated on a probe copy for train.budget less the prefetch reserve; capped at the number
