@@ -4,8 +4,10 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <iomanip>
 #include <sstream>
 #include <type_traits>
 
@@ -489,6 +491,39 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   std::stringstream text;
   text << in.rdbuf();
   return parse_config(text.str(), "config " + path, overrides);
+}
+
+namespace {
+// A value as a reader wants it: YAML flow style, decimals with 15 significant digits (the node
+// holds 0.0030000000000000001 where the config said 0.003).
+std::string display(const YAML::Node& node) {
+  if (node.IsSequence()) {
+    std::vector<std::string> items;
+    for (const auto& item : node) items.push_back(display(item));
+    return "[" + c10::Join(", ", items) + "]";
+  }
+  if (!node.IsScalar()) {
+    YAML::Emitter out;
+    out << YAML::Flow << node;
+    return out.c_str();
+  }
+  const auto& text = node.Scalar();
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || text.find_first_of(".eE") == std::string::npos) return text;
+  std::ostringstream out;
+  out << std::setprecision(15) << value;
+  return out.str();
+}
+}  // namespace
+
+std::vector<std::string> config_differences(const Config& before, const Config& after) {
+  std::vector<std::string> changed;
+  for (const auto& e : entries()) {
+    const auto a = display(e.get(before)), b = display(e.get(after));
+    if (a != b) changed.push_back(e.key.name + ": " + a + " -> " + b);
+  }
+  return changed;
 }
 
 std::string to_yaml(const Config& config) {

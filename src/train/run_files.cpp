@@ -81,6 +81,16 @@ void set_generator_state(const torch::Tensor& state) {
   gen.set_state(state);
 }
 
+void warn_config_changes(const Config& stored, const Config& resumed_with,
+                         const EventCallback& on_event) {
+  const auto changed = config_differences(stored, resumed_with);
+  if (changed.empty() || !on_event) return;
+  on_event(Event::note(Event::Kind::Warning,
+                       "the config differs from the checkpoint's; training goes on with the new "
+                       "values: " +
+                           c10::Join("; ", changed)));
+}
+
 Config read_config(torch::serialize::InputArchive& archive, const std::string& path) {
   c10::IValue format, text;
   TORCH_CHECK(archive.try_read("format", format) && format.isString() &&

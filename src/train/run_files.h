@@ -40,6 +40,11 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
 torch::serialize::InputArchive open_archive(const std::string& path);
 // The config stored in a checkpoint (which must be a framefit checkpoint).
 Config read_config(torch::serialize::InputArchive& archive, const std::string& path);
+// A Warning event naming the keys where the config a run resumes with differs from the one its
+// checkpoint stored (the run goes on with the new values: a changed train.lr or train.epochs
+// is allowed, but should not pass unnoticed).
+void warn_config_changes(const Config& stored, const Config& resumed_with,
+                         const EventCallback& on_event);
 // A TorchScript network's module (code and weights) stored in a checkpoint, so that it loads
 // without the file it was trained from; read_script gives nullptr when none is stored.
 void write_script(torch::serialize::OutputArchive& archive,

@@ -950,7 +950,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   progress.precision = batch_precision(config);
   if (!resume_from.empty()) {
     resumed.emplace(open_archive(resume_from));
-    read_config(*resumed, resume_from);  // is a checkpoint
+    warn_config_changes(read_config(*resumed, resume_from), config, on_event);
     progress = read_progress(*resumed);
     info("resuming from " + resume_from + " at step " + std::to_string(progress.step) +
          " with its batch of " + std::to_string(progress.batch));

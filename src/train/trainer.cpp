@@ -540,7 +540,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   std::optional<Progress> saved;
   if (!resume_from.empty()) {
     resumed.emplace(open_archive(resume_from));
-    read_config(*resumed, resume_from);  // is a checkpoint
+    warn_config_changes(read_config(*resumed, resume_from), config, on_event);
     saved = read_progress(*resumed);
     info("resuming from " + resume_from + " at step " + std::to_string(saved->step));
   }

@@ -351,8 +351,15 @@ TEST(ClipTraining, ResumedRunEndsWithIdenticalWeights) {
     auto rest = first;
     rest.train.max_steps = 0;
     torch::manual_seed(12345);  // as another process would start
-    const auto resumed = train::train(rest, "auto");
+    std::vector<std::string> warnings;
+    const auto resumed = train::train(rest, "auto", [&](const train::Event& e) {
+      if (e.kind == train::Event::Kind::Warning) warnings.push_back(e.message);
+    });
     EXPECT_EQ(resumed.steps, full.steps);
+    // The one key changed for the rest of the run is named.
+    EXPECT_EQ(warnings, (std::vector<std::string>{
+                            "the config differs from the checkpoint's; training goes on with the "
+                            "new values: train.max_steps: 3 -> 0"}));
     const auto weights = checkpoint_weights(first.train.out_dir + "/checkpoints" + last);
     ASSERT_EQ(weights.size(), uninterrupted.size());
     for (size_t i = 0; i < weights.size(); ++i)

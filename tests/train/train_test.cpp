@@ -33,6 +33,14 @@ TEST(Config, DefaultsFileOverridesAndRoundTrip) {
   const auto again = train::parse_config(train::to_yaml(c), "round trip");
   EXPECT_EQ(train::to_yaml(again), train::to_yaml(c));
   EXPECT_GE(train::config_keys().size(), 40u);
+
+  // What a resumed run is told about: each changed key, old and new value.
+  EXPECT_TRUE(train::config_differences(c, again).empty());
+  const auto changed = train::parse_config(train::to_yaml(c), "changed",
+                                           {"train.lr=0.003", "data.classes=[a, b, c]"});
+  EXPECT_EQ(
+      train::config_differences(c, changed),
+      (std::vector<std::string>{"data.classes: [a, b] -> [a, b, c]", "train.lr: 0.0005 -> 0.003"}));
 }
 
 TEST(Config, BadKeysAndValuesAreNamed) {

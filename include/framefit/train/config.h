@@ -116,4 +116,8 @@ Config parse_config(const std::string& yaml_text, const std::string& source,
                     const std::vector<std::string>& overrides = {});
 std::string to_yaml(const Config& config);  // every key, loadable by parse_config
 
+// The keys whose values differ, as "key: A -> B" with the values in YAML flow style, in the
+// order of config_keys().
+std::vector<std::string> config_differences(const Config& before, const Config& after);
+
 }  // namespace framefit::train
