@@ -42,7 +42,8 @@ const std::vector<Command>& command_table() {
        "Train from a YAML config (--set overrides any key): phases (encoder and temporal head on "
        "whole videos), clips (3D CNNs) or segmentation (UNet), planned to fit train.budget: "
        "progress, validation each epoch, a JSONL log, atomic "
-       "checkpoints (keep-last-N plus best), --resume to continue a stopped run exactly."},
+       "checkpoints (keep-last-N plus best), --resume to continue a stopped run exactly. Ctrl-C "
+       "or SIGTERM stops at the next step with a checkpoint (exit code 130 or 143)."},
       {"eval",
        "Metrics of a checkpoint on a split of its data set: accuracy and per-class precision, "
        "recall, F1 and Jaccard (IoU for segmentation) with macro averages, over frames, clips or "

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstring>
 #include <fstream>
 
@@ -166,21 +167,52 @@ int run_make_demo(const Args& args) {
   return 0;
 }
 
+namespace {
+
+// The signal (SIGINT, SIGTERM) that asked a training run to stop; 0: none. The run stops at the
+// next step boundary with a checkpoint; the handler resets itself, so a second signal ends the
+// process at once.
+volatile std::sig_atomic_t stop_signal = 0;
+
+extern "C" void request_stop(int signal) { stop_signal = signal; }
+
+void stop_on_signals() {
+  struct sigaction action {};
+  action.sa_handler = request_stop;
+  action.sa_flags = SA_RESETHAND;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+}  // namespace
+
 int run_train(const Args& args) {
   const auto config = train::load_config(args.text("config"), args.list("set"));
   ProgressPrinter printer("train");
-  const auto result = train::train(config, args.has("resume") ? args.text("resume") : "",
-                                   [&](const train::Event& e) { printer(e); });
+  stop_on_signals();
+  const auto result = train::train(
+      config, args.has("resume") ? args.text("resume") : "",
+      [&](const train::Event& e) { printer(e); }, [] { return stop_signal != 0; });
+  // A stopped run exits as the signal asked (128 + its number), after saying how to go on.
+  const int exit_code = result.stopped ? 128 + static_cast<int>(stop_signal) : 0;
+  if (result.stopped) {
+    fmt::print(stderr,
+               "framefit train: stopped by {} after step {}; {} continues it with "
+               "--resume auto (same --config and --set)\n",
+               stop_signal == SIGINT ? "SIGINT" : "SIGTERM", result.steps, result.last_checkpoint);
+  }
   const data::ClassList classes(config.data.classes);
   if (args.on("json")) {
     nlohmann::json out = {{"steps", result.steps},
                           {"seconds", result.seconds},
+                          {"stopped", result.stopped},
                           {"best_checkpoint", result.best_checkpoint},
                           {"last_checkpoint", result.last_checkpoint},
                           {"skipped_videos", result.skipped_videos}};
     if (result.validated) out["best_validation"] = metrics_json(result.best, classes);
     fmt::print("{}\n", out.dump(2));
-    return 0;
+    return exit_code;
   }
   fmt::print("trained {} steps in {}; checkpoints in {}\n", result.steps,
              clock_text(result.seconds), config.train.out_dir);
@@ -192,7 +224,7 @@ int run_train(const Args& args) {
     fmt::print("skipped {} bad {}\n", result.skipped_videos,
                config.task == "segmentation" ? "images" : "videos");
   }
-  return 0;
+  return exit_code;
 }
 
 int run_eval(const Args& args) {

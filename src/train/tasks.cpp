@@ -911,7 +911,7 @@ BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_even
 }
 
 TrainResult train_batch(const Config& config, const std::string& resume,
-                        const EventCallback& on_event) {
+                        const EventCallback& on_event, const StopRequest& stop) {
   TORCH_CHECK(is_batch_task(config), "train_batch is for task clips or segmentation");
   auto emit = [&](Event e) {
     if (on_event) on_event(e);
@@ -1012,6 +1012,14 @@ TrainResult train_batch(const Config& config, const std::string& resume,
 
   JsonlLog log(out_dir + "/log.jsonl", progress.step, resumed.has_value());
   TrainResult result;
+  // A stop request ends the run at a step boundary; the checkpoint written below resumes it.
+  auto stop_now = [&] {
+    if (!stop || !stop()) return false;
+    result.stopped = true;
+    emit(Event::note(Event::Kind::Info,
+                     c10::str("stopping at step ", progress.step, " as requested")));
+    return true;
+  };
   result.best_checkpoint = out_dir + "/best.pt";
   const auto start = Clock::now();
   const int64_t first_step = progress.step;
@@ -1085,8 +1093,10 @@ TrainResult train_batch(const Config& config, const std::string& resume,
       if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 && !stream.done()) {
         checkpoint(progress);
       }
+      // At the epoch's end the stop waits for its validation and checkpoint, below.
+      if (!stream.done() && stop_now()) break;
     }
-    if (!stream.done()) break;  // max_steps reached mid-epoch
+    if (!stream.done()) break;  // max_steps reached or stopped mid-epoch
 
     EpochValidation validation;
     if (val_set) {
@@ -1102,9 +1112,14 @@ TrainResult train_batch(const Config& config, const std::string& resume,
       ++next.epoch;
       checkpoint(next);
     }
+    if (progress.step < total_steps && progress.epoch + 1 < epochs && stop_now()) {
+      ++progress.epoch;  // a checkpoint written below starts the next epoch
+      break;
+    }
   }
   if (last_saved_step != progress.step) checkpoint(progress);
-  if (!val_set) save_best();  // nothing to choose the best by: the last weights are the best
+  // Nothing to choose the best by: the last weights of a finished run are the best.
+  if (!val_set && !result.stopped) save_best();
   result.steps = progress.step;
   result.seconds = seconds_since(start);
   result.skipped_videos = progress.skipped + train_set.skipped_at_start();

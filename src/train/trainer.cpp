@@ -503,8 +503,9 @@ PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
   return result;
 }
 
-TrainResult train(const Config& config, const std::string& resume, const EventCallback& on_event) {
-  if (is_batch_task(config)) return train_batch(config, resume, on_event);
+TrainResult train(const Config& config, const std::string& resume, const EventCallback& on_event,
+                  const StopRequest& stop) {
+  if (is_batch_task(config)) return train_batch(config, resume, on_event, stop);
   auto emit = [&](Event e) {
     if (on_event) on_event(e);
   };
@@ -622,6 +623,14 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
 
   JsonlLog log(out_dir + "/log.jsonl", progress.step, resumed.has_value());
   TrainResult result;
+  // A stop request ends the run at a step boundary; the checkpoint written below resumes it.
+  auto stop_now = [&] {
+    if (!stop || !stop()) return false;
+    result.stopped = true;
+    emit(Event::note(Event::Kind::Info,
+                     c10::str("stopping at step ", progress.step, " as requested")));
+    return true;
+  };
   result.best_checkpoint = out_dir + "/best.pt";
   const auto start = Clock::now();
   const int64_t first_step = progress.step;
@@ -707,8 +716,10 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
           progress.position < videos) {
         checkpoint(progress);
       }
+      // At the epoch's end the stop waits for its validation and checkpoint, below.
+      if (progress.position < videos && stop_now()) break;
     }
-    if (progress.position < videos) break;  // max_steps reached mid-epoch
+    if (progress.position < videos) break;  // max_steps reached or stopped mid-epoch
 
     EpochValidation validation;
     if (val_set) {
@@ -729,10 +740,14 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
       ++next.epoch;
       checkpoint(next);
     }
+    if (progress.step < total_steps && progress.epoch + 1 < epochs && stop_now()) {
+      ++progress.epoch;  // a checkpoint written below starts the next epoch
+      break;
+    }
   }
   if (last_saved_step != progress.step) checkpoint(progress);
-  if (!val_set) {  // nothing to choose the best by: the last weights are the best
-    save_best();
+  if (!val_set && !result.stopped) {  // nothing to choose the best by: the last weights are
+    save_best();                      // the best
   }
   result.steps = progress.step;
   result.seconds = seconds_since(start);

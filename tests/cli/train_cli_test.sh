@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make-demo, train, eval, predict and export end to end on a tiny demo, with the bad-input
-# cases; `resume` mode kills a run with SIGKILL and checks the resumed run's weights against an
-# uninterrupted one.
+# cases; `resume` mode kills a run with SIGKILL, and stops one with SIGINT, and checks each resumed
+# run's weights against an uninterrupted one.
 #   train_cli_test.sh {tiny|resume} FRAMEFIT PYTHON WORKDIR
 set -euo pipefail
 mode=$1 framefit=$2 python=$3 work=$4
@@ -60,6 +60,32 @@ assert list(a) == list(b), "different keys"
 different = [k for k in a if not torch.equal(a[k], b[k])]
 assert not different, f"weights differ after kill and resume: {different[:5]}"
 print(f"kill -9 and --resume: {len(a)} tensors identical to the uninterrupted run")
+PY
+  # SIGINT (Ctrl-C) stops at the next step with a checkpoint of its own (none is due: checkpoints
+  # per epoch), exit code 130; resumed, the run ends with the uninterrupted run's weights.
+  "$framefit" train "${common[@]}" --set train.checkpoint_every=0 --set train.out_dir=stopped \
+    > stopped.txt 2>&1 &
+  pid=$!
+  for _ in $(seq 1 600); do
+    grep -q '"type":"step"' stopped/log.jsonl 2>/dev/null && break
+    sleep 0.05
+  done
+  kill -INT "$pid" 2>/dev/null || fail "the run finished before it could be stopped"
+  rc=0
+  wait "$pid" || rc=$?
+  [ "$rc" -eq 130 ] || { cat stopped.txt; fail "a stopped run exited with $rc, not 130"; }
+  grep -q "stopped by SIGINT after step" stopped.txt || { cat stopped.txt; fail "no stop message"; }
+  [ -f stopped/checkpoints/step_00000012.pt ] && fail "the stopped run had already finished"
+  ls stopped/checkpoints
+  "$framefit" train "${common[@]}" --set train.checkpoint_every=0 --set train.out_dir=stopped \
+    --resume auto > resumed_stop.txt 2>&1 || { cat resumed_stop.txt; fail "resume after SIGINT"; }
+  "$framefit" export --checkpoint stopped/checkpoints/step_00000012.pt --out stopped.pt > /dev/null
+  "$python" - <<'PY'
+import torch
+a, b = torch.load("straight.pt"), torch.load("stopped.pt")
+different = [k for k in a if not torch.equal(a[k], b[k])]
+assert list(a) == list(b) and not different, f"weights differ after SIGINT and resume: {different[:5]}"
+print(f"SIGINT and --resume: {len(a)} tensors identical to the uninterrupted run")
 PY
   exit 0
 fi

@@ -410,6 +410,55 @@ TEST(ClipTraining, ResumedRunEndsWithIdenticalWeights) {
   }
 }
 
+TEST(ClipTraining, StopRequestEndsAtAStepBoundaryAndResumesExactly) {
+  // Stopped mid-epoch (step 2) and at the end of the first epoch (after its validation): the
+  // stopped run writes the checkpoint it ends with where none is due, and resuming it ends with
+  // the uninterrupted run's weights.
+  auto base = clips_config("/tmp/framefit_clips_stop_a");
+  const auto full = train::train(base);
+  const auto uninterrupted = checkpoint_weights(full.last_checkpoint);
+  int64_t steps_per_epoch = 0;
+  {
+    std::ifstream log(base.train.out_dir + "/log.jsonl");
+    for (std::string line; std::getline(log, line);) {
+      if (line.find("\"type\":\"epoch\"") != std::string::npos) break;
+      if (line.find("\"type\":\"step\"") != std::string::npos) ++steps_per_epoch;
+    }
+  }
+  ASSERT_GT(steps_per_epoch, 2);
+  ASSERT_EQ(full.steps, 2 * steps_per_epoch);
+  // (stop after step, train.checkpoint_every): at the epoch's end with a step count that writes
+  // no checkpoint there, the stop writes one that starts the next epoch.
+  const std::vector<std::pair<int64_t, int64_t>> cases = {
+      {2, 0}, {steps_per_epoch, 0}, {steps_per_epoch, steps_per_epoch + 1}};
+  for (const auto& [stop_after, checkpoint_every] : cases) {
+    SCOPED_TRACE(c10::str("stop after step ", stop_after, ", checkpoint_every ", checkpoint_every));
+    auto config = clips_config("/tmp/framefit_clips_stop_b");
+    config.train.checkpoint_every = checkpoint_every;
+    int64_t steps = 0, epochs = 0;
+    const auto stopped = train::train(
+        config, "",
+        [&](const train::Event& e) {
+          steps += e.kind == train::Event::Kind::Step;
+          epochs += e.kind == train::Event::Kind::Epoch;
+        },
+        [&] { return steps >= stop_after; });
+    EXPECT_TRUE(stopped.stopped);
+    EXPECT_EQ(stopped.steps, stop_after);
+    EXPECT_EQ(epochs, stop_after == steps_per_epoch ? 1 : 0);  // the epoch ended first
+    ASSERT_FALSE(stopped.last_checkpoint.empty());
+    const auto resumed = train::train(config, "auto");
+    EXPECT_FALSE(resumed.stopped);
+    EXPECT_EQ(resumed.steps, full.steps);
+    const auto weights = checkpoint_weights(resumed.last_checkpoint);
+    ASSERT_EQ(weights.size(), uninterrupted.size());
+    for (size_t i = 0; i < weights.size(); ++i)
+      EXPECT_TRUE(torch::equal(weights[i], uninterrupted[i]));
+    test_util::remove_tree(config.train.out_dir);
+  }
+  test_util::remove_tree(base.train.out_dir);
+}
+
 TEST(ClipTraining, AccumulatedBatchesTrainAsOneBatchOfTheirSamples) {
   // Without BatchNorm, two accumulated batches of 2 give the gradients of one batch of 4: the
   // same steps, the same weights (up to float32 summation order), class weights included.

@@ -122,6 +122,6 @@ std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t bud
 
 // Training for task clips or segmentation; as train().
 TrainResult train_batch(const Config& config, const std::string& resume = "",
-                        const EventCallback& on_event = {});
+                        const EventCallback& on_event = {}, const StopRequest& stop = {});
 
 }  // namespace framefit::train

@@ -61,13 +61,19 @@ struct TrainResult {
   std::string best_checkpoint;
   std::string last_checkpoint;
   int64_t skipped_videos = 0;  // data.on_error: skip
+  // Ended early on a stop request: last_checkpoint continues it (--resume auto).
+  bool stopped = false;
 };
+
+// Asked after every optimizer step and at the end of every epoch: true ends the run there with
+// a checkpoint that resumes it exactly (the CLI asks on SIGINT and SIGTERM). Empty: never.
+using StopRequest = std::function<bool()>;
 
 // Any task: phases here, clips and segmentation through train_batch (train/tasks.h).
 // resume: "" starts afresh (refusing an out_dir that holds checkpoints), "auto" continues from
 // the newest checkpoint in out_dir, anything else is a checkpoint path.
 TrainResult train(const Config& config, const std::string& resume = "",
-                  const EventCallback& on_event = {});
+                  const EventCallback& on_event = {}, const StopRequest& stop = {});
 
 // What `train` will run a phases config with, without training: the step settings for the
 // longest training video at the largest frame size, within train.budget less the prefetch
