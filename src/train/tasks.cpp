@@ -735,7 +735,7 @@ ClipPrediction predict_clips(BatchModel& model, const torch::Tensor& frames,
                   frames.size(3) == model.input[3],
               "the network was trained on clips of ", model.input[2], "x", model.input[3],
               " frames; got frames of ", frames.sizes(),
-              ": decode the video with the run's data.resize and data.crop");
+              ": set data.resize and data.crop so the video's frames come out at that size");
   TORCH_CHECK(frames.size(0) >= length, "the video has ", frames.size(0),
               " sampled frames, fewer than one clip of ", length, " (data.clip_length)");
   data::ClipOptions options;
