@@ -81,6 +81,15 @@ void set_generator_state(const torch::Tensor& state) {
   gen.set_state(state);
 }
 
+bool stop_requested(const StopRequest& stop, int64_t step, TrainResult& result,
+                    const EventCallback& on_event) {
+  if (!stop || !stop()) return false;
+  result.stopped = true;
+  if (on_event)
+    on_event(Event::note(Event::Kind::Info, c10::str("stopping at step ", step, " as requested")));
+  return true;
+}
+
 void warn_config_changes(const Config& stored, const Config& resumed_with,
                          const EventCallback& on_event) {
   const auto changed = config_differences(stored, resumed_with);

@@ -40,6 +40,9 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
 torch::serialize::InputArchive open_archive(const std::string& path);
 // The config stored in a checkpoint (which must be a framefit checkpoint).
 Config read_config(torch::serialize::InputArchive& archive, const std::string& path);
+// Whether `stop` asks the run to end after `step`; if so, marks the result and tells on_event.
+bool stop_requested(const StopRequest& stop, int64_t step, TrainResult& result,
+                    const EventCallback& on_event);
 // A Warning event naming the keys where the config a run resumes with differs from the one its
 // checkpoint stored (the run goes on with the new values: a changed train.lr or train.epochs
 // is allowed, but should not pass unnoticed).

@@ -624,13 +624,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   JsonlLog log(out_dir + "/log.jsonl", progress.step, resumed.has_value());
   TrainResult result;
   // A stop request ends the run at a step boundary; the checkpoint written below resumes it.
-  auto stop_now = [&] {
-    if (!stop || !stop()) return false;
-    result.stopped = true;
-    emit(Event::note(Event::Kind::Info,
-                     c10::str("stopping at step ", progress.step, " as requested")));
-    return true;
-  };
+  auto stop_now = [&] { return stop_requested(stop, progress.step, result, on_event); };
   result.best_checkpoint = out_dir + "/best.pt";
   const auto start = Clock::now();
   const int64_t first_step = progress.step;
