@@ -363,9 +363,10 @@ int predict_masks(const Args& args) {
   std::string csv = "image,mask,height,width";
   for (const auto& name : model.classes.names()) csv += "," + name;
   csv += "\n";
+  const bool into_folder = folder || is_directory(out);
   for (size_t i = 0; i < images.size(); ++i) {
     std::string path = out;
-    if (folder) {
+    if (into_folder) {
       const auto name = images[i].substr(images[i].rfind('/') + 1);
       path = out + "/" + name.substr(0, name.rfind('.')) + ".png";
     }

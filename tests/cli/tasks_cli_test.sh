@@ -44,6 +44,13 @@ grep -q '"macro_jaccard"' seg_eval.json
 "$framefit" predict --checkpoint seg/best.pt --image demo/segmentation/val/images --out masks \
   > shares.csv
 "$framefit" eval --checkpoint seg/best.pt --split val --json > seg_val.json
+# One image: the mask file named, or NAME.png in an existing folder.
+"$framefit" predict --checkpoint seg/best.pt --image demo/segmentation/val/images/0003.png \
+  --out one.png > /dev/null
+test -f one.png
+"$framefit" predict --checkpoint seg/best.pt --image demo/segmentation/val/images/0003.png \
+  --out masks > /dev/null
+cmp one.png masks/0003.png
 "$python" -c "
 import csv, json
 import numpy as np
