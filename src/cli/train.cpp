@@ -54,6 +54,23 @@ void print_metrics(const train::PhaseMetrics& m, const data::ClassList& classes,
              percent(m.macro_recall), percent(m.macro_f1), percent(m.macro_jaccard));
 }
 
+// Each video's scores, then their mean and standard deviation over the videos (how Cholec80
+// papers report phase recognition).
+void print_video_metrics(const std::vector<train::VideoMetrics>& videos) {
+  fmt::print("  per video:\n  {:<20} {:>9} {:>9} {:>9} {:>9}\n", "video", "frames", "accuracy",
+             "macro F1", "Jaccard");
+  for (const auto& v : videos) {
+    fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", v.name, v.metrics.frames,
+               percent(v.metrics.accuracy), percent(v.metrics.macro_f1),
+               percent(v.metrics.macro_jaccard));
+  }
+  const auto a = train::average_over_videos(videos);
+  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", "mean over videos", "", percent(a.accuracy_mean),
+             percent(a.macro_f1_mean), percent(a.macro_jaccard_mean));
+  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", "std over videos", "", percent(a.accuracy_std),
+             percent(a.macro_f1_std), percent(a.macro_jaccard_std));
+}
+
 nlohmann::json metrics_json(const train::PhaseMetrics& m, const data::ClassList& classes) {
   return nlohmann::json::parse(train::to_json(m, classes.names()));
 }
@@ -235,6 +252,7 @@ int run_eval(const Args& args) {
   const auto overrides = args.list("set");
   const auto stored = train::checkpoint_config(checkpoint);
   train::PhaseMetrics metrics;
+  std::vector<train::VideoMetrics> per_video;  // phases: each video's own metrics
   data::ClassList classes;
   std::string split, what;
   if (train::is_batch_task(stored)) {
@@ -248,17 +266,34 @@ int run_eval(const Args& args) {
     const auto dataset = train::make_dataset(model.config, split, false, on_event);
     TORCH_CHECK(dataset.size() > 0, "no videos in split \"", split, "\" of ",
                 model.config.data.manifest);
-    metrics = train::evaluate(model, dataset, on_event);
+    metrics = train::evaluate(model, dataset, on_event, &per_video);
     classes = model.classes;
   }
-  const auto json = metrics_json(metrics, classes);
+  auto json = metrics_json(metrics, classes);
+  if (!per_video.empty()) {
+    const auto averages = train::average_over_videos(per_video);
+    json["video_averages"] = {{"videos", averages.videos},
+                              {"accuracy_mean", averages.accuracy_mean},
+                              {"accuracy_std", averages.accuracy_std},
+                              {"macro_f1_mean", averages.macro_f1_mean},
+                              {"macro_f1_std", averages.macro_f1_std},
+                              {"macro_jaccard_mean", averages.macro_jaccard_mean},
+                              {"macro_jaccard_std", averages.macro_jaccard_std}};
+    json["videos"] = nlohmann::json::array();
+    for (const auto& v : per_video) {
+      auto entry = metrics_json(v.metrics, classes);
+      entry["name"] = v.name;
+      json["videos"].push_back(entry);
+    }
+  }
   if (args.has("out")) std::ofstream(args.text("out")) << json.dump(2) << "\n";
   if (args.on("json")) {
     fmt::print("{}\n", json.dump(2));
-  } else {
-    fmt::print("{} on split \"{}\":\n", checkpoint, split);
-    print_metrics(metrics, classes, stored.task);
+    return 0;
   }
+  fmt::print("{} on split \"{}\":\n", checkpoint, split);
+  print_metrics(metrics, classes, stored.task);
+  if (!per_video.empty()) print_video_metrics(per_video);
   return 0;
 }
 

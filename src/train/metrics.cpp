@@ -74,6 +74,25 @@ PhaseMetrics ConfusionMatrix::metrics() const {
   return out;
 }
 
+VideoAverages average_over_videos(const std::vector<VideoMetrics>& videos) {
+  VideoAverages out;
+  out.videos = static_cast<int64_t>(videos.size());
+  if (videos.empty()) return out;
+  const auto mean_std = [&](auto field, double& mean, double& std_dev) {
+    double sum = 0;
+    for (const auto& v : videos) sum += field(v.metrics);
+    mean = sum / static_cast<double>(videos.size());
+    double squares = 0;
+    for (const auto& v : videos) squares += (field(v.metrics) - mean) * (field(v.metrics) - mean);
+    std_dev = videos.size() > 1 ? std::sqrt(squares / static_cast<double>(videos.size() - 1)) : 0;
+  };
+  mean_std([](const PhaseMetrics& m) { return m.accuracy; }, out.accuracy_mean, out.accuracy_std);
+  mean_std([](const PhaseMetrics& m) { return m.macro_f1; }, out.macro_f1_mean, out.macro_f1_std);
+  mean_std([](const PhaseMetrics& m) { return m.macro_jaccard; }, out.macro_jaccard_mean,
+           out.macro_jaccard_std);
+  return out;
+}
+
 std::string to_json(const PhaseMetrics& m, const std::vector<std::string>& phase_names) {
   TORCH_CHECK(phase_names.size() == m.f1.size(), "to_json: ", phase_names.size(), " names for ",
               m.f1.size(), " phases");

@@ -350,7 +350,7 @@ Prediction predict(Model& model, const torch::Tensor& frames, const EventCallbac
 }
 
 PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
-                      const EventCallback& on_event) {
+                      const EventCallback& on_event, std::vector<VideoMetrics>* per_video) {
   ConfusionMatrix confusion(model.classes.size());
   std::vector<data::Prefetcher::Job> jobs;
   for (int64_t i = 0; i < dataset.size(); ++i) {
@@ -373,6 +373,11 @@ PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
     }
     const auto prediction = predict(model, video.frames, on_event);
     confusion.add(prediction.labels, video.labels);
+    if (per_video) {
+      ConfusionMatrix own(model.classes.size());
+      own.add(prediction.labels, video.labels);
+      per_video->push_back({video.name, own.metrics()});
+    }
     frames += video.labels.numel();
     if (on_event) {
       Event e;

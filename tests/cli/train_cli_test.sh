@@ -124,6 +124,11 @@ metrics = json.load(open("eval.json"))
 assert metrics == json.load(open("metrics.json"))
 for key in ("accuracy", "macro_precision", "macro_recall", "macro_f1", "macro_jaccard", "phases"):
     assert key in metrics, key
+# One test video: its own metrics are the split's, and the video-level mean is its accuracy.
+assert [v["name"] for v in metrics["videos"]] == ["video05"], metrics["videos"]
+assert metrics["videos"][0]["accuracy"] == metrics["accuracy"]
+assert metrics["video_averages"]["videos"] == 1
+assert metrics["video_averages"]["accuracy_mean"] == metrics["accuracy"]
 frames = json.load(open("eval_frames.json"))
 assert frames["frames"] == metrics["frames"], (frames["frames"], metrics["frames"])
 labels = open("demo/labels/video05.txt").read().split("\n")[1:]

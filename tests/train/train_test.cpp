@@ -96,6 +96,23 @@ TEST(Metrics, FromAKnownConfusionMatrix) {
             std::string::npos);
 }
 
+TEST(Metrics, AveragesOverVideos) {
+  // Two videos: one all right (3 frames), one half right (4 frames). Video-level figures weigh
+  // each video once, whatever its length.
+  train::ConfusionMatrix a(2), b(2);
+  a.add(torch::tensor({0, 1, 1}), torch::tensor({0, 1, 1}));
+  b.add(torch::tensor({0, 0, 1, 0}), torch::tensor({0, 1, 1, 1}));
+  const std::vector<train::VideoMetrics> videos = {{"a", a.metrics()}, {"b", b.metrics()}};
+  const auto avg = train::average_over_videos(videos);
+  EXPECT_EQ(avg.videos, 2);
+  EXPECT_DOUBLE_EQ(avg.accuracy_mean, 0.75);
+  EXPECT_NEAR(avg.accuracy_std, std::sqrt(2 * 0.25 * 0.25), 1e-12);  // sample std, n - 1 = 1
+  EXPECT_DOUBLE_EQ(avg.macro_jaccard_mean,
+                   (1.0 + (b.metrics().jaccard[0] + b.metrics().jaccard[1]) / 2) / 2);
+  EXPECT_EQ(train::average_over_videos({videos[0]}).accuracy_std, 0);
+  EXPECT_EQ(train::average_over_videos({}).videos, 0);
+}
+
 TEST(Schedule, WarmupStepAndCosine) {
   train::Schedule s;
   s.lr = 1.0;
@@ -209,6 +226,25 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
   ASSERT_EQ(test_set.size(), 1);
   const auto metrics = train::evaluate(model, test_set);
   EXPECT_EQ(metrics.frames, test_set.frames(0));
+  // Per video, over the three training videos: names in order, frames adding up, and the
+  // frame-weighted mean of their accuracies is the accuracy over all frames.
+  {
+    const auto three = train::make_dataset(model.config, "train", false);
+    std::vector<train::VideoMetrics> per_video;
+    const auto all = train::evaluate(model, three, {}, &per_video);
+    ASSERT_EQ(per_video.size(), 3u);
+    int64_t frames = 0;
+    double correct = 0, accuracy_sum = 0;
+    for (size_t i = 0; i < per_video.size(); ++i) {
+      EXPECT_EQ(per_video[i].name, three.entry(static_cast<int64_t>(i)).name);
+      frames += per_video[i].metrics.frames;
+      correct += per_video[i].metrics.accuracy * static_cast<double>(per_video[i].metrics.frames);
+      accuracy_sum += per_video[i].metrics.accuracy;
+    }
+    EXPECT_EQ(frames, all.frames);
+    EXPECT_NEAR(correct / static_cast<double>(frames), all.accuracy, 1e-12);
+    EXPECT_NEAR(train::average_over_videos(per_video).accuracy_mean, accuracy_sum / 3, 1e-12);
+  }
   const auto video = test_set.load(0);
   const auto prediction = train::predict(model, video.frames);
   EXPECT_EQ(prediction.labels.size(0), video.frames.size(0));

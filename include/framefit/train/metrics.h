@@ -16,6 +16,22 @@ struct PhaseMetrics {
   double macro_precision = 0, macro_recall = 0, macro_f1 = 0, macro_jaccard = 0;
 };
 
+// One video's metrics. Cholec80 papers report video-level figures: each video's accuracy (and
+// macro scores) averaged over the videos, with the standard deviation across them.
+struct VideoMetrics {
+  std::string name;
+  PhaseMetrics metrics;
+};
+struct VideoAverages {
+  int64_t videos = 0;
+  // Mean over videos and sample standard deviation (n - 1; 0 for one video). Macro scores of a
+  // video average the phases that occur in it (in its labels or its predictions).
+  double accuracy_mean = 0, accuracy_std = 0;
+  double macro_f1_mean = 0, macro_f1_std = 0;
+  double macro_jaccard_mean = 0, macro_jaccard_std = 0;
+};
+VideoAverages average_over_videos(const std::vector<VideoMetrics>& videos);
+
 // {"frames", "accuracy", "macro_precision", "macro_recall", "macro_f1", "macro_jaccard",
 // "phases": {name: {"precision", "recall", "f1", "jaccard"}}} as JSON text; NaN becomes null.
 std::string to_json(const PhaseMetrics& metrics, const std::vector<std::string>& phase_names);

@@ -129,8 +129,10 @@ struct Prediction {
 Prediction predict(Model& model, const torch::Tensor& frames, const EventCallback& on_event = {});
 
 // Every video of `dataset` (center crop, no flip), predicted as predict() does.
+// `per_video`, when given, receives each evaluated video's own metrics, in dataset order.
 PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
-                      const EventCallback& on_event = {});
+                      const EventCallback& on_event = {},
+                      std::vector<VideoMetrics>* per_video = nullptr);
 
 // How the config's data.* keys decode videos; training adds the random crop and flip.
 data::DataOptions data_options(const Config& config, bool training);
