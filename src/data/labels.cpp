@@ -226,8 +226,9 @@ std::string unused_splits(const std::vector<VideoEntry>& entries,
   if (unused.empty()) return {};
   std::string text;
   for (const auto& [split, names] : unused) {
-    text += c10::str(text.empty() ? "" : "; ", names.size(), names.size() == 1 ? " video" : " videos",
-                     " in split \"", split, "\" (", c10::Join(", ", names), ")");
+    text +=
+        c10::str(text.empty() ? "" : "; ", names.size(), names.size() == 1 ? " video" : " videos",
+                 " in split \"", split, "\" (", c10::Join(", ", names), ")");
   }
   return text + c10::str(" used by none of the splits ", c10::Join(", ", used),
                          ": check the manifest's split column");
