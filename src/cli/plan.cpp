@@ -333,6 +333,7 @@ int plan_config(const Args& args) {
                           {"largest_batch", plan.largest_batch},
                           {"samples", plan.samples},
                           {"accumulate", plan.accumulate},
+                          {"micro_batches", plan.micro_batches},
                           {"input", plan.input},
                           {"precision", engine::to_string(plan.precision)},
                           {"lean_backward", plan.lean_backward},

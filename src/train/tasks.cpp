@@ -495,7 +495,8 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
         stored_sample_bytes(config, input) * p.accumulate + 4 * elements(input), step_budget,
         device, p.precision);
     if (fixed_batch) {
-      p.batch = p.largest_batch = *fixed_batch;
+      // More than the samples would only be an epoch's worth of them.
+      p.batch = p.largest_batch = std::min(*fixed_batch, p.samples);
     } else {
       const auto planned = plan::plan_batch(costs, step_budget, may_checkpoint);
       p.minimum_bytes_one_sample = planned.minimum_bytes_one_sample;
@@ -504,13 +505,26 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
       fits = p.batch > 0;
       if (p.batch == 0) return p;
     }
-    const auto chain = plan::plan_batch_chain(costs, p.batch, step_budget, may_checkpoint);
-    fits = chain.fits;
-    p.segments = tc.checkpointing == "all" ? engine::recompute_every(stages, 1) : chain.segments;
-    const auto evaluated = engine::evaluate_chain(costs.at(p.batch), p.segments);
+    auto chain = plan::plan_batch_chain(costs, p.batch, step_budget, may_checkpoint);
     p.input_bytes = costs.input_bytes_per_sample * p.batch;
+    // A fixed batch that does not fit: the fewest micro-batches whose activations fit beside
+    // the whole batch's inputs (counted in full: conservative for the float input).
+    const int64_t room = step_budget - p.static_bytes - p.input_bytes;
+    for (int64_t m = 2; fixed_batch && !chain.fits && may_checkpoint && room > 0 && m <= p.batch;
+         ++m) {
+      auto micro =
+          engine::plan_chain(costs.at((p.batch + m - 1) / m), room, costs.max_segment_stages);
+      if (micro.fits) {
+        chain = std::move(micro);
+        p.micro_batches = m;
+      }
+    }
+    fits = chain.fits;
+    const int64_t micro_batch = (p.batch + p.micro_batches - 1) / p.micro_batches;
+    p.segments = tc.checkpointing == "all" ? engine::recompute_every(stages, 1) : chain.segments;
+    const auto evaluated = engine::evaluate_chain(costs.at(micro_batch), p.segments);
     p.activation_bytes = evaluated.predicted_bytes;
-    p.predicted_peak_bytes = plan::batch_peak_bytes(costs, p.batch, evaluated);
+    p.predicted_peak_bytes = p.static_bytes + p.input_bytes + p.activation_bytes;
     return p;
   };
   // The lean convolution backward (models/conv3d.h) holds less but is slower: with
@@ -878,7 +892,8 @@ std::string BatchTaskPlan::describe() const {
                     " with every stage recomputed; raise train.budget or shrink the input");
   }
   const std::string accumulated =
-      accumulate > 1 ? c10::str(" (", accumulate, " per optimizer step)") : std::string();
+      (micro_batches > 1 ? c10::str(" in ", micro_batches, " micro-batches") : std::string()) +
+      (accumulate > 1 ? c10::str(" (", accumulate, " per optimizer step)") : std::string());
   const std::string evaluation =
       eval_peak_bytes > 0 ? c10::str("; evaluation batch ", eval_batch, " (predicted peak ",
                                      memory::format_bytes(eval_peak_bytes), ")")
@@ -962,7 +977,16 @@ TrainResult train_batch(const Config& config, const std::string& resume,
                     ", every training sample"));
     }
     info(plan.describe());
+    if (plan.planned && plan.predicted_peak_bytes > plan.step_budget_bytes) {
+      emit(Event::note(Event::Kind::Warning,
+                       c10::str("train.batch ", plan.batch, " is predicted to need ",
+                                memory::format_bytes(plan.predicted_peak_bytes), ", more than ",
+                                memory::format_bytes(plan.step_budget_bytes),
+                                " even one sample at a time; steps that run out of memory are "
+                                "retried, but train.batch auto would fit the budget")));
+    }
     progress.batch = plan.batch;
+    progress.micro_batches = plan.micro_batches;
     progress.segments = plan.segments;
     progress.lean_backward = plan.lean_backward;
     progress.eval_batch = plan.eval_batch;

@@ -640,6 +640,33 @@ TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {
   test_util::remove_tree(config.train.out_dir);
 }
 
+TEST(SegmentationTraining, FixedBatchOverTheBudgetIsPlannedAsMicroBatches) {
+  // The budget in which the planner chose fewer than 10 images per batch (test above), with a
+  // fixed train.batch beyond the 10 training images: capped at them, and run as the fewest
+  // micro-batches that fit, planned before the first step instead of found by running out.
+  auto config = segmentation_config("/tmp/framefit_segmentation_micro");
+  config.train.epochs = 1;
+  config.train.budget = 4 << 20;
+  config.data.prefetch_bytes = 512 << 10;
+  config.train.batch = "1000";
+  const auto plan = train::plan_batch_task(config);
+  EXPECT_EQ(plan.batch, 10);
+  EXPECT_EQ(plan.samples, 10);
+  EXPECT_GT(plan.micro_batches, 1);
+  EXPECT_LE(plan.predicted_peak_bytes, plan.step_budget_bytes);
+  EXPECT_NE(plan.describe().find(c10::str("batch 10 in ", plan.micro_batches, " micro-batches")),
+            std::string::npos)
+      << plan.describe();
+  std::vector<std::string> warnings;
+  const auto result = train::train(config, "", [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Warning) warnings.push_back(e.message);
+  });
+  EXPECT_EQ(result.steps, 1);
+  EXPECT_TRUE(warnings.empty()) << warnings.front();  // no step ran out of memory
+  for (const auto peak : step_peaks(config.train.out_dir)) EXPECT_LE(peak, config.train.budget);
+  test_util::remove_tree(config.train.out_dir);
+}
+
 TEST(SegmentationTraining, TorchScriptNetworkTrainsAndItsCheckpointLoadsWithoutTheFile) {
   auto config = segmentation_config("/tmp/framefit_segmentation_script");
   config.model.network = "torchscript";

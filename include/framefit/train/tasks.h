@@ -88,6 +88,9 @@ struct BatchTaskPlan {
   int64_t largest_batch = 0;   // what the budget fits, before the cap
   int64_t samples = 0;         // training samples
   int64_t accumulate = 1;      // batches per optimizer step (train.accumulate), run one by one
+  // A fixed train.batch the budget does not hold even with recomputation runs as this many
+  // micro-batches (the fewest that fit), as a step that ran out of memory would end up doing.
+  int64_t micro_batches = 1;
   std::vector<int64_t> input;  // per sample
   engine::Precision precision = engine::Precision::FP32;
   std::string checkpointing;
