@@ -294,7 +294,9 @@ torch::Tensor ResNetImpl::forward_stages(const torch::Tensor& input, int64_t beg
       case 4: x = layer4->forward(x); break;
     }
   }
-  if (end == count) x = torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
+  // Pooled once, after the last stage: a range past it (the trainable part of an encoder frozen
+  // through its last stage) gets features already pooled.
+  if (end == count && x.dim() == 4) x = torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
   return x;
 }
 

@@ -76,6 +76,14 @@ ChunkProbe probe_chunk(const ModelSpec& spec, engine::Precision precision,
       probe.frozen_seconds = 0;
     }
     at::autocast::clear_cache();
+    if (encoder.parameters.empty()) {
+      // Frozen through its last stage: the engine only ever runs it without grad.
+      probe.grad_seconds = probe.nograd_seconds;
+      probe.grad_peak = probe.nograd_peak;
+      probe.saved = 0;
+      probe.backward_seconds = probe.backward_peak = probe.accumulate_peak = 0;
+      continue;
+    }
     {
       auto window = tracker.mark();
       auto start = std::chrono::steady_clock::now();
@@ -170,14 +178,22 @@ ChunkCosts calibrate(const ModelSpec& spec, const engine::FrameEncoder& encoder,
 
   // The steady state of training: parameter gradients exist (as after the first step).
   for (auto& p : encoder.parameters) p.mutable_grad() = torch::zeros_like(p);
+  // An encoder frozen through its last stage only runs without grad, whose peak at a few frames
+  // is a fixed workspace rather than the frames' activations: probed at 4 and 16 times the larger
+  // chunk, where the activations set it (a no-grad pass is cheap).
+  auto chunk_frames = options.chunk_frames;
+  if (encoder.parameters.empty()) {
+    const int64_t larger = std::max(chunk_frames[0], chunk_frames[1]);
+    chunk_frames = {4 * larger, 16 * larger};
+  }
   std::array<ChunkProbe, 2> chunk;
   std::array<HeadProbe, 2> head_probe;
   for (size_t i = 0; i < 2; ++i) {
-    chunk[i] = probe_chunk(spec, precision, encoder, options.chunk_frames[i], options);
+    chunk[i] = probe_chunk(spec, precision, encoder, chunk_frames[i], options);
     head_probe[i] = probe_head(spec, *head, feature_dim, options.head_frames[i], options);
   }
-  const double n1 = static_cast<double>(options.chunk_frames[0]);
-  const double n2 = static_cast<double>(options.chunk_frames[1]);
+  const double n1 = static_cast<double>(chunk_frames[0]);
+  const double n2 = static_cast<double>(chunk_frames[1]);
   auto line = [&](double ChunkProbe::*field) {
     return Linear::through(n1, chunk[0].*field, n2, chunk[1].*field);
   };

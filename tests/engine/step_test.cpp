@@ -90,6 +90,51 @@ TEST(TrainingStep, ReportsPhasesAndLearns) {
   EXPECT_LT(last, first.loss * 0.7) << "15 steps on one video should fit it";
 }
 
+TEST(TrainingStep, EncoderFrozenThroughItsLastStageTrainsTheHead) {
+  // freeze layer4: nothing of the encoder trains, so it only ever runs without grad (chunk by
+  // chunk, or all frames at once) and gives the pooled features; the head learns.
+  torch::manual_seed(7);
+  models::ResNet resnet(models::ResNetOptions(18).num_classes(0).freeze("layer4"));
+  resnet->to(torch::kFloat64);
+  const auto encoder = engine::frame_encoder(resnet.ptr());
+  EXPECT_TRUE(encoder.parameters.empty());
+  const auto video = make_video(10, 4);
+  torch::Tensor expected;
+  {
+    torch::NoGradGuard no_grad;
+    resnet->eval();  // frozen BatchNorm: the same either way
+    expected =
+        resnet->features(engine::frames_to_input(video.frames, torch::kCPU, torch::kFloat64));
+    resnet->train();
+  }
+  for (const int64_t chunk : {0, 4}) {
+    engine::ChunkedOptions options;
+    options.chunk = chunk;
+    options.dtype = torch::kFloat64;
+    const auto features = engine::chunked_encode(encoder, video.frames, options);
+    EXPECT_EQ(features.sizes(), expected.sizes()) << "chunk " << chunk;
+    EXPECT_FALSE(features.requires_grad());
+    EXPECT_LE((features - expected).abs().max().item<double>(), 1e-10) << "chunk " << chunk;
+  }
+  auto head = models::make_head("lstm", 512, 3);
+  head->to(torch::kFloat64);
+  engine::OptimizerOptions opt;
+  opt.kind = "adamw";
+  opt.lr = 1e-2;
+  engine::StepOptions options;
+  options.chunked.chunk = 4;
+  options.chunked.dtype = torch::kFloat64;
+  engine::TrainingStep step(encoder, head, engine::make_optimizer(head->parameters(), opt),
+                            options);
+  const auto before = snapshot(resnet->parameters());
+  const double first = step.step({video}).loss;
+  double last = first;
+  for (int i = 0; i < 10; ++i) last = step.step({video}).loss;
+  EXPECT_LT(last, first);
+  const auto after = resnet->parameters();
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i]));
+}
+
 TEST(TrainingStep, Bf16AutocastTrains) {
   engine::StepOptions options;
   options.chunked.chunk = 4;

@@ -436,6 +436,32 @@ TEST(Planner, ChosenPlanFitsUnderTheBudgetAllocator) {
   EXPECT_NEAR(static_cast<double>(chosen.breakdown.peak_bytes), measured, 0.05 * measured);
 }
 
+TEST(Planner, EncoderFrozenThroughItsLastStageIsCalibratedAndPredicted) {
+  // Nothing of the encoder trains: calibration probes only its no-grad pass (at more frames,
+  // where activations rather than a fixed workspace set the peak), and the predicted peak of
+  // all frames at once and of chunks matches what the step measures.
+  auto spec = tiny_spec();
+  spec.freeze = "layer4";
+  const auto sizes = plan::static_sizes(spec);
+  const auto costs = plan::calibrate(spec, Precision::FP32, quick_calibration());
+  EXPECT_EQ(costs.saved.slope, 0);
+  EXPECT_EQ(costs.backward_peak.slope, 0);
+  const auto v = video(160, spec.size, spec.classes);  // beyond the probes' 24 and 96 frames
+  for (const int64_t chunk : {int64_t{0}, int64_t{16}}) {
+    SCOPED_TRACE(c10::str("chunk ", chunk));
+    plan::StepSettings settings;
+    settings.frames = v.frames.size(0);
+    settings.chunk = chunk;
+    settings.keep = chunk == 0 ? 0 : 1;
+    auto model = build(spec, settings);
+    model.step->step({v});
+    const auto second = model.step->step({v});
+    const double measured = static_cast<double>(second.peak_bytes);
+    const double predicted = static_cast<double>(plan::predict(sizes, costs, settings).peak_bytes);
+    EXPECT_NEAR(predicted, measured, 0.10 * measured);
+  }
+}
+
 TEST(Planner, ForcedTooLargeChunkFinishesByReplanning) {
   const auto spec = tiny_spec();
   const auto sizes = plan::static_sizes(spec);
