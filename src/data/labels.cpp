@@ -28,8 +28,15 @@ int64_t ClassList::find(const std::string& name) const {
 namespace {
 
 std::ifstream open_for_reading(const std::string& path, const char* what) {
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in.good(), what, " ", path, ": cannot open (", std::strerror(errno), ")");
+  // Spreadsheets and Windows editors start UTF-8 text with a byte-order mark; it would otherwise
+  // become part of the first column's name or the first field.
+  char bom[3] = {};
+  if (!in.read(bom, 3) || bom[0] != '\xEF' || bom[1] != '\xBB' || bom[2] != '\xBF') {
+    in.clear();
+    in.seekg(0);
+  }
   return in;
 }
 

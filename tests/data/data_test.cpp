@@ -132,6 +132,17 @@ TEST_F(DataTest, ManifestResolvesPathsAndNamesBadLines) {
             std::string::npos);
   EXPECT_NE(error("video,labels,fps\na,b,-3\n").find("bad.csv:2: fps"), std::string::npos);
   EXPECT_NE(error("").find("empty"), std::string::npos);
+
+  // A UTF-8 byte-order mark (spreadsheet exports, Windows editors) and CRLF line ends are read
+  // as plain text, in manifests and annotation files alike.
+  const auto bom = write("bom.csv", "\xEF\xBB\xBFname,video,labels\r\nv,v.mp4,l.txt\r\n");
+  const auto with_bom = data::read_manifest(bom);
+  ASSERT_EQ(with_bom.size(), 1u);
+  EXPECT_EQ(with_bom[0].name, "v");
+  EXPECT_EQ(with_bom[0].labels, dir_ + "/l.txt");
+  const auto annotations = write("bom.txt", "\xEF\xBB\xBF" "Frame\tPhase\r\n0\tb\r\n1\ta\r\n");
+  EXPECT_EQ(data::read_phase_annotations(annotations, data::ClassList({"a", "b"})),
+            (std::vector<int64_t>{1, 0}));
 }
 
 TEST_F(DataTest, VideoFileSampledResizedCroppedAndLocated) {
