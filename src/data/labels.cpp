@@ -100,11 +100,17 @@ std::vector<int64_t> read_phase_annotations(const std::string& path, const Class
     ++line_number;
     const auto text = trim(line);
     if (text.empty()) continue;
-    std::istringstream fields(text);
-    std::string frame_text, phase;
-    fields >> frame_text >> phase;
-    std::string extra;
-    fields >> extra;
+    std::string frame_text, phase, extra;
+    const auto tab = text.find('\t');
+    if (tab != std::string::npos) {
+      // Tab-separated: a phase name may hold spaces ("Calot triangle dissection").
+      frame_text = trim(text.substr(0, tab));
+      phase = trim(text.substr(tab + 1));
+      if (phase.find('\t') != std::string::npos) extra = phase;
+    } else {
+      std::istringstream fields(text);
+      fields >> frame_text >> phase >> extra;
+    }
     const std::string where = path + ":" + std::to_string(line_number);
     if (!header_seen) {
       header_seen = true;
@@ -119,9 +125,14 @@ std::vector<int64_t> read_phase_annotations(const std::string& path, const Class
     TORCH_CHECK(frame == static_cast<long long>(labels.size()), where, ": frame ", frame,
                 " where frame ", labels.size(),
                 " was expected (frames must be numbered 0, 1, 2, ... ", "without gaps or repeats)");
-    const int64_t id = classes.find(phase);
+    int64_t id = classes.find(phase);
+    if (id < 0 && phase.find_first_not_of("0123456789") == std::string::npos && phase.size() < 10 &&
+        std::stoll(phase) < classes.size()) {
+      id = std::stoll(phase);  // a phase given by its index in the class list (0-based)
+    }
     TORCH_CHECK(id >= 0, where, ": unknown phase \"", phase,
-                "\"; the class list has: ", join(classes.names()));
+                "\"; the class list has: ", join(classes.names()), " (or their indices 0..",
+                classes.size() - 1, ")");
     labels.push_back(id);
   }
   TORCH_CHECK(!labels.empty(), "annotation file ", path, ": no frames");

@@ -63,6 +63,11 @@ TEST_F(DataTest, AnnotationsParseAndExplainEveryProblem) {
   const auto good = write("good.txt", "Frame\tPhase\n0\ta\n1 b\n2\tb\n");
   const auto ids = data::read_phase_annotations(good, classes_);
   EXPECT_EQ(ids, (std::vector<int64_t>{0, 1, 1}));
+  // Tab-separated names may hold spaces; a phase may be given by its index in the class list.
+  const data::ClassList spaced({"Preparation", "Calot triangle dissection"});
+  const auto names =
+      write("names.txt", "Frame\tPhase\n0\tPreparation\n1\tCalot triangle dissection\n2\t1\n3 0\n");
+  EXPECT_EQ(data::read_phase_annotations(names, spaced), (std::vector<int64_t>{0, 1, 1, 0}));
 
   auto error = [&](const std::string& text) {
     const auto path = write("bad.txt", text);
@@ -75,6 +80,9 @@ TEST_F(DataTest, AnnotationsParseAndExplainEveryProblem) {
             std::string::npos);
   EXPECT_NE(error("Frame\tPhase\n0\ta\n0\tb\n").find("bad.txt:3"), std::string::npos);
   EXPECT_NE(error("Frame\tPhase\n0\ta b\n").find("bad.txt:2"), std::string::npos);
+  EXPECT_NE(error("Frame\tPhase\n0 a b\n").find("bad.txt:2: expected"), std::string::npos);
+  EXPECT_NE(error("Frame\tPhase\n0\ta\tb\n").find("bad.txt:2: expected"), std::string::npos);
+  EXPECT_NE(error("Frame\tPhase\n0\t2\n").find("unknown phase \"2\""), std::string::npos);
   EXPECT_NE(error("Frame\tPhase\nx\ta\n").find("not a non-negative integer"), std::string::npos);
   EXPECT_NE(error("Frame\tPhase\n").find("no frames"), std::string::npos);
   EXPECT_NE(test_util::error_message([&] {
