@@ -110,8 +110,10 @@ std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) 
   }
   if (sizes.trained_encoder_bytes == 0) {
     findings.push_back(warning(
-        "the whole encoder is frozen: end-to-end training does not change it",
-        "extract features once (framefit extract) and train the head on them, or freeze less"));
+        "the whole encoder is frozen: only the head trains, and every epoch runs the encoder "
+        "again (without grad)",
+        "freeze less to train end to end, or extract features once (framefit extract) to train "
+        "a head on them outside framefit"));
   }
   if (spec.head == "tcn") {
     const models::TCNHeadOptions tcn(sizes.feature_dim, spec.classes);
