@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "commands.h"
+#include "framefit/data/dataset.h"
 #include "framefit/engine/extract.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/resnet.h"
@@ -17,8 +18,23 @@ int run_extract(const Args& args) {
   auto& tracker = memory::Tracker::of(device);
   tracker.set_budget(args.bytes("budget"));
 
-  const auto frames = models::read_tensor(args.text("input"));
-  engine::check_video_frames(frames, args.text("input"));
+  TORCH_CHECK(args.has("input") != args.has("video"),
+              "give the frames as --input (a [T,3,H,W] tensor file) or --video (a video file or "
+              "frame folder), one of them");
+  torch::Tensor frames;
+  std::string source;
+  if (args.has("video")) {
+    source = args.text("video");
+    data::DataOptions decoding;
+    decoding.fps = args.frame_rate("sample-fps");
+    decoding.transform.resize = args.integer("resize");
+    decoding.transform.crop = args.integer("crop");
+    frames = data::decode_video(source, args.frame_rate("fps"), decoding).frames;
+  } else {
+    source = args.text("input");
+    frames = models::read_tensor(source);
+  }
+  engine::check_video_frames(frames, source);
 
   const auto norm = models::parse_norm_kind(args.text("norm"));
   const auto layout = models::resolve_layout(models::parse_activation_layout(args.text("layout")),

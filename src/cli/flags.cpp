@@ -86,9 +86,29 @@ const std::vector<Flag>& flag_table() {
        {"extract"},
        FlagType::ExistingFile,
        "Video tensor [T,3,H,W] saved with torch.save: uint8 (normalised with ImageNet statistics "
-       "here) or float (taken as already normalised).",
-       "",
-       true},
+       "here) or float (taken as already normalised). Give it or --video.",
+       ""},
+      {"video",
+       {"extract"},
+       FlagType::Text,
+       "Video file or folder of frame images, decoded here (--sample-fps, --resize, --crop): one "
+       "feature row per sampled frame. Give it or --input.",
+       ""},
+      {"sample-fps",
+       {"extract"},
+       FlagType::Text,
+       "With --video: frames per second to sample (as data.fps); absent: every frame.",
+       ""},
+      {"resize",
+       {"extract"},
+       FlagType::Int,
+       "With --video: shorter side after decoding (as data.resize); 0 keeps the source size.",
+       "0"},
+      {"crop",
+       {"extract"},
+       FlagType::Int,
+       "With --video: centre crop of this side (as data.crop); 0: none.",
+       "0"},
       {"output",
        {"extract"},
        FlagType::Path,
@@ -472,7 +492,7 @@ const std::vector<Flag>& flag_table() {
        "input size, its mask written at the image's size.",
        ""},
       {"fps",
-       {"predict"},
+       {"predict", "extract"},
        FlagType::Text,
        "Frame rate of a frame folder (video files know theirs).",
        ""},
@@ -497,6 +517,16 @@ const std::vector<Flag>& flag_table() {
 }
 
 bool Args::has(const std::string& flag) const { return values_.count(flag) > 0; }
+
+double Args::frame_rate(const std::string& flag) const {
+  if (!has(flag)) return 0;
+  const auto value = text(flag);
+  char* end = nullptr;
+  const double rate = std::strtod(value.c_str(), &end);
+  TORCH_CHECK(*end == '\0' && rate > 0, "--", flag, " ", value,
+              ": expected a positive frame rate (frames per second)");
+  return rate;
+}
 
 std::string Args::text(const std::string& flag) const {
   auto it = values_.find(flag);

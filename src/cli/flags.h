@@ -51,6 +51,7 @@ class Args {
   std::string text(const std::string& flag) const;
   int64_t integer(const std::string& flag) const;
   double number(const std::string& flag) const;
+  double frame_rate(const std::string& flag) const;  // frames per second > 0; 0 when absent
   int64_t bytes(const std::string& flag) const;  // 0 when absent
   bool on(const std::string& flag) const;        // a Switch
   std::vector<std::string> list(const std::string& flag) const;  // a Repeated flag's values

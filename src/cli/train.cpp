@@ -325,14 +325,8 @@ void print_warning(const train::Event& e) {
 data::DecodedVideo decode_for(const Args& args, const train::Config& config) {
   TORCH_CHECK(args.has("video"), "framefit predict on a ", config.task,
               " model needs --video (a video file or frame folder)");
-  double folder_fps = 0;
-  if (args.has("fps")) {
-    char* end = nullptr;
-    folder_fps = std::strtod(args.text("fps").c_str(), &end);
-    TORCH_CHECK(*end == '\0' && folder_fps > 0, "--fps ", args.text("fps"),
-                ": expected a positive frame rate");
-  }
-  return data::decode_video(args.text("video"), folder_fps, train::data_options(config, false));
+  return data::decode_video(args.text("video"), args.frame_rate("fps"),
+                            train::data_options(config, false));
 }
 
 double seconds_at(const data::DecodedVideo& video, int64_t source_frame) {
