@@ -12,8 +12,9 @@ namespace framefit::cli {
 const std::vector<Command>& command_table() {
   static const std::vector<Command> commands = {
       {"extract",
-       "Per-frame features of a video tensor [T,3,H,W] (torch.save file), computed chunk by chunk "
-       "without grad: memory is bounded by --chunk, not by T."},
+       "Per-frame features of a video tensor [T,3,H,W] (torch.save file) or of a video file or "
+       "frame folder, computed chunk by chunk without grad: memory is bounded by --chunk, not by "
+       "T."},
       {"bench-step",
        "One measured end-to-end training step (encoder + temporal head) on random frames and "
        "labels: tracked peak memory, peak RSS, step time. --chunk 0 is naive training."},
