@@ -383,8 +383,9 @@ int64_t batch_peak_bytes(const BatchCosts& costs, int64_t batch, const engine::C
 }
 
 engine::ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
-                                   bool checkpointing) {
-  const auto scaled = costs.at(batch);
+                                   bool checkpointing, int64_t micro_batches) {
+  TORCH_CHECK(micro_batches >= 1, "plan_batch_chain: micro_batches must be >= 1");
+  const auto scaled = costs.at((batch + micro_batches - 1) / micro_batches);
   const int64_t room = budget_bytes - costs.static_bytes - batch * costs.input_bytes_per_sample;
   auto plain =
       engine::evaluate_chain(scaled, engine::store_all(static_cast<int64_t>(scaled.size())));

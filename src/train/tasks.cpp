@@ -506,14 +506,10 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
       if (p.batch == 0) return p;
     }
     auto chain = plan::plan_batch_chain(costs, p.batch, step_budget, may_checkpoint);
-    p.input_bytes = costs.input_bytes_per_sample * p.batch;
     // A fixed batch that does not fit: the fewest micro-batches whose activations fit beside
     // the whole batch's inputs (counted in full: conservative for the float input).
-    const int64_t room = step_budget - p.static_bytes - p.input_bytes;
-    for (int64_t m = 2; fixed_batch && !chain.fits && may_checkpoint && room > 0 && m <= p.batch;
-         ++m) {
-      auto micro =
-          engine::plan_chain(costs.at((p.batch + m - 1) / m), room, costs.max_segment_stages);
+    for (int64_t m = 2; fixed_batch && !chain.fits && may_checkpoint && m <= p.batch; ++m) {
+      auto micro = plan::plan_batch_chain(costs, p.batch, step_budget, true, m);
       if (micro.fits) {
         chain = std::move(micro);
         p.micro_batches = m;
@@ -523,8 +519,9 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
     const int64_t micro_batch = (p.batch + p.micro_batches - 1) / p.micro_batches;
     p.segments = tc.checkpointing == "all" ? engine::recompute_every(stages, 1) : chain.segments;
     const auto evaluated = engine::evaluate_chain(costs.at(micro_batch), p.segments);
+    p.input_bytes = costs.input_bytes_per_sample * p.batch;
     p.activation_bytes = evaluated.predicted_bytes;
-    p.predicted_peak_bytes = p.static_bytes + p.input_bytes + p.activation_bytes;
+    p.predicted_peak_bytes = plan::batch_peak_bytes(costs, p.batch, evaluated);
     return p;
   };
   // The lean convolution backward (models/conv3d.h) holds less but is slower: with

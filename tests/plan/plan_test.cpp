@@ -284,6 +284,13 @@ TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
   EXPECT_GT(checkpointed.batch, plain.batch);
   EXPECT_LE(checkpointed.predicted_peak_bytes, budget);
   EXPECT_GT(checkpointed.chain.recomputed_stages(), 0);
+  // In micro-batches: one piece's activations beside the whole batch's inputs.
+  const int64_t twice = 2 * checkpointed.batch;
+  EXPECT_FALSE(plan::plan_batch_chain(costs, twice, budget, true).fits);
+  const auto halves = plan::plan_batch_chain(costs, twice, budget, true, 2);
+  EXPECT_EQ(halves.predicted_bytes,
+            plan::plan_batch_chain(costs, checkpointed.batch, budget, true).predicted_bytes);
+  EXPECT_EQ(halves.fits, plan::batch_peak_bytes(costs, twice, halves) <= budget);
   // Not even one sample: batch 0 and the least memory one sample needs.
   const auto none = plan::plan_batch(costs, 1050, true);
   EXPECT_EQ(none.batch, 0);

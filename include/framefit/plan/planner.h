@@ -129,8 +129,10 @@ int64_t batch_peak_bytes(const BatchCosts& costs, int64_t batch, const engine::C
 // `checkpointing` false: nothing recomputed. `max_batch` bounds the search.
 BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, bool checkpointing,
                      int64_t max_batch = 4096);
-// The chain plan for a given batch (checkpointing only if needed to fit).
+// The chain plan for a given batch (checkpointing only if needed to fit). With micro_batches
+// > 1 the batch runs in that many pieces: activations of one piece (ceil(batch / micro_batches)
+// samples) beside the whole batch's inputs.
 engine::ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
-                                   bool checkpointing);
+                                   bool checkpointing, int64_t micro_batches = 1);
 
 }  // namespace framefit::plan
