@@ -329,10 +329,6 @@ data::DecodedVideo decode_for(const Args& args, const train::Config& config) {
                             train::data_options(config, false));
 }
 
-double seconds_at(const data::DecodedVideo& video, int64_t source_frame) {
-  return video.source_fps > 0 ? static_cast<double>(source_frame) / video.source_fps : 0;
-}
-
 int predict_phases(const Args& args) {
   // Overrides apply to the checkpoint's own config (device, another data.manifest, ...).
   auto model = train::load_model(args.text("checkpoint"), args.list("set"));
@@ -343,7 +339,7 @@ int predict_phases(const Args& args) {
   const auto probabilities = prediction.probabilities.accessor<float, 2>();
   for (int64_t t = 0; t < labels.size(0); ++t) {
     const int64_t source = video.source_frames[t];
-    csv += fmt::format("{},{:.3f},{},{:.4f}\n", source, seconds_at(video, source),
+    csv += fmt::format("{},{:.3f},{},{:.4f}\n", source, video.source_seconds[t],
                        model.classes.names()[labels[t]], probabilities[t][labels[t]]);
   }
   write_predictions(args, csv, labels.size(0), "frames");
@@ -360,11 +356,10 @@ int predict_clips(const Args& args) {
   const auto confidence = prediction.confidence.accessor<float, 1>();
   for (int64_t c = 0; c < labels.size(0); ++c) {
     const int64_t start = prediction.starts[static_cast<size_t>(c)];
-    const int64_t first = video.source_frames[static_cast<size_t>(start)];
-    const int64_t last = video.source_frames[static_cast<size_t>(start + length - 1)];
-    csv +=
-        fmt::format("{},{},{},{:.3f},{:.3f},{},{:.4f}\n", c, first, last, seconds_at(video, first),
-                    seconds_at(video, last), model.classes.names()[labels[c]], confidence[c]);
+    const auto first = static_cast<size_t>(start), last = static_cast<size_t>(start + length - 1);
+    csv += fmt::format("{},{},{},{:.3f},{:.3f},{},{:.4f}\n", c, video.source_frames[first],
+                       video.source_frames[last], video.source_seconds[first],
+                       video.source_seconds[last], model.classes.names()[labels[c]], confidence[c]);
   }
   write_predictions(args, csv, labels.size(0), "clips");
   return 0;

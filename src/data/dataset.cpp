@@ -140,7 +140,10 @@ struct Source {
   std::vector<std::string> frame_files;  // a frame folder's images, sorted
   int64_t frames = 0;
   double fps = 0;
-  int64_t height = 0, width = 0;  // as stored
+  int64_t height = 0, width = 0;  // as displayed
+  // The frame times of a variable-rate video or one whose container does not count its frames
+  // (VideoReader::frame_times); empty otherwise.
+  VideoReader::FrameTimes times;
 };
 
 Source open_source(const std::string& path, double folder_fps, double sample_fps) {
@@ -162,8 +165,30 @@ Source open_source(const std::string& path, double folder_fps, double sample_fps
     source.fps = info.fps;
     source.height = info.height;
     source.width = info.width;
+    if (info.frames_estimated) {
+      source.times = reader.frame_times();
+      source.frames = static_cast<int64_t>(source.times.seconds.size());
+    } else if (info.variable_rate) {
+      source.times = reader.frame_times();
+      // A container whose packets and frame count disagree keeps the average rate.
+      if (static_cast<int64_t>(source.times.seconds.size()) != source.frames) source.times = {};
+    }
   }
   return source;
+}
+
+// The source frames sampling at `target_fps` keeps: by time where the frames have their own
+// times, else by index at the average rate.
+std::vector<int64_t> sampled_frames(const Source& source, double target_fps) {
+  if (!source.times.seconds.empty()) {
+    return sample_times(source.times.seconds, source.times.end_seconds, target_fps);
+  }
+  return sample_indices(source.frames, source.fps, target_fps);
+}
+
+double seconds_of(const Source& source, int64_t frame) {
+  if (!source.times.seconds.empty()) return source.times.seconds[static_cast<size_t>(frame)];
+  return source.fps > 0 ? static_cast<double>(frame) / source.fps : 0;
 }
 
 // Decodes `sampled` source frames at (height, width), then crops and flips.
@@ -202,7 +227,9 @@ DecodedVideo decode_video(const std::string& path, double folder_fps, const Data
   const auto source = open_source(path, folder_fps, options.fps);
   DecodedVideo out;
   out.source_fps = source.fps;
-  out.source_frames = sample_indices(source.frames, source.fps, options.fps);
+  out.source_frames = sampled_frames(source, options.fps);
+  for (const int64_t frame : out.source_frames)
+    out.source_seconds.push_back(seconds_of(source, frame));
   const auto [height, width] = resized_hw(source.height, source.width, options.transform.resize);
   check_crop(path, options.transform.crop, height, width);
   out.frames = decode_source(source, out.source_frames, height, width, options, {});
@@ -218,7 +245,7 @@ VideoDataset::Item VideoDataset::probe(const VideoEntry& entry) const {
   TORCH_CHECK(static_cast<int64_t>(item.labels.size()) == source.frames, "annotation file ",
               entry.labels, " has ", item.labels.size(), " frames but ", entry.video, " has ",
               source.frames, ": they must describe the same frames");
-  item.sampled = sample_indices(source.frames, source.fps, options_.fps);
+  item.sampled = sampled_frames(source, options_.fps);
   std::tie(item.height, item.width) =
       resized_hw(source.height, source.width, options_.transform.resize);
   check_crop(entry.video, options_.transform.crop, item.height, item.width);

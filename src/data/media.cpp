@@ -14,6 +14,7 @@
 extern "C" {
 #include <libavcodec/avcodec.h>
 #include <libavformat/avformat.h>
+#include <libavutil/display.h>
 #include <libavutil/mem.h>
 #include <libavutil/pixdesc.h>
 #include <libswscale/swscale.h>
@@ -42,6 +43,32 @@ std::vector<int64_t> sample_indices(int64_t source_frames, double source_fps, do
   for (int64_t i = 0; i < count; ++i) {
     const auto j = static_cast<int64_t>(std::floor(i * source_fps / target_fps + 0.5 + kSlack));
     indices.push_back(std::min(j, source_frames - 1));
+  }
+  return indices;
+}
+
+std::vector<int64_t> sample_times(const std::vector<double>& times, double end_seconds,
+                                  double target_fps) {
+  TORCH_CHECK(std::is_sorted(times.begin(), times.end()),
+              "sample_times: the frame times must be ascending");
+  std::vector<int64_t> indices;
+  const auto n = static_cast<int64_t>(times.size());
+  if (target_fps <= 0 || n == 0) {
+    indices.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) indices[static_cast<size_t>(i)] = i;
+    return indices;
+  }
+  TORCH_CHECK(std::isfinite(target_fps) && std::isfinite(end_seconds),
+              "sample_times: the frame rate and the end must be finite, got ", target_fps, " and ",
+              end_seconds);
+  constexpr double kSlack = 1e-9;  // as in sample_indices: exact ratios stay exact
+  int64_t j = 0;                   // the last frame at or before the current time
+  for (int64_t i = 0;; ++i) {
+    const double t = times.front() + static_cast<double>(i) / target_fps;
+    if (t >= end_seconds - kSlack) break;
+    while (j + 1 < n && times[j + 1] <= t + kSlack) ++j;
+    const bool later = j + 1 < n && times[j + 1] - t <= t - times[j] + kSlack;
+    indices.push_back(later ? j + 1 : j);
   }
   return indices;
 }
@@ -385,6 +412,26 @@ std::pair<int64_t, int64_t> jpeg_size(const std::vector<uint8_t>& b) {
 // ---------------------------------------------------------------------------------------------
 // VideoReader
 
+namespace {
+
+// Base and average frame rates further apart than this mark a variable-rate stream.
+constexpr double kVariableRateTolerance = 0.005;
+
+// The counterclockwise quarter turns of `stream`'s display matrix in degrees; 0 without one, for
+// a degenerate one, or for an angle more than 2 degrees from a quarter turn (as the ffmpeg CLI,
+// which leaves such angles alone).
+int display_rotation(const AVStream* stream) {
+  const uint8_t* matrix = av_stream_get_side_data(stream, AV_PKT_DATA_DISPLAYMATRIX, nullptr);
+  if (matrix == nullptr) return 0;
+  const double angle = av_display_rotation_get(reinterpret_cast<const int32_t*>(matrix));
+  if (!std::isfinite(angle)) return 0;
+  const double quarters = std::round(angle / 90);
+  if (std::abs(angle - 90 * quarters) > 2) return 0;
+  return static_cast<int>((static_cast<int64_t>(quarters) % 4 + 4) % 4) * 90;
+}
+
+}  // namespace
+
 struct VideoReader::State {
   std::string path, what;
   int threads = 1;
@@ -395,6 +442,7 @@ struct VideoReader::State {
   PacketPtr packet = new_packet();
   FramePtr frame = new_frame();
   ToRgb to_rgb;
+  torch::Tensor upright;   // a rotated video's frame as stored, before turning it
   int64_t next = 0;        // index of the next frame the decoder returns
   bool flushed = false;    // end of input reached and the decoder told so
   bool truncated = false;  // the input ended inside a packet
@@ -450,7 +498,13 @@ struct VideoReader::State {
     } else if (input->duration != AV_NOPTS_VALUE && input->duration > 0) {
       duration = static_cast<double>(input->duration) / AV_TIME_BASE;
     }
-    info.frames = s->nb_frames > 0 ? s->nb_frames : std::llround(duration * info.fps);
+    info.frames_estimated = s->nb_frames <= 0;
+    info.frames = info.frames_estimated ? std::llround(duration * info.fps) : s->nb_frames;
+    const AVRational base = s->r_frame_rate, average = s->avg_frame_rate;
+    info.variable_rate = base.num > 0 && base.den > 0 && average.num > 0 && average.den > 0 &&
+                         std::abs(av_q2d(average) / av_q2d(base) - 1) > kVariableRateTolerance;
+    info.rotation = display_rotation(s);
+    if (info.rotation % 180 != 0) std::swap(info.width, info.height);
 
     next = 0;
     flushed = truncated = ended = false;
@@ -515,6 +569,23 @@ struct VideoReader::State {
     }
   }
 
+  // Converts the decoded frame to RGB at the displayed size (height x width), upright.
+  void convert(uint8_t* out, int height, int width) {
+    if (info.rotation == 0) {
+      to_rgb.convert(frame.get(), out, height, width, what);
+      return;
+    }
+    // Scaled as stored, then turned: a quarter turn swaps the stored frame's sides.
+    const bool quarter = info.rotation % 180 != 0;
+    const int stored_height = quarter ? width : height, stored_width = quarter ? height : width;
+    if (!upright.defined() || upright.size(1) != stored_height || upright.size(2) != stored_width) {
+      upright = torch::empty({3, stored_height, stored_width}, torch::kUInt8);
+    }
+    to_rgb.convert(frame.get(), upright.data_ptr<uint8_t>(), stored_height, stored_width, what);
+    torch::from_blob(out, {3, height, width}, torch::kUInt8)
+        .copy_(torch::rot90(upright, info.rotation / 90, {1, 2}));
+  }
+
   // The frame `packet` holds, by its timestamp: packets come in decode order, not frame order.
   std::string packet_frame() const {
     if (packet->pts == AV_NOPTS_VALUE || start_pts == AV_NOPTS_VALUE || pts_step <= 0) {
@@ -540,6 +611,57 @@ VideoReader::~VideoReader() = default;
 
 const VideoInfo& VideoReader::info() const { return state_->info; }
 const std::string& VideoReader::path() const { return state_->path; }
+
+VideoReader::FrameTimes VideoReader::frame_times() {
+  const auto& s = *state_;
+  AVFormatContext* raw = nullptr;
+  int err = avformat_open_input(&raw, s.path.c_str(), nullptr, nullptr);
+  TORCH_CHECK(err >= 0, s.what, ": cannot open: ", av_error(err));
+  InputPtr input(raw);
+  err = avformat_find_stream_info(input.get(), nullptr);
+  TORCH_CHECK(err >= 0, s.what, ": cannot read the stream information: ", av_error(err));
+  TORCH_CHECK(s.stream >= 0 && s.stream < static_cast<int>(input->nb_streams), s.what,
+              ": the video stream is gone (the file changed while it was read)");
+  for (unsigned i = 0; i < input->nb_streams; ++i) {
+    if (static_cast<int>(i) != s.stream) input->streams[i]->discard = AVDISCARD_ALL;
+  }
+  const double time_base = av_q2d(input->streams[s.stream]->time_base);
+  std::vector<std::pair<int64_t, int64_t>> stamps;  // {pts, duration} per frame packet
+  auto packet = new_packet();
+  for (;;) {
+    err = av_read_frame(input.get(), packet.get());
+    if (err == AVERROR_EOF) break;
+    TORCH_CHECK(err >= 0, s.what, ": cannot read the packet after ", stamps.size(),
+                " frames: ", av_error(err));
+    // Discarded packets (before an edit list's start) are never shown as frames.
+    if (packet->stream_index == s.stream && !(packet->flags & AV_PKT_FLAG_DISCARD)) {
+      const int64_t pts = packet->pts != AV_NOPTS_VALUE ? packet->pts : packet->dts;
+      const int64_t duration = packet->duration;
+      av_packet_unref(packet.get());
+      TORCH_CHECK(pts != AV_NOPTS_VALUE, s.what, ": frame packet ", stamps.size(),
+                  " has no timestamp, so the frames' times are unknown");
+      stamps.emplace_back(pts, duration);
+    }
+    av_packet_unref(packet.get());
+  }
+  FrameTimes times;
+  if (stamps.empty()) return times;
+  std::sort(stamps.begin(), stamps.end());
+  const int64_t first = stamps.front().first;
+  for (const auto& [pts, duration] : stamps) {
+    times.seconds.push_back(static_cast<double>(pts - first) * time_base);
+  }
+  // Without the last packet's duration, the last frame lasts as long as the one before it, or
+  // as long as the average rate says for a single frame.
+  double last = static_cast<double>(stamps.back().second) * time_base;
+  if (last <= 0) {
+    const size_t n = times.seconds.size();
+    last =
+        n > 1 ? times.seconds[n - 1] - times.seconds[n - 2] : (s.info.fps > 0 ? 1 / s.info.fps : 0);
+  }
+  times.end_seconds = times.seconds.back() + last;
+  return times;
+}
 
 void VideoReader::read(const std::vector<int64_t>& indices, torch::Tensor out) {
   auto& s = *state_;
@@ -571,7 +693,7 @@ void VideoReader::read(const std::vector<int64_t>& indices, torch::Tensor out) {
     const int64_t index = s.next++;
     if (index == indices[i]) {
       auto* dst = base + static_cast<size_t>(i) * frame_bytes;
-      s.to_rgb.convert(s.frame.get(), dst, height, width, s.what);
+      s.convert(dst, height, width);
       // Repeated indices get a copy of the same frame.
       for (++i; i < n && indices[i] == index; ++i) {
         std::memcpy(base + static_cast<size_t>(i) * frame_bytes, dst, frame_bytes);
@@ -838,6 +960,7 @@ VideoReader::~VideoReader() = default;
 const VideoInfo& VideoReader::info() const { return state_->info; }
 const std::string& VideoReader::path() const { return state_->path; }
 void VideoReader::read(const std::vector<int64_t>&, torch::Tensor) { no_ffmpeg(); }
+VideoReader::FrameTimes VideoReader::frame_times() { no_ffmpeg(); }
 
 std::pair<int64_t, int64_t> image_size(const std::string&) { no_ffmpeg(); }
 void read_image(const std::string&, torch::Tensor) { no_ffmpeg(); }

@@ -193,6 +193,49 @@ TEST_F(DataTest, VideoFileSampledResizedCroppedAndLocated) {
   EXPECT_TRUE(torch::equal(decoded.frames, video.frames));
   EXPECT_EQ(decoded.source_frames.back(), 45);
   EXPECT_DOUBLE_EQ(decoded.source_fps, 25);
+  ASSERT_EQ(decoded.source_seconds.size(), decoded.source_frames.size());
+  for (size_t k = 0; k < decoded.source_frames.size(); ++k) {
+    EXPECT_DOUBLE_EQ(decoded.source_seconds[k], decoded.source_frames[k] / 25.0);
+  }
+}
+
+TEST_F(DataTest, VariableRateVideoIsSampledByItsTimestamps) {
+  if (skip_without_ffmpeg()) GTEST_SKIP() << "built without FFmpeg";
+  // tests/media/README.md: frames 0-9 at 25 fps, then 10 frames 0.12 s apart (average rate
+  // 14.7 fps). Sampled at 5 fps by index at the average rate, frames 0, 3, 7, ... would stand for
+  // 0, 0.2, 0.4 s, ...: frame 7 is at 0.28 s and frame 17 at 1.24 s, not 1.2 s.
+  const std::string path = kMedia + "/variable_rate.mp4";
+  data::DataOptions options;
+  options.fps = 5;
+  const auto decoded = data::decode_video(path, 0, options);
+  EXPECT_EQ(decoded.source_frames, (std::vector<int64_t>{0, 5, 10, 12, 13, 15, 17, 18}));
+  const std::vector<double> seconds = {0, 0.2, 0.4, 0.64, 0.76, 1.0, 1.24, 1.36};
+  ASSERT_EQ(decoded.source_seconds.size(), seconds.size());
+  for (size_t k = 0; k < seconds.size(); ++k) {
+    EXPECT_NEAR(decoded.source_seconds[k], seconds[k], 1e-9) << "sampled frame " << k;
+  }
+  // Training samples the same frames, and their labels with them.
+  const auto l = labels("variable_rate.txt", 20);
+  data::VideoDataset set({{"v", path, l, "train", 0}}, classes_, options);
+  EXPECT_EQ(set.frames(0), 8);
+  const auto expected = data::read_phase_annotations(l, classes_);
+  const auto sampled_labels = set.labels(0);
+  for (size_t k = 0; k < decoded.source_frames.size(); ++k) {
+    EXPECT_EQ(sampled_labels[static_cast<int64_t>(k)].item<int64_t>(),
+              expected[static_cast<size_t>(decoded.source_frames[k])]);
+  }
+  EXPECT_TRUE(torch::equal(set.load(0).frames, decoded.frames));
+
+  // The same stream in Matroska, which stores no frame count (its duration x rate estimate is 22
+  // frames, and decoding stopped at 20 as a truncated file) and whose rates agree: the frames are
+  // counted and sampled by their timestamps all the same.
+  const std::string matroska = kMedia + "/variable_rate.mkv";
+  EXPECT_TRUE(data::VideoReader(matroska).info().frames_estimated);
+  EXPECT_EQ(data::decode_video(matroska, 0, options).source_frames, decoded.source_frames);
+  data::DataOptions every = options;
+  every.fps = 0;
+  EXPECT_EQ(data::decode_video(matroska, 0, every).frames.size(0), 20);
+  EXPECT_EQ(data::VideoDataset({{"v", matroska, l, "train", 0}}, classes_, options).frames(0), 8);
 }
 
 TEST_F(DataTest, FrameFolderNeedsItsRateAndReadsInNameOrder) {

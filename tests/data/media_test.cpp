@@ -71,6 +71,15 @@ double mean_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
   return (a.to(torch::kFloat) - b.to(torch::kFloat)).abs().mean().item<double>();
 }
 
+// Which frame of the test pattern a decoded 64x48 frame [3,48,64] is: tests/media/README.md puts
+// a white 4x8 bar at rows 20-27 with its left edge at column k + 1 in frame k, over a darker
+// picture, so the largest rise in whiteness along the bar's rows is at column k + 1.
+int64_t pattern_frame(const torch::Tensor& frame) {
+  const auto whiteness = std::get<0>(frame.slice(1, 20, 28).min(0)).to(torch::kFloat).sum(0);
+  const auto rise = whiteness.slice(0, 1) - whiteness.slice(0, 0, -1);
+  return rise.argmax().item<int64_t>();
+}
+
 }  // namespace
 
 TEST(Media, SampleIndicesKeepTheNearestFrame) {
@@ -103,6 +112,39 @@ TEST(Media, SampleIndicesCountCoversTheVideo) {
                        "source_fps"));
   EXPECT_TRUE(
       contains(test_util::error_message([] { data::sample_indices(-1, 25, 5); }), "source_frames"));
+}
+
+TEST(Media, SampleTimesAtAConstantRateAreSampleIndices) {
+  for (const int64_t frames : {1, 7, 49, 50, 51, 100}) {
+    for (const double fps : {25.0, 30.0, 30000.0 / 1001}) {
+      std::vector<double> times;
+      for (int64_t i = 0; i < frames; ++i) times.push_back(static_cast<double>(i) / fps);
+      for (const double target : {1.0, 5.0, 10.0, 20.0, 24.9}) {
+        EXPECT_EQ(data::sample_times(times, static_cast<double>(frames) / fps, target),
+                  data::sample_indices(frames, fps, target))
+            << frames << " frames at " << fps << " fps sampled at " << target;
+      }
+    }
+  }
+}
+
+TEST(Media, SampleTimesTakeTheNearestFrameInTime) {
+  // Three frames 0.1 s apart, a gap, two more: at 5 fps the times 0, 0.2, ..., 1.0 take the
+  // nearest frame (the later one on a tie, 0.6 between 0.2 and 1.0), so frames close together
+  // are skipped and the frame before the gap repeats.
+  const std::vector<double> times = {0, 0.1, 0.2, 1.0, 1.1};
+  EXPECT_EQ(data::sample_times(times, 1.2, 5), (std::vector<int64_t>{0, 2, 2, 3, 3, 3}));
+  EXPECT_EQ(data::sample_times(times, 1.2, 0), range(5));    // every frame
+  EXPECT_EQ(data::sample_times(times, 1.21, 5).size(), 7u);  // a time at 1.2 is before the end
+  EXPECT_TRUE(data::sample_times({}, 0, 5).empty());
+  EXPECT_TRUE(contains(test_util::error_message([] {
+                         data::sample_times({0, 0.2, 0.1}, 1, 5);
+                       }),
+                       "ascending"));
+  EXPECT_TRUE(contains(test_util::error_message([] {
+                         data::sample_times({0, 0.1}, std::nan(""), 5);
+                       }),
+                       "finite"));
 }
 
 TEST(Media, ResizedSizeRoundsTheLongerSide) {
@@ -154,13 +196,7 @@ TEST(VideoReader, SampledFramesAreTheFullDecodesFrames) {
   REQUIRE_FFMPEG();
   const auto path = media("clip_25fps.mp4");
   const auto all = decode_all(path, 50, 48, 64);
-  // tests/media/README.md: a white 4x8 bar at rows 20-27 moves one column right per frame over a
-  // darker picture (its left edge at column k + 1 in frame k), so its position tells the frame.
-  const auto whiteness = std::get<0>(all.slice(2, 20, 28).min(1)).to(torch::kFloat).sum(1);
-  const auto rise = whiteness.slice(1, 1) - whiteness.slice(1, 0, -1);
-  for (int64_t k = 0; k < 50; ++k) {
-    EXPECT_EQ(rise[k].argmax().item<int64_t>() + 1, k + 1) << "frame " << k;
-  }
+  for (int64_t k = 0; k < 50; ++k) EXPECT_EQ(pattern_frame(all[k]), k) << "frame " << k;
   // Channels in RGB order and video levels expanded: frame 0 scaled down is close to the same
   // test pattern frame stored losslessly as a 32x24 PNG (and far from it with R and B swapped).
   auto small = torch::empty({1, 3, 24, 32}, torch::kUInt8);
@@ -188,6 +224,62 @@ TEST(VideoReader, SampledFramesAreTheFullDecodesFrames) {
   }
   auto none = torch::empty({0, 3, 48, 64}, torch::kUInt8);
   reader.read({}, none);
+}
+
+TEST(VideoReader, VariableRateVideoHasItsFramesTimes) {
+  REQUIRE_FFMPEG();
+  // tests/media/README.md: frames 0-9 at 25 fps, then 10 frames 0.12 s apart.
+  VideoReader reader(media("variable_rate.mp4"));
+  EXPECT_TRUE(reader.info().variable_rate);
+  EXPECT_EQ(reader.info().frames, 20);
+  const auto times = reader.frame_times();
+  ASSERT_EQ(times.seconds.size(), 20u);
+  for (int64_t k = 0; k < 20; ++k) {
+    const double expected = k < 10 ? k / 25.0 : (10 + 3 * (k - 10)) / 25.0;
+    EXPECT_NEAR(times.seconds[static_cast<size_t>(k)], expected, 1e-9) << "frame " << k;
+  }
+  EXPECT_NEAR(times.end_seconds, 1.52, 1e-9);  // the last frame lasts 0.04 s
+  // By time at 5 fps: 0.6 s is nearer frame 12 (0.64 s) than 11 (0.52 s), and so on.
+  const auto sampled = data::sample_times(times.seconds, times.end_seconds, 5);
+  EXPECT_EQ(sampled, (std::vector<int64_t>{0, 5, 10, 12, 13, 15, 17, 18}));
+  auto out = torch::empty({static_cast<int64_t>(sampled.size()), 3, 48, 64}, torch::kUInt8);
+  reader.read(sampled, out);
+  for (size_t k = 0; k < sampled.size(); ++k) EXPECT_EQ(pattern_frame(out[k]), sampled[k]);
+
+  // A constant-rate video's times are i / fps.
+  VideoReader constant(media("clip_25fps.mp4"));
+  EXPECT_FALSE(constant.info().variable_rate);
+  const auto constant_times = constant.frame_times();
+  ASSERT_EQ(constant_times.seconds.size(), 50u);
+  for (size_t k = 0; k < 50; ++k) EXPECT_NEAR(constant_times.seconds[k], k / 25.0, 1e-9);
+  EXPECT_NEAR(constant_times.end_seconds, 2.0, 1e-9);
+}
+
+TEST(VideoReader, RotatedVideoIsReadUpright) {
+  REQUIRE_FFMPEG();
+  // clip_25fps.mp4 with a display matrix of a quarter turn counterclockwise, as a phone writes
+  // for portrait video: stored 64x48, shown 48 wide and 64 high.
+  VideoReader reader(media("rotated_90.mp4"));
+  EXPECT_EQ(reader.info().rotation, 90);
+  EXPECT_EQ(reader.info().width, 48);
+  EXPECT_EQ(reader.info().height, 64);
+  auto upright = torch::empty({2, 3, 64, 48}, torch::kUInt8);
+  reader.read({0, 7}, upright);
+  const auto stored = decode_all(media("clip_25fps.mp4"), 8, 48, 64);
+  EXPECT_TRUE(upright[0].equal(torch::rot90(stored[0], 1, {1, 2})));
+  EXPECT_TRUE(upright[1].equal(torch::rot90(stored[7], 1, {1, 2})));
+  // The turn's direction is the ffmpeg CLI's: its frame 0, written as a lossless PNG, is close
+  // to ours and far from the turn the other way.
+  auto cli = torch::empty({3, 64, 48}, torch::kUInt8);
+  data::read_image(media("rotated_90_frame0.png"), cli);
+  EXPECT_LT(mean_abs_diff(upright[0], cli), 12);
+  EXPECT_GT(mean_abs_diff(torch::rot90(stored[0], 3, {1, 2}), cli), 30);
+  // Resized, the stored frame is scaled to the turned size first.
+  auto small = torch::empty({1, 3, 32, 24}, torch::kUInt8);
+  reader.read({0}, small);
+  auto small_stored = torch::empty({1, 3, 24, 32}, torch::kUInt8);
+  VideoReader(media("clip_25fps.mp4")).read({0}, small_stored);
+  EXPECT_TRUE(small[0].equal(torch::rot90(small_stored[0], 1, {1, 2})));
 }
 
 TEST(VideoReader, ResizesIntoTheOutputSize) {

@@ -58,7 +58,8 @@ std::vector<std::string> list_images(const std::string& folder);
 struct DecodedVideo {
   torch::Tensor frames;                // [T,3,H,W] uint8
   std::vector<int64_t> source_frames;  // the source frame index of each
-  double source_fps = 0;
+  std::vector<double> source_seconds;  // and its time in the video (from its timestamps)
+  double source_fps = 0;               // average rate
 };
 DecodedVideo decode_video(const std::string& path, double folder_fps, const DataOptions& options);
 

@@ -13,10 +13,20 @@ namespace framefit::data {
 
 struct VideoInfo {
   int64_t frames = 0;  // from the container, or duration x frame rate when it has no count
+  // The container has no frame count (Matroska, WebM): `frames` is an estimate, and
+  // VideoReader::frame_times counts them.
+  bool frames_estimated = false;
   double fps = 0;      // average frame rate
-  int64_t width = 0;
+  int64_t width = 0;   // as displayed: after `rotation`
   int64_t height = 0;
   std::string codec;  // e.g. "h264"
+  // Counterclockwise quarter turns (0, 90, 180, 270 degrees) the container's display matrix asks
+  // for, as phones record portrait video; frames are read upright, as players and the ffmpeg CLI
+  // show them. Other angles and mirroring are not applied.
+  int rotation = 0;
+  // The stream's timestamps do not follow one rate (its base rate and average rate differ, as in
+  // phone and screen recordings): frames are not i / fps apart, see VideoReader::frame_times.
+  bool variable_rate = false;
 };
 
 // Source frame indices that sampling a video of `source_frames` frames at `source_fps` down to
@@ -25,6 +35,17 @@ struct VideoInfo {
 // the video's end source_frames / source_fps (so ceil(source_frames * target_fps / source_fps)
 // frames). target_fps <= 0 or >= source_fps keeps every frame.
 std::vector<int64_t> sample_indices(int64_t source_frames, double source_fps, double target_fps);
+
+// The same for frames at the given presentation times (seconds, ascending, as
+// VideoReader::frame_times gives them) in a video that ends at `end_seconds`: frame i of the
+// result is the source frame nearest in time to i / target_fps (the later one on a tie), for
+// every such time before the end. Frames closer than 1 / target_fps are skipped and frames
+// further apart repeated, so the result has one frame per 1 / target_fps of video (as with the
+// ffmpeg CLI's fps filter, which takes the last frame within half a period of each time instead
+// of the nearest). On times i / fps this is sample_indices for target_fps < fps.
+// target_fps <= 0 keeps every frame.
+std::vector<int64_t> sample_times(const std::vector<double>& times, double end_seconds,
+                                  double target_fps);
 
 // Output size {height, width} that makes the shorter side `shorter_side` and keeps the aspect
 // ratio: the longer side is longer * shorter_side / shorter rounded to the nearest pixel (halves
@@ -42,6 +63,14 @@ class VideoReader {
 
   const VideoInfo& info() const;
   const std::string& path() const;
+
+  // Presentation time of every frame, from the container's packets (the file is read once
+  // more, without decoding). For a constant rate these are i / fps up to the container's rounding.
+  struct FrameTimes {
+    std::vector<double> seconds;  // per frame, from the first frame, in display order
+    double end_seconds = 0;       // the last frame's time plus its duration
+  };
+  FrameTimes frame_times();
 
   // Decodes the source frames at `indices` (ascending, repeats allowed) into out[i], resizing to
   // out's H and W. `out` is uint8 [indices.size(),3,H,W], contiguous. A stream that ends before
