@@ -339,11 +339,9 @@ AVCodecID image_codec(const std::vector<uint8_t>& bytes) {
   return AV_CODEC_ID_NONE;
 }
 
-// Decodes the one picture of an image file; every decoder complaint is an error.
-FramePtr decode_image(const std::string& path) {
+// Decodes the one picture of an image file's `bytes`; every decoder complaint is an error.
+FramePtr decode_image(const std::vector<uint8_t>& bytes, const std::string& what) {
   quiet_ffmpeg();
-  const std::string what = "image " + path;
-  const auto bytes = read_file(path, what);
   const auto id = image_codec(bytes);
   TORCH_CHECK(id != AV_CODEC_ID_NONE, what,
               ": cannot decode (corrupt or not an image): not a JPEG, PNG, BMP or WebP file");
@@ -381,11 +379,47 @@ uint32_t big_endian(const uint8_t* p, int bytes) {
   return v;
 }
 
-// {height, width} from a JPEG's start-of-frame marker, or {0, 0} when there is none.
-std::pair<int64_t, int64_t> jpeg_size(const std::vector<uint8_t>& b) {
+// EXIF orientation (1-8) in a JPEG's APP1 segment `segment` (after the length field); 1 when it
+// is not there or cannot be read.
+int exif_orientation(const uint8_t* segment, size_t size) {
+  if (size < 6 + 8 || std::memcmp(segment, "Exif\0\0", 6) != 0) return 1;
+  const uint8_t* tiff = segment + 6;
+  const size_t tiff_size = size - 6;
+  const bool little = tiff[0] == 'I' && tiff[1] == 'I';
+  if (!little && !(tiff[0] == 'M' && tiff[1] == 'M')) return 1;
+  auto read = [&](size_t offset, int bytes) -> uint32_t {
+    uint32_t v = 0;
+    for (int i = 0; i < bytes; ++i) {
+      const uint32_t byte = tiff[offset + static_cast<size_t>(little ? bytes - 1 - i : i)];
+      v = (v << 8) | byte;
+    }
+    return v;
+  };
+  const size_t ifd = read(4, 4);
+  if (ifd + 2 > tiff_size) return 1;
+  const size_t entries = read(ifd, 2);
+  for (size_t e = 0; e < entries && ifd + 2 + 12 * (e + 1) <= tiff_size; ++e) {
+    const size_t entry = ifd + 2 + 12 * e;
+    constexpr uint32_t kOrientationTag = 0x0112, kShort = 3;
+    if (read(entry, 2) != kOrientationTag) continue;
+    const uint32_t value = read(entry + 8, 2);
+    return read(entry + 2, 2) == kShort && value >= 1 && value <= 8 ? static_cast<int>(value) : 1;
+  }
+  return 1;
+}
+
+// What a JPEG's header says: the stored picture size from its start-of-frame marker ({0, 0}
+// when there is none) and the EXIF orientation found before it.
+struct JpegHeader {
+  int64_t height = 0, width = 0;
+  int orientation = 1;
+};
+
+JpegHeader jpeg_header(const std::vector<uint8_t>& b) {
+  JpegHeader header;
   size_t pos = 2;  // after SOI
   while (pos + 4 <= b.size()) {
-    if (b[pos] != 0xFF) return {0, 0};
+    if (b[pos] != 0xFF) return header;
     const uint8_t marker = b[pos + 1];
     if (marker == 0xFF) {  // fill byte
       ++pos;
@@ -393,18 +427,41 @@ std::pair<int64_t, int64_t> jpeg_size(const std::vector<uint8_t>& b) {
     }
     pos += 2;
     if (marker == 0x01 || (marker >= 0xD0 && marker <= 0xD8)) continue;  // no length
-    if (marker == 0xD9 || marker == 0xDA) return {0, 0};  // end or scan before a frame header
+    if (marker == 0xD9 || marker == 0xDA) return header;  // end or scan before a frame header
     const size_t length = big_endian(&b[pos], 2);
-    if (length < 2 || pos + length > b.size()) return {0, 0};
+    if (length < 2 || pos + length > b.size()) return header;
     const bool start_of_frame =
         marker >= 0xC0 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC;
+    if (marker == 0xE1 && header.orientation == 1) {
+      header.orientation = exif_orientation(&b[pos + 2], length - 2);
+    }
     if (start_of_frame) {
-      if (length < 7) return {0, 0};
-      return {big_endian(&b[pos + 3], 2), big_endian(&b[pos + 5], 2)};
+      if (length < 7) return header;
+      header.height = big_endian(&b[pos + 3], 2);
+      header.width = big_endian(&b[pos + 5], 2);
+      return header;
     }
     pos += length;
   }
-  return {0, 0};
+  return header;
+}
+
+// EXIF orientations 5-8 store the picture turned a quarter: its sides are swapped.
+bool swaps_sides(int orientation) { return orientation >= 5; }
+
+// The picture `stored` [3,H,W] as EXIF `orientation` says to show it (what PIL's
+// ImageOps.exif_transpose and the ffmpeg CLI show).
+torch::Tensor oriented(const torch::Tensor& stored, int orientation) {
+  switch (orientation) {
+    case 2: return stored.flip({2});                     // mirrored left-right
+    case 3: return torch::rot90(stored, 2, {1, 2});      // upside down
+    case 4: return stored.flip({1});                     // mirrored top-bottom
+    case 5: return stored.transpose(1, 2);               // mirrored along the diagonal
+    case 6: return torch::rot90(stored, 3, {1, 2});      // turned a quarter clockwise
+    case 7: return stored.transpose(1, 2).flip({1, 2});  // along the other diagonal
+    case 8: return torch::rot90(stored, 1, {1, 2});      // a quarter counterclockwise
+    default: return stored;
+  }
 }
 
 }  // namespace
@@ -713,10 +770,11 @@ std::pair<int64_t, int64_t> image_size(const std::string& path) {
   const auto bytes = read_file(path, what);
   switch (image_codec(bytes)) {
     case AV_CODEC_ID_MJPEG: {
-      const auto hw = jpeg_size(bytes);
-      TORCH_CHECK(hw.first > 0 && hw.second > 0, what,
+      const auto header = jpeg_header(bytes);
+      TORCH_CHECK(header.height > 0 && header.width > 0, what,
                   ": damaged JPEG (no valid frame header with the picture size)");
-      return hw;
+      if (swaps_sides(header.orientation)) return {header.width, header.height};
+      return {header.height, header.width};
     }
     case AV_CODEC_ID_PNG: {
       TORCH_CHECK(bytes.size() >= 24 && std::memcmp(&bytes[12], "IHDR", 4) == 0, what,
@@ -727,7 +785,7 @@ std::pair<int64_t, int64_t> image_size(const std::string& path) {
       return {height, width};
     }
     default: {
-      const auto frame = decode_image(path);
+      const auto frame = decode_image(bytes, what);
       return {frame->height, frame->width};
     }
   }
@@ -736,10 +794,24 @@ std::pair<int64_t, int64_t> image_size(const std::string& path) {
 void read_image(const std::string& path, torch::Tensor out) {
   const std::string what = "image " + path;
   check_frames_tensor(out, {3, -1, -1}, what, "[3,H,W]");
-  const auto frame = decode_image(path);
+  quiet_ffmpeg();
+  const auto bytes = read_file(path, what);
+  const auto frame = decode_image(bytes, what);
+  const int orientation =
+      image_codec(bytes) == AV_CODEC_ID_MJPEG ? jpeg_header(bytes).orientation : 1;
+  const int height = static_cast<int>(out.size(1)), width = static_cast<int>(out.size(2));
   ToRgb to_rgb;
-  to_rgb.convert(frame.get(), out.data_ptr<uint8_t>(), static_cast<int>(out.size(1)),
-                 static_cast<int>(out.size(2)), what);
+  if (orientation == 1) {
+    to_rgb.convert(frame.get(), out.data_ptr<uint8_t>(), height, width, what);
+    return;
+  }
+  // Scaled as stored, then turned or mirrored upright.
+  const bool swapped = swaps_sides(orientation);
+  auto stored =
+      torch::empty({3, swapped ? width : height, swapped ? height : width}, torch::kUInt8);
+  to_rgb.convert(frame.get(), stored.data_ptr<uint8_t>(), static_cast<int>(stored.size(1)),
+                 static_cast<int>(stored.size(2)), what);
+  out.copy_(oriented(stored, orientation));
 }
 
 void write_image(const std::string& path, const torch::Tensor& frame, int quality) {

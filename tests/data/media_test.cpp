@@ -490,6 +490,36 @@ TEST(Images, ReadsJpegFramesAndSizes) {
             2);
 }
 
+TEST(Images, ExifOrientationIsShownUpright) {
+  REQUIRE_FFMPEG();
+  // tests/media/README.md: one upright 32x24 picture (grey; top left white, top right red,
+  // bottom left blue, 8x8 each) stored as each EXIF orientation says, as phone cameras store
+  // photos; PIL's exif_transpose and the ffmpeg CLI show every file as the upright picture, and
+  // annotation tools draw masks on what they show.
+  auto upright = torch::full({3, 24, 32}, 128, torch::kUInt8);
+  upright.slice(1, 0, 8).slice(2, 0, 8).fill_(255);
+  auto red = upright.slice(1, 0, 8).slice(2, 24, 32);
+  red[0].fill_(255), red[1].fill_(0), red[2].fill_(0);
+  auto blue = upright.slice(1, 16, 24).slice(2, 0, 8);
+  blue[0].fill_(0), blue[1].fill_(0), blue[2].fill_(255);
+  auto small_upright = torch::empty({3, 12, 16}, torch::kUInt8);
+  data::read_image(media("exif/orientation_1.jpg"), small_upright);
+  for (int orientation = 1; orientation <= 8; ++orientation) {
+    const auto path = media("exif/orientation_" + std::to_string(orientation) + ".jpg");
+    EXPECT_EQ(data::image_size(path), (std::pair<int64_t, int64_t>{24, 32})) << path;
+    auto shown = torch::empty({3, 24, 32}, torch::kUInt8);
+    data::read_image(path, shown);
+    EXPECT_LT(mean_abs_diff(shown, upright), 4) << path;
+    // Resized on read: scaled as stored, then turned.
+    auto small = torch::empty({3, 12, 16}, torch::kUInt8);
+    data::read_image(path, small);
+    EXPECT_LT(mean_abs_diff(small, small_upright), 4) << path;
+  }
+  // Mirrored or turned the wrong way, the markers land elsewhere.
+  EXPECT_GT(mean_abs_diff(upright.flip({2}), upright), 20);
+  EXPECT_GT(mean_abs_diff(upright.flip({1}), upright), 20);
+}
+
 TEST(Images, WriteReadRoundTrip) {
   REQUIRE_FFMPEG();
   TempDir dir("images");
