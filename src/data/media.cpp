@@ -487,6 +487,18 @@ int display_rotation(const AVStream* stream) {
   return static_cast<int>((static_cast<int64_t>(quarters) % 4 + 4) % 4) * 90;
 }
 
+// Frames the container counts but never shows: an MP4 cut with `ffmpeg -ss T -c copy` keeps
+// the packets from the keyframe before T and an edit list that drops the frames before T.
+int64_t discarded_frames(AVStream* stream) {
+  int64_t discarded = 0;
+  const int entries = avformat_index_get_entries_count(stream);
+  for (int i = 0; i < entries; ++i) {
+    const AVIndexEntry* entry = avformat_index_get_entry(stream, i);
+    if (entry != nullptr && (entry->flags & AVINDEX_DISCARD_FRAME)) ++discarded;
+  }
+  return discarded;
+}
+
 }  // namespace
 
 struct VideoReader::State {
@@ -526,7 +538,7 @@ struct VideoReader::State {
     const AVCodec* codec = nullptr;
     stream = av_find_best_stream(input.get(), AVMEDIA_TYPE_VIDEO, -1, -1, &codec, 0);
     TORCH_CHECK(stream != AVERROR_STREAM_NOT_FOUND, what, ": the file has no video stream");
-    const AVStream* s = input->streams[stream];
+    AVStream* s = input->streams[stream];
     TORCH_CHECK(stream >= 0 && codec, what, ": this FFmpeg has no decoder for its ",
                 avcodec_get_name(s->codecpar->codec_id), " video");
     decoder = new_codec_context(codec);
@@ -556,7 +568,8 @@ struct VideoReader::State {
       duration = static_cast<double>(input->duration) / AV_TIME_BASE;
     }
     info.frames_estimated = s->nb_frames <= 0;
-    info.frames = info.frames_estimated ? std::llround(duration * info.fps) : s->nb_frames;
+    info.frames = info.frames_estimated ? std::llround(duration * info.fps)
+                                        : s->nb_frames - discarded_frames(s);
     const AVRational base = s->r_frame_rate, average = s->avg_frame_rate;
     info.variable_rate = base.num > 0 && base.den > 0 && average.num > 0 && average.den > 0 &&
                          std::abs(av_q2d(average) / av_q2d(base) - 1) > kVariableRateTolerance;
@@ -1021,6 +1034,18 @@ namespace {
               "the libavformat/libavcodec/libswscale development packages)");
   std::abort();  // not reached; TORCH_CHECK(false) throws
 }
+// Frames the container counts but never shows: an MP4 cut with `ffmpeg -ss T -c copy` keeps
+// the packets from the keyframe before T and an edit list that drops the frames before T.
+int64_t discarded_frames(AVStream* stream) {
+  int64_t discarded = 0;
+  const int entries = avformat_index_get_entries_count(stream);
+  for (int i = 0; i < entries; ++i) {
+    const AVIndexEntry* entry = avformat_index_get_entry(stream, i);
+    if (entry != nullptr && (entry->flags & AVINDEX_DISCARD_FRAME)) ++discarded;
+  }
+  return discarded;
+}
+
 }  // namespace
 
 struct VideoReader::State {

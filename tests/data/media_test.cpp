@@ -255,6 +255,20 @@ TEST(VideoReader, VariableRateVideoHasItsFramesTimes) {
   EXPECT_NEAR(constant_times.end_seconds, 2.0, 1e-9);
 }
 
+TEST(VideoReader, TrimmedVideoCountsOnlyTheFramesItShows) {
+  REQUIRE_FFMPEG();
+  // The clip cut at 0.5 s with `ffmpeg -ss 0.5 -c copy`: all 50 packets stay (from the keyframe
+  // before the cut) and an edit list drops the first 13. The container says 50 frames; the
+  // decoder (and the ffmpeg CLI) gives 37, so reading them failed as a truncated file.
+  VideoReader reader(media("trimmed.mp4"));
+  EXPECT_EQ(reader.info().frames, 37);
+  const auto frames = decode_all(media("trimmed.mp4"), 37, 48, 64);
+  for (int64_t k = 0; k < 37; ++k) EXPECT_EQ(pattern_frame(frames[k]), 13 + k) << "frame " << k;
+  const auto times = reader.frame_times();
+  ASSERT_EQ(times.seconds.size(), 37u);
+  for (size_t k = 0; k < 37; ++k) EXPECT_NEAR(times.seconds[k], k / 25.0, 1e-9);
+}
+
 TEST(VideoReader, RotatedVideoIsReadUpright) {
   REQUIRE_FFMPEG();
   // clip_25fps.mp4 with a display matrix of a quarter turn counterclockwise, as a phone writes
