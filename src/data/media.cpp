@@ -696,23 +696,38 @@ VideoReader::FrameTimes VideoReader::frame_times() {
     if (static_cast<int>(i) != s.stream) input->streams[i]->discard = AVDISCARD_ALL;
   }
   const double time_base = av_q2d(input->streams[s.stream]->time_base);
-  std::vector<std::pair<int64_t, int64_t>> stamps;  // {pts, duration} per frame packet
+  struct Stamp {
+    int64_t pts, duration;
+    bool key, discard;
+  };
+  std::vector<Stamp> packets;  // the stream's, in decoding order
   auto packet = new_packet();
   for (;;) {
     err = av_read_frame(input.get(), packet.get());
     if (err == AVERROR_EOF) break;
-    TORCH_CHECK(err >= 0, s.what, ": cannot read the packet after ", stamps.size(),
-                " frames: ", av_error(err));
-    // Discarded packets (before an edit list's start) are never shown as frames.
-    if (packet->stream_index == s.stream && !(packet->flags & AV_PKT_FLAG_DISCARD)) {
+    TORCH_CHECK(err >= 0, s.what, ": cannot read the packet after ", packets.size(),
+                " frame packets: ", av_error(err));
+    if (packet->stream_index == s.stream) {
       const int64_t pts = packet->pts != AV_NOPTS_VALUE ? packet->pts : packet->dts;
-      const int64_t duration = packet->duration;
-      av_packet_unref(packet.get());
-      TORCH_CHECK(pts != AV_NOPTS_VALUE, s.what, ": frame packet ", stamps.size(),
-                  " has no timestamp, so the frames' times are unknown");
-      stamps.emplace_back(pts, duration);
+      packets.push_back({pts, packet->duration, (packet->flags & AV_PKT_FLAG_KEY) != 0,
+                         (packet->flags & AV_PKT_FLAG_DISCARD) != 0});
     }
     av_packet_unref(packet.get());
+  }
+  // The frames the decoder shows: not the discarded ones (before an edit list's start), and, in
+  // a stream cut in the middle of a group of pictures (a recorder's segment), neither those
+  // before its first keyframe nor those shown before that keyframe (they refer to pictures
+  // before the cut); the decoder and the ffmpeg CLI drop them all.
+  const auto first_key =
+      std::find_if(packets.begin(), packets.end(), [](const Stamp& p) { return p.key; });
+  const bool keyed = first_key != packets.end() && first_key->pts != AV_NOPTS_VALUE;
+  std::vector<std::pair<int64_t, int64_t>> stamps;  // {pts, duration} per frame shown
+  for (auto it = keyed ? first_key : packets.begin(); it != packets.end(); ++it) {
+    if (it->discard) continue;
+    TORCH_CHECK(it->pts != AV_NOPTS_VALUE, s.what, ": frame packet ", it - packets.begin(),
+                " has no timestamp, so the frames' times are unknown");
+    if (keyed && it->pts < first_key->pts) continue;
+    stamps.emplace_back(it->pts, it->duration);
   }
   FrameTimes times;
   if (stamps.empty()) return times;

@@ -269,6 +269,21 @@ TEST(VideoReader, TrimmedVideoCountsOnlyTheFramesItShows) {
   for (size_t k = 0; k < 37; ++k) EXPECT_NEAR(times.seconds[k], k / 25.0, 1e-9);
 }
 
+TEST(VideoReader, SegmentCutInAGroupOfPicturesCountsTheFramesItShows) {
+  REQUIRE_FFMPEG();
+  // The last 60% of an MPEG-2 transport stream (open groups of 12 pictures), as a recorder's
+  // segment starts: no frame count in the container, 29 frame packets, but the 3 before the
+  // first keyframe and the 2 shown before it refer to pictures before the cut. The decoder and
+  // the ffmpeg CLI show 26 (frames 24-49); counting packets failed it as truncated.
+  VideoReader reader(media("segment.ts"));
+  EXPECT_TRUE(reader.info().frames_estimated);
+  const auto times = reader.frame_times();
+  ASSERT_EQ(times.seconds.size(), 26u);
+  for (size_t k = 0; k < 26; ++k) EXPECT_NEAR(times.seconds[k], k / 25.0, 1e-9);
+  const auto frames = decode_all(media("segment.ts"), 26, 48, 64);
+  for (int64_t k = 0; k < 26; ++k) EXPECT_EQ(pattern_frame(frames[k]), 24 + k) << "frame " << k;
+}
+
 TEST(VideoReader, RotatedVideoIsReadUpright) {
   REQUIRE_FFMPEG();
   // clip_25fps.mp4 with a display matrix of a quarter turn counterclockwise, as a phone writes
