@@ -842,6 +842,77 @@ void read_image(const std::string& path, torch::Tensor out) {
   out.copy_(oriented(stored, orientation));
 }
 
+torch::Tensor read_label_image(const std::string& path) {
+  quiet_ffmpeg();
+  const std::string what = "mask " + path;
+  const auto bytes = read_file(path, what);
+  TORCH_CHECK(image_codec(bytes) != AV_CODEC_ID_MJPEG, what,
+              ": is a JPEG, whose compression changes class ids along every edge; save masks "
+              "losslessly, as PNG");
+  const auto frame = decode_image(bytes, what);
+  const int64_t height = frame->height, width = frame->width;
+  auto ids = torch::empty({height, width}, torch::kLong);
+  auto* out = ids.data_ptr<int64_t>();
+  // `value(row, x)`: the id of pixel x of a row of the frame's first plane.
+  auto read_each = [&](auto value) {
+    for (int64_t y = 0; y < height; ++y) {
+      const uint8_t* row = frame->data[0] + y * frame->linesize[0];
+      for (int64_t x = 0; x < width; ++x) out[y * width + x] = value(row, x);
+    }
+  };
+  auto bit = [](const uint8_t* row, int64_t x) -> int64_t {
+    return (row[x / 8] >> (7 - x % 8)) & 1;
+  };
+  auto u16 = [](const uint8_t* p, bool big) -> int64_t {
+    return big ? (p[0] << 8) | p[1] : (p[1] << 8) | p[0];
+  };
+  switch (frame->format) {
+    case AV_PIX_FMT_PAL8:  // indices; data[1] holds the palette
+    case AV_PIX_FMT_GRAY8:
+      read_each([](const uint8_t* row, int64_t x) -> int64_t { return row[x]; });
+      break;
+    case AV_PIX_FMT_YA8:  // gray and alpha
+      read_each([](const uint8_t* row, int64_t x) -> int64_t { return row[2 * x]; });
+      break;
+    case AV_PIX_FMT_MONOBLACK:  // 1 bit, 1 is white
+      read_each(bit);
+      break;
+    case AV_PIX_FMT_MONOWHITE:  // 1 bit, 1 is black
+      read_each([&](const uint8_t* row, int64_t x) { return 1 - bit(row, x); });
+      break;
+    case AV_PIX_FMT_GRAY16BE:
+    case AV_PIX_FMT_GRAY16LE: {
+      const bool big = frame->format == AV_PIX_FMT_GRAY16BE;
+      read_each([&](const uint8_t* row, int64_t x) { return u16(row + 2 * x, big); });
+      break;
+    }
+    case AV_PIX_FMT_YA16BE:
+    case AV_PIX_FMT_YA16LE: {
+      const bool big = frame->format == AV_PIX_FMT_YA16BE;
+      read_each([&](const uint8_t* row, int64_t x) { return u16(row + 4 * x, big); });
+      break;
+    }
+    default: {
+      auto rgb = torch::empty({3, height, width}, torch::kUInt8);
+      ToRgb().convert(frame.get(), rgb.data_ptr<uint8_t>(), static_cast<int>(height),
+                      static_cast<int>(width), what);
+      const auto differ = rgb[0].ne(rgb[1]).logical_or(rgb[0].ne(rgb[2])).flatten();
+      if (differ.any().item<bool>()) {
+        const int64_t at = differ.nonzero()[0][0].item<int64_t>();
+        const int64_t y = at / width, x = at % width;
+        const auto* p = rgb.data_ptr<uint8_t>();
+        const auto plane = static_cast<size_t>(height * width), i = static_cast<size_t>(at);
+        TORCH_CHECK(false, what, ": is a colour mask (pixel x=", x, " y=", y, " is RGB ", int(p[i]),
+                    ",", int(p[plane + i]), ",", int(p[2 * plane + i]),
+                    "); class ids must be gray values, palette indices or equal R, G and B: map "
+                    "its colours to ids first");
+      }
+      ids.copy_(rgb[0]);
+    }
+  }
+  return ids;
+}
+
 void write_image(const std::string& path, const torch::Tensor& frame, int quality) {
   quiet_ffmpeg();
   const std::string what = "image " + path;
@@ -1076,6 +1147,7 @@ VideoReader::FrameTimes VideoReader::frame_times() { no_ffmpeg(); }
 
 std::pair<int64_t, int64_t> image_size(const std::string&) { no_ffmpeg(); }
 void read_image(const std::string&, torch::Tensor) { no_ffmpeg(); }
+torch::Tensor read_label_image(const std::string&) { no_ffmpeg(); }
 void write_image(const std::string&, const torch::Tensor&, int) { no_ffmpeg(); }
 
 struct VideoWriter::State {};

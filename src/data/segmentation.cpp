@@ -80,13 +80,19 @@ torch::Tensor SegmentationDataset::mask(int64_t i) const {
   const auto& item = items_.at(static_cast<size_t>(i));
   const auto [h, w] = output_size(item);
   // Masks are read at their own size and resized by nearest neighbour: class ids never blend.
-  auto mask_rgb = torch::empty({3, item.height, item.width}, torch::kUInt8);
-  read_image(item.mask, mask_rgb);
-  const auto mask = resize_labels(mask_rgb[0].to(torch::kLong), h, w);
-  const int64_t largest = mask.max().item<int64_t>();
-  TORCH_CHECK(largest < options_.classes, "segmentation data: mask ", item.mask, " has class id ",
-              largest, " but there are ", options_.classes, " classes (ids 0..",
-              options_.classes - 1, ")");
+  const auto mask = resize_labels(read_label_image(item.mask), h, w);
+  const auto outside = mask.ge(options_.classes).logical_and(mask.ne(options_.ignore_id));
+  if (outside.any().item<bool>()) {
+    const int64_t id = mask.masked_select(outside).max().item<int64_t>();
+    TORCH_CHECK(false, "segmentation data: mask ", item.mask, " has class id ", id,
+                " but there are ", options_.classes, " classes (ids 0..", options_.classes - 1, ")",
+                options_.ignore_id >= 0 ? c10::str(" and ignore id ", options_.ignore_id) : "",
+                options_.ignore_id < 0 && id == 255
+                    ? "; if 255 marks pixels to leave out (object borders, unlabelled), set "
+                      "data.ignore_id: 255; if the mask is binary, stored as 0 and 255, store 0 "
+                      "and 1"
+                    : "");
+  }
   return mask;
 }
 

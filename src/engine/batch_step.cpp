@@ -35,18 +35,23 @@ BatchTrainingStep::BatchTrainingStep(ChainNetwork network,
   }
 }
 
+torch::Tensor BatchTrainingStep::counted_labels(const torch::Tensor& labels) const {
+  const auto flat = labels.flatten().cpu();
+  return options_.ignore_label >= 0 ? flat.masked_select(flat.ne(options_.ignore_label)) : flat;
+}
+
 double BatchTrainingStep::accumulate_gradients(const torch::Tensor& samples,
                                                const torch::Tensor& labels) {
   const int64_t batch = samples.size(0);
   const int64_t parts = std::min(options_.micro_batches, batch);
   // Each micro-batch's summed loss is divided by the whole batch's label count (or weight), so
   // the micro-batches' gradients add up to those of the batch's mean.
-  const double denominator = weights_.defined() ? weights_.cpu()
-                                                      .to(torch::kDouble)
-                                                      .index_select(0, labels.flatten().cpu())
-                                                      .sum()
-                                                      .item<double>()
-                                                : static_cast<double>(labels.numel());
+  const auto counted = counted_labels(labels);
+  double denominator =
+      weights_.defined()
+          ? weights_.cpu().to(torch::kDouble).index_select(0, counted).sum().item<double>()
+          : static_cast<double>(counted.numel());
+  if (denominator == 0) denominator = 1;  // nothing counted: every summed loss is 0
   double loss_sum = 0;
   int64_t begin = 0;
   for (int64_t part = 0; part < parts; ++part) {
@@ -64,6 +69,7 @@ double BatchTrainingStep::accumulate_gradients(const torch::Tensor& samples,
           logits.scalar_type() == torch::kDouble ? logits : logits.to(torch::kFloat32);
       auto loss_options = torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum);
       if (weights_.defined()) loss_options.weight(weights_.to(scores.options()));
+      if (options_.ignore_label >= 0) loss_options.ignore_index(options_.ignore_label);
       loss = torch::nn::functional::cross_entropy(scores, y, loss_options) / denominator;
     }
     scaler_.scale(loss).backward();
@@ -78,8 +84,9 @@ BatchStepReport BatchTrainingStep::step(const torch::Tensor& samples, const torc
   TORCH_CHECK(labels.scalar_type() == torch::kLong && labels.size(0) == samples.size(0),
               "a batch step needs int64 labels with one entry per sample: ", samples.size(0),
               " samples, labels ", labels.sizes(), " ", labels.scalar_type());
-  if (weights_.defined()) {
-    const auto [low, high] = torch::aminmax(labels);
+  const auto counted = counted_labels(labels);
+  if (weights_.defined() && counted.numel() > 0) {
+    const auto [low, high] = torch::aminmax(counted);
     TORCH_CHECK(low.item<int64_t>() >= 0 && high.item<int64_t>() < weights_.size(0),
                 "a batch step with ", weights_.size(0), " class weights got labels from ",
                 low.item<int64_t>(), " to ", high.item<int64_t>());

@@ -312,6 +312,11 @@ const std::vector<Entry>& entries() {
     t.push_back(field<std::string>("data.masks",
                                    "segmentation: mask folder (PNG class ids), {split} as above",
                                    FRAMEFIT_MEMBER(std::string, data.masks), "a path"));
+    t.push_back(field<int64_t>("data.ignore_id",
+                               "segmentation: mask id of pixels left out of loss and metrics "
+                               "(e.g. 255, Pascal VOC's object borders); -1: none",
+                               FRAMEFIT_MEMBER(int64_t, data.ignore_id), "an integer",
+                               at_least(-1)));
     // train
     t.push_back(field<int64_t>("train.epochs", "passes over the training split",
                                FRAMEFIT_MEMBER(int64_t, train.epochs), "an integer", at_least(1)));

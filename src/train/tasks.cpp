@@ -76,6 +76,8 @@ class TaskData {
       data::SegmentationOptions options;
       options.classes = static_cast<int64_t>(config.data.classes.size());
       options.size = config.data.resize;
+      options.ignore_id = config.data.ignore_id;
+      ignore_id_ = config.data.ignore_id;
       const auto images = replace_split(config.data.images, split);
       const auto masks = replace_split(config.data.masks, split);
       if (::access(images.c_str(), F_OK) == 0 || split == config.data.train_split) {
@@ -139,7 +141,9 @@ class TaskData {
     auto counts = torch::zeros({classes}, torch::kLong);
     for (int64_t i = 0; i < units(); ++i) {
       try {
-        counts += torch::bincount(images_->mask(i).flatten(), {}, classes);
+        const auto ids = images_->mask(i).flatten();
+        counts += torch::bincount(ignore_id_ >= 0 ? ids.masked_select(ids.ne(ignore_id_)) : ids, {},
+                                  classes);
       } catch (const c10::Error&) {
         if (!skip_bad_) throw;
       }
@@ -189,6 +193,7 @@ class TaskData {
   bool training_;
   bool augment_;
   bool skip_bad_ = false;
+  int64_t ignore_id_ = -1;  // segmentation: data.ignore_id
   std::optional<data::VideoDataset> videos_;
   data::ClipOptions clip_;
   std::optional<data::ClipIndex> index_;
@@ -389,7 +394,14 @@ PhaseMetrics evaluate_data(BatchModel& model, const TaskData& data, const EventC
     }
     if (!batch.samples.defined()) continue;
     const auto logits = evaluation_logits(model, batch.samples, segments, on_event);
-    confusion.add(logits.argmax(1).cpu().flatten(), batch.labels.flatten());
+    auto predicted = logits.argmax(1).cpu().flatten();
+    auto truth = batch.labels.flatten();
+    if (const int64_t ignore = model.config.data.ignore_id; ignore >= 0) {
+      const auto counted = truth.ne(ignore);
+      predicted = predicted.masked_select(counted);
+      truth = truth.masked_select(counted);
+    }
+    confusion.add(predicted, truth);
     samples += batch.samples.size(0);
     if (on_event) {
       Event e;
@@ -872,6 +884,20 @@ std::vector<plan::Finding> diagnose_task_settings(const Config& config) {
                                  config.task, " has no frame sequence to smooth"),
                         "set train.smoothing to 0"});
   }
+  const int64_t ignore = config.data.ignore_id;
+  if (ignore >= 0 && config.task != "segmentation") {
+    findings.push_back({plan::Finding::Severity::Error,
+                        c10::str("data.ignore_id ", ignore, " leaves mask pixels out; task ",
+                                 config.task, " has no masks"),
+                        "set data.ignore_id to -1"});
+  } else if (ignore >= 0 && ignore < static_cast<int64_t>(config.data.classes.size())) {
+    findings.push_back({plan::Finding::Severity::Error,
+                        c10::str("data.ignore_id ", ignore, " is the id of class '",
+                                 config.data.classes[static_cast<size_t>(ignore)],
+                                 "': its pixels would never be learnt"),
+                        c10::str("use an id of no class (at least ", config.data.classes.size(),
+                                 ", e.g. 255) or -1 for none")});
+  }
   if (fixed_count(config.train.eval_batch) == int64_t{0}) {
     findings.push_back({plan::Finding::Severity::Error,
                         "train.eval_batch 0: evaluation needs at least one sample per batch",
@@ -1007,6 +1033,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   // The train.accumulate batches of an optimizer step run as micro-batches of the step.
   options.micro_batches = progress.micro_batches * tc.accumulate;
   options.clip_grad_norm = tc.clip_grad_norm;
+  options.ignore_label = config.data.ignore_id;
   if (tc.class_weights) {
     const auto counts = train_set.class_counts(model.classes.size());
     options.class_weights = engine::inverse_frequency_weights(counts);

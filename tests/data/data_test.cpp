@@ -479,6 +479,23 @@ TEST_F(DataTest, SegmentationImagesAndMasks) {
             }).find("has class id 2 but there are 2 classes"),
             std::string::npos);
   options.classes = 3;
+  // 255 on a border: an error that names data.ignore_id, unless it is the ignore id.
+  auto bordered = truth[0].clone();
+  bordered[0].fill_(255);
+  data::write_image(masks + "/s0.png", bordered.to(torch::kUInt8).unsqueeze(0).repeat({3, 1, 1}));
+  EXPECT_NE(
+      test_util::error_message([&] { data::SegmentationDataset(images, masks, options).load(0); })
+          .find("has class id 255 but there are 3 classes (ids 0..2); if 255 marks pixels to "
+                "leave out (object borders, unlabelled), set data.ignore_id: 255"),
+      std::string::npos);
+  options.ignore_id = 255;
+  EXPECT_TRUE(data::SegmentationDataset(images, masks, options).mask(0).equal(bordered));
+  options.ignore_id = 254;
+  EXPECT_NE(test_util::error_message([&] {
+              data::SegmentationDataset(images, masks, options).load(0);
+            }).find("has class id 255 but there are 3 classes (ids 0..2) and ignore id 254"),
+            std::string::npos);
+  options.ignore_id = -1;
   data::write_image(masks + "/orphan.png", torch::zeros({3, 16, 24}, torch::kUInt8));
   EXPECT_NE(test_util::error_message([&] {
               data::SegmentationDataset(images, masks, options);

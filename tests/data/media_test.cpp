@@ -549,6 +549,33 @@ TEST(Images, ExifOrientationIsShownUpright) {
   EXPECT_GT(mean_abs_diff(upright.flip({1}), upright), 20);
 }
 
+TEST(Images, MasksAreReadAsClassIdsInEveryLosslessFlavour) {
+  REQUIRE_FFMPEG();
+  // tests/media/README.md: one 8x6 mask, id(x, y) = (x + 2y) % 5, as PIL writes it.
+  const auto y = torch::arange(6).view({6, 1}), x = torch::arange(8).view({1, 8});
+  const auto ids = (x + 2 * y) % 5;
+  for (const char* name :
+       {"palette.png", "gray8.png", "gray16.png", "gray_alpha.png", "rgb_equal.png"}) {
+    const auto read = data::read_label_image(media(std::string("masks/") + name));
+    EXPECT_EQ(read.scalar_type(), torch::kLong) << name;
+    EXPECT_TRUE(read.equal(ids)) << name << "\n" << read;
+  }
+  // A palette mask read as a picture gives its colours: VOC's id 2 is dark green, (0,128,0),
+  // whose red channel said "class 0" before masks were read as ids.
+  auto as_picture = torch::empty({3, 6, 8}, torch::kUInt8);
+  data::read_image(media("masks/palette.png"), as_picture);
+  EXPECT_FALSE(as_picture[0].to(torch::kLong).equal(ids));
+  EXPECT_TRUE(data::read_label_image(media("masks/binary1.png")).equal(ids % 2));
+  EXPECT_TRUE(
+      contains(test_util::error_message([] { data::read_label_image(media("masks/colour.png")); }),
+               "colour mask (pixel x=1 y=0 is RGB 50,20,10)"));
+  EXPECT_TRUE(
+      contains(test_util::error_message([] { data::read_label_image(media("masks/ids.jpg")); }),
+               "save masks losslessly, as PNG"));
+  EXPECT_TRUE(contains(test_util::error_message([] { data::read_label_image(media("none.png")); }),
+                       "none.png"));
+}
+
 TEST(Images, WriteReadRoundTrip) {
   REQUIRE_FFMPEG();
   TempDir dir("images");

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 
 #include "test_util.h"
@@ -57,14 +58,17 @@ struct StepResult {
 };
 
 // One step of `options` under a tracker budget (0: none); SGD with lr 0 keeps the weights.
-StepResult run_step(engine::BatchStepOptions options, int64_t budget = 0) {
+// `labels`, when given, replace the random ones (drawn all the same, so dropout draws alike).
+StepResult run_step(engine::BatchStepOptions options, int64_t budget = 0,
+                    const torch::Tensor& labels = {}) {
   auto network = small_network();
   auto optimizer =
       std::make_shared<torch::optim::SGD>(network->parameters(), torch::optim::SGDOptions(0.0));
   engine::BatchTrainingStep step(engine::chain_network(network.ptr()), optimizer, options);
   torch::manual_seed(7);
   const auto x = torch::randn({6, 3, 12, 12}, torch::kDouble);
-  const auto y = torch::randint(0, 4, {6}, torch::kLong);
+  const auto drawn = torch::randint(0, 4, {6}, torch::kLong);
+  const auto y = labels.defined() ? labels : drawn;
   auto& tracker = memory::Tracker::cpu();
   tracker.set_budget(budget);
   engine::BatchStepReport report;
@@ -150,6 +154,40 @@ TEST(BatchStep, ClassWeightsGiveTheWeightedMeanWhateverTheMicroBatches) {
               step.step(x, torch::tensor({0, 1, 2, 3, 4, 1}, torch::kLong));
             }).find("4 class weights got labels from 0 to 4"),
             std::string::npos);
+}
+
+TEST(BatchStep, IgnoredLabelsCountInNeitherTheLossNorItsMean) {
+  // Labels 9 (a mask's border pixels, say) are left out, as PyTorch's ignore_index leaves them
+  // out: of the sum and of the count (or weight) it is divided by, whatever the micro-batches.
+  const auto labels = torch::tensor({0, 9, 1, 9, 2, 3}, torch::kLong);
+  for (const bool weighted : {false, true}) {
+    engine::BatchStepOptions options;
+    options.ignore_label = 9;
+    auto loss_options = torch::nn::functional::CrossEntropyFuncOptions().ignore_index(9);
+    if (weighted) {
+      options.class_weights = torch::tensor({0.5, 2.0, 1.0, 3.0}, torch::kDouble);
+      loss_options.weight(options.class_weights);
+    }
+    auto network = small_network();
+    torch::manual_seed(7);
+    const auto x = torch::randn({6, 3, 12, 12}, torch::kDouble);
+    torch::randint(0, 4, {6}, torch::kLong);  // as run_step draws
+    torch::nn::functional::cross_entropy(network->forward(x), labels, loss_options).backward();
+    std::vector<torch::Tensor> reference;
+    for (const auto& p : network->parameters()) reference.push_back(p.grad());
+    EXPECT_LT(largest_difference(reference, run_step(options, 0, labels).gradients), 1e-12)
+        << (weighted ? "weighted" : "plain");
+    engine::BatchStepOptions micro = options;
+    micro.micro_batches = 3;  // the first two hold both ignored labels
+    EXPECT_LT(largest_difference(reference, run_step(micro, 0, labels).gradients), 1e-12)
+        << (weighted ? "weighted" : "plain");
+  }
+  // Nothing but ignored labels: a loss of 0 and zero gradients, not NaN.
+  engine::BatchStepOptions options;
+  options.ignore_label = 9;
+  for (const auto& g : run_step(options, 0, torch::full({6}, 9, torch::kLong)).gradients) {
+    EXPECT_EQ(g.abs().max().item<double>(), 0);
+  }
 }
 
 TEST(TaskConfig, KeysAndMismatchesAreNamed) {
@@ -549,6 +587,64 @@ TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForTwiceTheBatch) {
   EXPECT_EQ(result.steps, 2);
   for (const auto peak : step_peaks(config.train.out_dir)) EXPECT_LE(peak, 640ll << 20);
   test_util::remove_tree(config.train.out_dir);
+}
+
+TEST(SegmentationTraining, IgnoredMaskPixelsCountInNeitherTheLossNorTheMetrics) {
+  // The tiny data set's masks with a 2-pixel frame of 255, as Pascal VOC marks object borders.
+  auto config = segmentation_config("/tmp/framefit_segmentation_ignore");
+  const std::string root = config.train.out_dir + "_data";
+  test_util::remove_tree(root);
+  for (const std::string split : {"train", "val"}) {
+    const auto from = tiny_data() + "/segmentation/" + split;
+    std::filesystem::create_directories(root + "/" + split + "/masks");
+    std::filesystem::copy(from + "/images", root + "/" + split + "/images");
+    for (const auto& mask : data::list_images(from + "/masks")) {
+      auto ids = data::read_label_image(mask);
+      auto framed = torch::full_like(ids, 255);
+      framed.slice(0, 2, -2).slice(1, 2, -2).copy_(ids.slice(0, 2, -2).slice(1, 2, -2));
+      data::write_image(root + "/" + split + "/masks/" + mask.substr(mask.rfind('/') + 1),
+                        framed.to(torch::kUInt8).unsqueeze(0).repeat({3, 1, 1}));
+    }
+  }
+  config.data.images = root + "/{split}/images";
+  config.data.masks = root + "/{split}/masks";
+  config.train.epochs = 1;
+  config.train.batch = "4";
+  config.train.class_weights = true;  // class counts leave the frame out too
+  EXPECT_NE(test_util::error_message([&] { train::train(config); })
+                .find("has class id 255 but there are 3 classes (ids 0..2); if 255 marks pixels "
+                      "to leave out (object borders, unlabelled), set data.ignore_id: 255"),
+            std::string::npos);
+  test_util::remove_tree(config.train.out_dir);
+  config.data.ignore_id = 255;
+  const auto result = train::train(config);
+  ASSERT_TRUE(result.validated);
+  EXPECT_EQ(result.best.frames, 4 * 28 * 28);  // 4 validation masks, each 28 x 28 inside
+  // Evaluation's metrics are those of the predicted masks over the counted pixels alone.
+  auto model = train::load_batch_model(result.best_checkpoint);
+  const auto val_images = data::list_images(root + "/val/images");
+  const auto masks = train::predict_masks(model, val_images);
+  train::ConfusionMatrix confusion(model.classes.size());
+  for (size_t i = 0; i < val_images.size(); ++i) {
+    const auto name = val_images[i].substr(val_images[i].rfind('/') + 1);
+    const auto truth = data::read_label_image(root + "/val/masks/" + name).flatten();
+    const auto counted = truth.ne(255);
+    confusion.add(masks[i].flatten().masked_select(counted), truth.masked_select(counted));
+  }
+  const auto expected = confusion.metrics();
+  EXPECT_EQ(expected.frames, 4 * 28 * 28);
+  EXPECT_NEAR(expected.macro_jaccard, result.best.macro_jaccard, 1e-12);
+  EXPECT_NEAR(expected.accuracy, result.best.accuracy, 1e-12);
+  test_util::remove_tree(config.train.out_dir);
+
+  // An ignore id that is a class's, or one for a task without masks, is refused up front.
+  config.data.ignore_id = 1;
+  EXPECT_NE(test_util::error_message([&] {
+              train::train(config);
+            }).find("data.ignore_id 1 is the id of class"),
+            std::string::npos);
+  test_util::remove_tree(config.train.out_dir);
+  test_util::remove_tree(root);
 }
 
 TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {

@@ -12,7 +12,8 @@ namespace framefit::data {
 
 struct SegmentationOptions {
   int64_t classes = 2;
-  int64_t size = 0;  // resize images and masks to size x size (masks: nearest); 0 keeps
+  int64_t size = 0;        // resize images and masks to size x size (masks: nearest); 0 keeps
+  int64_t ignore_id = -1;  // a mask id allowed besides the classes' (pixels to leave out); -1: none
 };
 
 // A label map [H,W] int64 at h x w by nearest neighbour, so class ids never blend.
@@ -27,8 +28,8 @@ class SegmentationDataset {
                       SegmentationOptions options);
   int64_t size() const { return static_cast<int64_t>(items_.size()); }
   const std::string& name(int64_t i) const { return items_.at(static_cast<size_t>(i)).name; }
-  // Image [3,H,W] uint8 and mask [H,W] int64. A class id outside [0, classes) is an error naming
-  // the mask file and the value.
+  // Image [3,H,W] uint8 and mask [H,W] int64 (data::read_label_image). A class id outside
+  // [0, classes), other than options.ignore_id, is an error naming the mask file and the value.
   std::pair<torch::Tensor, torch::Tensor> load(int64_t i) const;
   // The mask alone [H,W] int64, as load() gives it (e.g. to count pixels per class).
   torch::Tensor mask(int64_t i) const;

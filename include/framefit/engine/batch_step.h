@@ -29,6 +29,10 @@ struct BatchStepOptions {
   // samples or pixels, divided by the sum of their labels' weights), as PyTorch's weighted
   // cross-entropy, whatever the micro-batches.
   torch::Tensor class_weights;
+  // Labels equal to this count in neither the loss nor its mean (PyTorch's ignore_index, e.g.
+  // the border pixels of a segmentation mask); -1: none. A batch of ignored labels only has a
+  // loss of 0.
+  int64_t ignore_label = -1;
   LossScalerOptions scaler;  // used with Precision::FP16 only
   bool retry_on_out_of_memory = true;
   // Stored samples (uint8 clips or images) to network input on the device, one micro-batch at
@@ -67,6 +71,8 @@ class BatchTrainingStep {
   std::vector<torch::Tensor> parameters_;
   torch::Tensor weights_;  // class_weights on the device
   double accumulate_gradients(const torch::Tensor& samples, const torch::Tensor& labels);
+  // The labels the loss counts, flattened on the CPU: all but ignore_label.
+  torch::Tensor counted_labels(const torch::Tensor& labels) const;
 };
 
 }  // namespace framefit::engine

@@ -58,6 +58,9 @@ struct DataConfig {
   // Task segmentation: image and mask folders; "{split}" is replaced by the split's name.
   std::string images;
   std::string masks;
+  // Task segmentation: a mask id whose pixels count in neither the loss nor the metrics (255
+  // marks object borders in Pascal VOC); -1: none.
+  int64_t ignore_id = -1;
 };
 
 struct TrainConfig {
