@@ -76,11 +76,62 @@ std::pair<int64_t, int64_t> SegmentationDataset::output_size(const Item& item) c
   return {item.height, item.width};
 }
 
+torch::Tensor SegmentationDataset::read_ids(const Item& item) const {
+  const auto& values = options_.values;
+  if (values.empty()) return read_label_image(item.mask);
+  // Each pixel's value as one number (a colour packed as R * 65536 + G * 256 + B), looked up in
+  // the listed values, sorted.
+  const bool colour = values.front().size() == 3;
+  auto pack = [](const std::vector<int64_t>& v) {
+    return v.size() == 3 ? (v[0] << 16) | (v[1] << 8) | v[2] : v[0];
+  };
+  torch::Tensor pixels;
+  if (colour) {
+    auto rgb = torch::empty({3, item.height, item.width}, torch::kUInt8);
+    read_image(item.mask, rgb);
+    const auto c = rgb.to(torch::kLong);
+    pixels = (c[0] * 65536 + c[1] * 256 + c[2]).flatten();
+  } else {
+    pixels = read_label_image(item.mask).flatten();
+  }
+  std::vector<std::pair<int64_t, int64_t>> lookup;  // {packed value, class id}
+  for (size_t k = 0; k < values.size(); ++k) {
+    lookup.emplace_back(pack(values[k]), static_cast<int64_t>(k));
+  }
+  std::sort(lookup.begin(), lookup.end());
+  std::vector<int64_t> sorted_values, ids_of_sorted;
+  for (const auto& [value, id] : lookup) {
+    sorted_values.push_back(value);
+    ids_of_sorted.push_back(id);
+  }
+  const auto keys = torch::tensor(sorted_values, torch::kLong);
+  const auto at = torch::searchsorted(keys, pixels).clamp_max(keys.size(0) - 1);
+  auto found = keys.index_select(0, at).eq(pixels);
+  auto ids = torch::tensor(ids_of_sorted, torch::kLong).index_select(0, at);
+  if (!colour && options_.ignore_id >= 0) {
+    const auto ignored = pixels.eq(options_.ignore_id);
+    ids.masked_fill_(ignored, options_.ignore_id);
+    found.logical_or_(ignored);
+  }
+  if (!found.all().item<bool>()) {
+    const int64_t first = found.logical_not().nonzero()[0][0].item<int64_t>();
+    const int64_t value = pixels[first].item<int64_t>();
+    const auto shown =
+        colour ? c10::str("RGB ", value >> 16, ",", (value >> 8) & 255, ",", value & 255)
+               : c10::str(value);
+    TORCH_CHECK(false, "segmentation data: mask ", item.mask, " has value ", shown,
+                " at x=", first % item.width, " y=", first / item.width,
+                ", which data.mask_values does not list",
+                colour ? "" : " (nor is it data.ignore_id)");
+  }
+  return ids.view({item.height, item.width});
+}
+
 torch::Tensor SegmentationDataset::mask(int64_t i) const {
   const auto& item = items_.at(static_cast<size_t>(i));
   const auto [h, w] = output_size(item);
   // Masks are read at their own size and resized by nearest neighbour: class ids never blend.
-  const auto mask = resize_labels(read_label_image(item.mask), h, w);
+  const auto mask = resize_labels(read_ids(item), h, w);
   const auto outside = mask.ge(options_.classes).logical_and(mask.ne(options_.ignore_id));
   if (outside.any().item<bool>()) {
     const int64_t id = mask.masked_select(outside).max().item<int64_t>();
@@ -89,8 +140,8 @@ torch::Tensor SegmentationDataset::mask(int64_t i) const {
                 options_.ignore_id >= 0 ? c10::str(" and ignore id ", options_.ignore_id) : "",
                 options_.ignore_id < 0 && id == 255
                     ? "; if 255 marks pixels to leave out (object borders, unlabelled), set "
-                      "data.ignore_id: 255; if the mask is binary, stored as 0 and 255, store 0 "
-                      "and 1"
+                      "data.ignore_id: 255; if the mask is binary, stored as 0 and 255, set "
+                      "data.mask_values: [0, 255]"
                     : "");
   }
   return mask;

@@ -312,6 +312,45 @@ const std::vector<Entry>& entries() {
     t.push_back(field<std::string>("data.masks",
                                    "segmentation: mask folder (PNG class ids), {split} as above",
                                    FRAMEFIT_MEMBER(std::string, data.masks), "a path"));
+    {
+      Entry e;
+      e.key = {"data.mask_values",
+               "segmentation: class i's value in the masks: numbers ([0, 255] for binary masks) "
+               "or [R, G, B] colours; empty: the values are the ids"};
+      e.set = [](Config& c, const YAML::Node& n, const std::string& where) {
+        TORCH_CHECK(n.IsSequence(), where,
+                    ": expected a list of values, e.g. [0, 255], or of colours, e.g. [[0, 0, 0], "
+                    "[255, 0, 0]]");
+        std::vector<std::vector<int64_t>> values;
+        for (size_t i = 0; i < n.size(); ++i) {
+          const auto at = where + "[" + std::to_string(i) + "]";
+          values.push_back(n[i].IsSequence()
+                               ? int_list(n[i], at)
+                               : std::vector<int64_t>{convert<int64_t>(n[i], at, "an integer")});
+          const auto& v = values.back();
+          const bool colour = v.size() == 3;
+          TORCH_CHECK(v.size() == 1 || colour, at, ": expected a number or an [R, G, B] colour");
+          TORCH_CHECK(v.size() == values.front().size(), at,
+                      ": mixes numbers and colours; give every class the same kind of value");
+          for (const int64_t x : v) {
+            TORCH_CHECK(x >= 0 && x <= (colour ? 255 : 65535), at, ": ", x, " is not a ",
+                        colour ? "colour channel (0-255)" : "mask value (0-65535)");
+          }
+          for (size_t j = 0; j + 1 < values.size(); ++j) {
+            TORCH_CHECK(values[j] != v, at, ": the same value as class ", j);
+          }
+        }
+        c.data.mask_values = std::move(values);
+      };
+      e.get = [](const Config& c) {
+        YAML::Node n(YAML::NodeType::Sequence);
+        for (const auto& v : c.data.mask_values) {
+          n.push_back(v.size() == 1 ? YAML::Node(v[0]) : int_list_node(v));
+        }
+        return n;
+      };
+      t.push_back(e);
+    }
     t.push_back(field<int64_t>("data.ignore_id",
                                "segmentation: mask id of pixels left out of loss and metrics "
                                "(e.g. 255, Pascal VOC's object borders); -1: none",

@@ -77,6 +77,7 @@ class TaskData {
       options.classes = static_cast<int64_t>(config.data.classes.size());
       options.size = config.data.resize;
       options.ignore_id = config.data.ignore_id;
+      options.values = config.data.mask_values;
       ignore_id_ = config.data.ignore_id;
       const auto images = replace_split(config.data.images, split);
       const auto masks = replace_split(config.data.masks, split);
@@ -897,6 +898,18 @@ std::vector<plan::Finding> diagnose_task_settings(const Config& config) {
                                  "': its pixels would never be learnt"),
                         c10::str("use an id of no class (at least ", config.data.classes.size(),
                                  ", e.g. 255) or -1 for none")});
+  }
+  const auto& values = config.data.mask_values;
+  if (!values.empty() && config.task != "segmentation") {
+    findings.push_back({plan::Finding::Severity::Error,
+                        c10::str("data.mask_values maps mask values to classes; task ", config.task,
+                                 " has no masks"),
+                        "remove data.mask_values"});
+  } else if (!values.empty() && values.size() != config.data.classes.size()) {
+    findings.push_back({plan::Finding::Severity::Error,
+                        c10::str("data.mask_values lists ", values.size(), " values for ",
+                                 config.data.classes.size(), " classes"),
+                        "give one value (or colour) per class of data.classes, in its order"});
   }
   if (fixed_count(config.train.eval_batch) == int64_t{0}) {
     findings.push_back({plan::Finding::Severity::Error,

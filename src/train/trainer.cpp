@@ -511,8 +511,9 @@ PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
 TrainResult train(const Config& config, const std::string& resume, const EventCallback& on_event,
                   const StopRequest& stop) {
   if (is_batch_task(config)) return train_batch(config, resume, on_event, stop);
-  TORCH_CHECK(config.data.ignore_id < 0, "data.ignore_id ", config.data.ignore_id,
-              " leaves mask pixels out; task phases has no masks: set data.ignore_id to -1");
+  TORCH_CHECK(config.data.ignore_id < 0 && config.data.mask_values.empty(),
+              "data.ignore_id and data.mask_values are about segmentation masks; task phases has "
+              "none: set data.ignore_id to -1 and remove data.mask_values");
   auto emit = [&](Event e) {
     if (on_event) on_event(e);
   };

@@ -496,6 +496,40 @@ TEST_F(DataTest, SegmentationImagesAndMasks) {
             }).find("has class id 255 but there are 3 classes (ids 0..2) and ignore id 254"),
             std::string::npos);
   options.ignore_id = -1;
+
+  // Binary masks stored as 0 and 255, and colour-coded masks: data.mask_values maps them.
+  data::write_image(masks + "/s0.png",
+                    (truth[0] * 127).to(torch::kUInt8).unsqueeze(0).repeat({3, 1, 1}));
+  options.values = {{0}, {127}, {254}};
+  EXPECT_TRUE(data::SegmentationDataset(images, masks, options).mask(0).equal(truth[0]));
+  const auto colour_of =
+      torch::tensor({0, 0, 0, 200, 0, 0, 0, 90, 255}, torch::kUInt8).view({3, 3});
+  data::write_image(
+      masks + "/s0.png",
+      colour_of.index_select(0, truth[0].flatten()).t().reshape({3, 16, 24}).contiguous());
+  options.values = {{0, 0, 0}, {200, 0, 0}, {0, 90, 255}};
+  EXPECT_TRUE(data::SegmentationDataset(images, masks, options).mask(0).equal(truth[0]));
+  options.values = {{0, 0, 0}, {200, 0, 0}, {0, 90, 254}};
+  EXPECT_NE(test_util::error_message([&] {
+              data::SegmentationDataset(images, masks, options).mask(0);
+            }).find("has value RGB 0,90,255 at x="),
+            std::string::npos);
+  // Numbers, with an ignore value among them.
+  auto with_border = truth[0].clone();
+  with_border[0].fill_(9);
+  data::write_image(masks + "/s0.png",
+                    with_border.to(torch::kUInt8).unsqueeze(0).repeat({3, 1, 1}));
+  options.values = {{0}, {1}, {2}};
+  EXPECT_NE(
+      test_util::error_message([&] { data::SegmentationDataset(images, masks, options).mask(0); })
+          .find("has value 9 at x=0 y=0, which data.mask_values does not list (nor is it "
+                "data.ignore_id)"),
+      std::string::npos);
+  options.ignore_id = 9;
+  EXPECT_TRUE(data::SegmentationDataset(images, masks, options).mask(0).equal(with_border));
+  options.ignore_id = -1;
+  options.values.clear();
+  data::write_image(masks + "/s0.png", truth[0].to(torch::kUInt8).unsqueeze(0).repeat({3, 1, 1}));
   data::write_image(masks + "/orphan.png", torch::zeros({3, 16, 24}, torch::kUInt8));
   EXPECT_NE(test_util::error_message([&] {
               data::SegmentationDataset(images, masks, options);

@@ -232,6 +232,31 @@ TEST(TaskConfig, KeysAndMismatchesAreNamed) {
   EXPECT_NE(wrong.find("model.layers: the network's output per sample is 3 but task clips needs 2"),
             std::string::npos)
       << wrong;
+  // Mask values: numbers or colours, one per class, round-tripping through the run's config.
+  using Values = std::vector<std::vector<int64_t>>;
+  const auto with_values = [](const std::string& values) {
+    return train::parse_config(
+        "task: segmentation\ndata:\n  classes: [bg, fg]\n  mask_values: " + values + "\n", "t");
+  };
+  EXPECT_EQ(with_values("[0, 255]").data.mask_values, (Values{{0}, {255}}));
+  const auto colours = with_values("[[0, 0, 0], [255, 0, 0]]");
+  EXPECT_EQ(colours.data.mask_values, (Values{{0, 0, 0}, {255, 0, 0}}));
+  EXPECT_EQ(train::parse_config(train::to_yaml(colours), "round trip").data.mask_values,
+            colours.data.mask_values);
+  for (const auto& [values, error] : std::vector<std::pair<std::string, std::string>>{
+           {"[0, [1, 2, 3]]", "mixes numbers and colours"},
+           {"[3, 3]", "the same value as class 0"},
+           {"[[0, 0, 300], [1, 1, 1]]", "300 is not a colour channel"},
+           {"[[0, 0], [1, 1]]", "expected a number or an [R, G, B] colour"},
+           {"[-1, 1]", "-1 is not a mask value"}}) {
+    EXPECT_NE(test_util::error_message([&] { with_values(values); }).find(error), std::string::npos)
+        << values;
+  }
+  auto three = with_values("[0, 1, 2]");
+  const auto findings = train::diagnose_task_settings(three);
+  ASSERT_EQ(findings.size(), 1u);
+  EXPECT_NE(findings[0].problem.find("data.mask_values lists 3 values for 2 classes"),
+            std::string::npos);
   // A UNet whose depth does not divide the images.
   auto odd = c;
   odd.model.depth = 3;

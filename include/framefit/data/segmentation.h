@@ -14,6 +14,10 @@ struct SegmentationOptions {
   int64_t classes = 2;
   int64_t size = 0;        // resize images and masks to size x size (masks: nearest); 0 keeps
   int64_t ignore_id = -1;  // a mask id allowed besides the classes' (pixels to leave out); -1: none
+  // Class i's value in the mask files: one number each (as read_label_image reads them; a value
+  // equal to ignore_id stays ignored) or an [R, G, B] colour each (the mask read as a picture);
+  // empty: the values are the ids. A value not listed is an error naming the pixel.
+  std::vector<std::vector<int64_t>> values;
 };
 
 // A label map [H,W] int64 at h x w by nearest neighbour, so class ids never blend.
@@ -45,6 +49,8 @@ class SegmentationDataset {
   std::vector<Item> items_;
   // The size a sample comes out at: options.size square, or the item's own.
   std::pair<int64_t, int64_t> output_size(const Item& item) const;
+  // The item's mask as class ids [H,W] at its own size: options.values mapped.
+  torch::Tensor read_ids(const Item& item) const;
 };
 
 }  // namespace framefit::data
