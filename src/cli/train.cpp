@@ -365,7 +365,7 @@ int predict_clips(const Args& args) {
   return 0;
 }
 
-// Masks as PNG files of class ids (in every channel, like the training masks), and per image
+// Masks as PNG files of class ids (gray, like the demo masks), and per image
 // the share of its pixels in each class as CSV on standard output.
 int predict_masks(const Args& args) {
   TORCH_CHECK(args.has("image") && args.has("out"),
@@ -395,7 +395,7 @@ int predict_masks(const Args& args) {
       path = out + "/" + name.substr(0, name.rfind('.')) + ".png";
     }
     const auto& mask = masks[i];
-    data::write_image(path, mask.to(torch::kUInt8).unsqueeze(0).expand({3, -1, -1}).contiguous());
+    data::write_label_image(path, mask);
     const auto shares = torch::bincount(mask.flatten(), {}, model.classes.size())
                             .to(torch::kDouble)
                             .div(static_cast<double>(mask.numel()));

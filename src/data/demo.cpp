@@ -199,8 +199,7 @@ int64_t make_segmentation_demo(const std::string& out_dir, const SegmentationDem
       char name[32];
       std::snprintf(name, sizeof(name), "/%04lld.png", static_cast<long long>(i));
       write_image(root + "/images" + name, image);
-      write_image(root + "/masks" + name,
-                  mask.to(torch::kUInt8).unsqueeze(0).expand({3, -1, -1}).contiguous());
+      write_label_image(root + "/masks" + name, mask);
       ++written;
     }
   }

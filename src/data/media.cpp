@@ -913,6 +913,59 @@ torch::Tensor read_label_image(const std::string& path) {
   return ids;
 }
 
+namespace {
+
+// Encodes `picture` (its format, size and quality set) with `context`'s codec and writes the
+// one packet to `path`.
+void write_picture(const std::string& path, const std::string& what, AVCodecContext* context,
+                   const AVFrame* picture) {
+  auto packet = new_packet();
+  int err = avcodec_send_frame(context, picture);
+  if (err >= 0) err = avcodec_send_frame(context, nullptr);
+  if (err >= 0) err = avcodec_receive_packet(context, packet.get());
+  TORCH_CHECK(err >= 0, what, ": cannot encode: ", av_error(err));
+
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "wb"),
+                                                       &std::fclose);
+  TORCH_CHECK(file, what, ": cannot create: ", std::strerror(errno));
+  const auto size = static_cast<size_t>(packet->size);
+  const bool written = std::fwrite(packet->data, 1, size, file.get()) == size;
+  const bool closed = std::fclose(file.release()) == 0;
+  TORCH_CHECK(written && closed, what, ": cannot write: ", std::strerror(errno));
+}
+
+// An encoder context for one `format` picture of width x height, and the picture to fill.
+std::pair<CodecPtr, FramePtr> image_encoder(AVCodecID id, AVPixelFormat format, int width,
+                                            int height, const std::string& what, int quality = 0) {
+  const AVCodec* codec = avcodec_find_encoder(id);
+  TORCH_CHECK(codec, what, ": this FFmpeg has no ", avcodec_get_name(id), " encoder");
+  auto context = new_codec_context(codec);
+  context->width = width;
+  context->height = height;
+  context->time_base = AVRational{1, 25};  // required by encoders, meaningless for one picture
+  context->pix_fmt = format;
+  // JPEG: full-range 4:2:0, what JPEG files usually hold.
+  const bool jpeg = id == AV_CODEC_ID_MJPEG;
+  context->color_range = jpeg ? AVCOL_RANGE_JPEG : AVCOL_RANGE_UNSPECIFIED;
+  if (quality > 0) {
+    context->flags |= AV_CODEC_FLAG_QSCALE;
+    context->global_quality = quality * FF_QP2LAMBDA;
+  }
+  const int err = avcodec_open2(context.get(), codec, nullptr);
+  TORCH_CHECK(err >= 0, what, ": cannot open the ", codec->name, " encoder: ", av_error(err));
+  auto picture = new_frame();
+  picture->format = format;
+  picture->width = width;
+  picture->height = height;
+  picture->color_range = context->color_range;
+  picture->quality = context->global_quality;
+  TORCH_CHECK(av_frame_get_buffer(picture.get(), 0) >= 0, what, ": out of memory for a ", width,
+              "x", height, " picture");
+  return {std::move(context), std::move(picture)};
+}
+
+}  // namespace
+
 void write_image(const std::string& path, const torch::Tensor& frame, int quality) {
   quiet_ffmpeg();
   const std::string what = "image " + path;
@@ -929,47 +982,45 @@ void write_image(const std::string& path, const torch::Tensor& frame, int qualit
               "' (use .jpg, .jpeg or .png)");
   TORCH_CHECK(!jpeg || (quality >= 1 && quality <= 31), what,
               ": JPEG quality must be 1-31 (lower is better), got ", quality);
-
-  const AVCodec* codec = avcodec_find_encoder(jpeg ? AV_CODEC_ID_MJPEG : AV_CODEC_ID_PNG);
-  TORCH_CHECK(codec, what, ": this FFmpeg has no ", jpeg ? "JPEG" : "PNG", " encoder");
   const int height = static_cast<int>(frame.size(1)), width = static_cast<int>(frame.size(2));
-  auto context = new_codec_context(codec);
-  context->width = width;
-  context->height = height;
-  context->time_base = AVRational{1, 25};  // required by encoders, meaningless for one picture
-  // JPEG: full-range 4:2:0, what JPEG files usually hold.
-  context->pix_fmt = jpeg ? AV_PIX_FMT_YUVJ420P : AV_PIX_FMT_RGB24;
-  context->color_range = jpeg ? AVCOL_RANGE_JPEG : AVCOL_RANGE_UNSPECIFIED;
-  if (jpeg) {
-    context->flags |= AV_CODEC_FLAG_QSCALE;
-    context->global_quality = quality * FF_QP2LAMBDA;
-  }
-  int err = avcodec_open2(context.get(), codec, nullptr);
-  TORCH_CHECK(err >= 0, what, ": cannot open the ", codec->name, " encoder: ", av_error(err));
-
-  auto picture = new_frame();
-  picture->format = context->pix_fmt;
-  picture->width = width;
-  picture->height = height;
-  picture->color_range = context->color_range;
-  picture->quality = context->global_quality;
-  TORCH_CHECK(av_frame_get_buffer(picture.get(), 0) >= 0, what, ": out of memory for a ", width,
-              "x", height, " picture");
+  auto [context, picture] = image_encoder(jpeg ? AV_CODEC_ID_MJPEG : AV_CODEC_ID_PNG,
+                                          jpeg ? AV_PIX_FMT_YUVJ420P : AV_PIX_FMT_RGB24, width,
+                                          height, what, jpeg ? quality : 0);
   FromRgb(width, height, context->pix_fmt, what).convert(frame.cpu(), picture.get(), what);
+  write_picture(path, what, context.get(), picture.get());
+}
 
-  auto packet = new_packet();
-  err = avcodec_send_frame(context.get(), picture.get());
-  if (err >= 0) err = avcodec_send_frame(context.get(), nullptr);
-  if (err >= 0) err = avcodec_receive_packet(context.get(), packet.get());
-  TORCH_CHECK(err >= 0, what, ": cannot encode: ", av_error(err));
-
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "wb"),
-                                                       &std::fclose);
-  TORCH_CHECK(file, what, ": cannot create: ", std::strerror(errno));
-  const auto size = static_cast<size_t>(packet->size);
-  const bool written = std::fwrite(packet->data, 1, size, file.get()) == size;
-  const bool closed = std::fclose(file.release()) == 0;
-  TORCH_CHECK(written && closed, what, ": cannot write: ", std::strerror(errno));
+void write_label_image(const std::string& path, const torch::Tensor& ids) {
+  quiet_ffmpeg();
+  const std::string what = "mask " + path;
+  TORCH_CHECK(ids.defined() && ids.dim() == 2 && ids.size(0) > 0 && ids.size(1) > 0 &&
+                  !ids.is_floating_point() && !ids.is_complex(),
+              what, ": expected class ids of shape [H,W] (integers), got ",
+              ids.defined() ? c10::toString(ids.scalar_type()) : "undefined", " ",
+              ids.defined() ? ids.sizes() : c10::IntArrayRef{});
+  const auto values = ids.cpu().to(torch::kLong).contiguous();
+  const auto [low, high] = torch::aminmax(values);
+  TORCH_CHECK(low.item<int64_t>() >= 0 && high.item<int64_t>() <= 65535, what,
+              ": class ids must be 0-65535 to be stored in a PNG, got ", low.item<int64_t>(),
+              " to ", high.item<int64_t>());
+  const bool wide = high.item<int64_t>() > 255;
+  const int height = static_cast<int>(values.size(0)), width = static_cast<int>(values.size(1));
+  auto [context, picture] = image_encoder(
+      AV_CODEC_ID_PNG, wide ? AV_PIX_FMT_GRAY16BE : AV_PIX_FMT_GRAY8, width, height, what);
+  const auto* v = values.data_ptr<int64_t>();
+  for (int y = 0; y < height; ++y) {
+    uint8_t* row = picture->data[0] + static_cast<ptrdiff_t>(y) * picture->linesize[0];
+    for (int x = 0; x < width; ++x) {
+      const int64_t id = v[static_cast<size_t>(y) * width + x];
+      if (wide) {
+        row[2 * x] = static_cast<uint8_t>(id >> 8);
+        row[2 * x + 1] = static_cast<uint8_t>(id & 255);
+      } else {
+        row[x] = static_cast<uint8_t>(id);
+      }
+    }
+  }
+  write_picture(path, what, context.get(), picture.get());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1149,6 +1200,7 @@ std::pair<int64_t, int64_t> image_size(const std::string&) { no_ffmpeg(); }
 void read_image(const std::string&, torch::Tensor) { no_ffmpeg(); }
 torch::Tensor read_label_image(const std::string&) { no_ffmpeg(); }
 void write_image(const std::string&, const torch::Tensor&, int) { no_ffmpeg(); }
+void write_label_image(const std::string&, const torch::Tensor&) { no_ffmpeg(); }
 
 struct VideoWriter::State {};
 VideoWriter::VideoWriter(const std::string&, int64_t, int64_t, double) { no_ffmpeg(); }

@@ -59,12 +59,14 @@ rows = list(csv.DictReader(open('shares.csv')))
 assert len(rows) == 12 and list(rows[0])[4:] == ['background', 'disc', 'square'], rows[:1]
 confusion = np.zeros((3, 3), np.int64)
 for r in rows:
-    mask = np.array(Image.open(r['mask']))
-    truth = np.array(Image.open(r['image'].replace('/images/', '/masks/')))[..., 0]
-    assert mask.shape == (64, 64, 3) and (mask[..., 0] == mask[..., 2]).all(), mask.shape
-    shares = np.bincount(mask[..., 0].ravel(), minlength=3) / mask[..., 0].size
+    mask = Image.open(r['mask'])
+    assert mask.mode == 'L', mask.mode  # class ids as 8-bit gray
+    mask = np.array(mask)
+    truth = np.array(Image.open(r['image'].replace('/images/', '/masks/')))
+    assert mask.shape == (64, 64) and truth.shape == (64, 64), (mask.shape, truth.shape)
+    shares = np.bincount(mask.ravel(), minlength=3) / mask.size
     assert np.allclose(shares, [float(r[c]) for c in ('background', 'disc', 'square')], atol=1e-4)
-    np.add.at(confusion, (truth.ravel(), mask[..., 0].ravel()), 1)
+    np.add.at(confusion, (truth.ravel(), mask.ravel()), 1)
 tp = np.diag(confusion)
 iou = [tp[c] / (confusion[c].sum() + confusion[:, c].sum() - tp[c])
        for c in range(3) if confusion[c].sum() + confusion[:, c].sum() > 0]

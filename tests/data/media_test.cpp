@@ -576,6 +576,30 @@ TEST(Images, MasksAreReadAsClassIdsInEveryLosslessFlavour) {
                        "none.png"));
 }
 
+TEST(Images, ClassIdsRoundTripAsGrayPng) {
+  REQUIRE_FFMPEG();
+  TempDir dir("label_images");
+  const auto small = torch::randint(0, 256, {5, 7}, torch::kLong);
+  data::write_label_image(dir.file("small.png"), small);
+  EXPECT_TRUE(data::read_label_image(dir.file("small.png")).equal(small));
+  EXPECT_EQ(read_bytes(dir.file("small.png")).substr(24, 2), std::string("\x08\x00", 2))
+      << "8-bit gray (IHDR bit depth 8, colour type 0)";
+  const auto wide = torch::randint(0, 65536, {4, 3}, torch::kInt32);
+  data::write_label_image(dir.file("wide.png"), wide);
+  EXPECT_TRUE(data::read_label_image(dir.file("wide.png")).equal(wide.to(torch::kLong)));
+  EXPECT_EQ(read_bytes(dir.file("wide.png")).substr(24, 2), std::string("\x10\x00", 2))
+      << "16-bit gray";
+  EXPECT_TRUE(
+      contains(test_util::error_message([&] {
+                 data::write_label_image(dir.file("x.png"), torch::full({2, 2}, -1, torch::kLong));
+               }),
+               "must be 0-65535"));
+  EXPECT_TRUE(contains(test_util::error_message([&] {
+                         data::write_label_image(dir.file("x.png"), torch::zeros({2, 2}));
+                       }),
+                       "integers"));
+}
+
 TEST(Images, WriteReadRoundTrip) {
   REQUIRE_FFMPEG();
   TempDir dir("images");

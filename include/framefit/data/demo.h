@@ -49,7 +49,7 @@ struct SegmentationDemoOptions {
   uint64_t seed = 0;
 };
 ClassList segmentation_demo_classes();
-// Writes <split>/images/NNNN.png and <split>/masks/NNNN.png (class ids in every channel) under
+// Writes <split>/images/NNNN.png and <split>/masks/NNNN.png (class ids as gray PNG) under
 // `out_dir` for the splits train, val and test; returns the images written.
 int64_t make_segmentation_demo(const std::string& out_dir,
                                const SegmentationDemoOptions& options = {});

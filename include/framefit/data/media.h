@@ -99,10 +99,14 @@ void read_image(const std::string& path, torch::Tensor out);
 // Reads a label image (a segmentation mask) as class ids [H,W] int64: the values of a gray PNG
 // (8 or 16 bits; 1 bit as 0 and 1), the indices of a palette PNG (as Pascal VOC and LabelMe store
 // masks; the palette's colours do not matter), or the value of an image whose R, G and B are
-// equal (what `framefit predict` writes). A colour mask (channels that differ: colour-coded
+// equal (as masks are often saved). A colour mask (channels that differ: colour-coded
 // classes need mapping to ids first) and a JPEG (its compression changes ids along every edge)
 // are errors naming the file, as is a missing, empty or corrupt one.
 torch::Tensor read_label_image(const std::string& path);
+
+// Writes class ids [H,W] (any integer type, 0-65535) as a gray PNG, 8-bit when every id is
+// below 256, else 16-bit: the format read_label_image reads and most tools expect.
+void write_label_image(const std::string& path, const torch::Tensor& ids);
 
 // Writes an image; the format follows the extension (.jpg/.jpeg: JPEG at `quality` 1-31, lower
 // is better, FFmpeg's qscale; .png: PNG). `frame` is uint8 [3,H,W].
