@@ -905,7 +905,8 @@ torch::Tensor read_label_image(const std::string& path) {
         TORCH_CHECK(false, what, ": is a colour mask (pixel x=", x, " y=", y, " is RGB ", int(p[i]),
                     ",", int(p[plane + i]), ",", int(p[2 * plane + i]),
                     "); class ids must be gray values, palette indices or equal R, G and B: map "
-                    "its colours to ids first");
+                    "its colours to ids (framefit train: list each class's colour in "
+                    "data.mask_values)");
       }
       ids.copy_(rgb[0]);
     }
