@@ -1172,18 +1172,6 @@ namespace {
               "the libavformat/libavcodec/libswscale development packages)");
   std::abort();  // not reached; TORCH_CHECK(false) throws
 }
-// Frames the container counts but never shows: an MP4 cut with `ffmpeg -ss T -c copy` keeps
-// the packets from the keyframe before T and an edit list that drops the frames before T.
-int64_t discarded_frames(AVStream* stream) {
-  int64_t discarded = 0;
-  const int entries = avformat_index_get_entries_count(stream);
-  for (int i = 0; i < entries; ++i) {
-    const AVIndexEntry* entry = avformat_index_get_entry(stream, i);
-    if (entry != nullptr && (entry->flags & AVINDEX_DISCARD_FRAME)) ++discarded;
-  }
-  return discarded;
-}
-
 }  // namespace
 
 struct VideoReader::State {
