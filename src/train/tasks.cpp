@@ -910,6 +910,12 @@ std::vector<plan::Finding> diagnose_task_settings(const Config& config) {
                         c10::str("data.mask_values lists ", values.size(), " values for ",
                                  config.data.classes.size(), " classes"),
                         "give one value (or colour) per class of data.classes, in its order"});
+  } else if (!values.empty() && values.front().size() == 3 && ignore >= 0) {
+    findings.push_back({plan::Finding::Severity::Error,
+                        c10::str("data.ignore_id ", ignore,
+                                 " is a mask value, but data.mask_values lists colours: no pixel "
+                                 "can have it"),
+                        "set data.ignore_id to -1, or map the masks to gray ids"});
   }
   if (fixed_count(config.train.eval_batch) == int64_t{0}) {
     findings.push_back({plan::Finding::Severity::Error,
