@@ -378,7 +378,8 @@ int predict_masks(const Args& args) {
   const bool folder = is_directory(input);
   std::vector<std::string> images =
       folder ? data::list_images(input) : std::vector<std::string>{input};
-  TORCH_CHECK(!images.empty(), "no images (.jpg, .jpeg, .png, .bmp) in ", input);
+  TORCH_CHECK(!images.empty(), "no images (.jpg, .jpeg, .png, .bmp, .webp, .tif, .tiff) in ",
+              input);
   if (folder) {
     TORCH_CHECK(is_directory(out) || ::mkdir(out.c_str(), 0755) == 0, "cannot create the folder ",
                 out, " for the masks: ", std::strerror(errno));

@@ -32,7 +32,8 @@ bool is_image_name(const std::string& name) {
   if (dot == std::string::npos) return false;
   std::string ext = name.substr(dot + 1);
   for (auto& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return ext == "jpg" || ext == "jpeg" || ext == "png" || ext == "bmp";
+  return ext == "jpg" || ext == "jpeg" || ext == "png" || ext == "bmp" || ext == "webp" ||
+         ext == "tif" || ext == "tiff";
 }
 
 // The number at the end of a file name's stem ("frame_000123.jpg" -> 123), or -1.
@@ -152,7 +153,7 @@ Source open_source(const std::string& path, double folder_fps, double sample_fps
   if (is_directory(path)) {
     source.frame_files = list_frames(path);
     TORCH_CHECK(!source.frame_files.empty(), "frame folder ", path,
-                ": no frame images (.jpg, .jpeg, .png, .bmp)");
+                ": no frame images (.jpg, .jpeg, .png, .bmp, .webp, .tif, .tiff)");
     source.frames = static_cast<int64_t>(source.frame_files.size());
     source.fps = folder_fps;
     TORCH_CHECK(sample_fps == 0 || source.fps > 0, "frame folder ", path,

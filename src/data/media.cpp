@@ -73,6 +73,15 @@ std::vector<int64_t> sample_times(const std::vector<double>& times, double end_s
   return indices;
 }
 
+bool is_jpeg_file(const std::string& path) {
+  unsigned char magic[3] = {0, 0, 0};
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (file == nullptr) return false;
+  const size_t n = std::fread(magic, 1, sizeof(magic), file);
+  std::fclose(file);
+  return n == 3 && magic[0] == 0xFF && magic[1] == 0xD8 && magic[2] == 0xFF;
+}
+
 std::pair<int64_t, int64_t> resized_hw(int64_t height, int64_t width, int64_t shorter_side) {
   TORCH_CHECK(height > 0 && width > 0, "resized_hw: the source size must be positive, got ", height,
               "x", width, " (height x width)");
@@ -336,6 +345,11 @@ AVCodecID image_codec(const std::vector<uint8_t>& bytes) {
   if (starts_with(bytes, "\x89PNG\r\n\x1a\n")) return AV_CODEC_ID_PNG;
   if (starts_with(bytes, "BM")) return AV_CODEC_ID_BMP;
   if (starts_with(bytes, "RIFF") && starts_with(bytes, "WEBP", 8)) return AV_CODEC_ID_WEBP;
+  const bool big_endian_tiff =
+      starts_with(bytes, "MM") && bytes.size() >= 4 && bytes[2] == 0 && bytes[3] == 42;
+  if (starts_with(bytes, "II*") || big_endian_tiff) {
+    return AV_CODEC_ID_TIFF;  // CVC-ClinicDB and much medical imaging ship TIFF
+  }
   return AV_CODEC_ID_NONE;
 }
 
@@ -344,7 +358,7 @@ FramePtr decode_image(const std::vector<uint8_t>& bytes, const std::string& what
   quiet_ffmpeg();
   const auto id = image_codec(bytes);
   TORCH_CHECK(id != AV_CODEC_ID_NONE, what,
-              ": cannot decode (corrupt or not an image): not a JPEG, PNG, BMP or WebP file");
+              ": cannot decode (corrupt or not an image): not a JPEG, PNG, BMP, WebP or TIFF file");
   const AVCodec* codec = avcodec_find_decoder(id);
   TORCH_CHECK(codec, what, ": this FFmpeg has no ", avcodec_get_name(id), " decoder");
   auto context = new_codec_context(codec);
@@ -848,7 +862,8 @@ torch::Tensor read_label_image(const std::string& path) {
   const auto bytes = read_file(path, what);
   TORCH_CHECK(image_codec(bytes) != AV_CODEC_ID_MJPEG, what,
               ": is a JPEG, whose compression changes class ids along every edge; save masks "
-              "losslessly, as PNG");
+              "losslessly, as PNG (framefit train: or list the class values in "
+              "data.mask_values, and each pixel takes the nearest)");
   const auto frame = decode_image(bytes, what);
   const int64_t height = frame->height, width = frame->width;
   auto ids = torch::empty({height, width}, torch::kLong);

@@ -76,12 +76,36 @@ std::pair<int64_t, int64_t> SegmentationDataset::output_size(const Item& item) c
   return {item.height, item.width};
 }
 
+torch::Tensor SegmentationDataset::nearest_ids(const Item& item) const {
+  // Compression moves values near edges (Kvasir-SEG's masks hold 0-30 and 220-255 for 0 and
+  // 255): each pixel takes the listed value nearest to it, by squared distance over channels.
+  const auto& values = options_.values;
+  auto rgb = torch::empty({3, item.height, item.width}, torch::kUInt8);
+  read_image(item.mask, rgb);
+  const bool colour = values.front().size() == 3;
+  const auto pixels = colour ? rgb.to(torch::kFloat).view({3, -1}).t()
+                             : rgb.to(torch::kFloat).mean(0).view({-1, 1});  // [N, channels]
+  std::vector<float> listed;
+  for (const auto& v : values) {
+    for (const int64_t x : v) listed.push_back(static_cast<float>(x));
+  }
+  const auto ignore = !colour && options_.ignore_id >= 0;
+  if (ignore) listed.push_back(static_cast<float>(options_.ignore_id));
+  const int64_t channels = colour ? 3 : 1;
+  const auto candidates =
+      torch::tensor(listed).view({static_cast<int64_t>(listed.size()) / channels, channels});
+  auto ids = torch::cdist(pixels, candidates).argmin(1);
+  if (ignore) ids.masked_fill_(ids.eq(static_cast<int64_t>(values.size())), options_.ignore_id);
+  return ids.view({item.height, item.width});
+}
+
 torch::Tensor SegmentationDataset::read_ids(const Item& item) const {
   const auto& values = options_.values;
   if (values.empty()) return read_label_image(item.mask);
   // Each pixel's value as one number (a colour packed as R * 65536 + G * 256 + B), looked up in
   // the listed values, sorted.
   const bool colour = values.front().size() == 3;
+  if (is_jpeg_file(item.mask)) return nearest_ids(item);
   auto pack = [](const std::vector<int64_t>& v) {
     return v.size() == 3 ? (v[0] << 16) | (v[1] << 8) | v[2] : v[0];
   };

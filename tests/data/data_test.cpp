@@ -528,6 +528,29 @@ TEST_F(DataTest, SegmentationImagesAndMasks) {
   options.ignore_id = 9;
   EXPECT_TRUE(data::SegmentationDataset(images, masks, options).mask(0).equal(with_border));
   options.ignore_id = -1;
+
+  // JPEG masks (Kvasir-SEG ships them): refused as ids, mapped to the nearest listed value.
+  // Blocks of 4 x 6 pixels (edges inside JPEG's 8 x 8 blocks), as 0 and 255, compressed.
+  torch::manual_seed(5);
+  const auto blocks = torch::randint(0, 2, {4, 4}, torch::kLong)
+                          .repeat_interleave(4, 0)
+                          .repeat_interleave(6, 1);  // 16 x 24
+  data::write_image(masks + "/s0.jpg",
+                    (blocks * 255).to(torch::kUInt8).unsqueeze(0).repeat({3, 1, 1}), 12);
+  std::remove((masks + "/s0.png").c_str());
+  options.values.clear();
+  EXPECT_NE(test_util::error_message([&] {
+              data::SegmentationDataset(images, masks, options).mask(0);
+            }).find("or list the class values in data.mask_values"),
+            std::string::npos);
+  auto noisy = torch::empty({3, 16, 24}, torch::kUInt8);
+  data::read_image(masks + "/s0.jpg", noisy);
+  EXPECT_FALSE(
+      ((noisy[0].to(torch::kLong) == 0) | (noisy[0].to(torch::kLong) == 255)).all().item<bool>())
+      << "the test needs compression noise";
+  options.values = {{0}, {255}};
+  EXPECT_TRUE(data::SegmentationDataset(images, masks, options).mask(0).equal(blocks));
+  std::remove((masks + "/s0.jpg").c_str());
   options.values.clear();
   data::write_image(masks + "/s0.png", truth[0].to(torch::kUInt8).unsqueeze(0).repeat({3, 1, 1}));
   data::write_image(masks + "/orphan.png", torch::zeros({3, 16, 24}, torch::kUInt8));

@@ -509,6 +509,11 @@ TEST(Images, ReadsJpegFramesAndSizes) {
   data::read_image(media("frame.png"), png);
   EXPECT_LT(mean_abs_diff(frames[0], png), 18);
   EXPECT_GT(mean_abs_diff(frames[0], png.flip(0)), 40);
+  // TIFF (CVC-ClinicDB's format): frame.png saved as an uncompressed TIFF by PIL, read exactly.
+  EXPECT_EQ(data::image_size(media("frame.tiff")), (std::pair<int64_t, int64_t>{24, 32}));
+  auto tiff = torch::empty({3, 24, 32}, torch::kUInt8);
+  data::read_image(media("frame.tiff"), tiff);
+  EXPECT_TRUE(tiff.equal(png));
   // Resized on read.
   auto small = torch::empty({3, 12, 16}, torch::kUInt8);
   data::read_image(media("frame.png"), small);

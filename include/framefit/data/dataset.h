@@ -49,8 +49,8 @@ Augmentation draw_augmentation(const TransformOptions& options, int64_t height, 
 // resumed run continues the same order from its saved position. shuffle=false: 0, 1, 2, ...
 std::vector<int64_t> epoch_order(int64_t count, uint64_t seed, int64_t epoch, bool shuffle);
 
-// The image files (.jpg, .jpeg, .png, .bmp) of a folder, as paths sorted by name; hidden files
-// left out. A folder that cannot be opened is an error naming it.
+// The image files (.jpg, .jpeg, .png, .bmp, .webp, .tif, .tiff) of a folder, as paths sorted by
+// name; hidden files left out. A folder that cannot be opened is an error naming it.
 std::vector<std::string> list_images(const std::string& folder);
 
 // One video file or frame folder, decoded for inference (no labels): sampled, resized and

@@ -90,7 +90,7 @@ class VideoReader {
 // pixels are damaged still has a size), by decoding for other formats.
 std::pair<int64_t, int64_t> image_size(const std::string& path);
 
-// Decodes an image file (JPEG, PNG, BMP or WebP, recognised by its first bytes; alpha is
+// Decodes an image file (JPEG, PNG, BMP, WebP or TIFF, recognised by its first bytes; alpha is
 // dropped) into `out` (uint8 [3,H,W], contiguous), resizing to out's H and W.
 // A missing, empty, truncated or corrupt file (damage the decoder can detect) is an error naming
 // it.
@@ -103,6 +103,9 @@ void read_image(const std::string& path, torch::Tensor out);
 // classes need mapping to ids first) and a JPEG (its compression changes ids along every edge)
 // are errors naming the file, as is a missing, empty or corrupt one.
 torch::Tensor read_label_image(const std::string& path);
+
+// Whether a file starts as a JPEG does (FF D8 FF); false when it cannot be read.
+bool is_jpeg_file(const std::string& path);
 
 // Writes class ids [H,W] (any integer type, 0-65535) as a gray PNG, 8-bit when every id is
 // below 256, else 16-bit: the format read_label_image reads and most tools expect.

@@ -16,7 +16,8 @@ struct SegmentationOptions {
   int64_t ignore_id = -1;  // a mask id allowed besides the classes' (pixels to leave out); -1: none
   // Class i's value in the mask files: one number each (as read_label_image reads them; a value
   // equal to ignore_id stays ignored) or an [R, G, B] colour each (the mask read as a picture);
-  // empty: the values are the ids. A value not listed is an error naming the pixel.
+  // empty: the values are the ids. A value not listed is an error naming the pixel. A JPEG mask
+  // (lossy: refused without values) takes the nearest listed value (or ignore_id) per pixel.
   std::vector<std::vector<int64_t>> values;
 };
 
@@ -51,6 +52,8 @@ class SegmentationDataset {
   std::pair<int64_t, int64_t> output_size(const Item& item) const;
   // The item's mask as class ids [H,W] at its own size: options.values mapped.
   torch::Tensor read_ids(const Item& item) const;
+  // A JPEG mask's ids: each pixel's nearest value of options.values (or the ignore id).
+  torch::Tensor nearest_ids(const Item& item) const;
 };
 
 }  // namespace framefit::data
