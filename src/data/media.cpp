@@ -345,6 +345,7 @@ AVCodecID image_codec(const std::vector<uint8_t>& bytes) {
   if (starts_with(bytes, "\x89PNG\r\n\x1a\n")) return AV_CODEC_ID_PNG;
   if (starts_with(bytes, "BM")) return AV_CODEC_ID_BMP;
   if (starts_with(bytes, "RIFF") && starts_with(bytes, "WEBP", 8)) return AV_CODEC_ID_WEBP;
+  if (starts_with(bytes, "GIF87a") || starts_with(bytes, "GIF89a")) return AV_CODEC_ID_GIF;
   const bool big_endian_tiff =
       starts_with(bytes, "MM") && bytes.size() >= 4 && bytes[2] == 0 && bytes[3] == 42;
   if (starts_with(bytes, "II*") || big_endian_tiff) {
@@ -357,8 +358,9 @@ AVCodecID image_codec(const std::vector<uint8_t>& bytes) {
 FramePtr decode_image(const std::vector<uint8_t>& bytes, const std::string& what) {
   quiet_ffmpeg();
   const auto id = image_codec(bytes);
-  TORCH_CHECK(id != AV_CODEC_ID_NONE, what,
-              ": cannot decode (corrupt or not an image): not a JPEG, PNG, BMP, WebP or TIFF file");
+  TORCH_CHECK(
+      id != AV_CODEC_ID_NONE, what,
+      ": cannot decode (corrupt or not an image): not a JPEG, PNG, BMP, WebP, TIFF or GIF file");
   const AVCodec* codec = avcodec_find_decoder(id);
   TORCH_CHECK(codec, what, ": this FFmpeg has no ", avcodec_get_name(id), " decoder");
   auto context = new_codec_context(codec);

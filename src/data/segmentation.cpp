@@ -52,15 +52,27 @@ SegmentationDataset::SegmentationDataset(const std::string& images_dir,
   TORCH_CHECK(options.classes >= 2, "segmentation data: at least 2 classes; got ", options.classes);
   TORCH_CHECK(options.size >= 0, "segmentation data: size must not be negative");
   const auto images = files_by_stem(images_dir);
-  const auto masks = files_by_stem(masks_dir);
-  for (const auto& [stem, mask] : masks) {
-    TORCH_CHECK(images.count(stem), "segmentation data: mask ", mask, " has no image named ", stem,
-                " in ", images_dir);
+  // A mask is named as its image, plus options.mask_suffix (ISIC: "_segmentation").
+  std::map<std::string, std::string> masks;
+  const auto& suffix = options.mask_suffix;
+  for (const auto& [stem, mask] : files_by_stem(masks_dir)) {
+    const bool suffixed = stem.size() > suffix.size() &&
+                          stem.compare(stem.size() - suffix.size(), suffix.size(), suffix) == 0;
+    TORCH_CHECK(suffixed, "segmentation data: mask ", mask, " does not end in data.mask_suffix \"",
+                suffix, "\"");
+    const auto image_stem = stem.substr(0, stem.size() - suffix.size());
+    TORCH_CHECK(images.count(image_stem), "segmentation data: mask ", mask, " has no image named ",
+                image_stem, " in ", images_dir,
+                suffix.empty() && stem.find('_') != std::string::npos
+                    ? " (masks named as their image plus a suffix such as _mask: set "
+                      "data.mask_suffix)"
+                    : "");
+    masks.emplace(image_stem, mask);
   }
   for (const auto& [stem, image] : images) {
     const auto m = masks.find(stem);
-    TORCH_CHECK(m != masks.end(), "segmentation data: image ", image, " has no mask named ", stem,
-                " in ", masks_dir);
+    TORCH_CHECK(m != masks.end(), "segmentation data: image ", image, " has no mask named ",
+                stem + suffix, " in ", masks_dir);
     const auto image_hw = image_size(image);
     const auto mask_hw = image_size(m->second);
     TORCH_CHECK(image_hw == mask_hw, "segmentation data: image ", image, " is ", image_hw.second,
@@ -102,10 +114,10 @@ torch::Tensor SegmentationDataset::nearest_ids(const Item& item) const {
 torch::Tensor SegmentationDataset::read_ids(const Item& item) const {
   const auto& values = options_.values;
   if (values.empty()) return read_label_image(item.mask);
+  if (is_jpeg_file(item.mask)) return nearest_ids(item);
   // Each pixel's value as one number (a colour packed as R * 65536 + G * 256 + B), looked up in
   // the listed values, sorted.
   const bool colour = values.front().size() == 3;
-  if (is_jpeg_file(item.mask)) return nearest_ids(item);
   auto pack = [](const std::vector<int64_t>& v) {
     return v.size() == 3 ? (v[0] << 16) | (v[1] << 8) | v[2] : v[0];
   };

@@ -351,6 +351,10 @@ const std::vector<Entry>& entries() {
       };
       t.push_back(e);
     }
+    t.push_back(field<std::string>("data.mask_suffix",
+                                   "segmentation: a mask is named as its image plus this (e.g. "
+                                   "_segmentation); empty: same name",
+                                   FRAMEFIT_MEMBER(std::string, data.mask_suffix), "a string"));
     t.push_back(field<int64_t>("data.ignore_id",
                                "segmentation: mask id of pixels left out of loss and metrics "
                                "(e.g. 255, Pascal VOC's object borders); -1: none",

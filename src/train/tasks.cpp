@@ -78,6 +78,7 @@ class TaskData {
       options.size = config.data.resize;
       options.ignore_id = config.data.ignore_id;
       options.values = config.data.mask_values;
+      options.mask_suffix = config.data.mask_suffix;
       ignore_id_ = config.data.ignore_id;
       const auto images = replace_split(config.data.images, split);
       const auto masks = replace_split(config.data.masks, split);

@@ -553,6 +553,25 @@ TEST_F(DataTest, SegmentationImagesAndMasks) {
   std::remove((masks + "/s0.jpg").c_str());
   options.values.clear();
   data::write_image(masks + "/s0.png", truth[0].to(torch::kUInt8).unsqueeze(0).repeat({3, 1, 1}));
+  // Masks named as their image plus a suffix (ISIC: ISIC_0000000_segmentation.png).
+  const auto suffixed = dir_ + "/suffixed";
+  ::mkdir(suffixed.c_str(), 0755);
+  for (int i = 0; i < 2; ++i) {
+    data::write_label_image(suffixed + "/s" + std::to_string(i) + "_segmentation.png", truth[i]);
+  }
+  EXPECT_NE(test_util::error_message([&] { data::SegmentationDataset(images, suffixed, options); })
+                .find("has no image named s0_segmentation in " + images +
+                      " (masks named as their image plus a suffix such as _mask: set "
+                      "data.mask_suffix)"),
+            std::string::npos);
+  options.mask_suffix = "_segmentation";
+  EXPECT_TRUE(data::SegmentationDataset(images, suffixed, options).mask(1).equal(truth[1]));
+  data::write_label_image(suffixed + "/s1_mask.png", truth[1]);
+  EXPECT_NE(test_util::error_message([&] {
+              data::SegmentationDataset(images, suffixed, options);
+            }).find("s1_mask.png does not end in data.mask_suffix \"_segmentation\""),
+            std::string::npos);
+  options.mask_suffix.clear();
   data::write_image(masks + "/orphan.png", torch::zeros({3, 16, 24}, torch::kUInt8));
   EXPECT_NE(test_util::error_message([&] {
               data::SegmentationDataset(images, masks, options);

@@ -514,6 +514,11 @@ TEST(Images, ReadsJpegFramesAndSizes) {
   auto tiff = torch::empty({3, 24, 32}, torch::kUInt8);
   data::read_image(media("frame.tiff"), tiff);
   EXPECT_TRUE(tiff.equal(png));
+  // GIF (Carvana's masks): the same frame quantised to a palette by PIL.
+  EXPECT_EQ(data::image_size(media("frame.gif")), (std::pair<int64_t, int64_t>{24, 32}));
+  auto gif = torch::empty({3, 24, 32}, torch::kUInt8);
+  data::read_image(media("frame.gif"), gif);
+  EXPECT_LT(mean_abs_diff(gif, png), 8);
   // Resized on read.
   auto small = torch::empty({3, 12, 16}, torch::kUInt8);
   data::read_image(media("frame.png"), small);

@@ -90,7 +90,7 @@ class VideoReader {
 // pixels are damaged still has a size), by decoding for other formats.
 std::pair<int64_t, int64_t> image_size(const std::string& path);
 
-// Decodes an image file (JPEG, PNG, BMP, WebP or TIFF, recognised by its first bytes; alpha is
+// Decodes an image file (JPEG, PNG, BMP, WebP, TIFF or GIF, recognised by its first bytes; alpha is
 // dropped) into `out` (uint8 [3,H,W], contiguous), resizing to out's H and W.
 // A missing, empty, truncated or corrupt file (damage the decoder can detect) is an error naming
 // it.

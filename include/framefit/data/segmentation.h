@@ -13,6 +13,9 @@ namespace framefit::data {
 struct SegmentationOptions {
   int64_t classes = 2;
   int64_t size = 0;        // resize images and masks to size x size (masks: nearest); 0 keeps
+  // A mask's name is its image's (extension aside) plus this: "_segmentation" for ISIC, "_mask"
+  // for Carvana.
+  std::string mask_suffix;
   int64_t ignore_id = -1;  // a mask id allowed besides the classes' (pixels to leave out); -1: none
   // Class i's value in the mask files: one number each (as read_label_image reads them; a value
   // equal to ignore_id stays ignored) or an [R, G, B] colour each (the mask read as a picture);

@@ -61,6 +61,7 @@ struct DataConfig {
   // Task segmentation: a mask id whose pixels count in neither the loss nor the metrics (255
   // marks object borders in Pascal VOC); -1: none.
   int64_t ignore_id = -1;
+  std::string mask_suffix;  // segmentation: a mask's name is its image's plus this
   // Task segmentation: class i's pixel value in the mask files, one number each (e.g. [0, 255]
   // for binary masks) or an [R, G, B] colour each (colour-coded masks); empty: the values are
   // the ids.
