@@ -527,7 +527,7 @@ struct VideoReader::State {
   PacketPtr packet = new_packet();
   FramePtr frame = new_frame();
   ToRgb to_rgb;
-  torch::Tensor upright;   // a rotated video's frame as stored, before turning it
+  torch::Tensor stored;    // a rotated video's frame as stored, before turning it
   int64_t next = 0;        // index of the next frame the decoder returns
   bool flushed = false;    // end of input reached and the decoder told so
   bool truncated = false;  // the input ended inside a packet
@@ -664,12 +664,12 @@ struct VideoReader::State {
     // Scaled as stored, then turned: a quarter turn swaps the stored frame's sides.
     const bool quarter = info.rotation % 180 != 0;
     const int stored_height = quarter ? width : height, stored_width = quarter ? height : width;
-    if (!upright.defined() || upright.size(1) != stored_height || upright.size(2) != stored_width) {
-      upright = torch::empty({3, stored_height, stored_width}, torch::kUInt8);
+    if (!stored.defined() || stored.size(1) != stored_height || stored.size(2) != stored_width) {
+      stored = torch::empty({3, stored_height, stored_width}, torch::kUInt8);
     }
-    to_rgb.convert(frame.get(), upright.data_ptr<uint8_t>(), stored_height, stored_width, what);
+    to_rgb.convert(frame.get(), stored.data_ptr<uint8_t>(), stored_height, stored_width, what);
     torch::from_blob(out, {3, height, width}, torch::kUInt8)
-        .copy_(torch::rot90(upright, info.rotation / 90, {1, 2}));
+        .copy_(torch::rot90(stored, info.rotation / 90, {1, 2}));
   }
 
   // The frame `packet` holds, by its timestamp: packets come in decode order, not frame order.
