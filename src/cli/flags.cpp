@@ -25,7 +25,8 @@ const std::vector<Command>& command_table() {
       {"doctor",
        "Check a training configuration before allocating anything: input too small, a budget "
        "below the static minimum, BatchNorm on tiny chunks, fp16 on a CPU, and more. With "
-       "--config, a layer-list network: a Linear sized for the wrong input, a parameter larger "
+       "--config: a phases config's data (every split's videos probed, each bad one named) and "
+       "step; a layer-list network: a Linear sized for the wrong input, a parameter larger "
        "than the budget, the largest batch that fits."},
       {"bench-memory",
        "Measured peak memory (tracked and RSS) and step time across chunk sizes, next to the "

@@ -262,6 +262,12 @@ int run_doctor(const Args& args) {
       }
       return print_findings(args, findings);
     }
+    if (!train::is_batch_task(config)) {
+      std::string summary;
+      const auto findings = train::diagnose_phases(config, &summary);
+      if (!args.on("json") && !summary.empty()) fmt::print("framefit doctor: {}\n", summary);
+      return print_findings(args, findings);
+    }
     TORCH_CHECK(!config.model.layers.empty() && !config.model.input.empty(), "config ",
                 args.text("config"),
                 ": `framefit doctor --config` checks a layer-list network; set model.layers and "

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 
 #include "framefit/engine/chunked.h"
 #include "framefit/engine/step.h"
@@ -419,9 +420,9 @@ struct StepPlan {
   int64_t budget = 0, step_budget = 0;
 };
 
-StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
-                   const std::optional<plan::StepSettings>& fixed,
-                   const std::function<void(const std::string&)>& info) {
+// The step `train` runs for the longest training video, and the budget it is planned in:
+// train.budget (else the device's available memory) less the prefetch reserve.
+StepPlan step_request(const Config& config, const data::VideoDataset& train_set) {
   const auto& tc = config.train;
   const torch::Device device(config.device);
   StepPlan result;
@@ -439,6 +440,15 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
   request.precisions = tc.precision == "auto"
                            ? plan::candidate_precisions(device)
                            : std::vector<engine::Precision>{engine::parse_precision(tc.precision)};
+  return result;
+}
+
+StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
+                   const std::optional<plan::StepSettings>& fixed,
+                   const std::function<void(const std::string&)>& info) {
+  const torch::Device device(config.device);
+  StepPlan result = step_request(config, train_set);
+  auto& request = result.request;
   if (fixed) {
     request.chunk = fixed->chunk;
     request.keep = fixed->keep;
@@ -506,6 +516,63 @@ PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
   result.budget_bytes = step.budget;
   result.step_budget_bytes = step.step_budget;
   return result;
+}
+
+std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* summary) {
+  TORCH_CHECK(!is_batch_task(config), "diagnose_phases is for task phases; task ", config.task,
+              " is checked by diagnose_batch_task");
+  std::vector<plan::Finding> findings;
+  const auto error = [&](const std::string& problem, const std::string& fix) {
+    findings.push_back({plan::Finding::Severity::Error, problem, fix});
+  };
+  if (config.data.ignore_id >= 0 || !config.data.mask_values.empty()) {
+    error("data.ignore_id and data.mask_values are about segmentation masks; task phases has none",
+          "set data.ignore_id to -1 and remove data.mask_values");
+  }
+  // Every split probed as training probes it, but each bad video reported instead of the first.
+  auto probing = config;
+  probing.data.on_error = "skip";
+  std::optional<data::VideoDataset> train_set;
+  std::vector<std::string> probed;
+  for (const auto& split :
+       {config.data.train_split, config.data.val_split, config.data.test_split}) {
+    if (std::find(probed.begin(), probed.end(), split) != probed.end()) continue;
+    probed.push_back(split);
+    try {
+      auto set =
+          make_dataset(probing, split, split == config.data.train_split, [&](const Event& e) {
+            if (e.kind != Event::Kind::Warning) return;
+            // The probe's "skipping video NAME: why", as a finding.
+            const std::string skipping = "skipping ";
+            error(e.message.rfind(skipping, 0) == 0 ? e.message.substr(skipping.size()) : e.message,
+                  "fix or replace the file, or set data.on_error: skip to "
+                  "train without it");
+          });
+      if (split == config.data.train_split) train_set.emplace(std::move(set));
+    } catch (const c10::Error& e) {
+      error(e.what_without_backtrace(), "fix the config or the manifest");
+    }
+  }
+  if (!train_set || train_set->size() == 0) {
+    if (train_set) {
+      error(c10::str("no usable videos in split \"", config.data.train_split, "\" of ",
+                     config.data.manifest),
+            "list training videos in the manifest");
+    }
+    return findings;
+  }
+  const auto step = step_request(config, *train_set);
+  const auto more = plan::diagnose(step.request, step.step_budget);
+  findings.insert(findings.end(), more.begin(), more.end());
+  if (summary) {
+    const int64_t size = step.request.model.size;
+    *summary = c10::str(train_set->size(), " training videos, the longest ", step.request.frames,
+                        " sampled frames at ", size, "x", size, "; step budget ",
+                        memory::format_bytes(step.step_budget),
+                        " (train.budget less the "
+                        "prefetch reserve); `framefit plan --config` chooses the settings");
+  }
+  return findings;
 }
 
 TrainResult train(const Config& config, const std::string& resume, const EventCallback& on_event,

@@ -32,6 +32,18 @@ data:
 train: {epochs: 2, lr: 0.001, precision: fp32, budget: 1GiB, chunk: auto, seed: 0, out_dir: run}
 EOF
 
+if [ "$mode" = tiny ]; then
+  # The doctor on a phases config probes every split without training; a missing video fails it.
+  "$framefit" doctor --config tiny.yaml > doctor.txt
+  grep -q "3 training videos, the longest" doctor.txt || { cat doctor.txt; fail "doctor summary"; }
+  grep -q "no problems found" doctor.txt || { cat doctor.txt; fail "doctor findings"; }
+  sed 's|videos/video04.mp4|videos/none.mp4|' demo/manifest.csv > demo/broken.csv
+  if "$framefit" doctor --config tiny.yaml --set data.manifest=demo/broken.csv > doctor.txt; then
+    fail "the doctor passed a manifest naming a missing video"
+  fi
+  grep -q "none.mp4: cannot open" doctor.txt || { cat doctor.txt; fail "doctor on a missing video"; }
+fi
+
 if [ "$mode" = resume ]; then
   # Checkpoint every step; slow enough (64 px frames) that the kill lands mid-run.
   common=(--config tiny.yaml --threads 2 --set train.checkpoint_every=1 --set train.epochs=4

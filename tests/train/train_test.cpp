@@ -6,11 +6,13 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 
 #include "test_util.h"
 
 #include "framefit/data/demo.h"
+#include "framefit/data/labels.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
@@ -288,6 +290,45 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
   const auto state = train::export_state_dict(model);
   EXPECT_EQ(state.front().first, "encoder.conv1.weight");
   EXPECT_EQ(state.back().first.rfind("head.", 0), 0u);
+  test_util::remove_tree(config.train.out_dir);
+}
+
+TEST(Training, DoctorReportsEveryBadVideoOfEverySplitWithoutTraining) {
+  auto config = tiny_config("/tmp/framefit_doctor");
+  std::string summary;
+  EXPECT_FALSE(plan::has_errors(train::diagnose_phases(config, &summary)));
+  EXPECT_NE(summary.find("3 training videos, the longest "), std::string::npos) << summary;
+
+  // A copy of the manifest where a training video's annotation lacks its last line and the
+  // validation video is missing: both reported, where training stops at the first.
+  const std::string dir = config.train.out_dir + "_data";
+  test_util::remove_tree(dir);
+  std::filesystem::create_directories(dir);
+  auto entries = data::read_manifest(config.data.manifest);
+  ASSERT_EQ(entries.size(), 5u);
+  std::ifstream in(entries[1].labels);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  std::ofstream short_labels(dir + "/short.txt");
+  for (size_t i = 0; i + 1 < lines.size(); ++i) short_labels << lines[i] << "\n";
+  short_labels.close();
+  entries[1].labels = dir + "/short.txt";
+  ASSERT_EQ(entries[3].split, "val");
+  entries[3].video = dir + "/missing.mp4";
+  data::write_manifest(dir + "/manifest.csv", entries);
+  config.data.manifest = dir + "/manifest.csv";
+  const auto findings = train::diagnose_phases(config);
+  std::vector<std::string> errors;
+  for (const auto& f : findings) {
+    if (f.severity == plan::Finding::Severity::Error) errors.push_back(f.problem);
+  }
+  ASSERT_EQ(errors.size(), 2u);
+  EXPECT_NE(errors[0].find("short.txt has " + std::to_string(lines.size() - 2) + " frames but"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("missing.mp4: cannot open"), std::string::npos) << errors[1];
+  EXPECT_THROW(train::train(config), c10::Error);
+  test_util::remove_tree(dir);
   test_util::remove_tree(config.train.out_dir);
 }
 

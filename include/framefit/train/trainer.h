@@ -17,6 +17,7 @@
 #include "framefit/models/heads.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/weights.h"
+#include "framefit/plan/doctor.h"
 #include "framefit/plan/memory_model.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
@@ -89,6 +90,13 @@ struct PhasePlan {
   int64_t budget_bytes = 0, step_budget_bytes = 0;
 };
 PhasePlan plan_phases(const Config& config, const EventCallback& on_event = {});
+
+// `framefit doctor --config` on a phases config: nothing trained, calibrated or decoded. Every
+// split's videos are probed as training probes them (manifest, files, frame counts against the
+// annotations, phase names), each bad video one error rather than the first alone; then the
+// step for the longest training video is checked by plan::diagnose within the step budget.
+// `summary`, when given, says what was checked.
+std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* summary = nullptr);
 
 // The config stored in a checkpoint (its task says whether load_model or load_batch_model reads
 // it).
