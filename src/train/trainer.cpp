@@ -523,6 +523,10 @@ std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* su
               " is checked by diagnose_batch_task");
   std::vector<plan::Finding> findings;
   const auto error = [&](const std::string& problem, const std::string& fix) {
+    // A bad manifest fails every split alike: said once.
+    for (const auto& f : findings) {
+      if (f.problem == problem) return;
+    }
     findings.push_back({plan::Finding::Severity::Error, problem, fix});
   };
   if (config.data.ignore_id >= 0 || !config.data.mask_values.empty()) {
