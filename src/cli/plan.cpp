@@ -262,7 +262,8 @@ int run_doctor(const Args& args) {
       }
       return print_findings(args, findings);
     }
-    if (!train::is_batch_task(config)) {
+    // A phases config without a layer list (one with it is checked as a network, below).
+    if (!train::is_batch_task(config) && config.model.layers.empty()) {
       std::string summary;
       const auto findings = train::diagnose_phases(config, &summary);
       if (!args.on("json") && !summary.empty()) fmt::print("framefit doctor: {}\n", summary);
