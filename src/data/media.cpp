@@ -480,6 +480,24 @@ torch::Tensor oriented(const torch::Tensor& stored, int orientation) {
   }
 }
 
+// Converts `frame` to RGB into `out` [3,height,width] as EXIF `orientation` says to show it:
+// scaled as stored (its sides swapped for orientations 5-8), then turned or mirrored. `stored`
+// holds the picture as stored, kept between calls of the same size.
+void convert_oriented(ToRgb& to_rgb, const AVFrame* frame, uint8_t* out, int height, int width,
+                      int orientation, torch::Tensor& stored, const std::string& what) {
+  if (orientation == 1) {
+    to_rgb.convert(frame, out, height, width, what);
+    return;
+  }
+  const bool swapped = swaps_sides(orientation);
+  const int stored_height = swapped ? width : height, stored_width = swapped ? height : width;
+  if (!stored.defined() || stored.size(1) != stored_height || stored.size(2) != stored_width) {
+    stored = torch::empty({3, stored_height, stored_width}, torch::kUInt8);
+  }
+  to_rgb.convert(frame, stored.data_ptr<uint8_t>(), stored_height, stored_width, what);
+  torch::from_blob(out, {3, height, width}, torch::kUInt8).copy_(oriented(stored, orientation));
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -533,6 +551,7 @@ struct VideoReader::State {
   bool truncated = false;  // the input ended inside a packet
   bool ended = false;      // decode_next() returned false
   bool reusable = false;   // the decoder is positioned after a successful read
+  bool untouched = false;  // no packet read from `input` since it was opened
   // Timestamps of consecutive frames, to notice frames missing from a truncated file.
   int64_t start_pts = AV_NOPTS_VALUE, expected_pts = AV_NOPTS_VALUE;
   double pts_step = 0;
@@ -540,6 +559,7 @@ struct VideoReader::State {
   // Opens (or reopens) the file and decoder at the first frame.
   void open() {
     reusable = false;
+    untouched = true;
     decoder.reset();
     input.reset();
     AVFormatContext* raw = nullptr;
@@ -633,6 +653,7 @@ struct VideoReader::State {
       TORCH_CHECK(err == AVERROR(EAGAIN), what, ": cannot decode the data after frame ", next,
                   " (damaged data): ", av_error(err));
       TORCH_CHECK(!flushed, what, ": the decoder stalled after the end of the stream");
+      untouched = false;
       err = av_read_frame(input.get(), packet.get());
       if (err == AVERROR_EOF) {
         err = avcodec_send_packet(decoder.get(), nullptr);  // drains the delayed frames
@@ -655,21 +676,12 @@ struct VideoReader::State {
     }
   }
 
-  // Converts the decoded frame to RGB at the displayed size (height x width), upright.
+  // Converts the decoded frame to RGB at the displayed size (height x width), upright: the
+  // display matrix's counterclockwise quarter turns are EXIF orientations 1, 8, 3 and 6.
   void convert(uint8_t* out, int height, int width) {
-    if (info.rotation == 0) {
-      to_rgb.convert(frame.get(), out, height, width, what);
-      return;
-    }
-    // Scaled as stored, then turned: a quarter turn swaps the stored frame's sides.
-    const bool quarter = info.rotation % 180 != 0;
-    const int stored_height = quarter ? width : height, stored_width = quarter ? height : width;
-    if (!stored.defined() || stored.size(1) != stored_height || stored.size(2) != stored_width) {
-      stored = torch::empty({3, stored_height, stored_width}, torch::kUInt8);
-    }
-    to_rgb.convert(frame.get(), stored.data_ptr<uint8_t>(), stored_height, stored_width, what);
-    torch::from_blob(out, {3, height, width}, torch::kUInt8)
-        .copy_(torch::rot90(stored, info.rotation / 90, {1, 2}));
+    constexpr int kOrientationOfQuarterTurns[4] = {1, 8, 3, 6};
+    convert_oriented(to_rgb, frame.get(), out, height, width,
+                     kOrientationOfQuarterTurns[info.rotation / 90], stored, what);
   }
 
   // The frame `packet` holds, by its timestamp: packets come in decode order, not frame order.
@@ -699,18 +711,13 @@ const VideoInfo& VideoReader::info() const { return state_->info; }
 const std::string& VideoReader::path() const { return state_->path; }
 
 VideoReader::FrameTimes VideoReader::frame_times() {
-  const auto& s = *state_;
-  AVFormatContext* raw = nullptr;
-  int err = avformat_open_input(&raw, s.path.c_str(), nullptr, nullptr);
-  TORCH_CHECK(err >= 0, s.what, ": cannot open: ", av_error(err));
-  InputPtr input(raw);
-  err = avformat_find_stream_info(input.get(), nullptr);
-  TORCH_CHECK(err >= 0, s.what, ": cannot read the stream information: ", av_error(err));
-  TORCH_CHECK(s.stream >= 0 && s.stream < static_cast<int>(input->nb_streams), s.what,
-              ": the video stream is gone (the file changed while it was read)");
-  for (unsigned i = 0; i < input->nb_streams; ++i) {
-    if (static_cast<int>(i) != s.stream) input->streams[i]->discard = AVDISCARD_ALL;
-  }
+  auto& s = *state_;
+  // The packets are read through the reader's own input, from its start; the next read() opens
+  // the file afresh to decode.
+  if (!s.untouched) s.open();
+  s.untouched = false;
+  s.reusable = false;
+  auto* input = s.input.get();
   const double time_base = av_q2d(input->streams[s.stream]->time_base);
   struct Stamp {
     int64_t pts, duration;
@@ -719,7 +726,7 @@ VideoReader::FrameTimes VideoReader::frame_times() {
   std::vector<Stamp> packets;  // the stream's, in decoding order
   auto packet = new_packet();
   for (;;) {
-    err = av_read_frame(input.get(), packet.get());
+    const int err = av_read_frame(input, packet.get());
     if (err == AVERROR_EOF) break;
     TORCH_CHECK(err >= 0, s.what, ": cannot read the packet after ", packets.size(),
                 " frame packets: ", av_error(err));
@@ -843,19 +850,10 @@ void read_image(const std::string& path, torch::Tensor out) {
   const auto frame = decode_image(bytes, what);
   const int orientation =
       image_codec(bytes) == AV_CODEC_ID_MJPEG ? jpeg_header(bytes).orientation : 1;
-  const int height = static_cast<int>(out.size(1)), width = static_cast<int>(out.size(2));
   ToRgb to_rgb;
-  if (orientation == 1) {
-    to_rgb.convert(frame.get(), out.data_ptr<uint8_t>(), height, width, what);
-    return;
-  }
-  // Scaled as stored, then turned or mirrored upright.
-  const bool swapped = swaps_sides(orientation);
-  auto stored =
-      torch::empty({3, swapped ? width : height, swapped ? height : width}, torch::kUInt8);
-  to_rgb.convert(frame.get(), stored.data_ptr<uint8_t>(), static_cast<int>(stored.size(1)),
-                 static_cast<int>(stored.size(2)), what);
-  out.copy_(oriented(stored, orientation));
+  torch::Tensor stored;
+  convert_oriented(to_rgb, frame.get(), out.data_ptr<uint8_t>(), static_cast<int>(out.size(1)),
+                   static_cast<int>(out.size(2)), orientation, stored, what);
 }
 
 torch::Tensor read_label_image(const std::string& path) {

@@ -245,6 +245,11 @@ TEST(VideoReader, VariableRateVideoHasItsFramesTimes) {
   auto out = torch::empty({static_cast<int64_t>(sampled.size()), 3, 48, 64}, torch::kUInt8);
   reader.read(sampled, out);
   for (size_t k = 0; k < sampled.size(); ++k) EXPECT_EQ(pattern_frame(out[k]), sampled[k]);
+  // The times again after decoding (the reader reopens its input), and decoding after that.
+  EXPECT_EQ(reader.frame_times().seconds, times.seconds);
+  auto again = torch::empty_like(out);
+  reader.read(sampled, again);
+  EXPECT_TRUE(again.equal(out));
 
   // A constant-rate video's times are i / fps.
   VideoReader constant(media("clip_25fps.mp4"));
