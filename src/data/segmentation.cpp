@@ -130,20 +130,13 @@ torch::Tensor SegmentationDataset::read_ids(const Item& item) const {
   } else {
     pixels = read_label_image(item.mask).flatten();
   }
-  std::vector<std::pair<int64_t, int64_t>> lookup;  // {packed value, class id}
-  for (size_t k = 0; k < values.size(); ++k) {
-    lookup.emplace_back(pack(values[k]), static_cast<int64_t>(k));
-  }
-  std::sort(lookup.begin(), lookup.end());
-  std::vector<int64_t> sorted_values, ids_of_sorted;
-  for (const auto& [value, id] : lookup) {
-    sorted_values.push_back(value);
-    ids_of_sorted.push_back(id);
-  }
-  const auto keys = torch::tensor(sorted_values, torch::kLong);
+  std::vector<int64_t> packed;
+  for (const auto& v : values) packed.push_back(pack(v));
+  // The sort's order of the values is the class id of each sorted value.
+  const auto [keys, class_of_key] = torch::tensor(packed, torch::kLong).sort();
   const auto at = torch::searchsorted(keys, pixels).clamp_max(keys.size(0) - 1);
   auto found = keys.index_select(0, at).eq(pixels);
-  auto ids = torch::tensor(ids_of_sorted, torch::kLong).index_select(0, at);
+  auto ids = class_of_key.index_select(0, at);
   if (!colour && options_.ignore_id >= 0) {
     const auto ignored = pixels.eq(options_.ignore_id);
     ids.masked_fill_(ignored, options_.ignore_id);
