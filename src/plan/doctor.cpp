@@ -36,6 +36,12 @@ bool has_errors(const std::vector<Finding>& findings) {
                      [](const Finding& f) { return f.severity == Finding::Severity::Error; });
 }
 
+void refuse_errors(const std::vector<Finding>& findings) {
+  for (const auto& f : findings) {
+    TORCH_CHECK(f.severity != Finding::Severity::Error, f.problem, ": ", f.fix);
+  }
+}
+
 std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) {
   std::vector<Finding> findings;
   const auto& spec = request.model;

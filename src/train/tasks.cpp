@@ -422,9 +422,7 @@ PhaseMetrics evaluate_data(BatchModel& model, const TaskData& data, const EventC
 
 // diagnose_task_settings' errors refuse the config before any data is read.
 void check_train_settings(const Config& config) {
-  for (const auto& f : diagnose_task_settings(config)) {
-    TORCH_CHECK(f.severity != plan::Finding::Severity::Error, f.problem, ": ", f.fix);
-  }
+  plan::refuse_errors(diagnose_task_settings(config));
 }
 
 int64_t elements(const std::vector<int64_t>& shape) {
@@ -876,16 +874,8 @@ std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t bud
   return findings;
 }
 
-std::vector<plan::Finding> diagnose_task_settings(const Config& config) {
+std::vector<plan::Finding> diagnose_mask_settings(const Config& config) {
   std::vector<plan::Finding> findings;
-  if (is_batch_task(config) && config.train.smoothing != 0) {
-    findings.push_back({plan::Finding::Severity::Error,
-                        c10::str("train.smoothing ", config.train.smoothing,
-                                 " is MS-TCN's smoothing between consecutive frames, for task "
-                                 "phases; task ",
-                                 config.task, " has no frame sequence to smooth"),
-                        "set train.smoothing to 0"});
-  }
   const int64_t ignore = config.data.ignore_id;
   if (ignore >= 0 && config.task != "segmentation") {
     findings.push_back({plan::Finding::Severity::Error,
@@ -918,6 +908,21 @@ std::vector<plan::Finding> diagnose_task_settings(const Config& config) {
                                  "can have it"),
                         "set data.ignore_id to -1, or map the masks to gray ids"});
   }
+  return findings;
+}
+
+std::vector<plan::Finding> diagnose_task_settings(const Config& config) {
+  std::vector<plan::Finding> findings;
+  if (is_batch_task(config) && config.train.smoothing != 0) {
+    findings.push_back({plan::Finding::Severity::Error,
+                        c10::str("train.smoothing ", config.train.smoothing,
+                                 " is MS-TCN's smoothing between consecutive frames, for task "
+                                 "phases; task ",
+                                 config.task, " has no frame sequence to smooth"),
+                        "set train.smoothing to 0"});
+  }
+  const auto masks = diagnose_mask_settings(config);
+  findings.insert(findings.end(), masks.begin(), masks.end());
   if (fixed_count(config.train.eval_batch) == int64_t{0}) {
     findings.push_back({plan::Finding::Severity::Error,
                         "train.eval_batch 0: evaluation needs at least one sample per batch",

@@ -521,7 +521,7 @@ PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
 std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* summary) {
   TORCH_CHECK(!is_batch_task(config), "diagnose_phases is for task phases; task ", config.task,
               " is checked by diagnose_batch_task");
-  std::vector<plan::Finding> findings;
+  auto findings = diagnose_mask_settings(config);
   const auto error = [&](const std::string& problem, const std::string& fix) {
     // A bad manifest fails every split alike: said once.
     for (const auto& f : findings) {
@@ -529,10 +529,6 @@ std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* su
     }
     findings.push_back({plan::Finding::Severity::Error, problem, fix});
   };
-  if (config.data.ignore_id >= 0 || !config.data.mask_values.empty()) {
-    error("data.ignore_id and data.mask_values are about segmentation masks; task phases has none",
-          "set data.ignore_id to -1 and remove data.mask_values");
-  }
   // Every split probed as training probes it, but each bad video reported instead of the first.
   auto probing = config;
   probing.data.on_error = "skip";
@@ -582,9 +578,7 @@ std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* su
 TrainResult train(const Config& config, const std::string& resume, const EventCallback& on_event,
                   const StopRequest& stop) {
   if (is_batch_task(config)) return train_batch(config, resume, on_event, stop);
-  TORCH_CHECK(config.data.ignore_id < 0 && config.data.mask_values.empty(),
-              "data.ignore_id and data.mask_values are about segmentation masks; task phases has "
-              "none: set data.ignore_id to -1 and remove data.mask_values");
+  plan::refuse_errors(diagnose_mask_settings(config));
   auto emit = [&](Event e) {
     if (on_event) on_event(e);
   };

@@ -40,5 +40,7 @@ std::vector<Finding> diagnose_network(const std::vector<models::LayerSpec>& laye
                                       const NetworkTraining& training, int64_t budget_bytes);
 
 bool has_errors(const std::vector<Finding>& findings);
+// Throws the first error among `findings` (its problem and fix): settings that refuse a config.
+void refuse_errors(const std::vector<Finding>& findings);
 
 }  // namespace framefit::plan
