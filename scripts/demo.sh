@@ -41,13 +41,16 @@ model = torchvision.models.resnet18(norm_layer=lambda c: torch.nn.GroupNorm(32, 
 model.fc = torch.nn.Identity()
 model.load_state_dict(encoder)
 print(f"PyTorch: the exported encoder loads into torchvision's resnet18 ({len(encoder)} tensors)")
-lstm = json.load(open("runs/demo-lstm/test_metrics.json"))["accuracy"]
-line = f"test frame accuracy: LSTM head {100 * lstm:.1f}%"
-try:
-    linear = json.load(open("runs/demo-linear/test_metrics.json"))["accuracy"]
-    line += f", per-frame linear head {100 * linear:.1f}%"
-except FileNotFoundError:
-    pass
-print(line)
+heads = {"LSTM head": "runs/demo-lstm", "per-frame linear head": "runs/demo-linear"}
+scores = {}
+for head, run in heads.items():
+    try:
+        scores[head] = json.load(open(run + "/test_metrics.json"))
+    except FileNotFoundError:
+        pass
+print("test frame accuracy: " +
+      ", ".join(f"{head} {100 * m['accuracy']:.1f}%" for head, m in scores.items()))
+print("test edit score (segments in the true order): " +
+      ", ".join(f"{head} {100 * m['segments']['edit']:.1f}%" for head, m in scores.items()))
 PY
 echo "main job finished in $((SECONDS - start)) s"

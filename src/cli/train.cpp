@@ -52,23 +52,35 @@ void print_metrics(const train::PhaseMetrics& m, const data::ClassList& classes,
   }
   fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", "macro", percent(m.macro_precision),
              percent(m.macro_recall), percent(m.macro_f1), percent(m.macro_jaccard));
+  if (m.segments) {
+    const auto& s = *m.segments;
+    std::string f1;
+    for (size_t k = 0; k < s.thresholds.size(); ++k) {
+      f1 += fmt::format(", F1@{} {}", std::lround(100 * s.thresholds[k]), percent(s.f1[k]));
+    }
+    fmt::print("  segments: edit {}{} ({} true, {} predicted segments)\n", percent(s.edit), f1,
+               s.true_segments, s.predicted_segments);
+  }
 }
 
 // Each video's scores, then their mean and standard deviation over the videos (how Cholec80
 // papers report phase recognition).
 void print_video_metrics(const std::vector<train::VideoMetrics>& videos) {
-  fmt::print("  per video:\n  {:<20} {:>9} {:>9} {:>9} {:>9}\n", "video", "frames", "accuracy",
-             "macro F1", "Jaccard");
+  fmt::print("  per video:\n  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}\n", "video", "frames",
+             "accuracy", "macro F1", "Jaccard", "edit");
   for (const auto& v : videos) {
-    fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", v.name, v.metrics.frames,
-               percent(v.metrics.accuracy), percent(v.metrics.macro_f1),
-               percent(v.metrics.macro_jaccard));
+    const auto& m = v.metrics;
+    fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}\n", v.name, m.frames, percent(m.accuracy),
+               percent(m.macro_f1), percent(m.macro_jaccard),
+               m.segments ? percent(m.segments->edit) : "");
   }
   const auto a = train::average_over_videos(videos);
-  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", "mean over videos", "", percent(a.accuracy_mean),
-             percent(a.macro_f1_mean), percent(a.macro_jaccard_mean));
-  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", "std over videos", "", percent(a.accuracy_std),
-             percent(a.macro_f1_std), percent(a.macro_jaccard_std));
+  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}\n", "mean over videos", "",
+             percent(a.accuracy_mean), percent(a.macro_f1_mean), percent(a.macro_jaccard_mean),
+             percent(a.edit_mean));
+  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}\n", "std over videos", "",
+             percent(a.accuracy_std), percent(a.macro_f1_std), percent(a.macro_jaccard_std),
+             percent(a.edit_std));
 }
 
 nlohmann::json metrics_json(const train::PhaseMetrics& m, const data::ClassList& classes) {
@@ -114,12 +126,15 @@ class ProgressPrinter {
       case Kind::Epoch:
         end_line();
         if (e.validated) {
+          const auto& segments = e.metrics.segments;
           fmt::print(stderr,
                      "framefit {}: epoch {}/{} done at {}: train loss {:.4f}, validation accuracy "
-                     "{:.2f}%, macro F1 {:.2f}%, macro Jaccard (IoU) {:.2f}%{}\n",
+                     "{:.2f}%, macro F1 {:.2f}%, macro Jaccard (IoU) {:.2f}%{}{}\n",
                      command_, e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss,
                      100 * e.metrics.accuracy, 100 * e.metrics.macro_f1,
-                     100 * e.metrics.macro_jaccard, e.best ? " (best so far)" : "");
+                     100 * e.metrics.macro_jaccard,
+                     segments ? fmt::format(", edit {:.2f}%", 100 * segments->edit) : "",
+                     e.best ? " (best so far)" : "");
         } else {
           fmt::print(stderr, "framefit {}: epoch {}/{} done at {}: train loss {:.4f}\n", command_,
                      e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss);
@@ -278,7 +293,9 @@ int run_eval(const Args& args) {
                               {"macro_f1_mean", averages.macro_f1_mean},
                               {"macro_f1_std", averages.macro_f1_std},
                               {"macro_jaccard_mean", averages.macro_jaccard_mean},
-                              {"macro_jaccard_std", averages.macro_jaccard_std}};
+                              {"macro_jaccard_std", averages.macro_jaccard_std},
+                              {"edit_mean", averages.edit_mean},
+                              {"edit_std", averages.edit_std}};
     json["videos"] = nlohmann::json::array();
     for (const auto& v : per_video) {
       auto entry = metrics_json(v.metrics, classes);

@@ -53,6 +53,24 @@ Entry field(std::string name, std::string help, T& (*member)(Config&), const cha
   return e;
 }
 
+// A list of names, e.g. [Preparation, Dissection].
+Entry names(std::string name, std::string help, std::vector<std::string>& (*member)(Config&)) {
+  Entry e;
+  e.key = {std::move(name), std::move(help)};
+  e.set = [member](Config& c, const YAML::Node& n, const std::string& where) {
+    TORCH_CHECK(n.IsSequence(), where, ": expected a list of class names, e.g. [a, b]");
+    std::vector<std::string> values;
+    for (const auto& item : n) values.push_back(convert<std::string>(item, where, "a name"));
+    member(c) = std::move(values);
+  };
+  e.get = [member](const Config& c) {
+    YAML::Node n(YAML::NodeType::Sequence);
+    for (const auto& value : member(const_cast<Config&>(c))) n.push_back(value);
+    return n;
+  };
+  return e;
+}
+
 Entry choice(std::string name, std::string help, std::string& (*member)(Config&),
              std::vector<std::string> choices) {
   std::string list;
@@ -259,22 +277,13 @@ const std::vector<Entry>& entries() {
     // data
     t.push_back(field<std::string>("data.manifest", "CSV listing videos, label files and splits",
                                    FRAMEFIT_MEMBER(std::string, data.manifest), "a path"));
-    {
-      Entry e;
-      e.key = {"data.classes", "phase names in label-id order, e.g. [Preparation, Dissection]"};
-      e.set = [](Config& c, const YAML::Node& n, const std::string& where) {
-        TORCH_CHECK(n.IsSequence(), where, ": expected a list of phase names, e.g. [a, b]");
-        c.data.classes.clear();
-        for (const auto& item : n)
-          c.data.classes.push_back(convert<std::string>(item, where, "a name"));
-      };
-      e.get = [](const Config& c) {
-        YAML::Node n(YAML::NodeType::Sequence);
-        for (const auto& name : c.data.classes) n.push_back(name);
-        return n;
-      };
-      t.push_back(e);
-    }
+    t.push_back(names("data.classes",
+                      "phase names in label-id order, e.g. [Preparation, Dissection]",
+                      FRAMEFIT_MEMBER(std::vector<std::string>, data.classes)));
+    t.push_back(names("data.background",
+                      "phases: classes the segmental metrics (edit, F1@k) leave out, e.g. "
+                      "[background]; frame metrics count them",
+                      FRAMEFIT_MEMBER(std::vector<std::string>, data.background)));
     t.push_back(field<double>("data.fps", "frames per second sampled from each video; 0: all",
                               FRAMEFIT_MEMBER(double, data.fps), "a number", non_negative()));
     t.push_back(field<int64_t>(

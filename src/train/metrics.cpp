@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -74,6 +75,117 @@ PhaseMetrics ConfusionMatrix::metrics() const {
   return out;
 }
 
+namespace {
+
+struct Segment {
+  int64_t label, start, end;  // frames [start, end)
+};
+
+std::vector<Segment> segments_of(const torch::Tensor& labels,
+                                 const std::vector<int64_t>& background) {
+  const auto l = labels.to(torch::kCPU, torch::kLong).contiguous();
+  const auto* a = l.data_ptr<int64_t>();
+  std::vector<Segment> out;
+  const int64_t n = l.numel();
+  for (int64_t start = 0; start < n;) {
+    int64_t end = start + 1;
+    while (end < n && a[end] == a[start]) ++end;
+    if (std::find(background.begin(), background.end(), a[start]) == background.end()) {
+      out.push_back({a[start], start, end});
+    }
+    start = end;
+  }
+  return out;
+}
+
+// Levenshtein distance between the two segments' label sequences.
+int64_t edit_distance(const std::vector<Segment>& a, const std::vector<Segment>& b) {
+  std::vector<int64_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = static_cast<int64_t>(j);
+  for (size_t i = 1; i <= a.size(); ++i) {
+    int64_t diagonal = row[0];
+    row[0] = static_cast<int64_t>(i);
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const int64_t above = row[j];
+      row[j] = std::min(
+          {above + 1, row[j - 1] + 1, diagonal + (a[i - 1].label == b[j - 1].label ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+SegmentScorer::SegmentScorer(std::vector<int64_t> background, std::vector<double> thresholds)
+    : background_(std::move(background)),
+      thresholds_(std::move(thresholds)),
+      true_positives_(thresholds_.size()),
+      false_positives_(thresholds_.size()),
+      false_negatives_(thresholds_.size()) {
+  for (double t : thresholds_) {
+    TORCH_CHECK(t > 0 && t <= 1, "segment IoU thresholds lie in (0, 1], got ", t);
+  }
+}
+
+void SegmentScorer::add(const torch::Tensor& predictions, const torch::Tensor& targets) {
+  TORCH_CHECK(predictions.dim() == 1 && predictions.sizes() == targets.sizes(),
+              "predictions and targets must be [T] of the same length, got ", predictions.sizes(),
+              " and ", targets.sizes());
+  const auto predicted = segments_of(predictions, background_);
+  const auto truth = segments_of(targets, background_);
+  const size_t longer = std::max(predicted.size(), truth.size());
+  edit_sum_ += longer == 0 ? 1.0
+                           : 1.0 - static_cast<double>(edit_distance(predicted, truth)) /
+                                       static_cast<double>(longer);
+  ++videos_;
+  true_segments_ += static_cast<int64_t>(truth.size());
+  predicted_segments_ += static_cast<int64_t>(predicted.size());
+  for (size_t k = 0; k < thresholds_.size(); ++k) {
+    std::vector<bool> matched(truth.size(), false);
+    for (const auto& p : predicted) {
+      double best = 0;
+      size_t best_index = truth.size();
+      for (size_t j = 0; j < truth.size(); ++j) {
+        if (truth[j].label != p.label) continue;
+        const int64_t overlap = std::min(p.end, truth[j].end) - std::max(p.start, truth[j].start);
+        if (overlap <= 0) continue;
+        const double iou =
+            static_cast<double>(overlap) /
+            static_cast<double>(std::max(p.end, truth[j].end) - std::min(p.start, truth[j].start));
+        if (iou > best) {
+          best = iou;
+          best_index = j;
+        }
+      }
+      // The best match only: a second prediction of an already matched segment is a false
+      // positive even when another true segment of its label overlaps it less.
+      if (best_index < truth.size() && best >= thresholds_[k] && !matched[best_index]) {
+        matched[best_index] = true;
+        ++true_positives_[k];
+      } else {
+        ++false_positives_[k];
+      }
+    }
+    false_negatives_[k] += std::count(matched.begin(), matched.end(), false);
+  }
+}
+
+SegmentMetrics SegmentScorer::metrics() const {
+  SegmentMetrics out;
+  out.videos = videos_;
+  out.edit = videos_ > 0 ? edit_sum_ / static_cast<double>(videos_) : 0;
+  out.thresholds = thresholds_;
+  for (size_t k = 0; k < thresholds_.size(); ++k) {
+    const double tp = static_cast<double>(true_positives_[k]);
+    const double errors = static_cast<double>(false_positives_[k] + false_negatives_[k]);
+    out.f1.push_back(tp + errors > 0 ? 2 * tp / (2 * tp + errors) : 1.0);
+  }
+  out.true_segments = true_segments_;
+  out.predicted_segments = predicted_segments_;
+  return out;
+}
+
 VideoAverages average_over_videos(const std::vector<VideoMetrics>& videos) {
   VideoAverages out;
   out.videos = static_cast<int64_t>(videos.size());
@@ -90,7 +202,16 @@ VideoAverages average_over_videos(const std::vector<VideoMetrics>& videos) {
   mean_std([](const PhaseMetrics& m) { return m.macro_f1; }, out.macro_f1_mean, out.macro_f1_std);
   mean_std([](const PhaseMetrics& m) { return m.macro_jaccard; }, out.macro_jaccard_mean,
            out.macro_jaccard_std);
+  const bool segmental = std::all_of(videos.begin(), videos.end(),
+                                     [](const VideoMetrics& v) { return v.metrics.segments; });
+  if (segmental) {
+    mean_std([](const PhaseMetrics& m) { return m.segments->edit; }, out.edit_mean, out.edit_std);
+  }
   return out;
+}
+
+std::string segment_f1_name(double threshold) {
+  return "f1@" + std::to_string(std::lround(100 * threshold));
 }
 
 std::string to_json(const PhaseMetrics& m, const std::vector<std::string>& phase_names) {
@@ -104,14 +225,25 @@ std::string to_json(const PhaseMetrics& m, const std::vector<std::string>& phase
                               {"f1", number(m.f1[k])},
                               {"jaccard", number(m.jaccard[k])}};
   }
-  return nlohmann::json{{"frames", m.frames},
-                        {"accuracy", m.accuracy},
-                        {"macro_precision", m.macro_precision},
-                        {"macro_recall", m.macro_recall},
-                        {"macro_f1", m.macro_f1},
-                        {"macro_jaccard", m.macro_jaccard},
-                        {"phases", phases}}
-      .dump();
+  nlohmann::json out{{"frames", m.frames},
+                     {"accuracy", m.accuracy},
+                     {"macro_precision", m.macro_precision},
+                     {"macro_recall", m.macro_recall},
+                     {"macro_f1", m.macro_f1},
+                     {"macro_jaccard", m.macro_jaccard},
+                     {"phases", phases}};
+  if (m.segments) {
+    const auto& s = *m.segments;
+    nlohmann::json segments{{"videos", s.videos},
+                            {"edit", s.edit},
+                            {"true_segments", s.true_segments},
+                            {"predicted_segments", s.predicted_segments}};
+    for (size_t k = 0; k < s.thresholds.size(); ++k) {
+      segments[segment_f1_name(s.thresholds[k])] = s.f1[k];
+    }
+    out["segments"] = segments;
+  }
+  return out.dump();
 }
 
 double learning_rate(const Schedule& s, int64_t step, int64_t total) {

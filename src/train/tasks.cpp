@@ -874,7 +874,7 @@ std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t bud
   return findings;
 }
 
-std::vector<plan::Finding> diagnose_mask_settings(const Config& config) {
+std::vector<plan::Finding> diagnose_label_settings(const Config& config) {
   std::vector<plan::Finding> findings;
   const int64_t ignore = config.data.ignore_id;
   if (ignore >= 0 && config.task != "segmentation") {
@@ -908,6 +908,21 @@ std::vector<plan::Finding> diagnose_mask_settings(const Config& config) {
                                  "can have it"),
                         "set data.ignore_id to -1, or map the masks to gray ids"});
   }
+  const auto& classes = config.data.classes;
+  for (const auto& name : config.data.background) {
+    if (config.task != "phases") {
+      findings.push_back({plan::Finding::Severity::Error,
+                          c10::str("data.background leaves classes out of segmental metrics; task ",
+                                   config.task, " has no frame sequences"),
+                          "remove data.background"});
+      break;
+    }
+    if (std::find(classes.begin(), classes.end(), name) == classes.end()) {
+      findings.push_back({plan::Finding::Severity::Error,
+                          c10::str("data.background names '", name, "', which is not a class"),
+                          c10::str("name classes of data.classes: ", c10::Join(", ", classes))});
+    }
+  }
   return findings;
 }
 
@@ -921,7 +936,7 @@ std::vector<plan::Finding> diagnose_task_settings(const Config& config) {
                                  config.task, " has no frame sequence to smooth"),
                         "set train.smoothing to 0"});
   }
-  const auto masks = diagnose_mask_settings(config);
+  const auto masks = diagnose_label_settings(config);
   findings.insert(findings.end(), masks.begin(), masks.end());
   if (fixed_count(config.train.eval_batch) == int64_t{0}) {
     findings.push_back({plan::Finding::Severity::Error,

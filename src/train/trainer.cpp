@@ -353,6 +353,13 @@ Prediction predict(Model& model, const torch::Tensor& frames, const EventCallbac
 PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
                       const EventCallback& on_event, std::vector<VideoMetrics>* per_video) {
   ConfusionMatrix confusion(model.classes.size());
+  std::vector<int64_t> background;
+  for (const auto& name : model.config.data.background) {
+    const int64_t id = model.classes.find(name);
+    TORCH_CHECK(id >= 0, "data.background names '", name, "', which is not a class");
+    background.push_back(id);
+  }
+  SegmentScorer segments(background);
   std::vector<data::Prefetcher::Job> jobs;
   for (int64_t i = 0; i < dataset.size(); ++i) {
     jobs.push_back({[&dataset, i] { return dataset.load(i); }, dataset.frame_bytes(i)});
@@ -374,10 +381,14 @@ PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
     }
     const auto prediction = predict(model, video.frames, on_event);
     confusion.add(prediction.labels, video.labels);
+    segments.add(prediction.labels, video.labels);
     if (per_video) {
       ConfusionMatrix own(model.classes.size());
       own.add(prediction.labels, video.labels);
+      SegmentScorer own_segments(background);
+      own_segments.add(prediction.labels, video.labels);
       per_video->push_back({video.name, own.metrics()});
+      per_video->back().metrics.segments = own_segments.metrics();
     }
     frames += video.labels.numel();
     if (on_event) {
@@ -390,7 +401,9 @@ PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
       on_event(e);
     }
   }
-  return confusion.metrics();
+  auto metrics = confusion.metrics();
+  metrics.segments = segments.metrics();
+  return metrics;
 }
 
 models::StateDict export_state_dict(const Model& model) {
@@ -521,7 +534,7 @@ PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
 std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* summary) {
   TORCH_CHECK(!is_batch_task(config), "diagnose_phases is for task phases; task ", config.task,
               " is checked by diagnose_batch_task");
-  auto findings = diagnose_mask_settings(config);
+  auto findings = diagnose_label_settings(config);
   const auto error = [&](const std::string& problem, const std::string& fix) {
     // A bad manifest fails every split alike: said once.
     for (const auto& f : findings) {
@@ -578,7 +591,7 @@ std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* su
 TrainResult train(const Config& config, const std::string& resume, const EventCallback& on_event,
                   const StopRequest& stop) {
   if (is_batch_task(config)) return train_batch(config, resume, on_event, stop);
-  plan::refuse_errors(diagnose_mask_settings(config));
+  plan::refuse_errors(diagnose_label_settings(config));
   auto emit = [&](Event e) {
     if (on_event) on_event(e);
   };

@@ -149,6 +149,44 @@ assert rows[0] == "frame,time_seconds,phase,confidence"
 expected = len(range(0, len([l for l in labels if l]), 2))  # 25 fps sampled at 12.5
 assert len(rows) - 1 == expected, (len(rows) - 1, expected)
 assert len(open("phases_frames.csv").read().strip().split("\n")) == len(rows)
+# The predicted phases of the test video, scored here, give eval's frame accuracy and its
+# segmental scores (MS-TCN's edit and F1@k, computed independently).
+truth = [l.split("\t")[1] for l in labels if l][::2]
+predicted = [r.split(",")[2] for r in rows[1:]]
+assert sum(p == t for p, t in zip(predicted, truth)) / len(truth) == metrics["accuracy"]
+def segments(seq):
+    out = []
+    for i, x in enumerate(seq):
+        if i == 0 or x != seq[i - 1]:
+            out.append([x, i, i + 1])
+        else:
+            out[-1][2] = i + 1
+    return out
+def levenshtein(a, b):
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+    return d[-1][-1]
+p_seg, t_seg = segments(predicted), segments(truth)
+edit = 1 - levenshtein([s[0] for s in p_seg], [s[0] for s in t_seg]) / max(len(p_seg), len(t_seg))
+scored = metrics["segments"]
+assert abs(scored["edit"] - edit) < 1e-12, (scored, edit)
+assert scored["true_segments"] == len(t_seg) and scored["predicted_segments"] == len(p_seg)
+for threshold in (0.1, 0.25, 0.5):
+    hit, tp = [False] * len(t_seg), 0
+    for label, start, end in p_seg:
+        ious = [(min(end, e) - max(start, s)) / (max(end, e) - min(start, s)) if l == label else -1
+                for l, s, e in t_seg]
+        best = max(range(len(t_seg)), key=lambda j: ious[j])
+        if ious[best] >= threshold and not hit[best]:
+            hit[best], tp = True, tp + 1
+    fp, fn = len(p_seg) - tp, len(t_seg) - tp
+    f1 = 2 * tp / (2 * tp + fp + fn)
+    assert abs(scored["f1@%d" % round(100 * threshold)] - f1) < 1e-12, (threshold, scored, f1)
+assert metrics["videos"][0]["segments"] == scored
+assert metrics["video_averages"]["edit_mean"] == scored["edit"]
+assert "segments" in log[-1]["val"]
 # The exported encoder loads into torchvision's ResNet-18 (GroupNorm, no classifier) strictly.
 state = torch.load("weights.pt")
 encoder = {k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")}

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <torch/torch.h>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <filesystem>
@@ -16,6 +17,7 @@
 #include "framefit/memory/tracker.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
+#include "framefit/train/tasks.h"
 #include "framefit/train/trainer.h"
 
 using namespace framefit;
@@ -72,6 +74,33 @@ TEST(Config, BadKeysAndValuesAreNamed) {
       std::string::npos);
 }
 
+TEST(Config, BackgroundNamesClassesOfAPhasesTask) {
+  const auto config = [](const std::string& task, const std::string& background) {
+    return train::parse_config("task: " + task + "\ndata:\n  classes: [SIL, cut, pour]\n" +
+                                   "  background: " + background + "\n",
+                               "test");
+  };
+  const auto problems = [](const train::Config& c) {
+    std::string text;
+    for (const auto& f : train::diagnose_label_settings(c)) text += f.problem + "\n";
+    return text;
+  };
+  const auto fine = config("phases", "[SIL]");
+  EXPECT_EQ(fine.data.background, std::vector<std::string>{"SIL"});
+  EXPECT_EQ(train::parse_config(train::to_yaml(fine), "round trip").data.background,
+            fine.data.background);
+  EXPECT_EQ(problems(fine), "");
+  EXPECT_NE(problems(config("phases", "[SIL, background]"))
+                .find("data.background names 'background', which is not a class"),
+            std::string::npos);
+  EXPECT_NE(problems(config("clips", "[SIL]")).find("task clips has no frame sequences"),
+            std::string::npos);
+  EXPECT_NE(test_util::error_message([&] {
+              config("phases", "SIL");
+            }).find("data.background: expected a list"),
+            std::string::npos);
+}
+
 TEST(Metrics, FromAKnownConfusionMatrix) {
   train::ConfusionMatrix m(3);
   // truth:      0 0 0 1 1 2 2 2
@@ -113,6 +142,88 @@ TEST(Metrics, AveragesOverVideos) {
                    (1.0 + (b.metrics().jaccard[0] + b.metrics().jaccard[1]) / 2) / 2);
   EXPECT_EQ(train::average_over_videos({videos[0]}).accuracy_std, 0);
   EXPECT_EQ(train::average_over_videos({}).videos, 0);
+}
+
+TEST(Metrics, SegmentalEditAndF1) {
+  const auto labels = [](const std::string& letters) {
+    std::vector<int64_t> ids;
+    for (char c : letters) ids.push_back(c - 'A');
+    return torch::tensor(ids);
+  };
+  // A boundary off by a frame: the phases in the true order, every segment overlapping its true
+  // one by at least 3/4 - segmentally right although 1 frame in 10 is wrong.
+  {
+    train::SegmentScorer s;
+    s.add(labels("AAABBBBBCC"), labels("AAAABBBBCC"));
+    const auto m = s.metrics();
+    EXPECT_EQ(m.videos, 1);
+    EXPECT_DOUBLE_EQ(m.edit, 1.0);
+    ASSERT_EQ(m.f1.size(), 3u);
+    for (double f : m.f1) EXPECT_DOUBLE_EQ(f, 1.0);
+    EXPECT_EQ(m.true_segments, 3);
+    EXPECT_EQ(m.predicted_segments, 3);
+  }
+  // Flicker: predicted A B A B C against true A B C (two extra segments: edit 1 - 2/5). At IoU
+  // 0.1 and 0.25 the first A (IoU 1/4) matches; B[1,3) overlaps no true B; A[3,4) is a second
+  // match of the same true A: TP 3, FP 2, FN 0. At 0.5 the A match fails too: TP 2, FP 3, FN 1.
+  const auto flicker = labels("ABBABBBBCC"), truth = labels("AAAABBBBCC");
+  {
+    train::SegmentScorer s;
+    s.add(flicker, truth);
+    const auto m = s.metrics();
+    EXPECT_DOUBLE_EQ(m.edit, 0.6);
+    EXPECT_DOUBLE_EQ(m.f1[0], 6.0 / 8);
+    EXPECT_DOUBLE_EQ(m.f1[1], 6.0 / 8);
+    EXPECT_DOUBLE_EQ(m.f1[2], 4.0 / 8);
+    EXPECT_EQ(m.predicted_segments, 5);
+  }
+  // Over videos: edit is averaged, F1 comes from the summed counts (not the mean of the videos'
+  // F1: that would be (1 + 0.5) / 2 at 0.5).
+  {
+    train::SegmentScorer s;
+    s.add(truth, truth);
+    s.add(flicker, truth);
+    const auto m = s.metrics();
+    EXPECT_EQ(m.videos, 2);
+    EXPECT_DOUBLE_EQ(m.edit, 0.8);
+    EXPECT_DOUBLE_EQ(m.f1[2], 10.0 / 14);  // TP 5, FP 3, FN 1
+    EXPECT_EQ(m.true_segments, 6);
+  }
+  // Background segments are left out of both sequences: true _ B _ B (A is background) against
+  // predicted B _ B is right; scored with A, the missing first A costs an edit.
+  {
+    train::SegmentScorer with_background({0}, {0.5});
+    with_background.add(labels("BBBBAABB"), labels("AABBAABB"));
+    EXPECT_DOUBLE_EQ(with_background.metrics().edit, 1.0);
+    EXPECT_DOUBLE_EQ(with_background.metrics().f1[0], 1.0);  // IoU 2/4 and 2/2
+    EXPECT_EQ(with_background.metrics().true_segments, 2);
+    train::SegmentScorer without({}, {0.5});
+    without.add(labels("BBBBAABB"), labels("AABBAABB"));
+    EXPECT_DOUBLE_EQ(without.metrics().edit, 0.75);
+  }
+  train::SegmentScorer s;
+  EXPECT_NE(
+      test_util::error_message([&] { s.add(labels("AB"), labels("ABC")); }).find("same length"),
+      std::string::npos);
+  EXPECT_NE(test_util::error_message([] { train::SegmentScorer({}, {0.0}); }).find("(0, 1]"),
+            std::string::npos);
+  EXPECT_EQ(train::segment_f1_name(0.25), "f1@25");
+  // The JSON carries them under "segments", and per-video edits average over videos.
+  train::ConfusionMatrix confusion(3);
+  confusion.add(flicker, truth);
+  auto metrics = confusion.metrics();
+  train::SegmentScorer one;
+  one.add(flicker, truth);
+  metrics.segments = one.metrics();
+  const auto json = nlohmann::json::parse(train::to_json(metrics, {"A", "B", "C"}));
+  EXPECT_DOUBLE_EQ(json["segments"]["edit"].get<double>(), 0.6);
+  EXPECT_DOUBLE_EQ(json["segments"]["f1@50"].get<double>(), 0.5);
+  EXPECT_EQ(json["segments"]["true_segments"].get<int64_t>(), 3);
+  auto perfect = metrics;
+  perfect.segments->edit = 1.0;
+  const auto averages = train::average_over_videos({{"a", metrics}, {"b", perfect}});
+  EXPECT_DOUBLE_EQ(averages.edit_mean, 0.8);
+  EXPECT_NEAR(averages.edit_std, std::sqrt(2 * 0.2 * 0.2), 1e-12);
 }
 
 TEST(Schedule, WarmupStepAndCosine) {
@@ -246,6 +357,18 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
     EXPECT_EQ(frames, all.frames);
     EXPECT_NEAR(correct / static_cast<double>(frames), all.accuracy, 1e-12);
     EXPECT_NEAR(train::average_over_videos(per_video).accuracy_mean, accuracy_sum / 3, 1e-12);
+    // Segmental scores: the videos' edits average to the split's, their segments add up.
+    ASSERT_TRUE(all.segments.has_value());
+    EXPECT_EQ(all.segments->videos, 3);
+    double edits = 0;
+    int64_t segments = 0;
+    for (const auto& v : per_video) {
+      ASSERT_TRUE(v.metrics.segments.has_value());
+      edits += v.metrics.segments->edit;
+      segments += v.metrics.segments->true_segments;
+    }
+    EXPECT_NEAR(all.segments->edit, edits / 3, 1e-12);
+    EXPECT_EQ(all.segments->true_segments, segments);
   }
   const auto video = test_set.load(0);
   const auto prediction = train::predict(model, video.frames);

@@ -66,6 +66,9 @@ struct DataConfig {
   // for binary masks) or an [R, G, B] colour each (colour-coded masks); empty: the values are
   // the ids.
   std::vector<std::vector<int64_t>> mask_values;
+  // Task phases: classes whose segments the segmental metrics (edit, F1@k) leave out, as MS-TCN
+  // leaves out "background"; frame metrics count them.
+  std::vector<std::string> background;
 };
 
 struct TrainConfig {

@@ -4,16 +4,53 @@
 // the predictions), as in the Cholec80 evaluations.
 #include <torch/types.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace framefit::train {
+
+// Segmental scores of temporal action segmentation (MS-TCN, Farha and Gall 2019), which frame
+// scores do not see: a segment is a run of frames with one label, so a prediction that flickers
+// between phases can have a high frame accuracy and a poor edit score.
+struct SegmentMetrics {
+  int64_t videos = 0;
+  // Mean over videos of 1 - Levenshtein(predicted, true segment labels) / the longer of the two
+  // sequences: 1 when the phases come in the true order with no extra or missing segment.
+  double edit = 0;
+  std::vector<double> thresholds;  // IoU thresholds of f1
+  // F1@threshold: a predicted segment is a true positive when its best-overlapping true segment
+  // of its label has IoU >= threshold and was not matched before; TP, FP and FN are summed over
+  // the videos, then F1 = 2 TP / (2 TP + FP + FN).
+  std::vector<double> f1;
+  int64_t true_segments = 0, predicted_segments = 0;
+};
+
+// Accumulates SegmentMetrics video by video. Segments of `background` classes are left out of
+// both sequences (MS-TCN's "background" for GTEA and 50Salads); same-label frames on either
+// side of one are two segments.
+class SegmentScorer {
+ public:
+  explicit SegmentScorer(std::vector<int64_t> background = {},
+                         std::vector<double> thresholds = {0.1, 0.25, 0.5});
+  // One video: [T] integer class ids.
+  void add(const torch::Tensor& predictions, const torch::Tensor& targets);
+  SegmentMetrics metrics() const;
+
+ private:
+  std::vector<int64_t> background_;
+  std::vector<double> thresholds_;
+  std::vector<int64_t> true_positives_, false_positives_, false_negatives_;
+  double edit_sum_ = 0;
+  int64_t videos_ = 0, true_segments_ = 0, predicted_segments_ = 0;
+};
 
 struct PhaseMetrics {
   int64_t frames = 0;
   double accuracy = 0;
   std::vector<double> precision, recall, f1, jaccard;  // per phase; NaN where it never occurs
   double macro_precision = 0, macro_recall = 0, macro_f1 = 0, macro_jaccard = 0;
+  std::optional<SegmentMetrics> segments;  // phases: the videos' segmental scores
 };
 
 // One video's metrics. Cholec80 papers report video-level figures: each video's accuracy (and
@@ -29,11 +66,17 @@ struct VideoAverages {
   double accuracy_mean = 0, accuracy_std = 0;
   double macro_f1_mean = 0, macro_f1_std = 0;
   double macro_jaccard_mean = 0, macro_jaccard_std = 0;
+  double edit_mean = 0, edit_std = 0;  // over the videos with segmental scores
 };
 VideoAverages average_over_videos(const std::vector<VideoMetrics>& videos);
 
+// "f1@10" for threshold 0.1: the name MS-TCN's tables give F1@{10,25,50}.
+std::string segment_f1_name(double threshold);
+
 // {"frames", "accuracy", "macro_precision", "macro_recall", "macro_f1", "macro_jaccard",
-// "phases": {name: {"precision", "recall", "f1", "jaccard"}}} as JSON text; NaN becomes null.
+// "phases": {name: {"precision", "recall", "f1", "jaccard"}}} as JSON text, with "segments":
+// {"edit", "f1@10", "f1@25", "f1@50", "videos", "true_segments", "predicted_segments"} when
+// scored; NaN becomes null.
 std::string to_json(const PhaseMetrics& metrics, const std::vector<std::string>& phase_names);
 
 class ConfusionMatrix {

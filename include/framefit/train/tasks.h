@@ -110,9 +110,10 @@ struct BatchTaskPlan {
 };
 BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_event = {});
 
-// data.ignore_id and data.mask_values set for a task without masks, or not fitting data.classes,
-// as errors: part of diagnose_task_settings, and checked for task phases too.
-std::vector<plan::Finding> diagnose_mask_settings(const Config& config);
+// How labels are read and scored: data.ignore_id and data.mask_values set for a task without
+// masks, or not fitting data.classes; data.background for a task without frame sequences, or
+// naming no class. Errors: part of diagnose_task_settings, and checked for task phases too.
+std::vector<plan::Finding> diagnose_label_settings(const Config& config);
 
 // train.* settings a clips or segmentation config sets that do not apply to it (train.smoothing,
 // for frame sequences) as errors; training and planning refuse such a config.
