@@ -95,7 +95,7 @@ std::vector<int64_t> read_phase_annotations(const std::string& path, const Class
   std::vector<int64_t> labels;
   std::string line;
   int64_t line_number = 0;
-  bool header_seen = false;
+  enum class Layout { Unknown, Numbered, LabelPerLine } layout = Layout::Unknown;
   while (std::getline(in, line)) {
     ++line_number;
     const auto text = trim(line);
@@ -112,19 +112,26 @@ std::vector<int64_t> read_phase_annotations(const std::string& path, const Class
       fields >> frame_text >> phase >> extra;
     }
     const std::string where = path + ":" + std::to_string(line_number);
-    if (!header_seen) {
-      header_seen = true;
+    if (layout == Layout::Unknown) {
+      layout = phase.empty() ? Layout::LabelPerLine : Layout::Numbered;
       if (frame_text == "Frame") continue;  // Cholec80's header
     }
-    TORCH_CHECK(!phase.empty() && extra.empty(), where, ": expected `<frame><TAB><phase>`, got \"",
-                text, "\"");
-    char* end = nullptr;
-    const long long frame = std::strtoll(frame_text.c_str(), &end, 10);
-    TORCH_CHECK(end != frame_text.c_str() && *end == '\0' && frame >= 0, where, ": frame number \"",
-                frame_text, "\" is not a non-negative integer");
-    TORCH_CHECK(frame == static_cast<long long>(labels.size()), where, ": frame ", frame,
-                " where frame ", labels.size(),
-                " was expected (frames must be numbered 0, 1, 2, ... ", "without gaps or repeats)");
+    if (layout == Layout::LabelPerLine) {
+      // MS-TCN's ground truth: the line is the label (names hold no spaces there).
+      TORCH_CHECK(phase.empty(), where,
+                  ": expected one label per line, as the first line has, got \"", text, "\"");
+      phase = frame_text;
+    } else {
+      TORCH_CHECK(!phase.empty() && extra.empty(), where,
+                  ": expected `<frame><TAB><phase>`, got \"", text, "\"");
+      char* end = nullptr;
+      const long long frame = std::strtoll(frame_text.c_str(), &end, 10);
+      TORCH_CHECK(end != frame_text.c_str() && *end == '\0' && frame >= 0, where,
+                  ": frame number \"", frame_text, "\" is not a non-negative integer");
+      TORCH_CHECK(frame == static_cast<long long>(labels.size()), where, ": frame ", frame,
+                  " where frame ", labels.size(),
+                  " was expected (frames must be numbered 0, 1, 2, ... without gaps or repeats)");
+    }
     int64_t id = classes.find(phase);
     if (id < 0 && phase.find_first_not_of("0123456789") == std::string::npos && phase.size() < 10 &&
         std::stoll(phase) < classes.size()) {

@@ -68,6 +68,10 @@ TEST_F(DataTest, AnnotationsParseAndExplainEveryProblem) {
   const auto names =
       write("names.txt", "Frame\tPhase\n0\tPreparation\n1\tCalot triangle dissection\n2\t1\n3 0\n");
   EXPECT_EQ(data::read_phase_annotations(names, spaced), (std::vector<int64_t>{0, 1, 1, 0}));
+  // MS-TCN's ground truth (GTEA, 50Salads, Breakfast): one label per line, nothing else.
+  const auto per_line = write("per_line.txt", "b\r\nb\r\na\r\n\r\nb\r\n1\r\n");
+  EXPECT_EQ(data::read_phase_annotations(per_line, classes_),
+            (std::vector<int64_t>{1, 1, 0, 1, 1}));
 
   auto error = [&](const std::string& text) {
     const auto path = write("bad.txt", text);
@@ -85,6 +89,11 @@ TEST_F(DataTest, AnnotationsParseAndExplainEveryProblem) {
   EXPECT_NE(error("Frame\tPhase\n0\t2\n").find("unknown phase \"2\""), std::string::npos);
   EXPECT_NE(error("Frame\tPhase\nx\ta\n").find("not a non-negative integer"), std::string::npos);
   EXPECT_NE(error("Frame\tPhase\n").find("no frames"), std::string::npos);
+  EXPECT_NE(error("a\nb\n2\tb\n").find("bad.txt:3: expected one label per line"),
+            std::string::npos);
+  EXPECT_NE(error("0\ta\nb\n").find("bad.txt:2: expected `<frame><TAB><phase>`"),
+            std::string::npos);
+  EXPECT_NE(error("a\nc\n").find("bad.txt:2: unknown phase \"c\""), std::string::npos);
   EXPECT_NE(test_util::error_message([&] {
               data::read_phase_annotations(dir_ + "/none.txt", classes_);
             }).find("none.txt: cannot open"),

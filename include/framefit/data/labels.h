@@ -23,9 +23,11 @@ class ClassList {
   std::vector<std::string> names_;
 };
 
-// One label per source frame, in frame order. The file has a header line (`Frame<TAB>Phase`)
-// and one line per frame numbered 0, 1, 2, ... without gaps; tabs or spaces separate the
-// columns. Unknown phase names, gaps, repeats and malformed lines are errors naming the line.
+// One label per source frame, in frame order, in one of two layouts the first line decides:
+// Cholec80's (a header `Frame<TAB>Phase`, then one line per frame numbered 0, 1, 2, ... without
+// gaps; tabs or spaces separate the columns) or MS-TCN's ground truth (one label per line and
+// nothing else, as for GTEA, 50Salads and Breakfast). Unknown phase names, gaps, repeats and
+// malformed lines are errors naming the line.
 std::vector<int64_t> read_phase_annotations(const std::string& path, const ClassList& classes);
 void write_phase_annotations(const std::string& path, const std::vector<int64_t>& labels,
                              const ClassList& classes);
