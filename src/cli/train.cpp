@@ -242,14 +242,18 @@ int run_train(const Args& args) {
                           {"best_checkpoint", result.best_checkpoint},
                           {"last_checkpoint", result.last_checkpoint},
                           {"skipped_videos", result.skipped_videos}};
-    if (result.validated) out["best_validation"] = metrics_json(result.best, classes);
+    if (result.validated) {
+      out["best_validation"] = metrics_json(result.best, classes);
+      out["best_by"] = train::best_metric(config);
+    }
     fmt::print("{}\n", out.dump(2));
     return exit_code;
   }
   fmt::print("trained {} steps in {}; checkpoints in {}\n", result.steps,
              clock_text(result.seconds), config.train.out_dir);
   if (result.validated) {
-    fmt::print("best validation (written to {}):\n", result.best_checkpoint);
+    fmt::print("best validation by {} (written to {}):\n", train::best_metric(config),
+               result.best_checkpoint);
     print_metrics(result.best, classes, config.task);
   }
   if (result.skipped_videos > 0) {

@@ -93,6 +93,11 @@ std::function<void(const double&, const std::string&)> non_negative() {
     TORCH_CHECK(v >= 0, where, ": must not be negative, got ", v);
   };
 }
+std::function<void(const double&, const std::string&)> positive() {
+  return [](const double& v, const std::string& where) {
+    TORCH_CHECK(v > 0, where, ": must be positive, got ", v);
+  };
+}
 std::function<void(const std::string&, const std::string&)> auto_or_count() {
   return [](const std::string& v, const std::string& where) {
     if (v == "auto") return;
@@ -378,7 +383,7 @@ const std::vector<Entry>& entries() {
     t.push_back(choice("train.optimizer", "optimizer",
                        FRAMEFIT_MEMBER(std::string, train.optimizer), {"sgd", "adam", "adamw"}));
     t.push_back(field<double>("train.lr", "peak learning rate", FRAMEFIT_MEMBER(double, train.lr),
-                              "a number", non_negative()));
+                              "a number", positive()));
     t.push_back(field<double>("train.weight_decay", "weight decay",
                               FRAMEFIT_MEMBER(double, train.weight_decay), "a number",
                               non_negative()));
@@ -435,6 +440,12 @@ const std::vector<Entry>& entries() {
         FRAMEFIT_MEMBER(int64_t, train.checkpoint_every), "an integer", at_least(0)));
     t.push_back(field<bool>("train.validate", "evaluate the validation split after each epoch",
                             FRAMEFIT_MEMBER(bool, train.validate), "true or false"));
+    t.push_back(choice(
+        "train.best_by",
+        "validation metric that picks best.pt (edit, f1@k: phases); auto: "
+        "macro_jaccard for segmentation, accuracy otherwise",
+        FRAMEFIT_MEMBER(std::string, train.best_by),
+        {"auto", "accuracy", "macro_f1", "macro_jaccard", "edit", "f1@10", "f1@25", "f1@50"}));
     t.push_back(field<std::string>(
         "train.batch", "clips/segmentation: samples per batch; auto: the largest that fits",
         FRAMEFIT_MEMBER(std::string, train.batch), "auto or a count", auto_or_count()));
@@ -573,6 +584,11 @@ std::string display(const YAML::Node& node) {
   return out.str();
 }
 }  // namespace
+
+std::string best_metric(const Config& config) {
+  if (config.train.best_by != "auto") return config.train.best_by;
+  return config.task == "segmentation" ? "macro_jaccard" : "accuracy";
+}
 
 std::vector<std::string> config_differences(const Config& before, const Config& after) {
   std::vector<std::string> changed;

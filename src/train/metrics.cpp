@@ -210,6 +210,23 @@ VideoAverages average_over_videos(const std::vector<VideoMetrics>& videos) {
   return out;
 }
 
+double metric_value(const PhaseMetrics& m, const std::string& name) {
+  if (name == "accuracy") return m.accuracy;
+  if (name == "macro_precision") return m.macro_precision;
+  if (name == "macro_recall") return m.macro_recall;
+  if (name == "macro_f1") return m.macro_f1;
+  if (name == "macro_jaccard") return m.macro_jaccard;
+  if (m.segments) {
+    if (name == "edit") return m.segments->edit;
+    for (size_t k = 0; k < m.segments->thresholds.size(); ++k) {
+      if (name == segment_f1_name(m.segments->thresholds[k])) return m.segments->f1[k];
+    }
+  }
+  TORCH_CHECK(
+      false, "no metric \"", name, "\" in these metrics",
+      m.segments ? "" : " (edit and f1@k score the segments of frame sequences: task phases)");
+}
+
 std::string segment_f1_name(double threshold) {
   return "f1@" + std::to_string(std::lround(100 * threshold));
 }

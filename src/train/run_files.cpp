@@ -90,14 +90,19 @@ bool stop_requested(const StopRequest& stop, int64_t step, TrainResult& result,
   return true;
 }
 
-void warn_config_changes(const Config& stored, const Config& resumed_with,
+void warn_config_changes(const Config& stored, const Config& resumed_with, double& best_score,
                          const EventCallback& on_event) {
+  const bool new_metric = best_metric(stored) != best_metric(resumed_with);
+  if (new_metric) best_score = -1;
   const auto changed = config_differences(stored, resumed_with);
   if (changed.empty() || !on_event) return;
-  on_event(Event::note(Event::Kind::Warning,
-                       "the config differs from the checkpoint's; training goes on with the new "
-                       "values: " +
-                           c10::Join("; ", changed)));
+  on_event(Event::note(
+      Event::Kind::Warning,
+      "the config differs from the checkpoint's; training goes on with the new values: " +
+          c10::Join("; ", changed) +
+          (new_metric ? "; best.pt is chosen by " + best_metric(resumed_with) +
+                            " from the next validation on"
+                      : std::string())));
 }
 
 Config read_config(torch::serialize::InputArchive& archive, const std::string& path) {
@@ -262,8 +267,9 @@ void end_epoch(Event e, double loss_sum, int64_t loss_count, const EpochValidati
     e.metrics = validation.validate();
     e.validated = true;
     record["val"] = nlohmann::json::parse(to_json(e.metrics, class_names));
-    if (validation.score(e.metrics) > best_score) {
-      best_score = validation.score(e.metrics);
+    const double score = metric_value(e.metrics, validation.best_by);
+    if (score > best_score) {
+      best_score = score;
       e.best = true;
       validation.save_best();
       result.best = e.metrics;

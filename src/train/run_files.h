@@ -45,8 +45,9 @@ bool stop_requested(const StopRequest& stop, int64_t step, TrainResult& result,
                     const EventCallback& on_event);
 // A Warning event naming the keys where the config a run resumes with differs from the one its
 // checkpoint stored (the run goes on with the new values: a changed train.lr or train.epochs
-// is allowed, but should not pass unnoticed).
-void warn_config_changes(const Config& stored, const Config& resumed_with,
+// is allowed, but should not pass unnoticed). A changed train.best_by makes the stored best
+// score (of the other metric) meaningless: `best_score` is reset, so the next validation is best.
+void warn_config_changes(const Config& stored, const Config& resumed_with, double& best_score,
                          const EventCallback& on_event);
 // A TorchScript network's module (code and weights) stored in a checkpoint, so that it loads
 // without the file it was trained from; read_script gives nullptr when none is stored.
@@ -139,11 +140,11 @@ class JsonlLog {
 void report_step(Event& e, const StepOutcome& step, double seconds_per_step, JsonlLog& log);
 
 // The end of an epoch: the Epoch event `e` gets the epoch's mean loss and, where `validate` is
-// given, the validation metrics; metrics that beat `best_score` by `score` become the run's best
+// given, the validation metrics; metrics that beat `best_score` in `best_by` become the run's best
 // (`save_best` writes them). Emits the event and writes the epoch's log record.
 struct EpochValidation {
   std::function<PhaseMetrics()> validate;  // empty: the run has no validation split
-  std::function<double(const PhaseMetrics&)> score;
+  std::string best_by;                     // metric_value's name
   std::function<void()> save_best;
 };
 void end_epoch(Event e, double loss_sum, int64_t loss_count, const EpochValidation& validation,

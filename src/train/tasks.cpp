@@ -347,11 +347,6 @@ int64_t evaluation_batch(const Config& config, const BatchProgress& progress) {
   return std::max<int64_t>(1, fixed ? *fixed : progress.eval_batch);
 }
 
-// The score that picks the best checkpoint: clip accuracy, or mean IoU for segmentation.
-double score(const Config& config, const PhaseMetrics& metrics) {
-  return config.task == "segmentation" ? metrics.macro_jaccard : metrics.accuracy;
-}
-
 // The logits of `samples`. A forward pass that runs out of memory is run again on each half of
 // its samples (in eval mode a sample's logits do not depend on the others in its batch), and
 // `model.batch` lowered to the size that ran, so later batches start there.
@@ -908,6 +903,14 @@ std::vector<plan::Finding> diagnose_label_settings(const Config& config) {
                                  "can have it"),
                         "set data.ignore_id to -1, or map the masks to gray ids"});
   }
+  const auto& best_by = config.train.best_by;
+  if (config.task != "phases" && (best_by == "edit" || best_by.rfind("f1@", 0) == 0)) {
+    findings.push_back(
+        {plan::Finding::Severity::Error,
+         c10::str("train.best_by ", best_by, " scores segments of frame sequences; task ",
+                  config.task, " has none"),
+         "choose accuracy, macro_f1, macro_jaccard or auto"});
+  }
   const auto& classes = config.data.classes;
   for (const auto& name : config.data.background) {
     if (config.task != "phases") {
@@ -1028,8 +1031,8 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   progress.precision = batch_precision(config);
   if (!resume_from.empty()) {
     resumed.emplace(open_archive(resume_from));
-    warn_config_changes(read_config(*resumed, resume_from), config, on_event);
     progress = read_progress(*resumed);
+    warn_config_changes(read_config(*resumed, resume_from), config, progress.best_score, on_event);
     info("resuming from " + resume_from + " at step " + std::to_string(progress.step) +
          " with its batch of " + std::to_string(progress.batch));
   } else {
@@ -1183,7 +1186,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     EpochValidation validation;
     if (val_set) {
       validation.validate = [&] { return evaluate_data(model, *val_set, {}); };
-      validation.score = [&](const PhaseMetrics& m) { return score(config, m); };
+      validation.best_by = best_metric(config);
       validation.save_best = save_best;
     }
     end_epoch(progress_event(Event::Kind::Epoch), loss_sum, loss_count, validation,

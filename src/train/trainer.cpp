@@ -71,7 +71,7 @@ struct Progress {
   int64_t epoch = 0;     // 0-based epoch in progress
   int64_t position = 0;  // videos of that epoch's order already used
   int64_t skipped = 0;
-  double best_accuracy = -1;
+  double best_score = -1;
   double seconds = 0;
   plan::StepSettings settings;
 };
@@ -97,7 +97,7 @@ torch::Tensor settings_tensor(const Progress& p) {
 void write_progress(torch::serialize::OutputArchive& archive, const Progress& progress) {
   archive.write("progress", settings_tensor(progress));
   archive.write("progress_real",
-                torch::tensor({progress.best_accuracy, progress.seconds}, torch::kDouble));
+                torch::tensor({progress.best_score, progress.seconds}, torch::kDouble));
 }
 
 // best.pt: what eval, predict and export need.
@@ -133,7 +133,7 @@ Progress read_progress(torch::serialize::InputArchive& archive) {
   progress.settings.keep = v[5];
   progress.settings.cache_frozen = v[6] != 0;
   progress.settings.precision = static_cast<engine::Precision>(v[7]);
-  progress.best_accuracy = r[0].item<double>();
+  progress.best_score = r[0].item<double>();
   progress.seconds = r[1].item<double>();
   return progress;
 }
@@ -627,8 +627,8 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   std::optional<Progress> saved;
   if (!resume_from.empty()) {
     resumed.emplace(open_archive(resume_from));
-    warn_config_changes(read_config(*resumed, resume_from), config, on_event);
     saved = read_progress(*resumed);
+    warn_config_changes(read_config(*resumed, resume_from), config, saved->best_score, on_event);
     info("resuming from " + resume_from + " at step " + std::to_string(saved->step));
   }
   auto& tracker = memory::Tracker::of(device);
@@ -809,11 +809,11 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
           model.precision = engine::Precision::FP32;
         return evaluate(model, *val_set);
       };
-      validation.score = [](const PhaseMetrics& m) { return m.accuracy; };
+      validation.best_by = best_metric(config);
       validation.save_best = save_best;
     }
     end_epoch(progress_event(Event::Kind::Epoch), loss_sum, loss_count, validation,
-              model.classes.names(), progress.best_accuracy, result, emit, log);
+              model.classes.names(), progress.best_score, result, emit, log);
     progress.position = 0;
     if (tc.checkpoint_every == 0 || progress.step % tc.checkpoint_every == 0) {
       Progress next = progress;

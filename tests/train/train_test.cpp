@@ -61,6 +61,7 @@ TEST(Config, BadKeysAndValuesAreNamed) {
       std::string::npos);
   EXPECT_NE(error("train:\n  epochs: 0\n").find("train.epochs: must be at least 1"),
             std::string::npos);
+  EXPECT_NE(error("train:\n  lr: 0\n").find("train.lr: must be positive"), std::string::npos);
   EXPECT_NE(error("train:\n  chunk: big\n").find("train.chunk"), std::string::npos);
   EXPECT_NE(error("train:\n  budget: 12XB\n").find("train.budget"), std::string::npos);
   EXPECT_NE(error("data:\n  classes: a\n").find("data.classes: expected a list"),
@@ -498,6 +499,69 @@ TEST(Training, ResumedRunEndsWithIdenticalWeights) {
   test_util::remove_tree(base.train.out_dir);
   test_util::remove_tree(first.train.out_dir);
 }
+namespace {
+std::vector<nlohmann::json> epoch_records(const std::string& out_dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream log(out_dir + "/log.jsonl");
+  for (std::string line; std::getline(log, line);) {
+    auto record = nlohmann::json::parse(line);
+    if (record["type"] == "epoch") out.push_back(record);
+  }
+  return out;
+}
+}  // namespace
+
+TEST(Training, TrainBestByPicksTheBestCheckpoint) {
+  // By the edit score: an epoch is best exactly when its validation edit beats every earlier
+  // one's, and best.pt holds that epoch's weights (its evaluation gives that edit).
+  auto config = tiny_config("/tmp/framefit_best_by");
+  config.train.epochs = 3;
+  config.train.best_by = "edit";
+  train::train(config);
+  double best = -1;
+  for (const auto& r : epoch_records(config.train.out_dir)) {
+    const double edit = r["val"]["segments"]["edit"].get<double>();
+    EXPECT_EQ(r["best"].get<bool>(), edit > best) << r.dump();
+    best = std::max(best, edit);
+  }
+  auto model = train::load_model(config.train.out_dir + "/best.pt");
+  const auto val_set = train::make_dataset(model.config, "val", false);
+  EXPECT_DOUBLE_EQ(train::evaluate(model, val_set).segments->edit, best);
+  test_util::remove_tree(config.train.out_dir);
+
+  // A learning rate so small that no float32 weight changes: every epoch validates alike, so
+  // only the first is best ...
+  config.train.lr = 1e-30;
+  config.train.epochs = 2;
+  config.train.best_by = "macro_f1";
+  train::train(config);
+  // ... and a run resumed to choose by macro Jaccard (never above macro F1: J = F / (2 - F) per
+  // phase) would never find a better epoch against the stored best F1. That score is of another
+  // metric, so the resumed run starts its comparison afresh: its first validation is best.
+  auto resumed = config;
+  resumed.train.epochs = 3;
+  resumed.train.best_by = "macro_jaccard";
+  train::train(resumed, "auto");
+  std::vector<bool> flags;
+  for (const auto& r : epoch_records(config.train.out_dir)) flags.push_back(r["best"].get<bool>());
+  EXPECT_EQ(flags, (std::vector<bool>{true, false, true}));
+  test_util::remove_tree(config.train.out_dir);
+
+  // Segmental metrics need frame sequences; a metric_value that is not there is named.
+  auto clips = train::parse_config("task: clips\ndata:\n  classes: [a, b]\n", "test");
+  clips.train.best_by = "f1@50";
+  const auto findings = train::diagnose_label_settings(clips);
+  ASSERT_EQ(findings.size(), 1u);
+  EXPECT_NE(findings[0].problem.find("train.best_by f1@50 scores segments"), std::string::npos);
+  EXPECT_NE(test_util::error_message([] {
+              train::metric_value(train::PhaseMetrics{}, "edit");
+            }).find("task phases"),
+            std::string::npos);
+  EXPECT_EQ(train::best_metric(clips), "f1@50");
+  clips.train.best_by = "auto";
+  EXPECT_EQ(train::best_metric(clips), "accuracy");
+}
+
 namespace {
 // A per-frame encoder: conv, ReLU, global mean, linear to 16 features.
 std::string write_tiny_script_encoder(const std::string& path) {

@@ -96,6 +96,10 @@ struct TrainConfig {
   int64_t keep_last = 2;         // checkpoints kept besides the best
   int64_t checkpoint_every = 0;  // optimizer steps; 0: at the end of each epoch
   bool validate = true;          // evaluate the validation split after each epoch
+  // The validation metric that picks best.pt: accuracy | macro_f1 | macro_jaccard, or for
+  // phases edit | f1@10 | f1@25 | f1@50 (segmental); auto: macro_jaccard (mean IoU) for
+  // segmentation, accuracy otherwise.
+  std::string best_by = "auto";
   // Tasks clips and segmentation: samples per batch (auto: the largest the planner fits in the
   // budget), and layer checkpointing (auto: only what the batch needs | off | all).
   std::string batch = "auto";
@@ -126,6 +130,8 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
 Config parse_config(const std::string& yaml_text, const std::string& source,
                     const std::vector<std::string>& overrides = {});
 std::string to_yaml(const Config& config);  // every key, loadable by parse_config
+// train.best_by with auto resolved: the metric_value name that picks best.pt.
+std::string best_metric(const Config& config);
 
 // The keys whose values differ, as "key: A -> B" with the values in YAML flow style, in the
 // order of config_keys().

@@ -70,6 +70,10 @@ struct VideoAverages {
 };
 VideoAverages average_over_videos(const std::vector<VideoMetrics>& videos);
 
+// A metric by name: accuracy, macro_precision, macro_recall, macro_f1, macro_jaccard, edit or a
+// segment_f1_name (the last two need segmental scores).
+double metric_value(const PhaseMetrics& metrics, const std::string& name);
+
 // "f1@10" for threshold 0.1: the name MS-TCN's tables give F1@{10,25,50}.
 std::string segment_f1_name(double threshold);
 

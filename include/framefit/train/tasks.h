@@ -111,8 +111,9 @@ struct BatchTaskPlan {
 BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_event = {});
 
 // How labels are read and scored: data.ignore_id and data.mask_values set for a task without
-// masks, or not fitting data.classes; data.background for a task without frame sequences, or
-// naming no class. Errors: part of diagnose_task_settings, and checked for task phases too.
+// masks, or not fitting data.classes; data.background and a segmental train.best_by (edit,
+// f1@k) for a task without frame sequences, or a background naming no class. Errors: part of
+// diagnose_task_settings, and checked for task phases too.
 std::vector<plan::Finding> diagnose_label_settings(const Config& config);
 
 // train.* settings a clips or segmentation config sets that do not apply to it (train.smoothing,
