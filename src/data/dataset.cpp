@@ -192,6 +192,28 @@ double seconds_of(const Source& source, int64_t frame) {
   return source.fps > 0 ? static_cast<double>(frame) / source.fps : 0;
 }
 
+// One label per source frame from an annotation of its own rate, by the frames' times; the two
+// must last as long, within a frame of each.
+std::vector<int64_t> labels_by_time(const VideoEntry& entry, const Source& source,
+                                    const std::vector<int64_t>& labels, double labels_fps) {
+  const bool timed = !source.times.seconds.empty();
+  TORCH_CHECK(timed || source.fps > 0, "frame folder ", entry.video, ": labels_fps ", labels_fps,
+              " maps its labels by time, which needs the folder's frame rate: give it in the "
+              "manifest's fps column");
+  std::vector<double> seconds;
+  for (int64_t i = 0; i < source.frames; ++i) seconds.push_back(seconds_of(source, i));
+  const double video_seconds =
+      timed ? source.times.end_seconds : static_cast<double>(source.frames) / source.fps;
+  const double labels_seconds = static_cast<double>(labels.size()) / labels_fps;
+  const double tolerance =
+      1 / labels_fps + video_seconds / static_cast<double>(std::max<int64_t>(1, source.frames));
+  TORCH_CHECK(std::abs(video_seconds - labels_seconds) <= tolerance, "annotation file ",
+              entry.labels, " has ", labels.size(), " frames at labels_fps ", labels_fps, " (",
+              labels_seconds, " s) but ", entry.video, " lasts ", video_seconds, " s (",
+              source.frames, " frames): they must describe the same time");
+  return labels_at_times(labels, labels_fps, seconds);
+}
+
 // Decodes `sampled` source frames at (height, width), then crops and flips.
 torch::Tensor decode_source(const Source& source, const std::vector<int64_t>& sampled,
                             int64_t height, int64_t width, const DataOptions& options,
@@ -243,9 +265,21 @@ VideoDataset::Item VideoDataset::probe(const VideoEntry& entry) const {
   item.entry = entry;
   item.frame_files = source.frame_files;
   item.labels = read_phase_annotations(entry.labels, classes_);
-  TORCH_CHECK(static_cast<int64_t>(item.labels.size()) == source.frames, "annotation file ",
-              entry.labels, " has ", item.labels.size(), " frames but ", entry.video, " has ",
-              source.frames, ": they must describe the same frames");
+  const double labels_fps = entry.labels_fps > 0 ? entry.labels_fps : options_.labels_fps;
+  if (labels_fps > 0) {
+    item.labels = labels_by_time(entry, source, item.labels, labels_fps);
+  } else {
+    const auto count = static_cast<int64_t>(item.labels.size());
+    // Many times more labels than frames: frames extracted at a lower rate than annotated.
+    const std::string hint =
+        count >= 2 * source.frames
+            ? "; if the annotation has its own frame rate (Cholec80's is 25 fps, for frames "
+              "extracted at 1 fps), give it as labels_fps (manifest column or data.labels_fps)"
+            : "";
+    TORCH_CHECK(count == source.frames, "annotation file ", entry.labels, " has ", count,
+                " frames but ", entry.video, " has ", source.frames,
+                ": they must describe the same frames", hint);
+  }
   item.sampled = sampled_frames(source, options_.fps);
   std::tie(item.height, item.width) =
       resized_hw(source.height, source.width, options_.transform.resize);

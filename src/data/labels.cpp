@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -146,6 +147,20 @@ std::vector<int64_t> read_phase_annotations(const std::string& path, const Class
   return labels;
 }
 
+std::vector<int64_t> labels_at_times(const std::vector<int64_t>& labels, double labels_fps,
+                                     const std::vector<double>& seconds) {
+  TORCH_CHECK(labels_fps > 0 && !labels.empty(), "labels_at_times: needs labels and a rate");
+  std::vector<int64_t> out;
+  out.reserve(seconds.size());
+  const auto last = static_cast<int64_t>(labels.size()) - 1;
+  for (const double t : seconds) {
+    // The epsilon keeps k / fps * fps from landing just below k.
+    const auto line = static_cast<int64_t>(std::floor(t * labels_fps + 1e-6));
+    out.push_back(labels[static_cast<size_t>(std::clamp<int64_t>(line, 0, last))]);
+  }
+  return out;
+}
+
 void write_phase_annotations(const std::string& path, const std::vector<int64_t>& labels,
                              const ClassList& classes) {
   std::ofstream out(path);
@@ -180,10 +195,11 @@ std::vector<VideoEntry> read_manifest(const std::string& path) {
       for (size_t i = 0; i < fields.size(); ++i) {
         TORCH_CHECK(column.emplace(fields[i], i).second, where, ": column \"", fields[i],
                     "\" appears twice");
-        static const std::vector<std::string> known = {"name", "video", "labels", "split", "fps"};
+        static const std::vector<std::string> known = {"name",  "video", "labels",
+                                                       "split", "fps",   "labels_fps"};
         TORCH_CHECK(std::find(known.begin(), known.end(), fields[i]) != known.end(), where,
                     ": unknown column \"", fields[i],
-                    "\" (known: name, video, labels, split, fps)");
+                    "\" (known: name, video, labels, split, fps, labels_fps)");
       }
       TORCH_CHECK(column.count("video") && column.count("labels"), where,
                   ": the header must name the columns `video` and `labels`");
@@ -205,13 +221,17 @@ std::vector<VideoEntry> read_manifest(const std::string& path) {
     if (entry.name.empty()) entry.name = std::filesystem::path(entry.video).stem().string();
     entry.split = get("split");
     if (entry.split.empty()) entry.split = "train";
-    const auto fps = get("fps");
-    if (!fps.empty()) {
+    const auto rate = [&](const char* name) {
+      const auto text = get(name);
+      if (text.empty()) return 0.0;
       char* end = nullptr;
-      entry.fps = std::strtod(fps.c_str(), &end);
-      TORCH_CHECK(*end == '\0' && entry.fps > 0, where, ": fps \"", fps,
+      const double value = std::strtod(text.c_str(), &end);
+      TORCH_CHECK(*end == '\0' && value > 0, where, ": ", name, " \"", text,
                   "\" is not a positive number");
-    }
+      return value;
+    };
+    entry.fps = rate("fps");
+    entry.labels_fps = rate("labels_fps");
     entries.push_back(std::move(entry));
   }
   TORCH_CHECK(!column.empty(), "manifest ", path,
@@ -222,11 +242,17 @@ std::vector<VideoEntry> read_manifest(const std::string& path) {
 void write_manifest(const std::string& path, const std::vector<VideoEntry>& entries) {
   std::ofstream out(path);
   TORCH_CHECK(out.good(), "manifest ", path, ": cannot write");
-  out << "name,video,labels,split,fps\n";
+  const bool labels_fps = std::any_of(entries.begin(), entries.end(),
+                                      [](const VideoEntry& e) { return e.labels_fps > 0; });
+  out << "name,video,labels,split,fps" << (labels_fps ? ",labels_fps" : "") << "\n";
   for (const auto& e : entries) {
     out << csv_field(e.name) << ',' << csv_field(e.video) << ',' << csv_field(e.labels) << ','
         << csv_field(e.split) << ',';
     if (e.fps > 0) out << e.fps;
+    if (labels_fps) {
+      out << ',';
+      if (e.labels_fps > 0) out << e.labels_fps;
+    }
     out << '\n';
   }
   TORCH_CHECK(out.good(), "manifest ", path, ": write failed");

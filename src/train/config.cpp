@@ -291,6 +291,11 @@ const std::vector<Entry>& entries() {
                       FRAMEFIT_MEMBER(std::vector<std::string>, data.background)));
     t.push_back(field<double>("data.fps", "frames per second sampled from each video; 0: all",
                               FRAMEFIT_MEMBER(double, data.fps), "a number", non_negative()));
+    t.push_back(field<double>("data.labels_fps",
+                              "frame rate of the annotation files where it is not the video's "
+                              "(manifest column labels_fps overrides); 0: one label per frame",
+                              FRAMEFIT_MEMBER(double, data.labels_fps), "a number",
+                              non_negative()));
     t.push_back(field<int64_t>(
         "data.resize", "shorter side after decoding (segmentation: square side), pixels; 0: keep",
         FRAMEFIT_MEMBER(int64_t, data.resize), "an integer", at_least(0)));

@@ -145,6 +145,7 @@ Progress read_progress(torch::serialize::InputArchive& archive) {
 data::DataOptions data_options(const Config& config, bool training) {
   data::DataOptions options;
   options.fps = config.data.fps;
+  options.labels_fps = config.data.labels_fps;
   options.transform.resize = config.data.resize;
   options.transform.crop = config.data.crop;
   options.transform.random_crop = training && config.data.augment;

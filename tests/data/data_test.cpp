@@ -138,6 +138,13 @@ TEST_F(DataTest, ManifestResolvesPathsAndNamesBadLines) {
   const auto again = data::read_manifest(dir_ + "/w.csv");
   ASSERT_EQ(again.size(), 2u);
   EXPECT_EQ(again[1].video, entries[1].video);
+  // The annotation's own rate (labels_fps), for the rows that give one.
+  auto rated = entries;
+  rated[1].labels_fps = 25;
+  data::write_manifest(dir_ + "/r.csv", rated);
+  const auto rated_again = data::read_manifest(dir_ + "/r.csv");
+  EXPECT_DOUBLE_EQ(rated_again[0].labels_fps, 0);
+  EXPECT_DOUBLE_EQ(rated_again[1].labels_fps, 25);
 
   auto error = [&](const std::string& text) {
     const auto p = write("bad.csv", text);
@@ -148,6 +155,8 @@ TEST_F(DataTest, ManifestResolvesPathsAndNamesBadLines) {
   EXPECT_NE(error("video,labels\na.mp4\n").find("bad.csv:2: 1 fields where the header has 2"),
             std::string::npos);
   EXPECT_NE(error("video,labels,fps\na,b,-3\n").find("bad.csv:2: fps"), std::string::npos);
+  EXPECT_NE(error("video,labels,labels_fps\na,b,x\n").find("bad.csv:2: labels_fps \"x\""),
+            std::string::npos);
   EXPECT_NE(error("").find("empty"), std::string::npos);
 
   // A UTF-8 byte-order mark (spreadsheet exports, Windows editors) and CRLF line ends are read
@@ -267,6 +276,70 @@ TEST_F(DataTest, FrameFolderNeedsItsRateAndReadsInNameOrder) {
             std::string::npos);
   data::VideoDataset sampled({{"f", kMedia + "/frames", l, "train", 4}}, classes_, options);
   EXPECT_EQ(sampled.frames(0), 3);  // 4 fps -> 2 fps: frames 0, 2, 4
+}
+
+TEST_F(DataTest, AnnotationsAtTheirOwnRateFollowTheFramesByTime) {
+  if (skip_without_ffmpeg()) GTEST_SKIP() << "built without FFmpeg";
+  const auto annotation = [&](const std::string& name, int64_t lines, int64_t first_b) {
+    std::string text;
+    for (int64_t j = 0; j < lines; ++j) text += j < first_b ? "a\n" : "b\n";
+    return write(name, text);
+  };
+  data::DataOptions every;  // every source frame, so labels show the mapping frame by frame
+  // Cholec80 as usually prepared: frames extracted at 1 fps, phases annotated at 25 fps. The
+  // folder's 5 frames stand for 5 s; 123 lines (4.92 s) describe the same time, and folder frame k
+  // takes line 25 k: lines 0-49 a, the rest b give a a b b b.
+  const auto cholec = annotation("cholec.txt", 123, 50);
+  data::VideoEntry folder{"f", kMedia + "/frames", cholec, "train", 1};
+  folder.labels_fps = 25;
+  EXPECT_TRUE(torch::equal(data::VideoDataset({folder}, classes_, every).labels(0),
+                           torch::tensor({0, 0, 1, 1, 1}, torch::kLong)));
+  // The same from data.labels_fps (DataOptions) for rows without their own.
+  data::VideoEntry plain = folder;
+  plain.labels_fps = 0;
+  data::DataOptions rated = every;
+  rated.labels_fps = 25;
+  EXPECT_TRUE(torch::equal(data::VideoDataset({plain}, classes_, rated).labels(0),
+                           torch::tensor({0, 0, 1, 1, 1}, torch::kLong)));
+  // Without it, the count mismatch suggests labels_fps.
+  EXPECT_NE(test_util::error_message([&] {
+              data::VideoDataset({plain}, classes_, every);
+            }).find("give it as labels_fps"),
+            std::string::npos);
+  // An annotation lasting 8 s for 5 s of frames, and a folder of unknown rate, are refused.
+  folder.labels = annotation("long.txt", 200, 50);
+  EXPECT_NE(test_util::error_message([&] {
+              data::VideoDataset({folder}, classes_, every);
+            }).find("has 200 frames at labels_fps 25 (8 s) but " + kMedia + "/frames lasts 5 s"),
+            std::string::npos);
+  folder.labels = cholec;
+  folder.fps = 0;
+  EXPECT_NE(test_util::error_message([&] {
+              data::VideoDataset({folder}, classes_, every);
+            }).find("needs the folder's frame rate"),
+            std::string::npos);
+
+  // A variable-rate video (frames 0.04 s apart, then 0.12 s; 1.6 s) annotated on a 25 fps
+  // timeline, 40 lines, b from line 20 (0.8 s): by time, the first 14 frames (up to 0.76 s) are
+  // a. By index (20 frames at the average rate) frame 10 would already be b.
+  data::VideoEntry vfr{"v", kMedia + "/variable_rate.mp4", annotation("vfr.txt", 40, 20), "train",
+                       0};
+  vfr.labels_fps = 25;
+  std::vector<int64_t> expected(20, 1);
+  std::fill(expected.begin(), expected.begin() + 14, 0);
+  EXPECT_TRUE(torch::equal(data::VideoDataset({vfr}, classes_, every).labels(0),
+                           torch::tensor(expected, torch::kLong)));
+  // Sampled at 5 fps, the sampled frames keep their labels.
+  data::DataOptions five = every;
+  five.fps = 5;
+  const data::VideoDataset sampled({vfr}, classes_, five);
+  const auto frames = data::decode_video(vfr.video, 0, five).source_frames;
+  for (size_t k = 0; k < frames.size(); ++k) {
+    EXPECT_EQ(sampled.labels(0)[static_cast<int64_t>(k)].item<int64_t>(),
+              expected[static_cast<size_t>(frames[k])]);
+  }
+  EXPECT_EQ(data::labels_at_times({4, 5, 6}, 2, {0, 0.49, 0.5, 1.0, 7}),
+            (std::vector<int64_t>{4, 4, 5, 6, 6}));
 }
 
 TEST_F(DataTest, BadVideosAreNamedOrSkipped) {

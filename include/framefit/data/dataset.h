@@ -29,6 +29,9 @@ struct TransformOptions {
 
 struct DataOptions {
   double fps = 0;  // sampling rate; 0 keeps every source frame
+  // The annotations' frame rate for entries without their own labels_fps; 0: one label per
+  // source frame.
+  double labels_fps = 0;
   TransformOptions transform;
   bool skip_bad = false;  // data.on_error: skip: drop a bad video with a warning (else: error)
   int decoder_threads = 1;

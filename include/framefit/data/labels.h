@@ -32,6 +32,12 @@ std::vector<int64_t> read_phase_annotations(const std::string& path, const Class
 void write_phase_annotations(const std::string& path, const std::vector<int64_t>& labels,
                              const ClassList& classes);
 
+// The labels of frames shown at `seconds`, from an annotation of `labels_fps` frames per second:
+// the annotation frame whose interval [i, i + 1) / labels_fps holds the time (the last one for
+// times past its end). Frames extracted at 1 fps from a 25 fps video get lines 0, 25, 50, ...
+std::vector<int64_t> labels_at_times(const std::vector<int64_t>& labels, double labels_fps,
+                                     const std::vector<double>& seconds);
+
 // A video: a file (mp4, avi, mkv, ...) or a folder of frame images, with its annotation file.
 struct VideoEntry {
   std::string name;
@@ -39,10 +45,14 @@ struct VideoEntry {
   std::string labels;  // annotation file, same
   std::string split;   // train | val | test (any name)
   double fps = 0;      // source frame rate of a frame folder (video files know theirs); 0: unset
+  // The annotation's own frame rate when it is not the video's (Cholec80's 25 fps phase files
+  // for frames extracted at 1 fps); 0: one label per source frame (or DataOptions::labels_fps).
+  double labels_fps = 0;
 };
 
-// CSV with a header naming the columns: `video` and `labels` are required; `name`, `split` and
-// `fps` are optional (name defaults to the video's file name, split to "train"). Quoted fields
+// CSV with a header naming the columns: `video` and `labels` are required; `name`, `split`,
+// `fps` and `labels_fps` are optional (name defaults to the video's file name, split to "train").
+// Quoted fields
 // ("a, b") are supported. Errors name the file and line.
 std::vector<VideoEntry> read_manifest(const std::string& path);
 void write_manifest(const std::string& path, const std::vector<VideoEntry>& entries);

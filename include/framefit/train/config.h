@@ -41,6 +41,7 @@ struct DataConfig {
   std::string manifest;              // CSV (name, video, labels, split, fps)
   std::vector<std::string> classes;  // phase names, in label-id order
   double fps = 1;                    // sampling rate; 0 keeps every frame
+  double labels_fps = 0;  // annotations' own frame rate (manifest rows without one); 0: video's
   int64_t resize = 0;                // shorter side; 0 keeps
   int64_t crop = 0;                  // square crop; 0 none
   bool augment = true;               // training: random crop offset and horizontal flip
