@@ -505,6 +505,12 @@ const std::vector<Flag>& flag_table() {
        "or for segmentation the mask PNG (one image) or a folder for the masks (a folder).",
        ""},
       {"out", {"export"}, FlagType::Path, "The state_dict file to write (.pt).", "", true},
+      {"segments",
+       {"predict"},
+       FlagType::Path,
+       "Phases: also write the predicted phase segments (runs of frames with one phase) as CSV: "
+       "segment, phase, first and last frame and time, frames, mean confidence.",
+       ""},
       {"json", {"eval", "train", "bench-data"}, FlagType::Switch, "Print the result as JSON.", ""},
       {"threads",
        {"make-demo", "train", "eval", "predict", "export", "bench-data"},

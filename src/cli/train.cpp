@@ -364,6 +364,27 @@ int predict_phases(const Args& args) {
                        model.classes.names()[labels[t]], probabilities[t][labels[t]]);
   }
   write_predictions(args, csv, labels.size(0), "frames");
+  if (args.has("segments")) {
+    const auto segments = train::segments_of(prediction.labels);
+    std::string rows =
+        "segment,phase,first_frame,last_frame,first_seconds,last_seconds,frames,confidence\n";
+    for (size_t s = 0; s < segments.size(); ++s) {
+      const auto& g = segments[s];
+      const auto first = static_cast<size_t>(g.start), last = static_cast<size_t>(g.end - 1);
+      double confidence = 0;
+      for (int64_t t = g.start; t < g.end; ++t) confidence += probabilities[t][g.label];
+      rows +=
+          fmt::format("{},{},{},{},{:.3f},{:.3f},{},{:.4f}\n", s, model.classes.names()[g.label],
+                      video.source_frames[first], video.source_frames[last],
+                      video.source_seconds[first], video.source_seconds[last], g.end - g.start,
+                      confidence / static_cast<double>(g.end - g.start));
+    }
+    std::ofstream out(args.text("segments"));
+    out << rows;
+    TORCH_CHECK(out.good(), "cannot write ", args.text("segments"));
+    fmt::print(stderr, "framefit predict: {} segments -> {}\n", segments.size(),
+               args.text("segments"));
+  }
   return 0;
 }
 
@@ -436,6 +457,9 @@ int predict_masks(const Args& args) {
 
 int run_predict(const Args& args) {
   const auto task = train::checkpoint_config(args.text("checkpoint")).task;
+  TORCH_CHECK(task == "phases" || !args.has("segments"),
+              "--segments writes the phase segments of a phases checkpoint; this one is for task ",
+              task);
   if (task == "clips") return predict_clips(args);
   if (task == "segmentation") return predict_masks(args);
   return predict_phases(args);

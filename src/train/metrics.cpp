@@ -75,12 +75,6 @@ PhaseMetrics ConfusionMatrix::metrics() const {
   return out;
 }
 
-namespace {
-
-struct Segment {
-  int64_t label, start, end;  // frames [start, end)
-};
-
 std::vector<Segment> segments_of(const torch::Tensor& labels,
                                  const std::vector<int64_t>& background) {
   const auto l = labels.to(torch::kCPU, torch::kLong).contiguous();
@@ -97,6 +91,8 @@ std::vector<Segment> segments_of(const torch::Tensor& labels,
   }
   return out;
 }
+
+namespace {
 
 // Levenshtein distance between the two segments' label sequences.
 int64_t edit_distance(const std::vector<Segment>& a, const std::vector<Segment>& b) {

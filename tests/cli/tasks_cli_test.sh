@@ -105,4 +105,9 @@ if "$framefit" predict --checkpoint clips/best.pt --image demo/segmentation/test
   echo "predict on a clips model ran without --video"; exit 1
 fi
 grep -q "needs --video" predict.log
+if "$framefit" predict --checkpoint clips/best.pt --video demo/videos/video01.mp4 \
+  --segments s.csv 2> predict.log; then
+  echo "predict --segments ran on a clips model"; exit 1
+fi
+grep -q "segments of a phases checkpoint" predict.log
 echo "tasks CLI: ok"

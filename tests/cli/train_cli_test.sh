@@ -116,7 +116,8 @@ test -f run/best.pt && test -f run/config.yaml && test -s run/log.jsonl
 "$framefit" eval --checkpoint run/best.pt --json --out metrics.json > eval.json
 "$framefit" eval --checkpoint run/best.pt --set data.manifest=demo/manifest_frames.csv --json \
   > eval_frames.json
-"$framefit" predict --checkpoint run/best.pt --video demo/videos/video05.mp4 --out phases.csv
+"$framefit" predict --checkpoint run/best.pt --video demo/videos/video05.mp4 --out phases.csv \
+  --segments segments.csv
 "$framefit" predict --checkpoint run/best.pt --video demo/frames/video05 --fps 25 > phases_frames.csv
 "$framefit" export --checkpoint run/best.pt --out weights.pt > /dev/null
 "$python" - <<'PY'
@@ -187,6 +188,23 @@ for threshold in (0.1, 0.25, 0.5):
 assert metrics["videos"][0]["segments"] == scored
 assert metrics["video_averages"]["edit_mean"] == scored["edit"]
 assert "segments" in log[-1]["val"]
+# predict --segments: the runs of the per-frame phases, in order, covering every frame once.
+segment_rows = [r.split(",") for r in open("segments.csv").read().strip().split("\n")]
+assert segment_rows[0] == ["segment", "phase", "first_frame", "last_frame", "first_seconds",
+                           "last_seconds", "frames", "confidence"], segment_rows[0]
+frame_rows = [r.split(",") for r in rows[1:]]
+assert len(segment_rows) - 1 == len(p_seg), (len(segment_rows), len(p_seg))
+position = 0
+for (index, phase, first, last, first_s, last_s, count, confidence), (label, start, end) in zip(
+        segment_rows[1:], p_seg):
+    assert phase == label and int(count) == end - start == int(count), (phase, label)
+    assert first == frame_rows[start][0] and last == frame_rows[end - 1][0]
+    assert first_s == frame_rows[start][1] and last_s == frame_rows[end - 1][1]
+    mean = sum(float(r[3]) for r in frame_rows[start:end]) / (end - start)
+    assert abs(float(confidence) - mean) < 2e-4, (confidence, mean)
+    assert start == position
+    position = end
+assert position == len(frame_rows)
 # The exported encoder loads into torchvision's ResNet-18 (GroupNorm, no classifier) strictly.
 state = torch.load("weights.pt")
 encoder = {k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")}

@@ -26,6 +26,14 @@ struct SegmentMetrics {
   int64_t true_segments = 0, predicted_segments = 0;
 };
 
+// A run of frames [start, end) with one label.
+struct Segment {
+  int64_t label = 0, start = 0, end = 0;
+};
+// The runs of `labels` ([T] class ids), in order, without those of `background` classes.
+std::vector<Segment> segments_of(const torch::Tensor& labels,
+                                 const std::vector<int64_t>& background = {});
+
 // Accumulates SegmentMetrics video by video. Segments of `background` classes are left out of
 // both sequences (MS-TCN's "background" for GTEA and 50Salads); same-label frames on either
 // side of one are two segments.
