@@ -505,6 +505,13 @@ const std::vector<Flag>& flag_table() {
        "or for segmentation the mask PNG (one image) or a folder for the masks (a folder).",
        ""},
       {"out", {"export"}, FlagType::Path, "The state_dict file to write (.pt).", "", true},
+      {"predictions",
+       {"eval"},
+       FlagType::Path,
+       "Phases: also write each video's per-frame predictions to this folder as NAME.csv "
+       "(predict's columns and the labelled phase: frame, time_seconds, phase, confidence, "
+       "truth).",
+       ""},
       {"segments",
        {"predict"},
        FlagType::Path,

@@ -6,11 +6,13 @@
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include "commands.h"
@@ -30,6 +32,24 @@ std::string clock_text(double seconds) {
   const auto s = static_cast<int64_t>(std::max(0.0, seconds));
   return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
                    : fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+// Per-frame phases as CSV: source frame, its time, the predicted phase and its probability, and
+// with `truth` ([T] class ids) the labelled phase.
+std::string phase_csv(const train::Prediction& prediction, const std::vector<int64_t>& frames,
+                      const std::vector<double>& seconds, const data::ClassList& classes,
+                      const torch::Tensor& truth = {}) {
+  std::string csv = truth.defined() ? "frame,time_seconds,phase,confidence,truth\n"
+                                    : "frame,time_seconds,phase,confidence\n";
+  const auto labels = prediction.labels.accessor<int64_t, 1>();
+  const auto probabilities = prediction.probabilities.accessor<float, 2>();
+  for (int64_t t = 0; t < labels.size(0); ++t) {
+    const auto k = static_cast<size_t>(t);
+    csv += fmt::format("{},{:.3f},{},{:.4f}", frames[k], seconds[k], classes.names()[labels[t]],
+                       probabilities[t][labels[t]]);
+    csv += truth.defined() ? "," + classes.names()[truth[t].item<int64_t>()] + "\n" : "\n";
+  }
+  return csv;
 }
 
 std::string percent(double v) { return std::isnan(v) ? "  -  " : fmt::format("{:5.1f}", 100 * v); }
@@ -275,6 +295,10 @@ int run_eval(const Args& args) {
   data::ClassList classes;
   std::string split, what;
   if (train::is_batch_task(stored)) {
+    TORCH_CHECK(
+        !args.has("predictions"),
+        "--predictions writes per-frame phases of a phases checkpoint; this one is for task ",
+        stored.task, " (framefit predict writes its predictions)");
     auto model = train::load_batch_model(checkpoint, overrides);
     split = args.has("split") ? args.text("split") : model.config.data.test_split;
     metrics = train::evaluate_batch(model, split, on_event);
@@ -285,7 +309,22 @@ int run_eval(const Args& args) {
     const auto dataset = train::make_dataset(model.config, split, false, on_event);
     TORCH_CHECK(dataset.size() > 0, "no videos in split \"", split, "\" of ",
                 model.config.data.manifest);
-    metrics = train::evaluate(model, dataset, on_event, &per_video);
+    train::PredictionCallback write_prediction;
+    if (args.has("predictions")) {
+      const std::string folder = args.text("predictions");
+      std::filesystem::create_directories(folder);
+      // One file per video, named by the manifest (a name with '/' keeps it within the folder).
+      write_prediction = [&, folder](int64_t i, const train::Prediction& prediction) {
+        auto name = dataset.entry(i).name;
+        std::replace(name.begin(), name.end(), '/', '_');
+        const auto path = folder + "/" + name + ".csv";
+        std::ofstream out(path);
+        out << phase_csv(prediction, dataset.source_frames(i), dataset.source_seconds(i),
+                         model.classes, dataset.labels(i));
+        TORCH_CHECK(out.good(), "cannot write ", path);
+      };
+    }
+    metrics = train::evaluate(model, dataset, on_event, &per_video, write_prediction);
     classes = model.classes;
   }
   auto json = metrics_json(metrics, classes);
@@ -355,15 +394,10 @@ int predict_phases(const Args& args) {
   auto model = train::load_model(args.text("checkpoint"), args.list("set"));
   const auto video = decode_for(args, model.config);
   const auto prediction = train::predict(model, video.frames, print_warning);
-  std::string csv = "frame,time_seconds,phase,confidence\n";
-  const auto labels = prediction.labels.accessor<int64_t, 1>();
+  write_predictions(args,
+                    phase_csv(prediction, video.source_frames, video.source_seconds, model.classes),
+                    prediction.labels.size(0), "frames");
   const auto probabilities = prediction.probabilities.accessor<float, 2>();
-  for (int64_t t = 0; t < labels.size(0); ++t) {
-    const int64_t source = video.source_frames[t];
-    csv += fmt::format("{},{:.3f},{},{:.4f}\n", source, video.source_seconds[t],
-                       model.classes.names()[labels[t]], probabilities[t][labels[t]]);
-  }
-  write_predictions(args, csv, labels.size(0), "frames");
   if (args.has("segments")) {
     const auto segments = train::segments_of(prediction.labels);
     std::string rows =

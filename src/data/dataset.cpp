@@ -281,6 +281,7 @@ VideoDataset::Item VideoDataset::probe(const VideoEntry& entry) const {
                 ": they must describe the same frames", hint);
   }
   item.sampled = sampled_frames(source, options_.fps);
+  for (const int64_t frame : item.sampled) item.seconds.push_back(seconds_of(source, frame));
   std::tie(item.height, item.width) =
       resized_hw(source.height, source.width, options_.transform.resize);
   check_crop(entry.video, options_.transform.crop, item.height, item.width);

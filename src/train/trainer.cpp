@@ -352,7 +352,8 @@ Prediction predict(Model& model, const torch::Tensor& frames, const EventCallbac
 }
 
 PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
-                      const EventCallback& on_event, std::vector<VideoMetrics>* per_video) {
+                      const EventCallback& on_event, std::vector<VideoMetrics>* per_video,
+                      const PredictionCallback& on_prediction) {
   ConfusionMatrix confusion(model.classes.size());
   std::vector<int64_t> background;
   for (const auto& name : model.config.data.background) {
@@ -383,6 +384,7 @@ PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
     const auto prediction = predict(model, video.frames, on_event);
     confusion.add(prediction.labels, video.labels);
     segments.add(prediction.labels, video.labels);
+    if (on_prediction) on_prediction(i, prediction);
     if (per_video) {
       ConfusionMatrix own(model.classes.size());
       own.add(prediction.labels, video.labels);

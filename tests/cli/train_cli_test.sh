@@ -113,7 +113,7 @@ grep -qF "plan: $settings, predicted peak" train.err \
   || { cat plan.txt train.err; fail "train ran other settings than plan --config printed"; }
 test -f run/best.pt && test -f run/config.yaml && test -s run/log.jsonl
 # Eval on the test split (MP4) and on the same videos as JPEG frame folders.
-"$framefit" eval --checkpoint run/best.pt --json --out metrics.json > eval.json
+"$framefit" eval --checkpoint run/best.pt --json --out metrics.json --predictions preds > eval.json
 "$framefit" eval --checkpoint run/best.pt --set data.manifest=demo/manifest_frames.csv --json \
   > eval_frames.json
 "$framefit" predict --checkpoint run/best.pt --video demo/videos/video05.mp4 --out phases.csv \
@@ -205,6 +205,11 @@ for (index, phase, first, last, first_s, last_s, count, confidence), (label, sta
     assert start == position
     position = end
 assert position == len(frame_rows)
+# eval --predictions: the test video's frames as predict gives them, with their labels.
+evaluated = [r.split(",") for r in open("preds/video05.csv").read().strip().split("\n")]
+assert evaluated[0] == ["frame", "time_seconds", "phase", "confidence", "truth"], evaluated[0]
+assert [r[:4] for r in evaluated[1:]] == frame_rows
+assert [r[4] for r in evaluated[1:]] == truth
 # The exported encoder loads into torchvision's ResNet-18 (GroupNorm, no classifier) strictly.
 state = torch.load("weights.pt")
 encoder = {k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")}

@@ -89,6 +89,10 @@ class VideoDataset {
   std::pair<int64_t, int64_t> locate(int64_t global_frame) const;
   // Labels of video i's sampled frames (no decoding).
   torch::Tensor labels(int64_t i) const;
+  // Video i's sampled frames: their source frame indices and times in seconds (0 for a frame
+  // folder of unknown rate).
+  const std::vector<int64_t>& source_frames(int64_t i) const { return videos_.at(i).sampled; }
+  const std::vector<double>& source_seconds(int64_t i) const { return videos_.at(i).seconds; }
 
   // Video i's random crop and flip for `epoch` (draw_augmentation with its frame size).
   Augmentation augmentation(int64_t i, uint64_t seed, int64_t epoch) const;
@@ -101,6 +105,7 @@ class VideoDataset {
     VideoEntry entry;
     std::vector<std::string> frame_files;  // a frame folder's images, sorted
     std::vector<int64_t> sampled;          // source frame indices kept
+    std::vector<double> seconds;           // their times
     std::vector<int64_t> labels;           // per source frame
     int64_t height = 0, width = 0;         // after resizing, before cropping
   };

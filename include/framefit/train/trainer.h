@@ -137,10 +137,13 @@ struct Prediction {
 Prediction predict(Model& model, const torch::Tensor& frames, const EventCallback& on_event = {});
 
 // Every video of `dataset` (center crop, no flip), predicted as predict() does.
-// `per_video`, when given, receives each evaluated video's own metrics, in dataset order.
+// `per_video`, when given, receives each evaluated video's own metrics, in dataset order;
+// `on_prediction` each video's index in `dataset` and prediction.
+using PredictionCallback = std::function<void(int64_t video, const Prediction& prediction)>;
 PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
                       const EventCallback& on_event = {},
-                      std::vector<VideoMetrics>* per_video = nullptr);
+                      std::vector<VideoMetrics>* per_video = nullptr,
+                      const PredictionCallback& on_prediction = {});
 
 // How the config's data.* keys decode videos; training adds the random crop and flip.
 data::DataOptions data_options(const Config& config, bool training);
