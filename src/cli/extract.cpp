@@ -49,7 +49,22 @@ int run_extract(const Args& args) {
   if (args.has("weights")) {
     models::LoadOptions load;
     load.ignore_prefixes = {"fc."};
-    models::load_state_dict(*encoder, models::read_state_dict(args.text("weights")), load);
+    load.find_prefix = true;
+    if (args.has("weights-prefix")) load.prefix = args.text("weights-prefix");
+    models::LoadReport report;
+    try {
+      report =
+          models::load_state_dict(*encoder, models::read_state_dict(args.text("weights")), load);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "--weights ", args.text("weights"), ": ", e.what_without_backtrace(),
+                  args.has("weights-prefix")
+                      ? ""
+                      : "(if the weights sit under a key prefix, name it with --weights-prefix)");
+    }
+    if (!report.prefix.empty()) {
+      fmt::print(stderr, "framefit extract: weights taken from the keys under \"{}\"\n",
+                 report.prefix);
+    }
   } else {
     fmt::print(stderr, "framefit extract: no --weights given: using random weights (seed {})\n",
                args.integer("seed"));

@@ -84,6 +84,12 @@ const std::vector<Flag>& flag_table() {
        "state_dict file from torch.save(model.state_dict(), path); fc.* entries are ignored. "
        "Without it the encoder has random (torchvision-style) weights from --seed.",
        ""},
+      {"weights-prefix",
+       {"extract"},
+       FlagType::Text,
+       "The key prefix of the weights in --weights (encoder. for a framefit export, module. "
+       "from DistributedDataParallel); absent: found when the keys do not match as they are.",
+       ""},
       {"input",
        {"extract"},
        FlagType::ExistingFile,

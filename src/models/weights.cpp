@@ -13,6 +13,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 
 namespace framefit::models {
@@ -461,16 +462,57 @@ StateDict state_dict(const torch::nn::Module& module) {
   return out;
 }
 
-std::string LoadReport::describe() const {
+std::string LoadReport::describe(size_t limit) const {
   std::ostringstream out;
-  for (const auto& m : missing) out << "missing key (in the model, not in the file): " << m << "\n";
-  for (const auto& u : unexpected) out << "unexpected key (in the file, not in the model): " << u << "\n";
-  for (const auto& m : mismatched) {
+  const auto more = [&](size_t count, const char* what) {
+    if (count > limit) out << "... and " << count - limit << " more " << what << "\n";
+  };
+  for (size_t i = 0; i < missing.size() && i < limit; ++i)
+    out << "missing key (in the model, not in the file): " << missing[i] << "\n";
+  more(missing.size(), "missing keys");
+  for (size_t i = 0; i < unexpected.size() && i < limit; ++i)
+    out << "unexpected key (in the file, not in the model): " << unexpected[i] << "\n";
+  more(unexpected.size(), "unexpected keys");
+  for (size_t i = 0; i < mismatched.size() && i < limit; ++i) {
+    const auto& m = mismatched[i];
     out << "shape mismatch for " << m.name << ": the model has " << shape_str(m.expected)
         << ", the file " << shape_str(m.got) << "\n";
   }
+  more(mismatched.size(), "shape mismatches");
   return out.str();
 }
+
+namespace {
+
+bool is_batch_counter(const std::string& name) {
+  static const std::string counter = "num_batches_tracked";
+  return name.size() >= counter.size() &&
+         name.compare(name.size() - counter.size(), counter.size(), counter) == 0;
+}
+
+// The prefix P under which `state` holds every name of `needed` (as P + name): "" when the
+// names are there as they are or no prefix holds them all; several such prefixes are an error.
+std::string find_key_prefix(const std::set<std::string>& needed, const StateDict& state) {
+  std::set<std::string> plain;
+  for (const auto& entry : state) plain.insert(entry.first);
+  if (std::includes(plain.begin(), plain.end(), needed.begin(), needed.end())) return "";
+  std::map<std::string, std::set<std::string>> found;  // prefix -> needed names under it
+  for (const auto& [key, tensor] : state) {
+    for (size_t dot = key.find('.'); dot != std::string::npos; dot = key.find('.', dot + 1)) {
+      const auto rest = key.substr(dot + 1);
+      if (needed.count(rest)) found[key.substr(0, dot + 1)].insert(rest);
+    }
+  }
+  std::vector<std::string> complete;
+  for (const auto& [prefix, names] : found) {
+    if (names.size() == needed.size()) complete.push_back(prefix);
+  }
+  TORCH_CHECK(complete.size() <= 1, "the file holds the model's weights under ", complete.size(),
+              " prefixes (", c10::Join(", ", complete), "): choose one");
+  return complete.empty() ? "" : complete.front();
+}
+
+}  // namespace
 
 LoadReport load_state_dict(torch::nn::Module& module, const StateDict& state,
                            const LoadOptions& options) {
@@ -484,10 +526,25 @@ LoadReport load_state_dict(torch::nn::Module& module, const StateDict& state,
     return false;
   };
 
+  std::string prefix = options.prefix;
+  if (prefix.empty() && options.find_prefix) {
+    std::set<std::string> needed;
+    for (const auto& [name, tensor] : targets) {
+      if (!is_batch_counter(name) && !ignored(name)) needed.insert(name);
+    }
+    prefix = find_key_prefix(needed, state);
+  }
+  StateDict selected;
+  for (const auto& [name, tensor] : state) {
+    if (name.rfind(prefix, 0) == 0) selected.emplace_back(name.substr(prefix.size()), tensor);
+  }
+  TORCH_CHECK(!selected.empty(), "no key of the file starts with \"", prefix, "\"");
+
   LoadReport report;
+  report.prefix = prefix;
   std::map<std::string, bool> seen;
   std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
-  for (const auto& [name, tensor] : state) {
+  for (const auto& [name, tensor] : selected) {
     if (ignored(name)) continue;
     auto it = by_name.find(name);
     if (it == by_name.end()) {
@@ -505,12 +562,11 @@ LoadReport load_state_dict(torch::nn::Module& module, const StateDict& state,
   for (const auto& [name, tensor] : targets) {
     // Like PyTorch's BatchNorm, files without num_batches_tracked (older torchvision weights)
     // are complete: the counter keeps its value.
-    const bool optional = name.size() >= 19 && name.rfind("num_batches_tracked") == name.size() - 19;
-    if (!seen.count(name) && !optional) report.missing.push_back(name);
+    if (!seen.count(name) && !is_batch_counter(name)) report.missing.push_back(name);
   }
-  TORCH_CHECK(!options.strict || report.complete(),
-              "state_dict does not match the model (strict loading, nothing was loaded):\n",
-              report.describe(), "Load with strict = false to copy the matching entries only.");
+  TORCH_CHECK(!options.strict || report.complete(), "state_dict does not match the model",
+              prefix.empty() ? std::string() : " (keys taken from under \"" + prefix + "\")",
+              "; nothing was loaded:\n", report.describe());
   torch::NoGradGuard no_grad;
   for (auto& [target, source] : copies) target.copy_(source);
   return report;

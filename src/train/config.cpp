@@ -232,6 +232,11 @@ const std::vector<Entry>& entries() {
     t.push_back(field<std::string>("model.weights",
                                    "torchvision state_dict (.pt/.pth) to start the encoder from",
                                    FRAMEFIT_MEMBER(std::string, model.weights), "a path"));
+    t.push_back(field<std::string>(
+        "model.weights_prefix",
+        "the key prefix of the encoder's weights in model.weights (encoder. for a framefit "
+        "export, module. from DistributedDataParallel); empty: found when the keys do not match",
+        FRAMEFIT_MEMBER(std::string, model.weights_prefix), "a string"));
     t.push_back(choice("model.layout",
                        "activation layout of the encoder: auto is channels-last with bn or "
                        "frozen_bn (layer4 in NCHW on the CPU), NCHW with group_norm",

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "framefit/models/torchscript.h"
+#include "framefit/models/weights.h"
 
 namespace framefit::train::detail {
 
@@ -33,6 +34,23 @@ void make_directories(const std::string& path) {
     if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
       TORCH_CHECK(false, "cannot create directory ", partial, ": ", std::strerror(errno));
     }
+  }
+}
+
+models::LoadReport load_model_weights(torch::nn::Module& module, const Config& config,
+                                      bool strict) {
+  models::LoadOptions options;
+  options.strict = strict;
+  options.ignore_prefixes = {"fc."};  // the classifier is for ImageNet's classes
+  options.prefix = config.model.weights_prefix;
+  options.find_prefix = true;
+  try {
+    return models::load_state_dict(module, models::read_state_dict(config.model.weights), options);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "model.weights ", config.model.weights, ": ", e.what_without_backtrace(),
+                config.model.weights_prefix.empty()
+                    ? "(if the weights sit under a key prefix, name it in model.weights_prefix)"
+                    : "");
   }
 }
 

@@ -17,6 +17,7 @@
 #include "framefit/engine/amp.h"
 #include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
+#include "framefit/models/weights.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
 #include "framefit/train/trainer.h"
@@ -31,6 +32,11 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point start);
 
 void make_directories(const std::string& path);
+
+// model.weights loaded into `module` (its fc.* left out, model.weights_prefix or the prefix found
+// where the keys do not match as they are); errors name the file and the key that can help.
+// Non-strict loading reports what did not fit instead of failing.
+models::LoadReport load_model_weights(torch::nn::Module& module, const Config& config, bool strict);
 // Files in `folder` named prefix*suffix, sorted (step_00000012.pt sorts by step).
 std::vector<std::string> list_files(const std::string& folder, const std::string& prefix,
                                     const std::string& suffix);

@@ -606,11 +606,7 @@ BatchModel build_batch_model(const Config& config, const std::vector<int64_t>& i
         models::VideoResNet(models::VideoResNetOptions(kind).num_classes(classes).lean_backward(
             config.model.lean_backward != "false"));
     if (!config.model.weights.empty()) {
-      models::LoadOptions options;
-      options.strict = false;
-      options.ignore_prefixes = {"fc."};  // the classifier is for these classes
-      const auto report =
-          models::load_state_dict(*video, models::read_state_dict(config.model.weights), options);
+      const auto report = load_model_weights(*video, config, false);
       bool only_fc = report.unexpected.empty() && report.mismatched.empty();
       for (const auto& name : report.missing) only_fc = only_fc && name.rfind("fc.", 0) == 0;
       TORCH_CHECK(only_fc, "model.weights ", config.model.weights, " does not fit ", kind, ": ",

@@ -249,10 +249,7 @@ Model build_model(const Config& config,
     const auto spec = model_spec(config, 64, model.device);
     model.encoder = models::ResNet(spec.encoder_options());
     if (!config.model.weights.empty()) {
-      models::LoadOptions options;
-      options.ignore_prefixes = {"fc."};
-      models::load_state_dict(*model.encoder, models::read_state_dict(config.model.weights),
-                              options);
+      load_model_weights(*model.encoder, config, true);
     }
     model.feature_dim = model.encoder->feature_dim();
   }

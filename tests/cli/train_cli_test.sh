@@ -217,7 +217,29 @@ model = torchvision.models.resnet18(norm_layer=lambda c: torch.nn.GroupNorm(8, c
 model.fc = torch.nn.Identity()
 model.load_state_dict(encoder, strict=True)
 assert any(k.startswith("head.") for k in state)
+torch.manual_seed(0)
+torch.save(torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8), "frames.pt")
 print("train/eval/predict/export: ok, test accuracy", metrics["accuracy"])
+PY
+# The export starts an encoder again: extract finds its weights under "encoder." and gives
+# torchvision's features of the same frames.
+"$framefit" extract --model resnet18 --norm group_norm --groups 8 --weights weights.pt \
+  --input frames.pt --output features.pt 2> extract.err
+grep -q 'weights taken from the keys under "encoder."' extract.err || { cat extract.err; fail "prefix"; }
+"$python" - <<'PY'
+import torch, torchvision
+state = torch.load("weights.pt")
+model = torchvision.models.resnet18(norm_layer=lambda c: torch.nn.GroupNorm(8, c))
+model.fc = torch.nn.Identity()
+model.load_state_dict({k[8:]: v for k, v in state.items() if k.startswith("encoder.")})
+frames = torch.load("frames.pt").float() / 255
+mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+with torch.no_grad():
+    expected = model.eval()((frames - mean) / std)
+got = torch.load("features.pt")
+assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+print("export -> extract: torchvision's features")
 PY
 
 # Bad input: each error names what is wrong.

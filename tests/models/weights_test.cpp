@@ -3,6 +3,7 @@
 
 #include "test_util.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 
@@ -82,6 +83,57 @@ TEST(Weights, NonStrictLoadCopiesWhatMatches) {
   LoadOptions ignore_fc;
   ignore_fc.ignore_prefixes = {"fc."};
   EXPECT_TRUE(load_state_dict(*encoder, state_dict(*other), ignore_fc).complete());
+}
+
+TEST(Weights, KeysUnderAPrefixAreFoundOrNamed) {
+  ResNet source(ResNetOptions(18).num_classes(4));
+  const auto under = [&](const std::string& prefix) {
+    StateDict state;
+    for (auto& [name, tensor] : state_dict(*source)) state.emplace_back(prefix + name, tensor);
+    return state;
+  };
+  LoadOptions find;
+  find.ignore_prefixes = {"fc."};
+  find.find_prefix = true;
+  // DistributedDataParallel's "module.", a framefit export's "encoder." (next to head.*), a
+  // self-supervised backbone's: the one prefix holding every needed key is found.
+  for (const std::string prefix : {"module.", "encoder.", "model.backbone."}) {
+    auto state = under(prefix);
+    state.emplace_back("head.fc.weight", torch::zeros({2, 2}));
+    ResNet encoder(ResNetOptions(18).num_classes(0));
+    const auto report = load_state_dict(*encoder, state, find);
+    EXPECT_TRUE(report.complete()) << prefix << "\n" << report.describe();
+    EXPECT_EQ(report.prefix, prefix);
+    EXPECT_TRUE(torch::equal(encoder->conv1->weight, source->conv1->weight));
+  }
+  // Keys that match as they are need no prefix, and without find_prefix none is looked for.
+  ResNet encoder(ResNetOptions(18).num_classes(0));
+  EXPECT_EQ(load_state_dict(*encoder, state_dict(*source), find).prefix, "");
+  EXPECT_NE(framefit::test_util::error_message([&] {
+              load_state_dict(*encoder, under("module."), LoadOptions{});
+            }).find("missing key"),
+            std::string::npos);
+  // Two complete copies (MoCo's query and key encoders) are named; a given prefix picks one.
+  auto both = under("encoder_q.");
+  for (auto& entry : under("encoder_k.")) both.push_back(entry);
+  EXPECT_NE(framefit::test_util::error_message([&] {
+              load_state_dict(*encoder, both, find);
+            }).find("under 2 prefixes (encoder_k., encoder_q.)"),
+            std::string::npos);
+  LoadOptions given = find;
+  given.prefix = "encoder_k.";
+  EXPECT_TRUE(load_state_dict(*encoder, both, given).complete());
+  given.prefix = "nothing.";
+  EXPECT_NE(framefit::test_util::error_message([&] {
+              load_state_dict(*encoder, both, given);
+            }).find("no key of the file starts with \"nothing.\""),
+            std::string::npos);
+  // Long reports are cut: 8 lines of a kind, then a count.
+  ResNet fifty(ResNetOptions(50).num_classes(0));
+  const auto message = framefit::test_util::error_message(
+      [&] { load_state_dict(*fifty, state_dict(*source), find); });
+  EXPECT_NE(message.find("... and "), std::string::npos);
+  EXPECT_LT(std::count(message.begin(), message.end(), '\n'), 30);
 }
 
 TEST(Weights, OlderFilesWithoutBatchCountersAreComplete) {

@@ -40,8 +40,10 @@ struct LoadReport {
   std::vector<std::string> missing;     // in the module, not in the file
   std::vector<std::string> unexpected;  // in the file, not in the module
   std::vector<ShapeMismatch> mismatched;
+  std::string prefix;  // the file keys' prefix the weights were taken from ("" for none)
   bool complete() const { return missing.empty() && unexpected.empty() && mismatched.empty(); }
-  std::string describe() const;  // one line per problem, names included
+  // One line per problem, names included; at most `limit` lines of each kind, then a count.
+  std::string describe(size_t limit = 8) const;
 };
 
 struct LoadOptions {
@@ -51,6 +53,13 @@ struct LoadOptions {
   // Keys whose name starts with one of these are dropped from the file first (e.g. "fc." when
   // loading ImageNet weights into an encoder in feature mode).
   std::vector<std::string> ignore_prefixes;
+  // Only the file's keys under this prefix are loaded, with it removed: "encoder." for
+  // framefit's own export, "module." for a model saved from DistributedDataParallel.
+  std::string prefix;
+  // With no prefix given and file keys that do not match as they are: the one prefix under
+  // which the file holds every key the module needs (after ignore_prefixes) is found and used.
+  // Two such prefixes (a MoCo checkpoint's encoder_q and encoder_k) are an error naming both.
+  bool find_prefix = false;
 };
 
 LoadReport load_state_dict(torch::nn::Module& module, const StateDict& state,

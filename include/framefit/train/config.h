@@ -17,6 +17,8 @@ struct ModelConfig {
   std::string freeze;         // last frozen stage (conv1, layer1..layer4), "" for none
   std::string head = "lstm";  // lstm | tcn | linear
   std::string weights;        // torchvision state_dict for the encoder, "" for random
+  // The weights' key prefix in that file ("encoder." for a framefit export); "" finds it.
+  std::string weights_prefix;
   std::string layout = "auto";  // auto | nchw | channels_last (models::ActivationLayout)
   // A network written as a list of layers (models/network.h) and its input per sample,
   // [C,H,W] or [C,T,H,W]; checked by `framefit doctor --config`.
