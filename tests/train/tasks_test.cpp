@@ -19,6 +19,9 @@
 #include "framefit/engine/loss.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/network.h"
+#include "framefit/models/resnet.h"
+#include "framefit/models/video_resnet.h"
+#include "framefit/models/weights.h"
 #include "framefit/train/config.h"
 #include "framefit/train/tasks.h"
 #include "framefit/train/trainer.h"
@@ -390,6 +393,55 @@ std::vector<torch::Tensor> checkpoint_weights(const std::string& path) {
 }
 
 }  // namespace
+
+TEST(ModelWeights, StartTheEncoderOrVideoNetworkFromAStateDictUnderAnyPrefix) {
+  const auto path = [](const std::string& name) {
+    return "/tmp/framefit_model_weights_" + std::to_string(::getpid()) + "_" + name;
+  };
+  // Phases: an ImageNet ResNet-18 saved from DistributedDataParallel ("module." keys, fc too).
+  models::ResNet imagenet(models::ResNetOptions(18).num_classes(1000));
+  models::StateDict ddp;
+  for (auto& [name, tensor] : models::state_dict(*imagenet))
+    ddp.emplace_back("module." + name, tensor);
+  models::write_state_dict(ddp, path("ddp.pt"));
+  auto phases = train::parse_config(
+      "model: {encoder: resnet18, norm: bn, head: linear}\n"
+      "data: {classes: [a, b]}\n",
+      "test");
+  phases.model.weights = path("ddp.pt");
+  auto model = train::build_model(phases);
+  EXPECT_TRUE(torch::equal(model.encoder->conv1->weight, imagenet->conv1->weight));
+  EXPECT_TRUE(torch::equal(model.encoder->layer4[1]->as<models::ResidualBlock>()->bn2->weight,
+                           imagenet->layer4[1]->as<models::ResidualBlock>()->bn2->weight));
+  // A prefix the file does not have is named with the file.
+  phases.model.weights_prefix = "backbone.";
+  const auto message = test_util::error_message([&] { train::build_model(phases); });
+  EXPECT_NE(message.find("model.weights " + path("ddp.pt")), std::string::npos) << message;
+  EXPECT_NE(message.find("no key of the file starts with \"backbone.\""), std::string::npos);
+
+  // Clips: torchvision's R3D-18 under "model." - all but the classifier, which is for these
+  // classes.
+  models::VideoResNet kinetics(models::VideoResNetOptions("r3d_18").num_classes(400));
+  models::StateDict wrapped;
+  for (auto& [name, tensor] : models::state_dict(*kinetics))
+    wrapped.emplace_back("model." + name, tensor);
+  models::write_state_dict(wrapped, path("r3d.pt"));
+  auto clips = train::parse_config(
+      "task: clips\nmodel: {network: r3d_18}\n"
+      "data: {classes: [a, b, c]}\n",
+      "test");
+  clips.model.weights = path("r3d.pt");
+  const auto video = train::build_batch_model(clips, {3, 4, 32, 32});
+  const auto loaded = models::state_dict(*video.network.module);
+  const auto original = models::state_dict(*kinetics);
+  ASSERT_EQ(loaded.size(), original.size());
+  for (size_t i = 0; i < loaded.size(); ++i) {
+    const bool classifier = loaded[i].first.rfind("fc.", 0) == 0;
+    EXPECT_EQ(torch::equal(loaded[i].second, original[i].second), !classifier) << loaded[i].first;
+  }
+  std::remove(path("ddp.pt").c_str());
+  std::remove(path("r3d.pt").c_str());
+}
 
 TEST(ClipTraining, ResumedRunEndsWithIdenticalWeights) {
   // Uninterrupted: every step. Interrupted after step 3 (mid-epoch, mid-video), then resumed:
