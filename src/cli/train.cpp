@@ -72,6 +72,22 @@ void print_metrics(const train::PhaseMetrics& m, const data::ClassList& classes,
   }
   fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", "macro", percent(m.macro_precision),
              percent(m.macro_recall), percent(m.macro_f1), percent(m.macro_jaccard));
+  // The confusion matrix, while it fits a terminal's width; the JSON always has it.
+  if (!m.confusion.empty() && m.confusion.size() <= 12) {
+    int64_t largest = 1;
+    for (const auto& row : m.confusion)
+      for (const int64_t n : row) largest = std::max(largest, n);
+    const int width = std::max<int>(4, static_cast<int>(std::to_string(largest).size()) + 1);
+    fmt::print("  confusion: {}s of each {} (row) by prediction (column {}-{})\n  {:<20}",
+               counted(task), task == "phases" ? "phase" : "class", 0, m.confusion.size() - 1, "");
+    for (size_t k = 0; k < m.confusion.size(); ++k) fmt::print("{:>{}}", k, width);
+    fmt::print("\n");
+    for (size_t k = 0; k < m.confusion.size(); ++k) {
+      fmt::print("  {:<20}", fmt::format("{} {}", k, classes.names()[k]).substr(0, 20));
+      for (const int64_t n : m.confusion[k]) fmt::print("{:>{}}", n, width);
+      fmt::print("\n");
+    }
+  }
   if (m.segments) {
     const auto& s = *m.segments;
     std::string f1;

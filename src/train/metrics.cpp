@@ -65,6 +65,9 @@ PhaseMetrics ConfusionMatrix::metrics() const {
     ++present;
   }
   out.frames = static_cast<int64_t>(total);
+  const auto counts = counts_.contiguous();
+  const auto* n = counts.data_ptr<int64_t>();
+  for (int64_t k = 0; k < c; ++k) out.confusion.emplace_back(n + k * c, n + (k + 1) * c);
   out.accuracy = total > 0 ? correct / total : 0;
   if (present > 0) {
     out.macro_precision = sums[0] / present;
@@ -244,7 +247,8 @@ std::string to_json(const PhaseMetrics& m, const std::vector<std::string>& phase
                      {"macro_recall", m.macro_recall},
                      {"macro_f1", m.macro_f1},
                      {"macro_jaccard", m.macro_jaccard},
-                     {"phases", phases}};
+                     {"phases", phases},
+                     {"confusion", m.confusion}};
   if (m.segments) {
     const auto& s = *m.segments;
     nlohmann::json segments{{"videos", s.videos},

@@ -210,6 +210,12 @@ evaluated = [r.split(",") for r in open("preds/video05.csv").read().strip().spli
 assert evaluated[0] == ["frame", "time_seconds", "phase", "confidence", "truth"], evaluated[0]
 assert [r[:4] for r in evaluated[1:]] == frame_rows
 assert [r[4] for r in evaluated[1:]] == truth
+# The confusion matrix counts those frames by (truth, prediction).
+phases = ["Preparation", "Dissection", "Irrigation", "Suturing", "Inspection"]
+counts = [[0] * 5 for _ in phases]
+for r in evaluated[1:]:
+    counts[phases.index(r[4])][phases.index(r[2])] += 1
+assert metrics["confusion"] == counts, (metrics["confusion"], counts)
 # The exported encoder loads into torchvision's ResNet-18 (GroupNorm, no classifier) strictly.
 state = torch.load("weights.pt")
 encoder = {k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")}

@@ -117,6 +117,9 @@ TEST(Metrics, FromAKnownConfusionMatrix) {
   EXPECT_DOUBLE_EQ(r.f1[1], 0.8);
   EXPECT_DOUBLE_EQ(r.jaccard[2], 2.0 / 3);
   EXPECT_DOUBLE_EQ(r.macro_recall, (2.0 / 3 + 1.0 + 2.0 / 3) / 3);
+  // Rows the truth, columns the prediction.
+  EXPECT_EQ(r.confusion, (std::vector<std::vector<int64_t>>{{2, 1, 0}, {0, 2, 0}, {1, 0, 2}}));
+  EXPECT_EQ(nlohmann::json::parse(train::to_json(r, {"a", "b", "c"}))["confusion"][2][0], 1);
   // A phase absent from truth and predictions is left out of the averages.
   train::ConfusionMatrix n(3);
   n.add(torch::tensor({0, 1}), torch::tensor({0, 1}));

@@ -58,6 +58,8 @@ struct PhaseMetrics {
   double accuracy = 0;
   std::vector<double> precision, recall, f1, jaccard;  // per phase; NaN where it never occurs
   double macro_precision = 0, macro_recall = 0, macro_f1 = 0, macro_jaccard = 0;
+  // confusion[truth][prediction]: frames (clips, pixels) of each true class by predicted class.
+  std::vector<std::vector<int64_t>> confusion;
   std::optional<SegmentMetrics> segments;  // phases: the videos' segmental scores
 };
 
@@ -86,7 +88,9 @@ double metric_value(const PhaseMetrics& metrics, const std::string& name);
 std::string segment_f1_name(double threshold);
 
 // {"frames", "accuracy", "macro_precision", "macro_recall", "macro_f1", "macro_jaccard",
-// "phases": {name: {"precision", "recall", "f1", "jaccard"}}} as JSON text, with "segments":
+// "phases": {name: {"precision", "recall", "f1", "jaccard"}}, "confusion": [[count, ...], ...]
+// (rows the true classes, columns the predicted ones, in phase order)} as JSON text, with
+// "segments":
 // {"edit", "f1@10", "f1@25", "f1@50", "videos", "true_segments", "predicted_segments"} when
 // scored; NaN becomes null.
 std::string to_json(const PhaseMetrics& metrics, const std::vector<std::string>& phase_names);
