@@ -87,19 +87,22 @@ void TrainingStep::accumulate_gradients(const std::vector<Video>& videos, StepRe
   const double share = 1.0 / (static_cast<double>(videos.size()) * options_.accumulate);
   for (const auto& video : videos) {
     torch::Tensor features;
-    {
+    if (video.features.defined()) {
+      features = video.features.to(options_.chunked.device);
+    } else {
       // Mixed precision where the compute is: the encoder. The head (LSTM/TCN over [T,D]) is
       // cheap and runs in float32, which LibTorch 1.13's CPU LSTM needs anyway.
       AutocastGuard autocast(options_.chunked.device, options_.precision);
       features = chunked_encode(encoder_, video.frames, options_.chunked);
     }
+    if (options_.return_features) report.features.push_back(features.detach().cpu());
     torch::Tensor loss;
     {
       auto phase = tracker.phase("head");
       loss = phase_loss(head_->forward(features), video.labels, options_.loss);
     }
     report.loss += loss.item<double>() / static_cast<double>(videos.size());
-    report.frames += video.frames.size(0);
+    report.frames += video.labels.size(0);
     scaler_.scale(loss * share).backward();
   }
 }
@@ -108,10 +111,18 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
   TORCH_CHECK(!videos.empty(), "a training step needs at least one video");
   for (const auto& video : videos) {
     const std::string what = video.name.empty() ? "video" : video.name;
-    check_video_frames(video.frames, what);
-    TORCH_CHECK(video.labels.dim() == 1 && video.labels.size(0) == video.frames.size(0), what, ": ",
-                video.frames.size(0), " frames but ", video.labels.numel(),
-                " labels: there must be one label per frame");
+    if (video.features.defined()) {
+      TORCH_CHECK(encoder_.parameters.empty(), what,
+                  ": features stand in for frames only for an encoder without trained "
+                  "parameters; this one trains");
+      TORCH_CHECK(video.features.dim() == 2, what, ": features must be [T,D], got ",
+                  video.features.sizes());
+    } else {
+      check_video_frames(video.frames, what);
+    }
+    const int64_t frames = video.features.defined() ? video.features.size(0) : video.frames.size(0);
+    TORCH_CHECK(video.labels.dim() == 1 && video.labels.size(0) == frames, what, ": ", frames,
+                " frames but ", video.labels.numel(), " labels: there must be one label per frame");
   }
   const auto start = std::chrono::steady_clock::now();
   auto& tracker = memory::Tracker::of(options_.chunked.device);
@@ -146,6 +157,7 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
       }
       report.loss = 0;
       report.frames = 0;
+      report.features.clear();
       auto& chunked = options_.chunked;
       OutOfMemoryEvent event;
       event.chunk = chunked.chunk;
@@ -153,8 +165,8 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
       event.cache_frozen = chunked.cache_frozen;
       event.longest_video =
           std::max_element(videos.begin(), videos.end(), [](const auto& a, const auto& b) {
-            return a.frames.size(0) < b.frames.size(0);
-          })->frames.size(0);
+            return a.labels.size(0) < b.labels.size(0);
+          })->labels.size(0);
       event.in_use_bytes = tracker.current_bytes();
       event.budget_bytes = tracker.budget_bytes();
       if (const auto* oom = dynamic_cast<const memory::OutOfMemoryError*>(&e)) {

@@ -117,9 +117,9 @@ std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) 
   if (sizes.trained_encoder_bytes == 0) {
     findings.push_back(warning(
         "the whole encoder is frozen: only the head trains, and every epoch runs the encoder "
-        "again (without grad)",
-        "freeze less to train end to end, or extract features once (framefit extract) to train "
-        "a head on them outside framefit"));
+        "again (without grad) unless its features are cached",
+        "freeze less to train end to end, or train with data.augment false: framefit train then "
+        "keeps each video's features after the first epoch (train.cache_features)"));
   }
   if (spec.head == "tcn") {
     const models::TCNHeadOptions tcn(sizes.feature_dim, spec.classes);

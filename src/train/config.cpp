@@ -463,6 +463,10 @@ const std::vector<Entry>& entries() {
         "train.eval_batch",
         "clips/segmentation: samples per evaluation batch; auto: the largest that fits (planned)",
         FRAMEFIT_MEMBER(std::string, train.eval_batch), "auto or a count", auto_or_count()));
+    t.push_back(choice("train.cache_features",
+                       "phases, encoder frozen through its last stage, data.augment false: keep "
+                       "each video's features after the first epoch and train the head on them",
+                       FRAMEFIT_MEMBER(std::string, train.cache_features), {"auto", "off"}));
     t.push_back(choice("train.checkpointing",
                        "clips/segmentation: layer checkpointing; auto: only what the batch needs",
                        FRAMEFIT_MEMBER(std::string, train.checkpointing), {"auto", "off", "all"}));

@@ -7,12 +7,15 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <optional>
 
 #include "framefit/engine/chunked.h"
 #include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/torchscript.h"
+#include "framefit/models/weights.h"
 #include "framefit/plan/calibration.h"
 #include "framefit/plan/planner.h"
 #include "framefit/train/tasks.h"
@@ -588,6 +591,48 @@ std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* su
   return findings;
 }
 
+namespace {
+
+// The training videos' features of an encoder that trains nothing, one file per video in
+// `folder`, valid for the settings that produced them (`fingerprint`): files made under other
+// settings are removed first.
+class FeatureCache {
+ public:
+  FeatureCache(std::string folder, const std::string& fingerprint) : folder_(std::move(folder)) {
+    const auto stamp = folder_ + "/settings.yaml";
+    std::ifstream in(stamp);
+    const std::string stored((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+    if (stored != fingerprint) {
+      std::filesystem::remove_all(folder_);
+      make_directories(folder_);
+      std::ofstream(stamp) << fingerprint;
+    }
+  }
+  std::string path(int64_t video) const { return folder_ + "/" + std::to_string(video) + ".pt"; }
+  bool has(int64_t video) const { return std::filesystem::exists(path(video)); }
+  void write(int64_t video, const torch::Tensor& features) const {
+    models::write_tensor(features, path(video));  // atomically: a killed run leaves no half file
+  }
+  const std::string& folder() const { return folder_; }
+
+ private:
+  std::string folder_;
+};
+
+// What the cached features depend on: the model, the data and how frames are sampled and
+// transformed, the precision they were computed in - not the optimizer or the schedule.
+std::string feature_fingerprint(const Config& config, engine::Precision precision) {
+  Config key = config;
+  key.train = TrainConfig{};
+  key.data.workers = 0;
+  key.data.prefetch_bytes = 0;
+  key.data.on_error.clear();
+  return to_yaml(key) + "# precision " + engine::to_string(precision) + "\n";
+}
+
+}  // namespace
+
 TrainResult train(const Config& config, const std::string& resume, const EventCallback& on_event,
                   const StopRequest& stop) {
   if (is_batch_task(config)) return train_batch(config, resume, on_event, stop);
@@ -680,6 +725,21 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     options.loss.class_weights = weights.to(device);
   }
   auto encoder = model.frame_encoder();
+  std::optional<FeatureCache> feature_cache;
+  if (encoder.parameters.empty() && tc.cache_features == "auto") {
+    if (config.data.augment) {
+      info(
+          "the encoder trains nothing: with data.augment false its features would be computed "
+          "once and the head trained on them in later epochs");
+    } else {
+      feature_cache.emplace(out_dir + "/feature_cache",
+                            feature_fingerprint(config, progress.settings.precision));
+      options.return_features = true;
+      info("the encoder trains nothing: each training video's features are kept in " +
+           feature_cache->folder() + " after its first step, and later epochs train the head " +
+           "on them without decoding the video");
+    }
+  }
   auto parameters = encoder.parameters;
   for (auto& p : model.head->parameters()) parameters.push_back(p);
   auto optimizer = engine::make_optimizer(parameters, optimizer_options(tc));
@@ -744,11 +804,35 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   for (; progress.epoch < epochs && progress.step < total_steps; ++progress.epoch) {
     const auto order = data::epoch_order(videos, tc.seed, progress.epoch, true);
     std::vector<data::Prefetcher::Job> jobs;
+    int64_t from_cache = 0;
     for (int64_t k = progress.position; k < videos; ++k) {
       const int64_t v = order[k];
       const auto augmentation = train_set.augmentation(v, tc.seed, progress.epoch);
-      jobs.push_back({[&train_set, v, augmentation] { return train_set.load(v, augmentation); },
-                      train_set.frame_bytes(v)});
+      auto load = [&train_set, v, augmentation] { return train_set.load(v, augmentation); };
+      if (feature_cache && feature_cache->has(v)) {
+        ++from_cache;
+        const auto path = feature_cache->path(v);
+        jobs.push_back({[&train_set, v, path, load] {
+                          engine::Video video;
+                          video.labels = train_set.labels(v);
+                          video.name = train_set.entry(v).name;
+                          video.features = models::read_tensor(path);
+                          // A file of another length (the manifest changed under the same
+                          // settings) is not used: the video is decoded and encoded again.
+                          if (video.features.dim() != 2 ||
+                              video.features.size(0) != video.labels.size(0)) {
+                            return load();
+                          }
+                          return video;
+                        },
+                        train_set.frames(v) * model.feature_dim * 4});
+      } else {
+        jobs.push_back({load, train_set.frame_bytes(v)});
+      }
+    }
+    if (from_cache > 0) {
+      info(c10::str("epoch ", progress.epoch + 1, ": ", from_cache, " of ", jobs.size(),
+                    " videos' features from the feature cache"));
     }
     data::Prefetcher prefetcher(std::move(jobs), static_cast<int>(config.data.workers),
                                 config.data.prefetch_bytes);
@@ -756,10 +840,13 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     int64_t loss_count = 0;
     while (progress.position < videos && progress.step < total_steps) {
       std::vector<engine::Video> batch;
+      std::vector<int64_t> batch_videos;  // their indices in train_set
       while (static_cast<int64_t>(batch.size()) < tc.accumulate && progress.position < videos) {
+        const int64_t v = order[progress.position];
         ++progress.position;
         try {
           batch.push_back(prefetcher.next());
+          batch_videos.push_back(v);
         } catch (const c10::Error& e) {
           if (!train_set.options().skip_bad) throw;
           ++progress.skipped;
@@ -773,6 +860,12 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
       model.encoder_module().train();  // validation and prediction leave it in eval mode
       model.head->train();
       const auto report = step.step(batch);
+      if (feature_cache) {
+        for (size_t i = 0; i < batch.size(); ++i) {
+          if (!batch[i].features.defined())
+            feature_cache->write(batch_videos[i], report.features[i]);
+        }
+      }
       ++progress.step;
       // A step that ran out of memory was retried with new settings: later steps and
       // checkpoints (so a resumed run) use them.

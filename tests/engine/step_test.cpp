@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "test_util.h"
+
 #include "framefit/engine/amp.h"
 #include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
@@ -162,6 +164,14 @@ TEST(TrainingStep, BadVideosAreExplained) {
   }
   EXPECT_THROW(s.step->step({}), c10::Error);
   EXPECT_THROW(engine::make_optimizer({torch::zeros({2})}, {}), c10::Error);  // frozen parameter
+  // Features stand in for frames only where the encoder trains nothing: these would skip its
+  // gradients.
+  auto with_features = make_video(8, 6);
+  with_features.features = torch::zeros({8, 16});
+  EXPECT_NE(framefit::test_util::error_message([&] {
+              s.step->step({with_features});
+            }).find("video6: features stand in for frames only for an encoder without trained"),
+            std::string::npos);
 }
 
 TEST(TrainingStep, OutOfMemoryReplansAndRetriesTheSameStep) {

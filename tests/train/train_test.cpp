@@ -502,6 +502,59 @@ TEST(Training, ResumedRunEndsWithIdenticalWeights) {
   test_util::remove_tree(base.train.out_dir);
   test_util::remove_tree(first.train.out_dir);
 }
+TEST(Training, FrozenEncoderFeaturesAreCachedAndTrainTheHeadAsRecomputedOnes) {
+  // An encoder frozen through layer4 trains nothing: from the second epoch on, the head trains
+  // on the features its first steps kept, and ends with the weights of recomputing them.
+  const auto frozen = [](const std::string& name, const std::string& cache) {
+    auto c = tiny_config(name);
+    c.model.freeze = "layer4";
+    c.data.augment = false;
+    c.train.epochs = 3;
+    c.train.cache_features = cache;
+    c.train.schedule = "constant";  // the stopped run's max_steps must not change the lr
+    return c;
+  };
+  const auto cached = frozen("/tmp/framefit_feature_cache_on", "auto");
+  std::vector<std::string> infos;
+  train::train(cached, "", [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Info) infos.push_back(e.message);
+  });
+  const auto count = [&](const std::string& text) {
+    return std::count_if(infos.begin(), infos.end(),
+                         [&](const std::string& m) { return m.find(text) != std::string::npos; });
+  };
+  EXPECT_EQ(count("videos' features from the feature cache"), 2);  // epochs 2 and 3
+  EXPECT_EQ(count("epoch 2: 3 of 3 videos' features from the feature cache"), 1);
+  EXPECT_TRUE(std::filesystem::exists(cached.train.out_dir + "/feature_cache/0.pt"));
+
+  const auto recomputed = frozen("/tmp/framefit_feature_cache_off", "off");
+  train::train(recomputed);
+  const auto last = "/checkpoints/step_00000009.pt";
+  EXPECT_TRUE(identical(weights(train::load_model(cached.train.out_dir + last)),
+                        weights(train::load_model(recomputed.train.out_dir + last))));
+  EXPECT_FALSE(std::filesystem::exists(recomputed.train.out_dir + "/feature_cache"));
+
+  // A run stopped in epoch 2 resumes on the cached features to the same weights.
+  auto stopped = frozen("/tmp/framefit_feature_cache_resume", "auto");
+  stopped.train.max_steps = 5;
+  train::train(stopped);
+  auto rest = stopped;
+  rest.train.max_steps = 0;
+  train::train(rest, "auto");
+  EXPECT_TRUE(identical(weights(train::load_model(cached.train.out_dir + last)),
+                        weights(train::load_model(stopped.train.out_dir + last))));
+  // With augmentation each epoch's frames differ: nothing is cached.
+  auto augmented = frozen("/tmp/framefit_feature_cache_augmented", "auto");
+  augmented.data.augment = true;
+  augmented.train.epochs = 1;
+  train::train(augmented);
+  EXPECT_FALSE(std::filesystem::exists(augmented.train.out_dir + "/feature_cache"));
+  for (const auto& dir : {cached.train.out_dir, recomputed.train.out_dir, stopped.train.out_dir,
+                          augmented.train.out_dir}) {
+    test_util::remove_tree(dir);
+  }
+}
+
 namespace {
 std::vector<nlohmann::json> epoch_records(const std::string& out_dir) {
   std::vector<nlohmann::json> out;

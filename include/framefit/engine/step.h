@@ -25,6 +25,10 @@ struct Video {
   torch::Tensor frames;
   torch::Tensor labels;
   std::string name;  // for messages
+  // [T,D] float features of an encoder without trained parameters, from an earlier step
+  // (StepReport::features): the step uses them instead of encoding `frames`, which may then be
+  // undefined. The same numbers as encoding again: such an encoder is a fixed function.
+  torch::Tensor features;
 };
 
 struct OptimizerOptions {
@@ -60,6 +64,9 @@ struct StepOptions {
   // On out-of-memory (budget or CUDA) the step's partial work is undone, the chunk halved and the
   // same step retried, down to 1 frame per chunk; off: the error propagates.
   bool retry_on_out_of_memory = true;
+  // StepReport::features gets each video's encoder output (CPU, detached): with an encoder
+  // without trained parameters, what later steps may take as Video::features.
+  bool return_features = false;
 };
 
 // What a step was doing when it ran out of memory.
@@ -97,6 +104,7 @@ struct StepReport {
   std::map<std::string, memory::PhaseStats> phases;  // encode, head, recompute
   std::vector<std::string> replans;  // what was changed to make the step fit, if anything
   int64_t chunk = 0;                 // the chunk the step finished with
+  std::vector<torch::Tensor> features;  // per video, with StepOptions::return_features
 };
 
 class TrainingStep {
