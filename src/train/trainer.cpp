@@ -311,7 +311,67 @@ Model load_model(const std::string& checkpoint, const std::vector<std::string>& 
 }
 
 namespace {
-Prediction predict_at_chunk(Model& model, const torch::Tensor& frames) {
+
+// The training videos' features of an encoder that trains nothing, one file per video in
+// `folder`, valid for the settings that produced them (`fingerprint`): files made under other
+// settings are removed first.
+class FeatureCache {
+ public:
+  FeatureCache(std::string folder, const std::string& fingerprint) : folder_(std::move(folder)) {
+    const auto stamp = folder_ + "/settings.yaml";
+    std::ifstream in(stamp);
+    const std::string stored((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+    if (stored != fingerprint) {
+      std::filesystem::remove_all(folder_);
+      make_directories(folder_);
+      std::ofstream(stamp) << fingerprint;
+    }
+  }
+  std::string path(int64_t video) const { return folder_ + "/" + std::to_string(video) + ".pt"; }
+  bool has(int64_t video) const { return std::filesystem::exists(path(video)); }
+  void write(int64_t video, const torch::Tensor& features) const {
+    models::write_tensor(features, path(video));  // atomically: a killed run leaves no half file
+  }
+  // The prefetch job for video v of `set`: its kept features with its labels, or `load` where
+  // none are kept or they do not fit its frames (the manifest changed under the same settings).
+  data::Prefetcher::Job job(const data::VideoDataset& set, int64_t v,
+                            std::function<engine::Video()> load, int64_t feature_dim) const {
+    if (!has(v)) return {std::move(load), set.frame_bytes(v)};
+    return {[&set, v, file = path(v), load] {
+              engine::Video video;
+              video.labels = set.labels(v);
+              video.name = set.entry(v).name;
+              video.features = models::read_tensor(file);
+              const bool fits =
+                  video.features.dim() == 2 && video.features.size(0) == video.labels.size(0);
+              return fits ? video : load();
+            },
+            set.frames(v) * feature_dim * 4};
+  }
+  const std::string& folder() const { return folder_; }
+
+ private:
+  std::string folder_;
+};
+
+// What the cached features depend on: the model, the data and how frames are sampled and
+// transformed, the precision they were computed in - not the optimizer or the schedule.
+std::string feature_fingerprint(const Config& config, engine::Precision precision) {
+  Config key = config;
+  key.train = TrainConfig{};
+  key.data.workers = 0;
+  key.data.prefetch_bytes = 0;
+  key.data.on_error.clear();
+  return to_yaml(key) + "# precision " + engine::to_string(precision) + "\n";
+}
+
+}  // namespace
+
+namespace {
+// The video's features (those it brings, else its frames encoded model.chunk at a time) through
+// the head; `features_out` receives them on the CPU.
+Prediction predict_at_chunk(Model& model, const engine::Video& video, torch::Tensor* features_out) {
   torch::InferenceMode inference;
   model.encoder_module().eval();
   model.head->eval();
@@ -321,7 +381,10 @@ Prediction predict_at_chunk(Model& model, const torch::Tensor& frames) {
   options.device = model.device;
   options.channels_last = channels_last_input(model.config, model.device);
   engine::AutocastGuard autocast(model.device, model.precision);
-  const auto features = engine::chunked_encode(model.frame_encoder(), frames, options);
+  const auto features = video.features.defined()
+                            ? video.features.to(model.device)
+                            : engine::chunked_encode(model.frame_encoder(), video.frames, options);
+  if (features_out) *features_out = features.cpu();
   auto logits = model.head->forward(features.to(torch::kFloat32));
   if (logits.dim() == 3) logits = logits[-1];
   Prediction p;
@@ -329,14 +392,11 @@ Prediction predict_at_chunk(Model& model, const torch::Tensor& frames) {
   p.labels = p.probabilities.argmax(-1);
   return p;
 }
-}  // namespace
-
-Prediction predict(Model& model, const torch::Tensor& frames, const EventCallback& on_event) {
-  TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3, "predict expects frames [T,3,H,W], got ",
-              frames.sizes());
+Prediction predict_video(Model& model, const engine::Video& video, const EventCallback& on_event,
+                         torch::Tensor* features_out = nullptr) {
   for (;;) {
     try {
-      return predict_at_chunk(model, frames);
+      return predict_at_chunk(model, video, features_out);
     } catch (const std::exception& e) {
       if (model.chunk <= 1 || !memory::is_out_of_memory(e)) throw;
     }
@@ -350,10 +410,21 @@ Prediction predict(Model& model, const torch::Tensor& frames, const EventCallbac
     model.chunk = half;
   }
 }
+}  // namespace
 
-PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
-                      const EventCallback& on_event, std::vector<VideoMetrics>* per_video,
-                      const PredictionCallback& on_prediction) {
+Prediction predict(Model& model, const torch::Tensor& frames, const EventCallback& on_event) {
+  TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3, "predict expects frames [T,3,H,W], got ",
+              frames.sizes());
+  engine::Video video;
+  video.frames = frames;
+  return predict_video(model, video, on_event);
+}
+
+namespace {
+// evaluate(), taking and keeping the videos' features in `cache` where one is given.
+PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
+                           const EventCallback& on_event, std::vector<VideoMetrics>* per_video,
+                           const PredictionCallback& on_prediction, const FeatureCache* cache) {
   ConfusionMatrix confusion(model.classes.size());
   std::vector<int64_t> background;
   for (const auto& name : model.config.data.background) {
@@ -364,7 +435,9 @@ PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
   SegmentScorer segments(background);
   std::vector<data::Prefetcher::Job> jobs;
   for (int64_t i = 0; i < dataset.size(); ++i) {
-    jobs.push_back({[&dataset, i] { return dataset.load(i); }, dataset.frame_bytes(i)});
+    auto load = [&dataset, i] { return dataset.load(i); };
+    jobs.push_back(cache ? cache->job(dataset, i, load, model.feature_dim)
+                         : data::Prefetcher::Job{load, dataset.frame_bytes(i)});
   }
   data::Prefetcher prefetcher(std::move(jobs), std::max<int64_t>(1, model.config.data.workers),
                               model.config.data.prefetch_bytes);
@@ -381,7 +454,10 @@ PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
                              std::string("skipping ") + e.what_without_backtrace()));
       continue;
     }
-    const auto prediction = predict(model, video.frames, on_event);
+    torch::Tensor features;
+    const bool keep = cache && !video.features.defined();
+    const auto prediction = predict_video(model, video, on_event, keep ? &features : nullptr);
+    if (keep) cache->write(i, features);
     confusion.add(prediction.labels, video.labels);
     segments.add(prediction.labels, video.labels);
     if (on_prediction) on_prediction(i, prediction);
@@ -407,6 +483,13 @@ PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
   auto metrics = confusion.metrics();
   metrics.segments = segments.metrics();
   return metrics;
+}
+}  // namespace
+
+PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
+                      const EventCallback& on_event, std::vector<VideoMetrics>* per_video,
+                      const PredictionCallback& on_prediction) {
+  return evaluate_with(model, dataset, on_event, per_video, on_prediction, nullptr);
 }
 
 models::StateDict export_state_dict(const Model& model) {
@@ -591,48 +674,6 @@ std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* su
   return findings;
 }
 
-namespace {
-
-// The training videos' features of an encoder that trains nothing, one file per video in
-// `folder`, valid for the settings that produced them (`fingerprint`): files made under other
-// settings are removed first.
-class FeatureCache {
- public:
-  FeatureCache(std::string folder, const std::string& fingerprint) : folder_(std::move(folder)) {
-    const auto stamp = folder_ + "/settings.yaml";
-    std::ifstream in(stamp);
-    const std::string stored((std::istreambuf_iterator<char>(in)),
-                             std::istreambuf_iterator<char>());
-    if (stored != fingerprint) {
-      std::filesystem::remove_all(folder_);
-      make_directories(folder_);
-      std::ofstream(stamp) << fingerprint;
-    }
-  }
-  std::string path(int64_t video) const { return folder_ + "/" + std::to_string(video) + ".pt"; }
-  bool has(int64_t video) const { return std::filesystem::exists(path(video)); }
-  void write(int64_t video, const torch::Tensor& features) const {
-    models::write_tensor(features, path(video));  // atomically: a killed run leaves no half file
-  }
-  const std::string& folder() const { return folder_; }
-
- private:
-  std::string folder_;
-};
-
-// What the cached features depend on: the model, the data and how frames are sampled and
-// transformed, the precision they were computed in - not the optimizer or the schedule.
-std::string feature_fingerprint(const Config& config, engine::Precision precision) {
-  Config key = config;
-  key.train = TrainConfig{};
-  key.data.workers = 0;
-  key.data.prefetch_bytes = 0;
-  key.data.on_error.clear();
-  return to_yaml(key) + "# precision " + engine::to_string(precision) + "\n";
-}
-
-}  // namespace
-
 TrainResult train(const Config& config, const std::string& resume, const EventCallback& on_event,
                   const StopRequest& stop) {
   if (is_batch_task(config)) return train_batch(config, resume, on_event, stop);
@@ -725,19 +766,20 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     options.loss.class_weights = weights.to(device);
   }
   auto encoder = model.frame_encoder();
-  std::optional<FeatureCache> feature_cache;
+  std::optional<FeatureCache> feature_cache, val_feature_cache;
   if (encoder.parameters.empty() && tc.cache_features == "auto") {
     if (config.data.augment) {
       info(
           "the encoder trains nothing: with data.augment false its features would be computed "
           "once and the head trained on them in later epochs");
     } else {
-      feature_cache.emplace(out_dir + "/feature_cache",
-                            feature_fingerprint(config, progress.settings.precision));
+      const auto fingerprint = feature_fingerprint(config, progress.settings.precision);
+      feature_cache.emplace(out_dir + "/feature_cache", fingerprint);
+      if (val_set) val_feature_cache.emplace(out_dir + "/feature_cache/validation", fingerprint);
       options.return_features = true;
-      info("the encoder trains nothing: each training video's features are kept in " +
-           feature_cache->folder() + " after its first step, and later epochs train the head " +
-           "on them without decoding the video");
+      info("the encoder trains nothing: each video's features are kept in " +
+           feature_cache->folder() + " after its first step (validation: its first " +
+           "evaluation), and later epochs run the head on them without decoding the video");
     }
   }
   auto parameters = encoder.parameters;
@@ -809,23 +851,9 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
       const int64_t v = order[k];
       const auto augmentation = train_set.augmentation(v, tc.seed, progress.epoch);
       auto load = [&train_set, v, augmentation] { return train_set.load(v, augmentation); };
-      if (feature_cache && feature_cache->has(v)) {
-        ++from_cache;
-        const auto path = feature_cache->path(v);
-        jobs.push_back({[&train_set, v, path, load] {
-                          engine::Video video;
-                          video.labels = train_set.labels(v);
-                          video.name = train_set.entry(v).name;
-                          video.features = models::read_tensor(path);
-                          // A file of another length (the manifest changed under the same
-                          // settings) is not used: the video is decoded and encoded again.
-                          if (video.features.dim() != 2 ||
-                              video.features.size(0) != video.labels.size(0)) {
-                            return load();
-                          }
-                          return video;
-                        },
-                        train_set.frames(v) * model.feature_dim * 4});
+      if (feature_cache) {
+        from_cache += feature_cache->has(v);
+        jobs.push_back(feature_cache->job(train_set, v, load, model.feature_dim));
       } else {
         jobs.push_back({load, train_set.frame_bytes(v)});
       }
@@ -900,7 +928,8 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
         model.precision = progress.settings.precision;  // validate as `framefit eval` will
         if (device.is_cpu() && model.precision == engine::Precision::FP16)
           model.precision = engine::Precision::FP32;
-        return evaluate(model, *val_set);
+        return evaluate_with(model, *val_set, {}, nullptr, {},
+                             val_feature_cache ? &*val_feature_cache : nullptr);
       };
       validation.best_by = best_metric(config);
       validation.save_best = save_best;

@@ -502,6 +502,18 @@ TEST(Training, ResumedRunEndsWithIdenticalWeights) {
   test_util::remove_tree(base.train.out_dir);
   test_util::remove_tree(first.train.out_dir);
 }
+namespace {
+std::vector<nlohmann::json> epoch_records(const std::string& out_dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream log(out_dir + "/log.jsonl");
+  for (std::string line; std::getline(log, line);) {
+    auto record = nlohmann::json::parse(line);
+    if (record["type"] == "epoch") out.push_back(record);
+  }
+  return out;
+}
+}  // namespace
+
 TEST(Training, FrozenEncoderFeaturesAreCachedAndTrainTheHeadAsRecomputedOnes) {
   // An encoder frozen through layer4 trains nothing: from the second epoch on, the head trains
   // on the features its first steps kept, and ends with the weights of recomputing them.
@@ -533,6 +545,13 @@ TEST(Training, FrozenEncoderFeaturesAreCachedAndTrainTheHeadAsRecomputedOnes) {
   EXPECT_TRUE(identical(weights(train::load_model(cached.train.out_dir + last)),
                         weights(train::load_model(recomputed.train.out_dir + last))));
   EXPECT_FALSE(std::filesystem::exists(recomputed.train.out_dir + "/feature_cache"));
+  // Validation ran the head on its kept features from epoch 2 on: the same metrics.
+  EXPECT_TRUE(std::filesystem::exists(cached.train.out_dir + "/feature_cache/validation/0.pt"));
+  const auto cached_epochs = epoch_records(cached.train.out_dir);
+  const auto recomputed_epochs = epoch_records(recomputed.train.out_dir);
+  ASSERT_EQ(cached_epochs.size(), 3u);
+  ASSERT_EQ(recomputed_epochs.size(), 3u);
+  for (size_t e = 0; e < 3; ++e) EXPECT_EQ(cached_epochs[e]["val"], recomputed_epochs[e]["val"]);
 
   // A run stopped in epoch 2 resumes on the cached features to the same weights.
   auto stopped = frozen("/tmp/framefit_feature_cache_resume", "auto");
@@ -554,18 +573,6 @@ TEST(Training, FrozenEncoderFeaturesAreCachedAndTrainTheHeadAsRecomputedOnes) {
     test_util::remove_tree(dir);
   }
 }
-
-namespace {
-std::vector<nlohmann::json> epoch_records(const std::string& out_dir) {
-  std::vector<nlohmann::json> out;
-  std::ifstream log(out_dir + "/log.jsonl");
-  for (std::string line; std::getline(log, line);) {
-    auto record = nlohmann::json::parse(line);
-    if (record["type"] == "epoch") out.push_back(record);
-  }
-  return out;
-}
-}  // namespace
 
 TEST(Training, TrainBestByPicksTheBestCheckpoint) {
   // By the edit score: an epoch is best exactly when its validation edit beats every earlier

@@ -108,8 +108,8 @@ struct TrainConfig {
   std::string batch = "auto";
   std::string checkpointing = "auto";
   // Phases with an encoder that trains nothing (model.freeze at its last stage) and no
-  // augmentation: auto keeps each training video's features on disk after its first step and
-  // trains the head on them in later epochs, without decoding or encoding the video; off.
+  // augmentation: auto keeps each video's features on disk after its first step (validation:
+  // evaluation) and runs the head on them in later epochs, without decoding or encoding; off.
   std::string cache_features = "auto";
   // Evaluation (validation, framefit eval) runs without grad in eval mode, so a larger batch
   // fits; auto: the planner's, measured (plan::calibrate_inference).
