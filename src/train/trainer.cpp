@@ -334,7 +334,8 @@ class FeatureCache {
     models::write_tensor(features, path(video));  // atomically: a killed run leaves no half file
   }
   // The prefetch job for video v of `set`: its kept features with its labels, or `load` where
-  // none are kept or they do not fit its frames (the manifest changed under the same settings).
+  // none are kept or the file does not read or fit its frames (the manifest changed under the
+  // same settings).
   data::Prefetcher::Job job(const data::VideoDataset& set, int64_t v,
                             std::function<engine::Video()> load, int64_t feature_dim) const {
     if (!has(v)) return {std::move(load), set.frame_bytes(v)};
@@ -342,7 +343,11 @@ class FeatureCache {
               engine::Video video;
               video.labels = set.labels(v);
               video.name = set.entry(v).name;
-              video.features = models::read_tensor(file);
+              try {
+                video.features = models::read_tensor(file);
+              } catch (const c10::Error&) {
+                return load();
+              }
               const bool fits =
                   video.features.dim() == 2 && video.features.size(0) == video.labels.size(0);
               return fits ? video : load();

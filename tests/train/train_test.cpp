@@ -553,10 +553,12 @@ TEST(Training, FrozenEncoderFeaturesAreCachedAndTrainTheHeadAsRecomputedOnes) {
   ASSERT_EQ(recomputed_epochs.size(), 3u);
   for (size_t e = 0; e < 3; ++e) EXPECT_EQ(cached_epochs[e]["val"], recomputed_epochs[e]["val"]);
 
-  // A run stopped in epoch 2 resumes on the cached features to the same weights.
+  // A run stopped in epoch 2 resumes on the cached features to the same weights; a damaged file
+  // is computed again.
   auto stopped = frozen("/tmp/framefit_feature_cache_resume", "auto");
   stopped.train.max_steps = 5;
   train::train(stopped);
+  std::ofstream(stopped.train.out_dir + "/feature_cache/1.pt") << "damaged";
   auto rest = stopped;
   rest.train.max_steps = 0;
   train::train(rest, "auto");
