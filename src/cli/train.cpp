@@ -43,11 +43,13 @@ std::string phase_csv(const train::Prediction& prediction, const std::vector<int
                                     : "frame,time_seconds,phase,confidence\n";
   const auto labels = prediction.labels.accessor<int64_t, 1>();
   const auto probabilities = prediction.probabilities.accessor<float, 2>();
+  const auto truth_ids = truth.defined() ? truth.contiguous() : torch::Tensor();
   for (int64_t t = 0; t < labels.size(0); ++t) {
     const auto k = static_cast<size_t>(t);
     csv += fmt::format("{},{:.3f},{},{:.4f}", frames[k], seconds[k], classes.names()[labels[t]],
                        probabilities[t][labels[t]]);
-    csv += truth.defined() ? "," + classes.names()[truth[t].item<int64_t>()] + "\n" : "\n";
+    csv +=
+        truth_ids.defined() ? "," + classes.names()[truth_ids.data_ptr<int64_t>()[t]] + "\n" : "\n";
   }
   return csv;
 }

@@ -312,7 +312,7 @@ Model load_model(const std::string& checkpoint, const std::vector<std::string>& 
 
 namespace {
 
-// The training videos' features of an encoder that trains nothing, one file per video in
+// A data set's per-video features of an encoder that trains nothing, one file per video in
 // `folder`, valid for the settings that produced them (`fingerprint`): files made under other
 // settings are removed first.
 class FeatureCache {
@@ -371,9 +371,6 @@ std::string feature_fingerprint(const Config& config, engine::Precision precisio
   return to_yaml(key) + "# precision " + engine::to_string(precision) + "\n";
 }
 
-}  // namespace
-
-namespace {
 // The video's features (those it brings, else its frames encoded model.chunk at a time) through
 // the head; `features_out` receives them on the CPU.
 Prediction predict_at_chunk(Model& model, const engine::Video& video, torch::Tensor* features_out) {

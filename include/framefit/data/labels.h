@@ -52,8 +52,7 @@ struct VideoEntry {
 
 // CSV with a header naming the columns: `video` and `labels` are required; `name`, `split`,
 // `fps` and `labels_fps` are optional (name defaults to the video's file name, split to "train").
-// Quoted fields
-// ("a, b") are supported. Errors name the file and line.
+// Quoted fields ("a, b") are supported. Errors name the file and line.
 std::vector<VideoEntry> read_manifest(const std::string& path);
 void write_manifest(const std::string& path, const std::vector<VideoEntry>& entries);
 

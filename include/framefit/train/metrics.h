@@ -90,9 +90,8 @@ std::string segment_f1_name(double threshold);
 // {"frames", "accuracy", "macro_precision", "macro_recall", "macro_f1", "macro_jaccard",
 // "phases": {name: {"precision", "recall", "f1", "jaccard"}}, "confusion": [[count, ...], ...]
 // (rows the true classes, columns the predicted ones, in phase order)} as JSON text, with
-// "segments":
-// {"edit", "f1@10", "f1@25", "f1@50", "videos", "true_segments", "predicted_segments"} when
-// scored; NaN becomes null.
+// "segments": {"edit", "f1@10", "f1@25", "f1@50", "videos", "true_segments",
+// "predicted_segments"} when scored; NaN becomes null.
 std::string to_json(const PhaseMetrics& metrics, const std::vector<std::string>& phase_names);
 
 class ConfusionMatrix {
