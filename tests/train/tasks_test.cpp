@@ -398,12 +398,17 @@ TEST(ModelWeights, StartTheEncoderOrVideoNetworkFromAStateDictUnderAnyPrefix) {
   const auto path = [](const std::string& name) {
     return "/tmp/framefit_model_weights_" + std::to_string(::getpid()) + "_" + name;
   };
+  // A module's state_dict with every key under `prefix`, written to path(file).
+  const auto save_under = [&](const torch::nn::Module& module, const std::string& prefix,
+                              const std::string& file) {
+    models::StateDict state;
+    for (auto& [name, tensor] : models::state_dict(module))
+      state.emplace_back(prefix + name, tensor);
+    models::write_state_dict(state, path(file));
+  };
   // Phases: an ImageNet ResNet-18 saved from DistributedDataParallel ("module." keys, fc too).
   models::ResNet imagenet(models::ResNetOptions(18).num_classes(1000));
-  models::StateDict ddp;
-  for (auto& [name, tensor] : models::state_dict(*imagenet))
-    ddp.emplace_back("module." + name, tensor);
-  models::write_state_dict(ddp, path("ddp.pt"));
+  save_under(*imagenet, "module.", "ddp.pt");
   auto phases = train::parse_config(
       "model: {encoder: resnet18, norm: bn, head: linear}\n"
       "data: {classes: [a, b]}\n",
@@ -422,10 +427,7 @@ TEST(ModelWeights, StartTheEncoderOrVideoNetworkFromAStateDictUnderAnyPrefix) {
   // Clips: torchvision's R3D-18 under "model." - all but the classifier, which is for these
   // classes.
   models::VideoResNet kinetics(models::VideoResNetOptions("r3d_18").num_classes(400));
-  models::StateDict wrapped;
-  for (auto& [name, tensor] : models::state_dict(*kinetics))
-    wrapped.emplace_back("model." + name, tensor);
-  models::write_state_dict(wrapped, path("r3d.pt"));
+  save_under(*kinetics, "model.", "r3d.pt");
   auto clips = train::parse_config(
       "task: clips\nmodel: {network: r3d_18}\n"
       "data: {classes: [a, b, c]}\n",
