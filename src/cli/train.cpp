@@ -277,6 +277,7 @@ int run_train(const Args& args) {
     nlohmann::json out = {{"steps", result.steps},
                           {"seconds", result.seconds},
                           {"stopped", result.stopped},
+                          {"stopped_early", result.stopped_early},
                           {"best_checkpoint", result.best_checkpoint},
                           {"last_checkpoint", result.last_checkpoint},
                           {"skipped_videos", result.skipped_videos}};

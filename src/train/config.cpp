@@ -450,6 +450,11 @@ const std::vector<Entry>& entries() {
         FRAMEFIT_MEMBER(int64_t, train.checkpoint_every), "an integer", at_least(0)));
     t.push_back(field<bool>("train.validate", "evaluate the validation split after each epoch",
                             FRAMEFIT_MEMBER(bool, train.validate), "true or false"));
+    t.push_back(field<int64_t>("train.patience",
+                               "stop once train.best_by has not improved for this many validated "
+                               "epochs; 0: never",
+                               FRAMEFIT_MEMBER(int64_t, train.patience), "an integer",
+                               at_least(0)));
     t.push_back(choice(
         "train.best_by",
         "validation metric that picks best.pt (edit, f1@k: phases); auto: "

@@ -276,8 +276,9 @@ void report_step(Event& e, const StepOutcome& step, double seconds_per_step, Jso
 }
 
 void end_epoch(Event e, double loss_sum, int64_t loss_count, const EpochValidation& validation,
-               const std::vector<std::string>& class_names, double& best_score, TrainResult& result,
-               const EventCallback& emit, JsonlLog& log) {
+               const std::vector<std::string>& class_names, double& best_score,
+               int64_t& stale_epochs, TrainResult& result, const EventCallback& emit,
+               JsonlLog& log) {
   e.loss = loss_count ? loss_sum / static_cast<double>(loss_count) : 0;
   nlohmann::json record = {
       {"type", "epoch"}, {"step", e.step}, {"epoch", e.epoch}, {"loss", e.loss}};
@@ -286,8 +287,10 @@ void end_epoch(Event e, double loss_sum, int64_t loss_count, const EpochValidati
     e.validated = true;
     record["val"] = nlohmann::json::parse(to_json(e.metrics, class_names));
     const double score = metric_value(e.metrics, validation.best_by);
+    ++stale_epochs;
     if (score > best_score) {
       best_score = score;
+      stale_epochs = 0;
       e.best = true;
       validation.save_best();
       result.best = e.metrics;
@@ -297,6 +300,17 @@ void end_epoch(Event e, double loss_sum, int64_t loss_count, const EpochValidati
   }
   emit(e);
   log.write(record);
+}
+
+bool patience_exhausted(const Config& config, int64_t stale_epochs, TrainResult& result,
+                        const EventCallback& emit) {
+  const int64_t patience = config.train.patience;
+  if (patience <= 0 || stale_epochs < patience) return false;
+  result.stopped_early = true;
+  emit(Event::note(Event::Kind::Info, c10::str("stopping early: validation ", best_metric(config),
+                                               " has not improved for ", stale_epochs,
+                                               " epochs (train.patience ", patience, ")")));
+  return true;
 }
 
 }  // namespace framefit::train::detail

@@ -153,9 +153,15 @@ struct EpochValidation {
   std::string best_by;                     // metric_value's name
   std::function<void()> save_best;
 };
+// `stale_epochs` counts the validated epochs since the best one.
 void end_epoch(Event e, double loss_sum, int64_t loss_count, const EpochValidation& validation,
-               const std::vector<std::string>& class_names, double& best_score, TrainResult& result,
-               const EventCallback& emit, JsonlLog& log);
+               const std::vector<std::string>& class_names, double& best_score,
+               int64_t& stale_epochs, TrainResult& result, const EventCallback& emit,
+               JsonlLog& log);
+// Whether train.patience ends the run after this epoch (`stale_epochs` validated epochs without
+// a better train.best_by); if so, says why and marks the result.
+bool patience_exhausted(const Config& config, int64_t stale_epochs, TrainResult& result,
+                        const EventCallback& emit);
 
 // Sets the tracker's budget for the run and lifts it when the run ends, however it ends.
 class BudgetScope {

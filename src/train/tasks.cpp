@@ -287,6 +287,7 @@ struct BatchProgress {
   bool lean_backward = false;                  // models/conv3d.h, as planned
   int64_t eval_batch = 0;                      // validation's batch, as planned
   double best_score = -1;
+  int64_t stale_epochs = 0;  // validated epochs since the best
   double seconds = 0;
 };
 
@@ -302,10 +303,11 @@ void write_network(torch::serialize::OutputArchive& archive, const BatchModel& m
 }
 
 void write_progress(torch::serialize::OutputArchive& archive, const BatchProgress& p) {
-  archive.write("progress", torch::tensor({p.step, p.epoch, p.position, p.skipped, p.batch,
-                                           p.micro_batches, static_cast<int64_t>(p.precision),
-                                           static_cast<int64_t>(p.lean_backward), p.eval_batch},
-                                          torch::kLong));
+  archive.write("progress",
+                torch::tensor({p.step, p.epoch, p.position, p.skipped, p.batch, p.micro_batches,
+                               static_cast<int64_t>(p.precision),
+                               static_cast<int64_t>(p.lean_backward), p.eval_batch, p.stale_epochs},
+                              torch::kLong));
   archive.write("progress_real", torch::tensor({p.best_score, p.seconds}, torch::kDouble));
   std::vector<int64_t> segments;  // [S,3]: begin, end, recompute
   for (const auto& g : p.segments) {
@@ -332,6 +334,7 @@ BatchProgress read_progress(torch::serialize::InputArchive& archive) {
   progress.lean_backward = p.numel() > 7 && v[7] != 0;
   // ... and evaluated at the training batch.
   progress.eval_batch = p.numel() > 8 ? v[8] : progress.batch;
+  progress.stale_epochs = p.numel() > 9 ? v[9] : 0;  // ... and had no train.patience
   const auto rows = segments.accessor<int64_t, 2>();
   for (int64_t i = 0; i < rows.size(0); ++i)
     progress.segments.push_back({rows[i][0], rows[i][1], rows[i][2] != 0});
@@ -1186,14 +1189,15 @@ TrainResult train_batch(const Config& config, const std::string& resume,
       validation.save_best = save_best;
     }
     end_epoch(progress_event(Event::Kind::Epoch), loss_sum, loss_count, validation,
-              model.classes.names(), progress.best_score, result, emit, log);
+              model.classes.names(), progress.best_score, progress.stale_epochs, result, emit, log);
     progress.position = 0;
     if (tc.checkpoint_every == 0 || progress.step % tc.checkpoint_every == 0) {
       BatchProgress next = progress;
       ++next.epoch;
       checkpoint(next);
     }
-    if (progress.step < total_steps && progress.epoch + 1 < epochs && stop_now()) {
+    if (progress.step < total_steps && progress.epoch + 1 < epochs &&
+        (patience_exhausted(config, progress.stale_epochs, result, emit) || stop_now())) {
       ++progress.epoch;  // a checkpoint written below starts the next epoch
       break;
     }

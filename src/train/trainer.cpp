@@ -75,6 +75,7 @@ struct Progress {
   int64_t position = 0;  // videos of that epoch's order already used
   int64_t skipped = 0;
   double best_score = -1;
+  int64_t stale_epochs = 0;  // validated epochs since the best
   double seconds = 0;
   plan::StepSettings settings;
 };
@@ -91,10 +92,10 @@ void write_model(torch::serialize::OutputArchive& archive, const Model& model) {
 }
 
 torch::Tensor settings_tensor(const Progress& p) {
-  return torch::tensor(
-      {p.step, p.epoch, p.position, p.skipped, p.settings.chunk, p.settings.keep,
-       static_cast<int64_t>(p.settings.cache_frozen), static_cast<int64_t>(p.settings.precision)},
-      torch::kLong);
+  return torch::tensor({p.step, p.epoch, p.position, p.skipped, p.settings.chunk, p.settings.keep,
+                        static_cast<int64_t>(p.settings.cache_frozen),
+                        static_cast<int64_t>(p.settings.precision), p.stale_epochs},
+                       torch::kLong);
 }
 
 void write_progress(torch::serialize::OutputArchive& archive, const Progress& progress) {
@@ -136,6 +137,7 @@ Progress read_progress(torch::serialize::InputArchive& archive) {
   progress.settings.keep = v[5];
   progress.settings.cache_frozen = v[6] != 0;
   progress.settings.precision = static_cast<engine::Precision>(v[7]);
+  progress.stale_epochs = p.numel() > 8 ? v[8] : 0;  // older checkpoints: patience starts over
   progress.best_score = r[0].item<double>();
   progress.seconds = r[1].item<double>();
   return progress;
@@ -937,14 +939,15 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
       validation.save_best = save_best;
     }
     end_epoch(progress_event(Event::Kind::Epoch), loss_sum, loss_count, validation,
-              model.classes.names(), progress.best_score, result, emit, log);
+              model.classes.names(), progress.best_score, progress.stale_epochs, result, emit, log);
     progress.position = 0;
     if (tc.checkpoint_every == 0 || progress.step % tc.checkpoint_every == 0) {
       Progress next = progress;
       ++next.epoch;
       checkpoint(next);
     }
-    if (progress.step < total_steps && progress.epoch + 1 < epochs && stop_now()) {
+    if (progress.step < total_steps && progress.epoch + 1 < epochs &&
+        (patience_exhausted(config, progress.stale_epochs, result, emit) || stop_now())) {
       ++progress.epoch;  // a checkpoint written below starts the next epoch
       break;
     }

@@ -576,7 +576,7 @@ TEST(Training, FrozenEncoderFeaturesAreCachedAndTrainTheHeadAsRecomputedOnes) {
   }
 }
 
-TEST(Training, TrainBestByPicksTheBestCheckpoint) {
+TEST(Training, TrainBestByPicksTheBestCheckpointAndPatienceEndsTheRun) {
   // By the edit score: an epoch is best exactly when its validation edit beats every earlier
   // one's, and best.pt holds that epoch's weights (its evaluation gives that edit).
   auto config = tiny_config("/tmp/framefit_best_by");
@@ -610,6 +610,36 @@ TEST(Training, TrainBestByPicksTheBestCheckpoint) {
   std::vector<bool> flags;
   for (const auto& r : epoch_records(config.train.out_dir)) flags.push_back(r["best"].get<bool>());
   EXPECT_EQ(flags, (std::vector<bool>{true, false, true}));
+  test_util::remove_tree(config.train.out_dir);
+
+  // Patience 2: with validation that never improves after epoch 1, the run ends after epoch 3
+  // of 5 - and a resumed run remembers the two stale epochs: it stops after one more.
+  auto patient = config;
+  patient.train.out_dir += "_patience";
+  test_util::remove_tree(patient.train.out_dir);
+  patient.train.epochs = 5;
+  patient.train.patience = 2;
+  patient.train.best_by = "accuracy";
+  std::vector<std::string> notes;
+  const auto early = train::train(patient, "", [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Info) notes.push_back(e.message);
+  });
+  EXPECT_TRUE(early.stopped_early);
+  EXPECT_FALSE(early.stopped);
+  EXPECT_EQ(early.steps, 9);
+  EXPECT_EQ(epoch_records(patient.train.out_dir).size(), 3u);
+  EXPECT_NE(std::find_if(notes.begin(), notes.end(),
+                         [](const std::string& m) {
+                           return m.find(
+                                      "stopping early: validation accuracy has not improved "
+                                      "for 2 epochs (train.patience 2)") != std::string::npos;
+                         }),
+            notes.end());
+  const auto again = train::train(patient, "auto");
+  EXPECT_TRUE(again.stopped_early);
+  EXPECT_EQ(again.steps, 12);
+  EXPECT_EQ(epoch_records(patient.train.out_dir).size(), 4u);
+  test_util::remove_tree(patient.train.out_dir);
   test_util::remove_tree(config.train.out_dir);
 
   // Segmental metrics need frame sequences; a metric_value that is not there is named.

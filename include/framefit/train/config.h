@@ -99,6 +99,9 @@ struct TrainConfig {
   int64_t keep_last = 2;         // checkpoints kept besides the best
   int64_t checkpoint_every = 0;  // optimizer steps; 0: at the end of each epoch
   bool validate = true;          // evaluate the validation split after each epoch
+  // Early stopping: end the run once train.best_by has not improved for this many validated
+  // epochs in a row; 0: never.
+  int64_t patience = 0;
   // The validation metric that picks best.pt: accuracy | macro_f1 | macro_jaccard, or for
   // phases edit | f1@10 | f1@25 | f1@50 (segmental); auto: macro_jaccard (mean IoU) for
   // segmentation, accuracy otherwise.

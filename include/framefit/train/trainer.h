@@ -64,6 +64,8 @@ struct TrainResult {
   int64_t skipped_videos = 0;  // data.on_error: skip
   // Ended early on a stop request: last_checkpoint continues it (--resume auto).
   bool stopped = false;
+  // Ended by train.patience: validation had not improved for that many epochs.
+  bool stopped_early = false;
 };
 
 // Asked after every optimizer step and at the end of every epoch: true ends the run there with
