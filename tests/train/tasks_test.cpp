@@ -668,6 +668,32 @@ TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForTwiceTheBatch) {
   test_util::remove_tree(config.train.out_dir);
 }
 
+TEST(SegmentationTraining, PatienceEndsTheRunAndItsCountSurvivesAResume) {
+  // No learning (a rate too small to move a float32 weight) and no batch statistics: every
+  // validation alike, so with patience 2 the run ends after epoch 3 of 6. Resumed, it carries
+  // the two stale epochs and ends after epoch 4 (counting afresh would run to epoch 5).
+  auto config = segmentation_config("/tmp/framefit_segmentation_patience");
+  config.model.norm = "group_norm";
+  config.model.groups = 4;
+  config.train.lr = 1e-30;
+  config.train.epochs = 6;
+  config.train.patience = 2;
+  const auto first = train::train(config);
+  EXPECT_TRUE(first.stopped_early);
+  const auto epochs = [&] {
+    std::ifstream log(config.train.out_dir + "/log.jsonl");
+    int64_t n = 0;
+    for (std::string line; std::getline(log, line);)
+      n += line.find("\"type\":\"epoch\"") != std::string::npos;
+    return n;
+  };
+  EXPECT_EQ(epochs(), 3);
+  const auto resumed = train::train(config, "auto");
+  EXPECT_TRUE(resumed.stopped_early);
+  EXPECT_EQ(epochs(), 4);
+  test_util::remove_tree(config.train.out_dir);
+}
+
 TEST(SegmentationTraining, IgnoredMaskPixelsCountInNeitherTheLossNorTheMetrics) {
   // The tiny data set's masks with a 2-pixel frame of 255, as Pascal VOC marks object borders.
   auto config = segmentation_config("/tmp/framefit_segmentation_ignore");
