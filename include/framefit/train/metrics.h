@@ -35,7 +35,7 @@ std::vector<Segment> segments_of(const torch::Tensor& labels,
                                  const std::vector<int64_t>& background = {});
 
 // Accumulates SegmentMetrics video by video. Segments of `background` classes are left out of
-// both sequences (MS-TCN's "background" for GTEA and 50Salads); same-label frames on either
+// both sequences (as MS-TCN's evaluation leaves out "background"); same-label frames on either
 // side of one are two segments.
 class SegmentScorer {
  public:
