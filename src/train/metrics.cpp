@@ -140,27 +140,33 @@ void SegmentScorer::add(const torch::Tensor& predictions, const torch::Tensor& t
   ++videos_;
   true_segments_ += static_cast<int64_t>(truth.size());
   predicted_segments_ += static_cast<int64_t>(predicted.size());
+  // Each predicted segment's best-overlapping true segment of its label (truth.size(): none),
+  // and that IoU; the thresholds differ only in which of these count.
+  std::vector<size_t> best_index(predicted.size(), truth.size());
+  std::vector<double> best_iou(predicted.size(), 0);
+  for (size_t i = 0; i < predicted.size(); ++i) {
+    const auto& p = predicted[i];
+    for (size_t j = 0; j < truth.size(); ++j) {
+      if (truth[j].label != p.label) continue;
+      const int64_t overlap = std::min(p.end, truth[j].end) - std::max(p.start, truth[j].start);
+      if (overlap <= 0) continue;
+      const double iou =
+          static_cast<double>(overlap) /
+          static_cast<double>(std::max(p.end, truth[j].end) - std::min(p.start, truth[j].start));
+      if (iou > best_iou[i]) {
+        best_iou[i] = iou;
+        best_index[i] = j;
+      }
+    }
+  }
   for (size_t k = 0; k < thresholds_.size(); ++k) {
     std::vector<bool> matched(truth.size(), false);
-    for (const auto& p : predicted) {
-      double best = 0;
-      size_t best_index = truth.size();
-      for (size_t j = 0; j < truth.size(); ++j) {
-        if (truth[j].label != p.label) continue;
-        const int64_t overlap = std::min(p.end, truth[j].end) - std::max(p.start, truth[j].start);
-        if (overlap <= 0) continue;
-        const double iou =
-            static_cast<double>(overlap) /
-            static_cast<double>(std::max(p.end, truth[j].end) - std::min(p.start, truth[j].start));
-        if (iou > best) {
-          best = iou;
-          best_index = j;
-        }
-      }
+    for (size_t i = 0; i < predicted.size(); ++i) {
       // The best match only: a second prediction of an already matched segment is a false
       // positive even when another true segment of its label overlaps it less.
-      if (best_index < truth.size() && best >= thresholds_[k] && !matched[best_index]) {
-        matched[best_index] = true;
+      const size_t j = best_index[i];
+      if (j < truth.size() && best_iou[i] >= thresholds_[k] && !matched[j]) {
+        matched[j] = true;
         ++true_positives_[k];
       } else {
         ++false_positives_[k];
