@@ -17,23 +17,13 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FRAMEFIT = os.path.join(ROOT, "build", "src", "cli", "framefit")
-OUT = os.path.join(ROOT, "bench", "results")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_tasks_bench import FRAMEFIT, OUT, ROOT, machine  # noqa: E402
+
 WORK = "/tmp/framefit_feature_cache_bench"
-
-
-def machine():
-    flags = ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags = line
-                break
-    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    return f"{os.cpu_count()} cores, {' '.join(wanted)}, framefit threads = cores"
 
 
 def run(cache, epochs):
