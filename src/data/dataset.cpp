@@ -120,7 +120,13 @@ VideoDataset::VideoDataset(std::vector<VideoEntry> entries, ClassList classes, D
   int64_t total = 0;
   for (auto& entry : entries) {
     try {
-      videos_.push_back(probe(entry));
+      auto item = options_.features ? probe_features(entry) : probe(entry);
+      TORCH_CHECK(feature_dim_ == 0 || item.feature_dim == feature_dim_, "features file ",
+                  entry.features, " has ", item.feature_dim, " features per frame where ",
+                  videos_.front().entry.features, " has ", feature_dim_,
+                  ": every video's features must come from the same encoder");
+      if (feature_dim_ == 0) feature_dim_ = item.feature_dim;
+      videos_.push_back(std::move(item));
     } catch (const c10::Error& e) {
       if (!options_.skip_bad) throw;
       ++skipped_;
@@ -288,6 +294,39 @@ VideoDataset::Item VideoDataset::probe(const VideoEntry& entry) const {
   return item;
 }
 
+VideoDataset::Item VideoDataset::probe_features(const VideoEntry& entry) const {
+  TORCH_CHECK(!entry.features.empty(), "video ", entry.name,
+              " has no features file: the manifest's `features` column names each video's "
+              "precomputed features (.npy or .pt) for a model that reads them");
+  Item item;
+  item.entry = entry;
+  item.labels = read_phase_annotations(entry.labels, classes_);
+  const double labels_fps = entry.labels_fps > 0 ? entry.labels_fps : options_.labels_fps;
+  TORCH_CHECK(labels_fps == 0, "annotation file ", entry.labels, ": labels_fps ", labels_fps,
+              " maps labels to video frames by time; precomputed features need one label per row "
+              "of ",
+              entry.features);
+  const auto count = static_cast<int64_t>(item.labels.size());
+  const auto shape = feature_file_shape(entry.features);
+  TORCH_CHECK(options_.features_layout != FeatureLayout::Auto || shape.size() != 2 ||
+                  shape[0] == count || shape[1] == count,
+              "annotation file ", entry.labels, " has ", count, " labels but features file ",
+              entry.features, " has shape ", torch::IntArrayRef(shape), ": neither axis is ", count,
+              " long; there must be one label per frame (row of features)");
+  item.time_first = time_first(shape, options_.features_layout, count, 0, entry.features);
+  const int64_t rows = shape[item.time_first ? 0 : 1];
+  item.feature_dim = shape[item.time_first ? 1 : 0];
+  TORCH_CHECK(rows == count, "annotation file ", entry.labels, " has ", count,
+              " labels but features file ", entry.features, " has ", rows, " frames (shape ",
+              torch::IntArrayRef(shape), " read as ", item.time_first ? "[T,D]" : "[D,T]",
+              "): there must be one label per frame");
+  for (int64_t k = 0; k < rows; ++k) {
+    item.sampled.push_back(k);
+    item.seconds.push_back(entry.fps > 0 ? static_cast<double>(k) / entry.fps : 0.0);
+  }
+  return item;
+}
+
 int64_t VideoDataset::frames(int64_t i) const {
   return static_cast<int64_t>(videos_.at(i).sampled.size());
 }
@@ -300,7 +339,8 @@ std::pair<int64_t, int64_t> VideoDataset::frame_size(int64_t i) const {
 
 int64_t VideoDataset::frame_bytes(int64_t i) const {
   const auto& v = videos_.at(i);
-  return frames(i) * 3 * v.height * v.width;  // as decoded, before cropping
+  if (options_.features) return frames(i) * v.feature_dim * 4;  // float32
+  return frames(i) * 3 * v.height * v.width;                    // as decoded, before cropping
 }
 
 std::pair<int64_t, int64_t> VideoDataset::locate(int64_t global_frame) const {
@@ -327,6 +367,18 @@ Augmentation VideoDataset::augmentation(int64_t i, uint64_t seed, int64_t epoch)
 
 engine::Video VideoDataset::load(int64_t i, const Augmentation& augmentation) const {
   const auto& v = videos_.at(i);
+  if (options_.features) {
+    engine::Video video;
+    video.features = read_features(v.entry.features, v.time_first);
+    video.labels = labels(i);
+    video.name = v.entry.name;
+    TORCH_CHECK(
+        video.features.size(0) == video.labels.size(0) && video.features.size(1) == v.feature_dim,
+        "features file ", v.entry.features, " changed since it was checked: now ",
+        video.features.sizes(), " where ", video.labels.size(0), " frames of ", v.feature_dim,
+        " features were found");
+    return video;
+  }
   Source source;
   source.path = v.entry.video;
   source.frame_files = v.frame_files;

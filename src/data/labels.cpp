@@ -195,14 +195,14 @@ std::vector<VideoEntry> read_manifest(const std::string& path) {
       for (size_t i = 0; i < fields.size(); ++i) {
         TORCH_CHECK(column.emplace(fields[i], i).second, where, ": column \"", fields[i],
                     "\" appears twice");
-        static const std::vector<std::string> known = {"name",  "video", "labels",
-                                                       "split", "fps",   "labels_fps"};
+        static const std::vector<std::string> known = {"name", "video",      "labels",  "split",
+                                                       "fps",  "labels_fps", "features"};
         TORCH_CHECK(std::find(known.begin(), known.end(), fields[i]) != known.end(), where,
                     ": unknown column \"", fields[i],
-                    "\" (known: name, video, labels, split, fps, labels_fps)");
+                    "\" (known: name, video, labels, split, fps, labels_fps, features)");
       }
-      TORCH_CHECK(column.count("video") && column.count("labels"), where,
-                  ": the header must name the columns `video` and `labels`");
+      TORCH_CHECK((column.count("video") || column.count("features")) && column.count("labels"),
+                  where, ": the header must name the columns `video` (or `features`) and `labels`");
       columns = fields.size();
       continue;
     }
@@ -215,10 +215,14 @@ std::vector<VideoEntry> read_manifest(const std::string& path) {
     VideoEntry entry;
     entry.video = resolve(get("video"));
     entry.labels = resolve(get("labels"));
-    TORCH_CHECK(!entry.video.empty() && !entry.labels.empty(), where,
-                ": `video` and `labels` must not be empty");
+    entry.features = resolve(get("features"));
+    TORCH_CHECK((!entry.video.empty() || !entry.features.empty()) && !entry.labels.empty(), where,
+                ": `labels` and one of `video` and `features` must not be empty");
     entry.name = get("name");
-    if (entry.name.empty()) entry.name = std::filesystem::path(entry.video).stem().string();
+    if (entry.name.empty()) {
+      entry.name =
+          std::filesystem::path(entry.video.empty() ? entry.features : entry.video).stem().string();
+    }
     entry.split = get("split");
     if (entry.split.empty()) entry.split = "train";
     const auto rate = [&](const char* name) {
@@ -244,7 +248,10 @@ void write_manifest(const std::string& path, const std::vector<VideoEntry>& entr
   TORCH_CHECK(out.good(), "manifest ", path, ": cannot write");
   const bool labels_fps = std::any_of(entries.begin(), entries.end(),
                                       [](const VideoEntry& e) { return e.labels_fps > 0; });
-  out << "name,video,labels,split,fps" << (labels_fps ? ",labels_fps" : "") << "\n";
+  const bool features = std::any_of(entries.begin(), entries.end(),
+                                    [](const VideoEntry& e) { return !e.features.empty(); });
+  out << "name,video,labels,split,fps" << (labels_fps ? ",labels_fps" : "")
+      << (features ? ",features" : "") << "\n";
   for (const auto& e : entries) {
     out << csv_field(e.name) << ',' << csv_field(e.video) << ',' << csv_field(e.labels) << ','
         << csv_field(e.split) << ',';
@@ -253,6 +260,7 @@ void write_manifest(const std::string& path, const std::vector<VideoEntry>& entr
       out << ',';
       if (e.labels_fps > 0) out << e.labels_fps;
     }
+    if (features) out << ',' << csv_field(e.features);
     out << '\n';
   }
   TORCH_CHECK(out.good(), "manifest ", path, ": write failed");

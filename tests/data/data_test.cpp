@@ -12,9 +12,11 @@
 
 #include "framefit/data/clips.h"
 #include "framefit/data/dataset.h"
+#include "framefit/data/features.h"
 #include "framefit/data/labels.h"
 #include "framefit/data/media.h"
 #include "framefit/data/segmentation.h"
+#include "framefit/models/weights.h"
 
 using namespace framefit;
 
@@ -665,4 +667,164 @@ TEST_F(DataTest, SegmentationImagesAndMasks) {
               data::SegmentationDataset(images, masks, options);
             }).find("s0.png is 8x8"),
             std::string::npos);
+}
+
+// The files tests/media/features/make_features.py wrote with NumPy, read back.
+TEST(Features, NpyFilesReadAsNumPyWroteThem) {
+  const std::string dir = kMedia + "/features/";
+  const auto grid = torch::arange(12, torch::kFloat32).view({3, 4});  // [t][d] = 4 t + d
+  const auto f4 = data::read_npy(dir + "f4_3x4.npy");
+  EXPECT_EQ(f4.scalar_type(), torch::kFloat32);
+  EXPECT_TRUE(torch::equal(f4, grid));
+  EXPECT_TRUE(torch::equal(data::read_npy(dir + "f4_version2_3x4.npy"), grid));
+  const auto half = data::read_npy(dir + "f2_3x4.npy");
+  EXPECT_EQ(half.scalar_type(), torch::kHalf);
+  EXPECT_TRUE(torch::equal(half.to(torch::kFloat32), grid / 2));
+  // Column-major storage, the same array: NumPy's a[i][j] = 3 i + j.
+  const auto header = data::read_npy_header(dir + "f8_fortran_2x3.npy");
+  EXPECT_TRUE(header.fortran_order);
+  EXPECT_EQ(header.descr, "<f8");
+  EXPECT_EQ(header.shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_TRUE(torch::equal(data::read_npy(dir + "f8_fortran_2x3.npy"),
+                           torch::arange(6, torch::kFloat64).view({2, 3})));
+  EXPECT_TRUE(torch::equal(data::read_npy(dir + "i8_4.npy"), torch::tensor({-2, -1, 0, 7})));
+
+  const auto error = [](const std::string& path) {
+    return test_util::error_message([&] { data::read_npy(path); });
+  };
+  auto e = error(dir + "f4_truncated_3x4.npy");
+  EXPECT_NE(e.find("f4_truncated_3x4.npy: truncated: 40 bytes of data where its header's shape "
+                   "[3, 4] of '<f4' needs 48"),
+            std::string::npos)
+      << e;
+  e = error(dir + "f4_bigendian_3x4.npy");
+  EXPECT_NE(e.find("big-endian data ('>f4')"), std::string::npos) << e;
+  e = error(dir + "structured.npy");
+  EXPECT_NE(e.find("a structured .npy type"), std::string::npos) << e;
+  e = error(kMedia + "/frame.png");
+  EXPECT_NE(e.find("frame.png: not a NumPy .npy file"), std::string::npos) << e;
+  e = error(dir + "missing.npy");
+  EXPECT_NE(e.find("missing.npy: cannot open"), std::string::npos) << e;
+}
+
+TEST(Features, LayoutSaysWhichAxisIsTime) {
+  using data::FeatureLayout;
+  const auto first = [](std::vector<int64_t> shape, FeatureLayout layout, int64_t frames,
+                        int64_t dim) { return data::time_first(shape, layout, frames, dim, "f"); };
+  EXPECT_TRUE(first({100, 512}, FeatureLayout::Auto, 100, 0));   // by the label count
+  EXPECT_FALSE(first({512, 100}, FeatureLayout::Auto, 100, 0));  // MS-TCN's [D,T]
+  EXPECT_TRUE(first({100, 512}, FeatureLayout::Auto, 0, 512));   // by the model's size
+  EXPECT_FALSE(first({512, 100}, FeatureLayout::Auto, 0, 512));
+  EXPECT_FALSE(first({64, 64}, FeatureLayout::FeaturesFirst, 64, 0));
+  EXPECT_TRUE(first({64, 64}, FeatureLayout::TimeFirst, 64, 0));
+  const auto error = [&](std::vector<int64_t> shape, int64_t frames, int64_t dim) {
+    return test_util::error_message([&] { first(shape, FeatureLayout::Auto, frames, dim); });
+  };
+  EXPECT_NE(error({64, 64}, 64, 0).find("set data.features_layout to T,D or D,T"),
+            std::string::npos);
+  EXPECT_NE(error({99, 512}, 100, 0).find("neither axis of its shape [99, 512] is 100 long"),
+            std::string::npos);
+  EXPECT_NE(error({99, 500}, 0, 512).find("the model's feature size"), std::string::npos);
+  EXPECT_NE(error({2, 3, 4}, 2, 0).find("features are 2-D"), std::string::npos);
+  EXPECT_EQ(data::parse_feature_layout("D,T"), FeatureLayout::FeaturesFirst);
+  EXPECT_NE(test_util::error_message([] { data::parse_feature_layout("TD"); }).find("T,D"),
+            std::string::npos);
+}
+
+TEST_F(DataTest, FeaturesFilesAreReadAsFloatTimeByFeature) {
+  const auto stored = torch::randn({5, 9}, torch::kFloat64);  // [D,T]
+  models::write_tensor(stored, dir_ + "/d_by_t.pt");
+  EXPECT_EQ(data::feature_file_shape(dir_ + "/d_by_t.pt"), (std::vector<int64_t>{5, 9}));
+  EXPECT_EQ(data::feature_file_shape(kMedia + "/features/f4_3x4.npy"),
+            (std::vector<int64_t>{3, 4}));
+  const auto features = data::read_features(dir_ + "/d_by_t.pt", false);
+  EXPECT_EQ(features.scalar_type(), torch::kFloat32);
+  EXPECT_TRUE(torch::equal(features, stored.t().to(torch::kFloat32)));
+  EXPECT_TRUE(features.is_contiguous());
+  auto bad = torch::zeros({6, 4});
+  bad[3][1] = std::nan("");
+  models::write_tensor(bad, dir_ + "/nan.pt");
+  auto e = test_util::error_message([&] { data::read_features(dir_ + "/nan.pt", true); });
+  EXPECT_NE(e.find("nan.pt: frame 3's features are not finite"), std::string::npos) << e;
+  e = test_util::error_message([&] { data::read_features(write("f.txt", "1 2"), true); });
+  EXPECT_NE(e.find("f.txt: unknown format '.txt'"), std::string::npos) << e;
+}
+
+TEST_F(DataTest, FeaturesDataSetPairsEachVideosFeaturesWithItsLabels) {
+  const auto a = torch::randn({6, 3});                   // [T,D]
+  const auto b = torch::randn({3, 8}, torch::kFloat64);  // [D,T]
+  models::write_tensor(a, dir_ + "/a.pt");
+  models::write_tensor(b, dir_ + "/b.pt");
+  labels("a.txt", 6);
+  labels("b.txt", 8);
+  const auto manifest =
+      write("m.csv", "name,labels,split,features\n,a.txt,train,a.pt\nb,b.txt,train,b.pt\n");
+  const auto entries = data::read_manifest(manifest);
+  ASSERT_EQ(entries.size(), 2u);
+  EXPECT_EQ(entries[0].name, "a");  // from the features file
+  EXPECT_EQ(entries[0].features, dir_ + "/a.pt");
+  EXPECT_TRUE(entries[0].video.empty());
+  data::DataOptions options;
+  options.features = true;
+  data::VideoDataset set(entries, classes_, options);
+  EXPECT_EQ(set.size(), 2);
+  EXPECT_EQ(set.feature_dim(), 3);
+  EXPECT_EQ(set.frames(1), 8);
+  EXPECT_EQ(set.frame_bytes(1), 8 * 3 * 4);
+  const auto video = set.load(1);
+  EXPECT_FALSE(video.frames.defined());
+  EXPECT_TRUE(torch::equal(video.features, b.t().to(torch::kFloat32)));
+  EXPECT_TRUE(torch::equal(video.labels, set.labels(1)));
+  EXPECT_EQ(video.labels[0].item<int64_t>(), 0);
+  EXPECT_EQ(video.labels[7].item<int64_t>(), 1);
+
+  // Each bad video named, or skipped.
+  models::write_tensor(torch::randn({6, 5}), dir_ + "/wide.pt");
+  labels("seven.txt", 7);
+  const auto error = [&](const std::string& rows, bool skip = false) {
+    auto options_here = options;
+    options_here.skip_bad = skip;
+    return test_util::error_message([&] {
+      data::VideoDataset(data::read_manifest(write("bad.csv", "name,labels,features\n" + rows)),
+                         classes_, options_here);
+    });
+  };
+  auto e = error("a,seven.txt,a.pt\n");
+  EXPECT_NE(e.find("seven.txt has 7 labels but features file " + dir_ +
+                   "/a.pt has shape [6, 3]: neither axis is 7 long"),
+            std::string::npos)
+      << e;
+  options.features_layout = data::FeatureLayout::TimeFirst;
+  e = error("a,seven.txt,a.pt\n");
+  EXPECT_NE(e.find("seven.txt has 7 labels but features file " + dir_ +
+                   "/a.pt has 6 frames (shape [6, 3] read as [T,D])"),
+            std::string::npos)
+      << e;
+  options.features_layout = data::FeatureLayout::Auto;
+  e = error("a,a.txt,a.pt\nw,a.txt,wide.pt\n");
+  EXPECT_NE(e.find("wide.pt has 5 features per frame where " + dir_ + "/a.pt has 3"),
+            std::string::npos)
+      << e;
+  e = test_util::error_message([&] {
+    data::VideoDataset(
+        data::read_manifest(write("video.csv", "name,video,labels,features\na,a.mp4,a.txt,\n")),
+        classes_, options);
+  });
+  EXPECT_NE(e.find("video a has no features file"), std::string::npos) << e;
+  std::vector<std::string> warnings;
+  auto skipping = options;
+  skipping.skip_bad = true;
+  data::VideoDataset skipped(
+      data::read_manifest(
+          write("skip.csv", "name,labels,features\na,a.txt,a.pt\nw,a.txt,wide.pt\n")),
+      classes_, skipping, [&](const std::string& w) { warnings.push_back(w); });
+  EXPECT_EQ(skipped.size(), 1);
+  EXPECT_EQ(skipped.skipped(), 1);
+  ASSERT_EQ(warnings.size(), 1u);
+  auto timed = options;
+  timed.labels_fps = 25;
+  e = test_util::error_message([&] { data::VideoDataset(entries, classes_, timed); });
+  EXPECT_NE(e.find("need one label per row"), std::string::npos) << e;
+  e = test_util::error_message([&] { data::read_manifest(write("none.csv", "name,labels\n")); });
+  EXPECT_NE(e.find("`video` (or `features`) and `labels`"), std::string::npos) << e;
 }

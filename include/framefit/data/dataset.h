@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "framefit/data/features.h"
 #include "framefit/data/labels.h"
 #include "framefit/engine/step.h"
 
@@ -36,6 +37,10 @@ struct DataOptions {
   bool skip_bad = false;  // data.on_error: skip: drop a bad video with a warning (else: error)
   int decoder_threads = 1;
   bool pinned = false;  // page-locked frame memory (training on CUDA)
+  // Each video is its precomputed features (VideoEntry::features, data/features.h), one row per
+  // labelled frame, taken as they are: nothing is decoded, sampled or transformed.
+  bool features = false;
+  FeatureLayout features_layout = FeatureLayout::Auto;
 };
 
 // The random choices applied to one video, drawn once so all its frames agree.
@@ -79,11 +84,13 @@ class VideoDataset {
   const ClassList& classes() const { return classes_; }
   const DataOptions& options() const { return options_; }
   int64_t frames(int64_t i) const;  // after sampling
+  // A features data set's feature size (every video's the same); 0 for videos.
+  int64_t feature_dim() const { return feature_dim_; }
   int64_t total_frames() const { return offsets_.empty() ? 0 : offsets_.back(); }
   int64_t skipped() const { return skipped_; }  // videos left out by skip_bad
   // Frame size after resizing and cropping: {height, width}.
   std::pair<int64_t, int64_t> frame_size(int64_t i) const;
-  int64_t frame_bytes(int64_t i) const;  // uint8 bytes of video i's frames
+  int64_t frame_bytes(int64_t i) const;  // uint8 bytes of video i's frames (features: float32)
 
   // (video, frame within it) of a frame counted across all videos, in O(log n).
   std::pair<int64_t, int64_t> locate(int64_t global_frame) const;
@@ -97,7 +104,8 @@ class VideoDataset {
   // Video i's random crop and flip for `epoch` (draw_augmentation with its frame size).
   Augmentation augmentation(int64_t i, uint64_t seed, int64_t epoch) const;
 
-  // Decodes video i: frames [T,3,H,W] uint8 and labels [T]. Errors name the file.
+  // Decodes video i: frames [T,3,H,W] uint8 and labels [T] (features: Video::features [T,D]
+  // float32 instead of frames). Errors name the file.
   engine::Video load(int64_t i, const Augmentation& augmentation = {}) const;
 
  private:
@@ -108,14 +116,18 @@ class VideoDataset {
     std::vector<double> seconds;           // their times
     std::vector<int64_t> labels;           // per source frame
     int64_t height = 0, width = 0;         // after resizing, before cropping
+    bool time_first = true;                // features: stored [T,D] (else [D,T])
+    int64_t feature_dim = 0;               // features: D
   };
   Item probe(const VideoEntry& entry) const;
+  Item probe_features(const VideoEntry& entry) const;
 
   ClassList classes_;
   DataOptions options_;
   std::vector<Item> videos_;
   std::vector<int64_t> offsets_;  // offsets_[i]: frames of videos 0..i
   int64_t skipped_ = 0;
+  int64_t feature_dim_ = 0;
 };
 
 // Decodes videos ahead of the consumer in worker threads, in order, holding at most

@@ -48,10 +48,14 @@ struct VideoEntry {
   // The annotation's own frame rate when it is not the video's (Cholec80's 25 fps phase files
   // for frames extracted at 1 fps); 0: one label per source frame (or DataOptions::labels_fps).
   double labels_fps = 0;
+  // Precomputed per-frame features (data/features.h) for a model that reads features
+  // (model.encoder: features); same resolution.
+  std::string features;
 };
 
-// CSV with a header naming the columns: `video` and `labels` are required; `name`, `split`,
-// `fps` and `labels_fps` are optional (name defaults to the video's file name, split to "train").
+// CSV with a header naming the columns: `labels` and `video` or `features` (or both) are
+// required; `name`, `split`, `fps` and `labels_fps` are optional (name defaults to the video's
+// file name, else the features file's, split to "train").
 // Quoted fields ("a, b") are supported. Errors name the file and line.
 std::vector<VideoEntry> read_manifest(const std::string& path);
 void write_manifest(const std::string& path, const std::vector<VideoEntry>& entries);
