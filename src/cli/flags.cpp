@@ -493,6 +493,12 @@ const std::vector<Flag>& flag_table() {
        FlagType::Text,
        "Video file or folder of frame images (phases and clips checkpoints).",
        ""},
+      {"features",
+       {"predict"},
+       FlagType::Text,
+       "Precomputed per-frame features (.npy, or a tensor saved with torch.save as .pt; [T,D] or "
+       "[D,T]) for a phases checkpoint of model.encoder features.",
+       ""},
       {"image",
        {"predict"},
        FlagType::Text,
@@ -502,7 +508,8 @@ const std::vector<Flag>& flag_table() {
       {"fps",
        {"predict", "extract"},
        FlagType::Text,
-       "Frame rate of a frame folder (video files know theirs).",
+       "Frame rate of a frame folder (video files know theirs); predict --features: of the "
+       "rows, for their times.",
        ""},
       {"out",
        {"eval", "predict"},

@@ -305,6 +305,13 @@ int plan_phases_config(const Args& args, const train::Config& config) {
     fmt::print("{}\n", out.dump(2));
     return plan.fits ? 0 : 2;
   }
+  if (config.model.encoder == "features") {
+    fmt::print(
+        "framefit plan: the {} head on precomputed features, {} training videos, the longest "
+        "{} frames: nothing to plan (no encoder; the head runs on whole videos in float32)\n",
+        config.model.head, plan.videos, plan.longest_frames);
+    return 0;
+  }
   fmt::print(
       "framefit plan: {} + {} head, {} training videos, the longest {} frames of {}x{}, "
       "budget {} ({} less prefetch)\n",

@@ -411,8 +411,30 @@ data::DecodedVideo decode_for(const Args& args, const train::Config& config) {
 int predict_phases(const Args& args) {
   // Overrides apply to the checkpoint's own config (device, another data.manifest, ...).
   auto model = train::load_model(args.text("checkpoint"), args.list("set"));
-  const auto video = decode_for(args, model.config);
-  const auto prediction = train::predict(model, video.frames, print_warning);
+  data::DecodedVideo video;  // frames, or only the rows' numbers and times for features
+  train::Prediction prediction;
+  if (model.features_input) {
+    TORCH_CHECK(args.has("features") && !args.has("video"),
+                "this checkpoint's model reads precomputed features (model.encoder features): "
+                "give --features F.npy|F.pt instead of --video");
+    const auto path = args.text("features");
+    const auto layout = data::parse_feature_layout(model.config.data.features_layout);
+    const auto features = data::read_features(
+        path, data::time_first(data::feature_file_shape(path), layout, 0, model.feature_dim, path));
+    prediction = train::predict_features(model, features, print_warning);
+    const double fps = args.frame_rate("fps");
+    for (int64_t t = 0; t < features.size(0); ++t) {
+      video.source_frames.push_back(t);
+      video.source_seconds.push_back(fps > 0 ? static_cast<double>(t) / fps : 0.0);
+    }
+  } else {
+    TORCH_CHECK(!args.has("features"),
+                "--features is for a model that reads precomputed "
+                "features; this checkpoint's has a ",
+                model.config.model.encoder, " encoder: give --video");
+    video = decode_for(args, model.config);
+    prediction = train::predict(model, video.frames, print_warning);
+  }
   write_predictions(args,
                     phase_csv(prediction, video.source_frames, video.source_seconds, model.classes),
                     prediction.labels.size(0), "frames");
@@ -575,7 +597,8 @@ int run_export(const Args& args) {
   } else {
     const auto model = train::load_model(checkpoint, {"device=cpu"});
     state = train::export_state_dict(model);
-    names = "encoder.* in torchvision names, head.*";
+    names = model.features_input ? "head.*; the model has no encoder"
+                                 : "encoder.* in torchvision names, head.*";
   }
   models::write_state_dict(state, args.text("out"));
   fmt::print("wrote {} tensors to {} ({})\n", state.size(), args.text("out"), names);

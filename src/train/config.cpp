@@ -216,9 +216,15 @@ const std::vector<Entry>& entries() {
     // model
     t.push_back(choice("model.encoder",
                        "per-frame CNN (torchscript: the module in model.script, mapping "
-                       "normalised [N,3,H,W] frames to [N,D] features)",
+                       "normalised [N,3,H,W] frames to [N,D] features; features: none, the "
+                       "head trains on the manifest's precomputed features files)",
                        FRAMEFIT_MEMBER(std::string, model.encoder),
-                       {"resnet18", "resnet34", "resnet50", "torchscript"}));
+                       {"resnet18", "resnet34", "resnet50", "torchscript", "features"}));
+    t.push_back(field<int64_t>("model.feature_dim",
+                               "model.encoder features: features per frame; 0: the training "
+                               "data's",
+                               FRAMEFIT_MEMBER(int64_t, model.feature_dim), "an integer",
+                               at_least(0)));
     t.push_back(choice("model.norm", "normalisation layers of the encoder",
                        FRAMEFIT_MEMBER(std::string, model.norm),
                        {"bn", "frozen_bn", "group_norm"}));
@@ -296,6 +302,10 @@ const std::vector<Entry>& entries() {
                       FRAMEFIT_MEMBER(std::vector<std::string>, data.background)));
     t.push_back(field<double>("data.fps", "frames per second sampled from each video; 0: all",
                               FRAMEFIT_MEMBER(double, data.fps), "a number", non_negative()));
+    t.push_back(choice("data.features_layout",
+                       "model.encoder features: the files' axes, T,D (framefit extract) or D,T "
+                       "(MS-TCN's .npy); auto: the axis as long as the annotation is time",
+                       FRAMEFIT_MEMBER(std::string, data.features_layout), {"auto", "T,D", "D,T"}));
     t.push_back(field<double>("data.labels_fps",
                               "frame rate of the annotation files where it is not the video's "
                               "(manifest column labels_fps overrides); 0: one label per frame",

@@ -902,6 +902,13 @@ std::vector<plan::Finding> diagnose_label_settings(const Config& config) {
                                  "can have it"),
                         "set data.ignore_id to -1, or map the masks to gray ids"});
   }
+  if (config.model.encoder == "features" && config.task != "phases") {
+    findings.push_back({plan::Finding::Severity::Error,
+                        c10::str("model.encoder features trains a temporal head on per-frame "
+                                 "features; task ",
+                                 config.task, " trains model.network on pixels"),
+                        "use model.encoder features with task phases"});
+  }
   const auto& best_by = config.train.best_by;
   if (config.task != "phases" && (best_by == "edit" || best_by.rfind("f1@", 0) == 0)) {
     findings.push_back(

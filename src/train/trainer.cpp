@@ -28,8 +28,10 @@ namespace {
 using namespace detail;
 
 bool is_script_encoder(const Config& config) { return config.model.encoder == "torchscript"; }
+bool reads_features(const Config& config) { return config.model.encoder == "features"; }
 
 models::StageLayout stage_layout(const Config& config, torch::Device device) {
+  if (reads_features(config)) return {false, ""};  // no frames: nothing to lay out
   const auto layout = models::parse_activation_layout(config.model.layout);
   // Auto leaves a TorchScript encoder's layout as the user wrote it.
   if (is_script_encoder(config)) return {layout == models::ActivationLayout::ChannelsLast, ""};
@@ -157,6 +159,8 @@ data::DataOptions data_options(const Config& config, bool training) {
   options.transform.flip = training && config.data.augment;
   options.skip_bad = config.data.on_error == "skip";
   options.pinned = torch::Device(config.device).is_cuda();
+  options.features = reads_features(config);
+  options.features_layout = data::parse_feature_layout(config.data.features_layout);
   return options;
 }
 
@@ -250,6 +254,15 @@ Model build_model(const Config& config,
   if (is_script_encoder(config)) {
     model.script = load_script_encoder(config, model.device, std::move(stored_script));
     model.feature_dim = script_feature_dim(*model.script, config, model.device);
+  } else if (reads_features(config)) {
+    TORCH_CHECK(config.model.weights.empty() && config.model.freeze.empty(),
+                "model.weights and model.freeze are for an encoder; model.encoder features has "
+                "none (its features were computed before): remove them");
+    TORCH_CHECK(config.model.feature_dim > 0,
+                "model.encoder features needs model.feature_dim, the features per frame (training "
+                "takes it from the data)");
+    model.features_input = std::make_shared<torch::nn::Module>("FeaturesInput");
+    model.feature_dim = config.model.feature_dim;
   } else {
     const auto spec = model_spec(config, 64, model.device);
     model.encoder = models::ResNet(spec.encoder_options());
@@ -269,12 +282,21 @@ Model build_model(const Config& config,
 Model build_model(const Config& config) { return build_model(config, nullptr); }
 
 torch::nn::Module& Model::encoder_module() const {
-  TORCH_CHECK(script || encoder, "the model has no encoder: build it with build_model");
+  TORCH_CHECK(script || encoder || features_input,
+              "the model has no encoder: build it with build_model");
   if (script) return *script;
+  if (features_input) return *features_input;
   return *encoder.ptr();
 }
 
 engine::FrameEncoder Model::frame_encoder() const {
+  if (features_input) {
+    return engine::frame_encoder(features_input, [](const torch::Tensor&) -> torch::Tensor {
+      TORCH_CHECK(false,
+                  "this model (model.encoder features) has no encoder: it reads precomputed "
+                  "features, not frames");
+    });
+  }
   return script ? script_frame_encoder(script) : engine::frame_encoder(encoder.ptr());
 }
 
@@ -417,10 +439,24 @@ Prediction predict_video(Model& model, const engine::Video& video, const EventCa
 }  // namespace
 
 Prediction predict(Model& model, const torch::Tensor& frames, const EventCallback& on_event) {
+  TORCH_CHECK(!model.features_input,
+              "this model (model.encoder features) reads precomputed features, not frames: "
+              "predict from a features file");
   TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3, "predict expects frames [T,3,H,W], got ",
               frames.sizes());
   engine::Video video;
   video.frames = frames;
+  return predict_video(model, video, on_event);
+}
+
+Prediction predict_features(Model& model, const torch::Tensor& features,
+                            const EventCallback& on_event) {
+  TORCH_CHECK(model.features_input, "this model has a ", model.config.model.encoder,
+              " encoder: it predicts from frames");
+  TORCH_CHECK(features.dim() == 2 && features.size(1) == model.feature_dim, "expected features [T,",
+              model.feature_dim, "], got ", features.sizes());
+  engine::Video video;
+  video.features = features.to(torch::kFloat32);
   return predict_video(model, video, on_event);
 }
 
@@ -498,8 +534,9 @@ PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
 
 models::StateDict export_state_dict(const Model& model) {
   models::StateDict out;
-  const auto encoder =
-      model.script ? model.script->named_state() : models::state_dict(*model.encoder);
+  const auto encoder = model.script           ? model.script->named_state()
+                       : model.features_input ? models::StateDict{}
+                                              : models::state_dict(*model.encoder);
   for (auto& [name, tensor] : encoder) out.emplace_back("encoder." + name, tensor.cpu());
   for (auto& [name, tensor] : models::state_dict(*model.head)) {
     out.emplace_back("head." + name, tensor.cpu());
@@ -550,6 +587,23 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
                    const std::optional<plan::StepSettings>& fixed,
                    const std::function<void(const std::string&)>& info) {
   const torch::Device device(config.device);
+  if (reads_features(config)) {
+    // Only the head runs, in float32, on whole videos: nothing to choose or calibrate.
+    StepPlan result;
+    const auto& tc = config.train;
+    result.budget = tc.budget > 0 ? tc.budget : memory::Tracker::of(device).available_bytes();
+    result.step_budget = result.budget;
+    result.chosen.fits = true;
+    auto& settings = result.chosen.settings;
+    for (int64_t i = 0; i < train_set.size(); ++i)
+      settings.frames = std::max(settings.frames, train_set.frames(i));
+    settings.chunk = settings.frames;
+    settings.keep = 0;
+    settings.precision = engine::Precision::FP32;
+    result.request.frames = settings.frames;
+    result.request.model.size = 0;  // no frames
+    return result;
+  }
   StepPlan result = step_request(config, train_set);
   auto& request = result.request;
   if (fixed) {
@@ -664,6 +718,13 @@ std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* su
     }
     return findings;
   }
+  if (reads_features(config)) {
+    if (summary) {
+      *summary = c10::str(train_set->size(), " training videos of precomputed features (",
+                          train_set->feature_dim(), " per frame); the head trains on them alone");
+    }
+    return findings;
+  }
   const auto step = step_request(config, *train_set);
   const auto more = plan::diagnose(step.request, step.step_budget);
   findings.insert(findings.end(), more.begin(), more.end());
@@ -678,10 +739,11 @@ std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* su
   return findings;
 }
 
-TrainResult train(const Config& config, const std::string& resume, const EventCallback& on_event,
+TrainResult train(const Config& given, const std::string& resume, const EventCallback& on_event,
                   const StopRequest& stop) {
-  if (is_batch_task(config)) return train_batch(config, resume, on_event, stop);
-  plan::refuse_errors(diagnose_label_settings(config));
+  if (is_batch_task(given)) return train_batch(given, resume, on_event, stop);
+  plan::refuse_errors(diagnose_label_settings(given));
+  Config config = given;  // model.feature_dim comes from the data where it is 0
   auto emit = [&](Event e) {
     if (on_event) on_event(e);
   };
@@ -703,6 +765,17 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     if (candidate.size() > 0) val_set.emplace(std::move(candidate));
   }
   warn_unused_splits(config, on_event);
+  if (reads_features(config)) {
+    const int64_t dim = train_set.feature_dim();
+    TORCH_CHECK(config.model.feature_dim == 0 || config.model.feature_dim == dim,
+                "model.feature_dim is ", config.model.feature_dim,
+                " but the training split's features files have ", dim, " features per frame");
+    TORCH_CHECK(!val_set || val_set->feature_dim() == dim,
+                "the validation split's features files have ", val_set ? val_set->feature_dim() : 0,
+                " features per frame, the training split's ", dim,
+                ": both must come from the same encoder");
+    config.model.feature_dim = dim;
+  }
   info("data: " + std::to_string(train_set.size()) + " training videos (" +
        std::to_string(train_set.total_frames()) + " frames)" +
        (val_set ? ", " + std::to_string(val_set->size()) + " validation videos" : std::string()) +
@@ -745,6 +818,9 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
          memory::format_bytes(chosen.breakdown.peak_bytes) + " of " +
          memory::format_bytes(step_budget) + " (budget " + memory::format_bytes(budget) +
          " less prefetch)");
+  } else if (reads_features(config)) {
+    info(c10::str("settings: the head alone on precomputed features (", model.feature_dim,
+                  " per frame), float32, whole videos"));
   } else {
     info("settings: " + plan::describe(progress.settings) +
          (saved ? " (from the checkpoint)" : " (fixed by the config; not planned)"));
@@ -771,7 +847,7 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   }
   auto encoder = model.frame_encoder();
   std::optional<FeatureCache> feature_cache, val_feature_cache;
-  if (encoder.parameters.empty() && tc.cache_features == "auto") {
+  if (encoder.parameters.empty() && tc.cache_features == "auto" && !reads_features(config)) {
     if (config.data.augment) {
       info(
           "the encoder trains nothing: with data.augment false its features would be computed "

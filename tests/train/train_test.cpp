@@ -15,6 +15,7 @@
 #include "framefit/data/demo.h"
 #include "framefit/data/labels.h"
 #include "framefit/memory/tracker.h"
+#include "framefit/models/weights.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
 #include "framefit/train/tasks.h"
@@ -574,6 +575,92 @@ TEST(Training, FrozenEncoderFeaturesAreCachedAndTrainTheHeadAsRecomputedOnes) {
                           augmented.train.out_dir}) {
     test_util::remove_tree(dir);
   }
+}
+
+TEST(Training, HeadTrainsOnPrecomputedFeaturesInEitherLayout) {
+  // Two-stage training (MS-TCN, TeCNO): features computed before, one file per video; the head
+  // alone trains on them. Phases a, b, c in thirds; a phase shows in its own feature dimension.
+  const std::string dir = "/tmp/framefit_features_training";
+  test_util::remove_tree(dir);
+  std::filesystem::create_directories(dir + "/runs");
+  torch::manual_seed(7);
+  std::string time_first = "name,labels,split,features\n";
+  std::string features_first = time_first;
+  for (int v = 0; v < 5; ++v) {
+    const int64_t frames = 30 + 7 * v;
+    const auto labels = torch::div(torch::arange(frames) * 3, frames, "floor");
+    auto features = torch::randn({frames, 6}) * 0.5;
+    features.index_put_({torch::arange(frames), labels},
+                        features.index({torch::arange(frames), labels}) + 2);
+    const std::string name = "v" + std::to_string(v);
+    std::ofstream out(dir + "/" + name + ".txt");
+    out << "Frame\tPhase\n";
+    for (int64_t t = 0; t < frames; ++t)
+      out << t << "\t" << std::string(1, static_cast<char>('a' + labels[t].item<int64_t>()))
+          << "\n";
+    models::write_tensor(features, dir + "/" + name + "_td.pt");
+    models::write_tensor(features.t().to(torch::kFloat64), dir + "/" + name + "_dt.pt");
+    const std::string split = v < 4 ? "train" : "val";
+    time_first += name + "," + name + ".txt," + split + "," + name + "_td.pt\n";
+    features_first += name + "," + name + ".txt," + split + "," + name + "_dt.pt\n";
+  }
+  std::ofstream(dir + "/td.csv") << time_first;
+  std::ofstream(dir + "/dt.csv") << features_first;
+  const auto config = [&](const std::string& manifest) {
+    return train::parse_config(
+        "model: {encoder: features, head: tcn}\n"
+        "data: {manifest: " +
+            dir + "/" + manifest +
+            ", classes: [a, b, c]}\n"
+            "train: {epochs: 12, lr: 0.01, out_dir: " +
+            dir + "/runs/" + manifest + "}\n",
+        "test");
+  };
+  std::vector<std::string> infos;
+  const auto result = train::train(config("td.csv"), "", [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Info) infos.push_back(e.message);
+  });
+  EXPECT_GT(result.best.accuracy, 0.9);  // chance: a third
+  EXPECT_NE(std::find(infos.begin(), infos.end(),
+                      "settings: the head alone on precomputed features (6 per frame), float32, "
+                      "whole videos"),
+            infos.end());
+  auto model = train::load_model(result.best_checkpoint);
+  EXPECT_EQ(model.feature_dim, 6);
+  EXPECT_EQ(model.config.model.feature_dim, 6);  // taken from the data, stored with the run
+  for (const auto& [name, tensor] : train::export_state_dict(model))
+    EXPECT_EQ(name.rfind("head.", 0), 0u) << name;
+  // Evaluation and prediction from a file agree.
+  const auto val = train::make_dataset(model.config, "val", false);
+  torch::Tensor evaluated;
+  const auto metrics = train::evaluate(
+      model, val, {}, nullptr, [&](int64_t, const train::Prediction& p) { evaluated = p.labels; });
+  EXPECT_DOUBLE_EQ(metrics.accuracy, result.best.accuracy);
+  const auto predicted = train::predict_features(model, models::read_tensor(dir + "/v4_td.pt"));
+  EXPECT_TRUE(torch::equal(predicted.labels, evaluated));
+  EXPECT_NE(test_util::error_message([&] {
+              train::predict(model, torch::zeros({2, 3, 8, 8}, torch::kUInt8));
+            }).find("reads precomputed features, not frames"),
+            std::string::npos);
+
+  // MS-TCN's layout ([D,T], float64 here) trains the same weights.
+  const auto transposed = train::train(config("dt.csv"));
+  EXPECT_TRUE(identical(weights(model), weights(train::load_model(transposed.best_checkpoint))));
+  // Settings for an encoder are refused.
+  auto with_weights = config("td.csv");
+  with_weights.model.weights = "resnet18.pt";
+  with_weights.train.out_dir = dir + "/runs/refused";
+  EXPECT_NE(test_util::error_message([&] {
+              train::train(with_weights);
+            }).find("model.weights and model.freeze are for an encoder"),
+            std::string::npos);
+  auto clips = config("td.csv");
+  clips.task = "clips";
+  const auto findings = train::diagnose_label_settings(clips);
+  ASSERT_EQ(findings.size(), 1u);
+  EXPECT_NE(findings[0].problem.find("model.encoder features trains a temporal head"),
+            std::string::npos);
+  test_util::remove_tree(dir);
 }
 
 TEST(Training, TrainBestByPicksTheBestCheckpointAndPatienceEndsTheRun) {

@@ -11,7 +11,10 @@
 namespace framefit::train {
 
 struct ModelConfig {
-  std::string encoder = "resnet18";  // resnet18 | resnet34 | resnet50
+  // resnet18 | resnet34 | resnet50 | torchscript | features (no encoder: the head trains on
+  // precomputed per-frame features, the manifest's `features` files)
+  std::string encoder = "resnet18";
+  int64_t feature_dim = 0;           // encoder features: D; 0: the training data's
   std::string norm = "group_norm";   // bn | frozen_bn | group_norm
   int64_t groups = 32;
   std::string freeze;         // last frozen stage (conv1, layer1..layer4), "" for none
@@ -44,6 +47,7 @@ struct DataConfig {
   std::vector<std::string> classes;  // phase names, in label-id order
   double fps = 1;                    // sampling rate; 0 keeps every frame
   double labels_fps = 0;  // annotations' own frame rate (manifest rows without one); 0: video's
+  std::string features_layout = "auto";  // model.encoder features: auto | T,D | D,T
   int64_t resize = 0;                // shorter side; 0 keeps
   int64_t crop = 0;                  // square crop; 0 none
   bool augment = true;               // training: random crop offset and horizontal flip

@@ -109,9 +109,12 @@ struct Model {
   Config config;
   data::ClassList classes;
   // The per-frame encoder: a ResNet (model.encoder resnet18|34|50), or a TorchScript module
-  // (model.encoder torchscript, the file in model.script) of feature_dim features per frame.
+  // (model.encoder torchscript, the file in model.script) of feature_dim features per frame;
+  // or none (model.encoder features: features_input, a module without parameters, stands in
+  // for it and the head reads precomputed features).
   models::ResNet encoder{nullptr};
   std::shared_ptr<models::TorchScriptEncoderImpl> script;
+  std::shared_ptr<torch::nn::Module> features_input;
   int64_t feature_dim = 0;
   std::shared_ptr<models::TemporalHead> head;
   torch::Device device = torch::kCPU;
@@ -137,6 +140,9 @@ struct Prediction {
 // model.chunk frames at a time; a video that runs out of memory is predicted again with the
 // chunk halved (a Warning event), and model.chunk keeps the chunk that ran.
 Prediction predict(Model& model, const torch::Tensor& frames, const EventCallback& on_event = {});
+// A model without encoder (model.encoder features): predictions from features [T,D].
+Prediction predict_features(Model& model, const torch::Tensor& features,
+                            const EventCallback& on_event = {});
 
 // Every video of `dataset` (center crop, no flip), predicted as predict() does.
 // `per_video`, when given, receives each evaluated video's own metrics, in dataset order;

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Two-stage training with the built CLI: `extract` writes each demo video's features, one is
+# saved as MS-TCN does (NumPy, [D,T]), a TCN head trains on them alone (model.encoder
+# features), and doctor, plan, eval, predict --features and export work on the run.
+set -euo pipefail
+framefit=$1 python=$2 work=$3
+rm -rf "$work" && mkdir -p "$work/features"
+"$framefit" make-demo --out "$work/demo" --train-videos 2 --val-videos 1 --test-videos 0 >/dev/null
+for name in video01 video02 video03; do
+  "$framefit" extract --model resnet18 --video "$work/demo/videos/$name.mp4" --resize 32 \
+    --crop 32 --chunk 64 --threads 2 --output "$work/features/$name.pt" >/dev/null
+done
+"$python" -c "
+import numpy as np, torch
+features = torch.load('$work/features/video02.pt')
+np.save('$work/features/video02.npy', features.numpy().T)  # MS-TCN's [D,T]
+"
+cat > "$work/manifest.csv" <<CSV
+name,labels,split,features
+video01,demo/labels/video01.txt,train,features/video01.pt
+video02,demo/labels/video02.txt,train,features/video02.npy
+video03,demo/labels/video03.txt,val,features/video03.pt
+CSV
+cat > "$work/config.yaml" <<YAML
+model: {encoder: features, head: tcn}
+data:
+  manifest: $work/manifest.csv
+  classes: [Preparation, Dissection, Irrigation, Suturing, Inspection]
+train: {epochs: 3, lr: 0.003, out_dir: $work/run}
+YAML
+"$framefit" doctor --config "$work/config.yaml" | grep -q "precomputed features (512 per frame)"
+"$framefit" plan --config "$work/config.yaml" | grep -q "nothing to plan"
+"$framefit" train --config "$work/config.yaml" >"$work/train.txt" 2>&1 ||
+  { cat "$work/train.txt"; exit 1; }
+grep -q "the head alone on precomputed features (512 per frame)" "$work/train.txt"
+"$framefit" eval --checkpoint "$work/run/best.pt" --split val --out "$work/metrics.json" >/dev/null
+"$framefit" predict --checkpoint "$work/run/best.pt" --features "$work/features/video03.pt" \
+  --fps 25 --out "$work/phases.csv" --segments "$work/segments.csv" 2>/dev/null
+"$framefit" export --checkpoint "$work/run/best.pt" --out "$work/weights.pt" >/dev/null
+# eval's accuracy is that of predict's phases against the annotation; export holds the head only.
+"$python" -c "
+import csv, json, torch
+rows = list(csv.DictReader(open('$work/phases.csv')))
+truth = [line.split('\t')[1].strip() for line in open('$work/demo/labels/video03.txt')][1:]
+assert len(rows) == len(truth), (len(rows), len(truth))
+assert rows[1]['time_seconds'] == '0.040', rows[1]
+accuracy = sum(r['phase'] == t for r, t in zip(rows, truth)) / len(truth)
+metrics = json.load(open('$work/metrics.json'))
+assert abs(metrics['accuracy'] - accuracy) < 1e-9, (metrics['accuracy'], accuracy)
+keys = list(torch.load('$work/weights.pt').keys())
+assert keys and all(k.startswith('head.') for k in keys), keys
+"
+# A features model predicts from features, not from a video.
+if "$framefit" predict --checkpoint "$work/run/best.pt" --video "$work/demo/videos/video03.mp4" \
+  2>"$work/err.txt"; then
+  echo "a features model predicted from a video"; exit 1
+fi
+grep -q "give --features F.npy|F.pt instead of --video" "$work/err.txt" || { cat "$work/err.txt"; exit 1; }
+echo "features CLI test passed"
