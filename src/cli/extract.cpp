@@ -9,10 +9,44 @@
 #include "framefit/memory/tracker.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/weights.h"
+#include "framefit/train/trainer.h"
 
 namespace framefit::cli {
 
+namespace {
+
+// extract --checkpoint / --config: every video of a training config's data set.
+int extract_data_set(const Args& args) {
+  TORCH_CHECK(args.has("checkpoint") != args.has("config"),
+              "give --checkpoint (a trained encoder) or --config (the model a config builds), one "
+              "of them");
+  TORCH_CHECK(args.has("out-dir"), "extract --", args.has("checkpoint") ? "checkpoint" : "config",
+              " writes every video's features into a folder: give --out-dir");
+  for (const char* flag : {"input", "video", "output", "model", "weights"}) {
+    TORCH_CHECK(!args.has(flag), "--", flag, " is for extracting one video; with --",
+                args.has("checkpoint") ? "checkpoint" : "config",
+                " the config says the model and the videos");
+  }
+  auto model = args.has("checkpoint")
+                   ? train::load_model(args.text("checkpoint"), args.list("set"))
+                   : train::build_model(train::load_config(args.text("config"), args.list("set")));
+  model.chunk = args.integer("chunk");  // halved on out-of-memory (--budget)
+  memory::Tracker::of(model.device).set_budget(args.bytes("budget"));
+  const auto manifest =
+      train::extract_features(model, args.text("out-dir"), [](const train::Event& e) {
+        const char* kind = e.kind == train::Event::Kind::Warning ? "warning: " : "";
+        if (e.kind == train::Event::Kind::Info || e.kind == train::Event::Kind::Warning)
+          fmt::print(stderr, "framefit extract: {}{}\n", kind, e.message);
+      });
+  fmt::print("wrote {} (train on it with model.encoder: features, data.manifest: {})\n", manifest,
+             manifest);
+  return 0;
+}
+
+}  // namespace
+
 int run_extract(const Args& args) {
+  if (args.has("checkpoint") || args.has("config")) return extract_data_set(args);
   const torch::Device device(args.text("device"));
   torch::manual_seed(static_cast<uint64_t>(args.integer("seed")));
   auto& tracker = memory::Tracker::of(device);

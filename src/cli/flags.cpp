@@ -466,7 +466,7 @@ const std::vector<Flag>& flag_table() {
        {},
        1},
       {"set",
-       {"train", "eval", "predict", "bench-data", "doctor", "plan"},
+       {"train", "eval", "predict", "bench-data", "doctor", "plan", "extract"},
        FlagType::Repeated,
        "Override a config key: --set train.lr=0.0005 (repeatable; the value is YAML).",
        ""},
@@ -482,6 +482,25 @@ const std::vector<Flag>& flag_table() {
        "Checkpoint written by framefit train (best.pt or checkpoints/step_*.pt).",
        "",
        true},
+      {"checkpoint",
+       {"extract"},
+       FlagType::ExistingFile,
+       "Extract the features of every video of this checkpoint's data set (its config's train, "
+       "val and test splits; --set data.manifest=... for others) with its trained encoder into "
+       "--out-dir, for training a head on them (model.encoder: features).",
+       ""},
+      {"config",
+       {"extract"},
+       FlagType::ExistingFile,
+       "As --checkpoint, with the model this training config builds (model.weights: e.g. "
+       "torchvision's ImageNet weights) instead of a trained one.",
+       ""},
+      {"out-dir",
+       {"extract"},
+       FlagType::Path,
+       "With --checkpoint or --config: the folder for each video's features (NAME.pt, [T,D] "
+       "float32), the labels of its sampled frames (NAME.txt) and manifest.csv.",
+       ""},
       {"split", {"bench-data"}, FlagType::Text, "Manifest split to decode.", "train"},
       {"split",
        {"eval"},
@@ -735,13 +754,19 @@ ParseResult parse_command_line(const std::vector<std::string>& argv) {
   const auto chosen = app.get_subcommands();
   const std::string command = chosen.front()->get_name();
   auto given = values[command];
-  if (config_replaces_required(command) && !given.count("config")) {
+  if (config_replaces_required(command) && !given.count("config") && !given.count("checkpoint")) {
     for (const auto& flag : flag_table()) {
       const bool mine =
           std::find(flag.commands.begin(), flag.commands.end(), command) != flag.commands.end();
       if (mine && flag.required && !given.count(flag.name)) {
-        result.output = "--" + flag.name +
-                        " is required (or give --config)\nRun with --help for more information.\n";
+        const bool checkpoint =
+            std::any_of(flag_table().begin(), flag_table().end(), [&](const Flag& f) {
+              return f.name == "checkpoint" &&
+                     std::count(f.commands.begin(), f.commands.end(), command) > 0;
+            });
+        result.output = "--" + flag.name + " is required (or give --config" +
+                        (checkpoint ? " or --checkpoint" : "") +
+                        ")\nRun with --help for more information.\n";
         result.exit_code = static_cast<int>(CLI::ExitCodes::RequiredError);
         return result;
       }

@@ -532,6 +532,58 @@ PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
   return evaluate_with(model, dataset, on_event, per_video, on_prediction, nullptr);
 }
 
+std::string extract_features(Model& model, const std::string& out_dir,
+                             const EventCallback& on_event) {
+  TORCH_CHECK(!model.features_input,
+              "this model (model.encoder features) has no encoder to extract features with");
+  make_directories(out_dir);
+  const auto& d = model.config.data;
+  std::vector<data::VideoEntry> written;
+  std::vector<std::string> splits;
+  for (const auto& split : {d.train_split, d.val_split, d.test_split}) {
+    if (std::find(splits.begin(), splits.end(), split) != splits.end()) continue;
+    splits.push_back(split);
+    const auto dataset = make_dataset(model.config, split, false, on_event);
+    for (int64_t i = 0; i < dataset.size(); ++i) {
+      const auto& entry = dataset.entry(i);
+      for (const auto& other : written) {
+        TORCH_CHECK(other.name != entry.name, "two videos are named ", entry.name, " (",
+                    other.split, " and ", split,
+                    "): their features files would be one; name them apart in ", d.manifest);
+      }
+      torch::Tensor features;
+      const auto video = dataset.load(i);
+      predict_video(model, video, on_event, &features);
+      data::VideoEntry out;
+      out.name = entry.name;
+      out.split = split;
+      // The manifest names its files relative to its folder, so the folder can move.
+      out.features = entry.name + ".pt";
+      out.labels = entry.name + ".txt";
+      out.fps = d.fps;
+      models::write_tensor(features.to(torch::kFloat32), out_dir + "/" + out.features);
+      const auto labels = video.labels.contiguous();
+      data::write_phase_annotations(
+          out_dir + "/" + out.labels,
+          std::vector<int64_t>(labels.data_ptr<int64_t>(),
+                               labels.data_ptr<int64_t>() + labels.numel()),
+          model.classes);
+      written.push_back(out);
+      if (on_event) {
+        on_event(
+            Event::note(Event::Kind::Info,
+                        c10::str(split, " ", entry.name, ": ", features.size(0), " x ",
+                                 features.size(1), " features -> ", out_dir, "/", out.features)));
+      }
+    }
+  }
+  TORCH_CHECK(!written.empty(), "no videos in the splits ", c10::Join(", ", splits), " of ",
+              d.manifest);
+  const auto manifest = out_dir + "/manifest.csv";
+  data::write_manifest(manifest, written);
+  return manifest;
+}
+
 models::StateDict export_state_dict(const Model& model) {
   models::StateDict out;
   const auto encoder = model.script           ? model.script->named_state()

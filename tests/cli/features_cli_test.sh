@@ -56,4 +56,37 @@ if "$framefit" predict --checkpoint "$work/run/best.pt" --video "$work/demo/vide
   echo "a features model predicted from a video"; exit 1
 fi
 grep -q "give --features F.npy|F.pt instead of --video" "$work/err.txt" || { cat "$work/err.txt"; exit 1; }
+
+# Stage one from a config: every split's videos sampled and cropped as the config says, each
+# with the labels of its sampled frames, and a manifest a features run trains on.
+cat > "$work/encoder.yaml" <<YAML
+model: {encoder: resnet18, norm: group_norm, groups: 8, head: linear}
+data:
+  manifest: $work/demo/manifest.csv
+  classes: [Preparation, Dissection, Irrigation, Suturing, Inspection]
+  fps: 5
+  resize: 32
+  crop: 32
+YAML
+"$framefit" extract --config "$work/encoder.yaml" --out-dir "$work/extracted" --chunk 32 \
+  >/dev/null 2>"$work/extract.txt" || { cat "$work/extract.txt"; exit 1; }
+"$python" -c "
+import csv, torch
+rows = list(csv.DictReader(open('$work/extracted/manifest.csv')))
+assert [r['split'] for r in rows] == ['train', 'train', 'val'], rows
+for r in rows:
+    features = torch.load('$work/extracted/' + r['features'])
+    labels = open('$work/extracted/' + r['labels']).read().splitlines()[1:]
+    frames = sum(1 for _ in open('$work/demo/labels/' + r['name'] + '.txt')) - 1
+    assert features.shape == (len(labels), 512), (features.shape, len(labels))
+    assert abs(len(labels) - frames / 5) <= 1, (len(labels), frames)  # 5 of 25 fps
+    assert r['fps'] == '5', r
+"
+"$framefit" train --config "$work/config.yaml" --set data.manifest="$work/extracted/manifest.csv" \
+  --set train.epochs=1 --set train.out_dir="$work/run_extracted" >/dev/null 2>&1
+test -f "$work/run_extracted/best.pt"
+if "$framefit" extract --config "$work/encoder.yaml" 2>"$work/err.txt"; then
+  echo "extract --config ran without --out-dir"; exit 1
+fi
+grep -q "give --out-dir" "$work/err.txt" || { cat "$work/err.txt"; exit 1; }
 echo "features CLI test passed"

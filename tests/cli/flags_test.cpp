@@ -149,6 +149,12 @@ TEST(Flags, PlanningCommandsTakeAutoSettingsAndFractions) {
   expect_error({"doctor", "--head", "tcn", "--frames", "8", "--size", "32"},
                "--model is required (or give --config)");
   expect_error({"doctor", "--config", config, "--batch", "0"}, "at least 1");
+  // extract: one video from model flags, or a whole data set from a checkpoint or a config.
+  const auto data_set = parse_command_line({"extract", "--checkpoint", config, "--out-dir", "f"});
+  ASSERT_TRUE(data_set.args.has_value()) << data_set.output;
+  EXPECT_EQ(data_set.args->text("out-dir"), "f");
+  expect_error({"extract", "--output", "x.pt"},
+               "--model is required (or give --config or --checkpoint)");
   const auto bench = parse_command_line({"bench-memory", "--model", "resnet18", "--head", "tcn",
                                          "--frames", "8", "--size", "32", "--chunks", "2,4,0"});
   ASSERT_TRUE(bench.args.has_value()) << bench.output;

@@ -663,6 +663,56 @@ TEST(Training, HeadTrainsOnPrecomputedFeaturesInEitherLayout) {
   test_util::remove_tree(dir);
 }
 
+TEST(Training, ExtractedFeaturesGiveTheHeadThePredictionsOfTheWholeModel) {
+  // Stage one writes every split's features with the labels of the sampled frames; a features
+  // model holding the same head then predicts exactly what the whole model predicts.
+  auto config = tiny_config("/tmp/framefit_extract_features");
+  auto model = train::build_model(config);
+  const auto dir = config.train.out_dir + "/features";
+  std::vector<std::string> infos;
+  const auto manifest = train::extract_features(model, dir, [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Info) infos.push_back(e.message);
+  });
+  EXPECT_EQ(manifest, dir + "/manifest.csv");
+  const auto entries = data::read_manifest(manifest);
+  ASSERT_EQ(entries.size(), 5u);  // train 3, val 1, test 1
+  EXPECT_EQ(infos.size(), 5u);
+  EXPECT_EQ(entries[4].split, "test");
+  EXPECT_DOUBLE_EQ(entries[0].fps, 12.5);
+
+  auto features_config = config;
+  features_config.model.encoder = "features";
+  features_config.model.feature_dim = model.feature_dim;
+  features_config.data.manifest = manifest;
+  auto features_model = train::build_model(features_config);
+  {
+    torch::NoGradGuard no_grad;
+    const auto from = model.head->parameters(), to = features_model.head->parameters();
+    ASSERT_EQ(from.size(), to.size());
+    for (size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
+  }
+  for (const auto& split : {"val", "test"}) {
+    const auto videos = train::make_dataset(config, split, false);
+    const auto rows = train::make_dataset(features_config, split, false);
+    ASSERT_EQ(rows.size(), 1);
+    EXPECT_TRUE(torch::equal(rows.labels(0), videos.labels(0)));  // the sampled frames' labels
+    torch::Tensor whole, head;
+    const auto a =
+        train::evaluate(model, videos, {}, nullptr,
+                        [&](int64_t, const train::Prediction& p) { whole = p.probabilities; });
+    const auto b =
+        train::evaluate(features_model, rows, {}, nullptr,
+                        [&](int64_t, const train::Prediction& p) { head = p.probabilities; });
+    EXPECT_TRUE(torch::equal(whole, head)) << split;
+    EXPECT_EQ(a.confusion, b.confusion) << split;
+  }
+  EXPECT_NE(test_util::error_message([&] {
+              train::extract_features(features_model, dir + "2");
+            }).find("has no encoder to extract features with"),
+            std::string::npos);
+  test_util::remove_tree(config.train.out_dir);
+}
+
 TEST(Training, TrainBestByPicksTheBestCheckpointAndPatienceEndsTheRun) {
   // By the edit score: an epoch is best exactly when its validation edit beats every earlier
   // one's, and best.pt holds that epoch's weights (its evaluation gives that edit).

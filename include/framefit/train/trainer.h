@@ -144,6 +144,15 @@ Prediction predict(Model& model, const torch::Tensor& frames, const EventCallbac
 Prediction predict_features(Model& model, const torch::Tensor& features,
                             const EventCallback& on_event = {});
 
+// Stage one of two-stage training: every video of the config's splits (data.train_split,
+// val_split, test_split) through the model's encoder as evaluation runs it (centre crop, no
+// flip, model.chunk frames at a time), written to `out_dir` as NAME.pt (features [T,D] float32,
+// one row per sampled frame), NAME.txt (the labels of those frames, one line each) and
+// manifest.csv (name, labels, split, features, fps) - the data set model.encoder: features
+// trains on. Returns the manifest's path. Not for a model that has no encoder.
+std::string extract_features(Model& model, const std::string& out_dir,
+                             const EventCallback& on_event = {});
+
 // Every video of `dataset` (center crop, no flip), predicted as predict() does.
 // `per_video`, when given, receives each evaluated video's own metrics, in dataset order;
 // `on_prediction` each video's index in `dataset` and prediction.
