@@ -821,10 +821,33 @@ TEST_F(DataTest, FeaturesDataSetPairsEachVideosFeaturesWithItsLabels) {
   EXPECT_EQ(skipped.size(), 1);
   EXPECT_EQ(skipped.skipped(), 1);
   ASSERT_EQ(warnings.size(), 1u);
+  // Rows and labels at their own rates: features at 2 rows per second (manifest fps), labels at
+  // 10 per second; row k (k / 2 s) takes label 5k. Both 5 s long.
+  models::write_tensor(torch::randn({3, 10}), dir_ + "/slow.pt");  // [D,T]
+  models::write_tensor(torch::randn({14, 3}), dir_ + "/long.pt");
+  labels("fast.txt", 50);
   auto timed = options;
-  timed.labels_fps = 25;
+  timed.labels_fps = 10;
+  data::VideoDataset slow(
+      data::read_manifest(write("timed.csv", "name,labels,features,fps\ns,fast.txt,slow.pt,2\n")),
+      classes_, timed);
+  EXPECT_EQ(slow.frames(0), 10);
+  EXPECT_TRUE(torch::equal(slow.labels(0), torch::tensor({0, 0, 0, 0, 0, 1, 1, 1, 1, 1})));
+  EXPECT_DOUBLE_EQ(slow.source_seconds(0)[3], 1.5);
+  EXPECT_EQ(slow.load(0).features.sizes(), (std::vector<int64_t>{10, 3}));
+  e = test_util::error_message([&] {
+    data::VideoDataset(
+        data::read_manifest(write("long.csv", "name,labels,features,fps\nl,fast.txt,long.pt,2\n")),
+        classes_, timed);
+  });
+  EXPECT_NE(e.find("has 50 labels at labels_fps 10 (5 s) but features file " + dir_ +
+                   "/long.pt has 14 rows at 2 per second (7 s"),
+            std::string::npos)
+      << e;
   e = test_util::error_message([&] { data::VideoDataset(entries, classes_, timed); });
-  EXPECT_NE(e.find("need one label per row"), std::string::npos) << e;
+  EXPECT_NE(e.find("which needs the rows' rate: give it in the manifest's fps column"),
+            std::string::npos)
+      << e;
   e = test_util::error_message([&] { data::read_manifest(write("none.csv", "name,labels\n")); });
   EXPECT_NE(e.find("`video` (or `features`) and `labels`"), std::string::npos) << e;
 }
