@@ -460,6 +460,79 @@ Prediction predict_features(Model& model, const torch::Tensor& features,
   return predict_video(model, video, on_event);
 }
 
+OnlinePredictor::OnlinePredictor(Model& model) : model_(model) {
+  TORCH_CHECK(model.head, "OnlinePredictor needs a built model");
+  if (const auto* lstm = dynamic_cast<models::LSTMHeadImpl*>(model.head.get())) {
+    TORCH_CHECK(!lstm->options().bidirectional(),
+                "online prediction needs a causal head; this LSTM is bidirectional (it reads the "
+                "frames after each one)");
+  } else if (const auto* tcn = dynamic_cast<models::TCNHeadImpl*>(model.head.get())) {
+    TORCH_CHECK(tcn->options().causal(),
+                "online prediction needs a causal head; this TCN is not causal (its "
+                "convolutions read later frames)");
+  } else {
+    TORCH_CHECK(dynamic_cast<models::LinearHeadImpl*>(model.head.get()),
+                "online prediction supports the linear, LSTM and TCN heads");
+  }
+}
+
+void OnlinePredictor::reset() {
+  frames_ = 0;
+  history_ = torch::Tensor();
+  lstm_state_.clear();
+}
+
+Prediction OnlinePredictor::push(const torch::Tensor& frames) {
+  TORCH_CHECK(!model_.features_input,
+              "this model (model.encoder features) reads features: use push_features");
+  engine::check_video_frames(frames, "online frames");
+  torch::InferenceMode inference;
+  model_.encoder_module().eval();
+  engine::ChunkedOptions options;
+  options.chunk = model_.chunk;
+  options.keep = 0;
+  options.device = model_.device;
+  options.channels_last = channels_last_input(model_.config, model_.device);
+  torch::Tensor features;
+  {
+    engine::AutocastGuard autocast(model_.device, model_.precision);
+    features = engine::chunked_encode(model_.frame_encoder(), frames, options);
+  }
+  return push_features(features);
+}
+
+Prediction OnlinePredictor::push_features(const torch::Tensor& features) {
+  TORCH_CHECK(features.dim() == 2 && features.size(1) == model_.feature_dim,
+              "expected features [N,", model_.feature_dim, "], got ", features.sizes());
+  torch::InferenceMode inference;
+  model_.head->eval();
+  const auto x = features.to(model_.device, torch::kFloat32);
+  const int64_t n = x.size(0);
+  torch::Tensor logits;  // [N,C]
+  if (auto* lstm = dynamic_cast<models::LSTMHeadImpl*>(model_.head.get())) {
+    // LibTorch's LSTM with the head's parameters, carrying (h, c) from the last push.
+    auto [out, state] =
+        lstm_state_.empty()
+            ? lstm->lstm->forward(x.unsqueeze(0))
+            : lstm->lstm->forward(x.unsqueeze(0), std::make_tuple(lstm_state_[0], lstm_state_[1]));
+    lstm_state_ = {std::get<0>(state), std::get<1>(state)};
+    logits = lstm->fc(out.squeeze(0));
+  } else if (auto* tcn = dynamic_cast<models::TCNHeadImpl*>(model_.head.get())) {
+    // A frame's output reads the receptive field before it: run over that much history.
+    const auto window = history_.defined() ? torch::cat({history_, x}) : x;
+    logits = tcn->forward(window)[-1].slice(0, window.size(0) - n);
+    const int64_t keep = std::min<int64_t>(window.size(0), tcn->receptive_field() - 1);
+    history_ = window.slice(0, window.size(0) - keep).clone();
+  } else {
+    logits = model_.head->forward(x)[-1];
+  }
+  frames_ += n;
+  Prediction p;
+  p.probabilities = torch::softmax(logits.to(torch::kFloat32), -1).cpu();
+  p.labels = p.probabilities.argmax(-1);
+  return p;
+}
+
 namespace {
 // evaluate(), taking and keeping the videos' features in `cache` where one is given.
 PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,

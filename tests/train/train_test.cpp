@@ -15,6 +15,7 @@
 #include "framefit/data/demo.h"
 #include "framefit/data/labels.h"
 #include "framefit/memory/tracker.h"
+#include "framefit/models/heads.h"
 #include "framefit/models/weights.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
@@ -711,6 +712,58 @@ TEST(Training, ExtractedFeaturesGiveTheHeadThePredictionsOfTheWholeModel) {
             }).find("has no encoder to extract features with"),
             std::string::npos);
   test_util::remove_tree(config.train.out_dir);
+}
+
+TEST(Training, OnlinePredictionsAreThoseOfTheWholeVideoSoFar) {
+  // Frames arrive in pieces of uneven sizes; each piece's predictions equal those predict() gives
+  // the whole video, for every causal head (the TCN with a receptive field shorter than the video,
+  // so its history is cut).
+  auto config = tiny_config("/tmp/framefit_online");
+  config.model.encoder = "features";
+  config.model.feature_dim = 16;
+  torch::manual_seed(3);
+  const auto features = torch::randn({300, 16});
+  const std::vector<int64_t> pieces = {1, 7, 50, 2, 100, 140};
+  for (const std::string kind : {"linear", "lstm", "tcn"}) {
+    config.model.head = kind;
+    auto model = train::build_model(config);
+    if (kind == "tcn") {
+      model.head =
+          models::TCNHead(models::TCNHeadOptions(16, model.classes.size()).layers(3)).ptr();
+      ASSERT_EQ(std::dynamic_pointer_cast<models::TCNHeadImpl>(model.head)->receptive_field(), 29);
+    }
+    const auto whole = train::predict_features(model, features);
+    train::OnlinePredictor online(model);
+    for (int round = 0; round < 2; ++round) {  // reset starts a new video
+      std::vector<torch::Tensor> parts;
+      int64_t at = 0;
+      for (const int64_t n : pieces) {
+        parts.push_back(online.push_features(features.slice(0, at, at + n)).probabilities);
+        at += n;
+      }
+      EXPECT_EQ(online.frames(), 300);
+      EXPECT_TRUE(torch::allclose(torch::cat(parts), whole.probabilities, 1e-4, 1e-6))
+          << kind << ": " << (torch::cat(parts) - whole.probabilities).abs().max().item<double>();
+      online.reset();
+    }
+  }
+  // Heads that read later frames cannot predict online.
+  auto model = train::build_model(config);
+  model.head = models::TCNHead(models::TCNHeadOptions(16, 5).causal(false)).ptr();
+  EXPECT_NE(test_util::error_message([&] { train::OnlinePredictor{model}; }).find("not causal"),
+            std::string::npos);
+  model.head = models::LSTMHead(models::LSTMHeadOptions(16, 5).bidirectional(true)).ptr();
+  EXPECT_NE(test_util::error_message([&] { train::OnlinePredictor{model}; }).find("bidirectional"),
+            std::string::npos);
+
+  // From frames: the encoder per piece, the head's state carried.
+  auto video_model = train::build_model(tiny_config("/tmp/framefit_online_frames"));
+  const auto frames = torch::randint(0, 256, {24, 3, 32, 32}, torch::kUInt8);
+  const auto whole = train::predict(video_model, frames);
+  train::OnlinePredictor online(video_model);
+  const auto first = online.push(frames.slice(0, 0, 10)).probabilities;
+  const auto rest = online.push(frames.slice(0, 10)).probabilities;
+  EXPECT_TRUE(torch::allclose(torch::cat({first, rest}), whole.probabilities, 1e-4, 1e-6));
 }
 
 TEST(Training, TrainBestByPicksTheBestCheckpointAndPatienceEndsTheRun) {

@@ -62,6 +62,7 @@ class LSTMHeadImpl : public TemporalHead {
   explicit LSTMHeadImpl(const LSTMHeadOptions& options);
   torch::Tensor forward(const torch::Tensor& features) override;
   int64_t num_classes() const override { return options_.num_classes(); }
+  const LSTMHeadOptions& options() const { return options_; }
   torch::nn::LSTM lstm{nullptr};
   torch::nn::Dropout dropout{nullptr};
   torch::nn::Linear fc{nullptr};
@@ -90,6 +91,7 @@ class TCNHeadImpl : public TemporalHead {
   explicit TCNHeadImpl(const TCNHeadOptions& options);
   torch::Tensor forward(const torch::Tensor& features) override;
   int64_t num_classes() const override { return options_.num_classes(); }
+  const TCNHeadOptions& options() const { return options_; }
   // How many past frames (or past and future, when not causal) one output sees.
   int64_t receptive_field() const { return receptive_field(options_); }
   // Frames each output sees, from the options alone (the doctor checks it without building).

@@ -153,6 +153,29 @@ Prediction predict_features(Model& model, const torch::Tensor& features,
 std::string extract_features(Model& model, const std::string& out_dir,
                              const EventCallback& on_event = {});
 
+// Online recognition, as in the operating room: frames (or features) arrive a few at a time and
+// each gets its phase from itself and the frames before it. The predictions are predict()'s on
+// the whole video so far (up to float rounding: other matrix shapes), at a cost per frame that
+// does not grow with the video: the LSTM head carries its state, the causal TCN reruns only its
+// receptive field, the linear head needs nothing. A head that looks ahead (bidirectional LSTM,
+// non-causal TCN) is refused.
+class OnlinePredictor {
+ public:
+  explicit OnlinePredictor(Model& model);
+  // The next frames [N,3,H,W] uint8 (a model with an encoder) or features [N,D]: their
+  // predictions ([N] ids, [N,C] probabilities).
+  Prediction push(const torch::Tensor& frames);
+  Prediction push_features(const torch::Tensor& features);
+  int64_t frames() const { return frames_; }  // pushed since the start (or reset)
+  void reset();                               // a new video
+
+ private:
+  Model& model_;
+  int64_t frames_ = 0;
+  torch::Tensor history_;                  // causal TCN: the last receptive field - 1 features
+  std::vector<torch::Tensor> lstm_state_;  // LSTM: (h, c); empty at the start
+};
+
 // Every video of `dataset` (center crop, no flip), predicted as predict() does.
 // `per_video`, when given, receives each evaluated video's own metrics, in dataset order;
 // `on_prediction` each video's index in `dataset` and prediction.
