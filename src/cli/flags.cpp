@@ -518,6 +518,15 @@ const std::vector<Flag>& flag_table() {
        "Precomputed per-frame features (.npy, or a tensor saved with torch.save as .pt; [T,D] or "
        "[D,T]) for a phases checkpoint of model.encoder features.",
        ""},
+      {"online",
+       {"predict"},
+       FlagType::Int,
+       "Phases: predict as online recognition does, the frames (or --features rows) pushed K at "
+       "a time through a causal head (same predictions); prints the time per piece.",
+       "",
+       false,
+       {},
+       1},
       {"image",
        {"predict"},
        FlagType::Text,

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 
 #include "commands.h"
 #include "framefit/core/runtime.h"
@@ -408,20 +409,57 @@ data::DecodedVideo decode_for(const Args& args, const train::Config& config) {
                             train::data_options(config, false));
 }
 
+// predict --online K: the video pushed K frames (or rows) at a time through OnlinePredictor,
+// timing each piece as a live feed would see it.
+train::Prediction predict_online(train::Model& model, const torch::Tensor& frames,
+                                 const torch::Tensor& features, int64_t piece) {
+  train::OnlinePredictor online(model);
+  const auto& input = features.defined() ? features : frames;
+  std::vector<torch::Tensor> labels, probabilities;
+  std::vector<double> seconds;
+  for (int64_t at = 0; at < input.size(0); at += piece) {
+    const auto part = input.slice(0, at, at + piece);
+    const auto start = std::chrono::steady_clock::now();
+    const auto p = features.defined() ? online.push_features(part) : online.push(part);
+    seconds.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    labels.push_back(p.labels);
+    probabilities.push_back(p.probabilities);
+  }
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  const auto tenth = std::max<size_t>(1, seconds.size() / 10);
+  const double total = std::accumulate(seconds.begin(), seconds.end(), 0.0);
+  fmt::print(stderr,
+             "framefit predict: online, {} pieces of {} {}: per piece median {:.3f} ms (first "
+             "tenth {:.3f} ms, last tenth {:.3f} ms), {:.0f} frames/s\n",
+             seconds.size(), piece, features.defined() ? "rows" : "frames", 1e3 * median(seconds),
+             1e3 * median({seconds.begin(), seconds.begin() + tenth}),
+             1e3 * median({seconds.end() - tenth, seconds.end()}),
+             static_cast<double>(input.size(0)) / std::max(1e-9, total));
+  train::Prediction prediction;
+  prediction.labels = torch::cat(labels);
+  prediction.probabilities = torch::cat(probabilities);
+  return prediction;
+}
+
 int predict_phases(const Args& args) {
   // Overrides apply to the checkpoint's own config (device, another data.manifest, ...).
   auto model = train::load_model(args.text("checkpoint"), args.list("set"));
   data::DecodedVideo video;  // frames, or only the rows' numbers and times for features
   train::Prediction prediction;
+  torch::Tensor features;
   if (model.features_input) {
     TORCH_CHECK(args.has("features") && !args.has("video"),
                 "this checkpoint's model reads precomputed features (model.encoder features): "
                 "give --features F.npy|F.pt instead of --video");
     const auto path = args.text("features");
     const auto layout = data::parse_feature_layout(model.config.data.features_layout);
-    const auto features = data::read_features(
+    features = data::read_features(
         path, data::time_first(data::feature_file_shape(path), layout, 0, model.feature_dim, path));
-    prediction = train::predict_features(model, features, print_warning);
+    if (!args.has("online")) prediction = train::predict_features(model, features, print_warning);
     const double fps = args.frame_rate("fps");
     for (int64_t t = 0; t < features.size(0); ++t) {
       video.source_frames.push_back(t);
@@ -433,8 +471,10 @@ int predict_phases(const Args& args) {
                 "features; this checkpoint's has a ",
                 model.config.model.encoder, " encoder: give --video");
     video = decode_for(args, model.config);
-    prediction = train::predict(model, video.frames, print_warning);
+    if (!args.has("online")) prediction = train::predict(model, video.frames, print_warning);
   }
+  if (args.has("online"))
+    prediction = predict_online(model, video.frames, features, args.integer("online"));
   write_predictions(args,
                     phase_csv(prediction, video.source_frames, video.source_seconds, model.classes),
                     prediction.labels.size(0), "frames");

@@ -406,10 +406,14 @@ Prediction predict_at_chunk(Model& model, const engine::Video& video, torch::Ten
   options.keep = 0;
   options.device = model.device;
   options.channels_last = channels_last_input(model.config, model.device);
-  engine::AutocastGuard autocast(model.device, model.precision);
-  const auto features = video.features.defined()
-                            ? video.features.to(model.device)
-                            : engine::chunked_encode(model.frame_encoder(), video.frames, options);
+  torch::Tensor features;
+  if (video.features.defined()) {
+    features = video.features.to(model.device);
+  } else {
+    // Mixed precision in the encoder only: the head runs in float32, as in training.
+    engine::AutocastGuard autocast(model.device, model.precision);
+    features = engine::chunked_encode(model.frame_encoder(), video.frames, options);
+  }
   if (features_out) *features_out = features.cpu();
   auto logits = model.head->forward(features.to(torch::kFloat32));
   if (logits.dim() == 3) logits = logits[-1];
