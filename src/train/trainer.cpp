@@ -395,25 +395,28 @@ std::string feature_fingerprint(const Config& config, engine::Precision precisio
   return to_yaml(key) + "# precision " + engine::to_string(precision) + "\n";
 }
 
-// The video's features (those it brings, else its frames encoded model.chunk at a time) through
-// the head; `features_out` receives them on the CPU.
-Prediction predict_at_chunk(Model& model, const engine::Video& video, torch::Tensor* features_out) {
+// Frames' features for inference: the encoder in eval mode, model.chunk frames at a time, in the
+// model's precision (mixed precision in the encoder only: the head runs in float32, as in
+// training).
+torch::Tensor encode_frames(Model& model, const torch::Tensor& frames) {
   torch::InferenceMode inference;
   model.encoder_module().eval();
-  model.head->eval();
   engine::ChunkedOptions options;
   options.chunk = model.chunk;
   options.keep = 0;
   options.device = model.device;
   options.channels_last = channels_last_input(model.config, model.device);
-  torch::Tensor features;
-  if (video.features.defined()) {
-    features = video.features.to(model.device);
-  } else {
-    // Mixed precision in the encoder only: the head runs in float32, as in training.
-    engine::AutocastGuard autocast(model.device, model.precision);
-    features = engine::chunked_encode(model.frame_encoder(), video.frames, options);
-  }
+  engine::AutocastGuard autocast(model.device, model.precision);
+  return engine::chunked_encode(model.frame_encoder(), frames, options);
+}
+
+// The video's features (those it brings, else its frames encoded) through the head;
+// `features_out` receives them on the CPU.
+Prediction predict_at_chunk(Model& model, const engine::Video& video, torch::Tensor* features_out) {
+  torch::InferenceMode inference;
+  model.head->eval();
+  const auto features = video.features.defined() ? video.features.to(model.device)
+                                                 : encode_frames(model, video.frames);
   if (features_out) *features_out = features.cpu();
   auto logits = model.head->forward(features.to(torch::kFloat32));
   if (logits.dim() == 3) logits = logits[-1];
@@ -490,19 +493,7 @@ Prediction OnlinePredictor::push(const torch::Tensor& frames) {
   TORCH_CHECK(!model_.features_input,
               "this model (model.encoder features) reads features: use push_features");
   engine::check_video_frames(frames, "online frames");
-  torch::InferenceMode inference;
-  model_.encoder_module().eval();
-  engine::ChunkedOptions options;
-  options.chunk = model_.chunk;
-  options.keep = 0;
-  options.device = model_.device;
-  options.channels_last = channels_last_input(model_.config, model_.device);
-  torch::Tensor features;
-  {
-    engine::AutocastGuard autocast(model_.device, model_.precision);
-    features = engine::chunked_encode(model_.frame_encoder(), frames, options);
-  }
-  return push_features(features);
+  return push_features(encode_frames(model_, frames));
 }
 
 Prediction OnlinePredictor::push_features(const torch::Tensor& features) {
