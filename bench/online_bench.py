@@ -80,6 +80,7 @@ def main():
     parser.add_argument("--frames", type=int, default=20000)
     opts = parser.parse_args()
     lengths = [1000, 5000, opts.frames]
+    os.makedirs(WORK, exist_ok=True)
     torch.manual_seed(1)
     long = torch.randn(opts.frames, 512)
     files = {}
@@ -107,7 +108,7 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "online.json"), "w") as f:
         json.dump(result, f, indent=1)
-    header = " | ".join(f"whole video so far, {n:,} frames" for n in lengths)
+    header = " | ".join(f"whole video so far, {n:,} frames (ms)" for n in lengths)
     lines = [
         "# Online recognition: time per piece of 25 frames",
         "",
@@ -118,7 +119,7 @@ def main():
         "medians. Head time only (features in memory).",
         "",
         f"| head | online: first tenth (ms) | online: last tenth (ms) | online frames/s | "
-        f"{header} (ms) |",
+        f"{header} |",
         "|---|---:|---:|---:|" + "---:|" * len(lengths),
     ]
     for head, h in result["heads"].items():
