@@ -305,6 +305,7 @@ VideoDataset::Item VideoDataset::probe_features(const VideoEntry& entry) const {
   const auto count = static_cast<int64_t>(labels.size());
   const auto shape = feature_file_shape(entry.features);
   const double labels_fps = entry.labels_fps > 0 ? entry.labels_fps : options_.labels_fps;
+  const auto rows = [&] { return shape[item.time_first ? 0 : 1]; };
   if (labels_fps > 0) {
     // Rows and labels at their own rates (Cholec80's 25 fps phases for features at 1 fps): each
     // row takes the label at its time; the two must last as long, within a row and a label.
@@ -315,8 +316,8 @@ VideoDataset::Item VideoDataset::probe_features(const VideoEntry& entry) const {
                 torch::IntArrayRef(shape), "; features are 2-D, [T,D] or [D,T]");
     const double labels_seconds = static_cast<double>(count) / labels_fps;
     const double tolerance = 1 / labels_fps + 1 / entry.fps;
-    const auto lasts = [&](int64_t rows) {
-      return std::abs(static_cast<double>(rows) / entry.fps - labels_seconds) <= tolerance;
+    const auto lasts = [&](int64_t n) {
+      return std::abs(static_cast<double>(n) / entry.fps - labels_seconds) <= tolerance;
     };
     if (options_.features_layout == FeatureLayout::Auto) {
       TORCH_CHECK(!(lasts(shape[0]) && lasts(shape[1])), "features file ", entry.features,
@@ -327,38 +328,31 @@ VideoDataset::Item VideoDataset::probe_features(const VideoEntry& entry) const {
     } else {
       item.time_first = options_.features_layout == FeatureLayout::TimeFirst;
     }
-    const int64_t rows = shape[item.time_first ? 0 : 1];
-    TORCH_CHECK(lasts(rows), "annotation file ", entry.labels, " has ", count,
+    TORCH_CHECK(lasts(rows()), "annotation file ", entry.labels, " has ", count,
                 " labels at labels_fps ", labels_fps, " (", labels_seconds,
-                " s) but features file ", entry.features, " has ", rows, " rows at ", entry.fps,
-                " per second (", static_cast<double>(rows) / entry.fps, " s; shape ",
+                " s) but features file ", entry.features, " has ", rows(), " rows at ", entry.fps,
+                " per second (", static_cast<double>(rows()) / entry.fps, " s; shape ",
                 torch::IntArrayRef(shape), "): they must describe the same time");
-    for (int64_t k = 0; k < rows; ++k) {
-      item.sampled.push_back(k);
-      item.seconds.push_back(static_cast<double>(k) / entry.fps);
-    }
-    item.labels = labels_at_times(labels, labels_fps, item.seconds);
-    item.feature_dim = shape[item.time_first ? 1 : 0];
-    return item;
+  } else {
+    TORCH_CHECK(options_.features_layout != FeatureLayout::Auto || shape.size() != 2 ||
+                    shape[0] == count || shape[1] == count,
+                "annotation file ", entry.labels, " has ", count, " labels but features file ",
+                entry.features, " has shape ", torch::IntArrayRef(shape), ": neither axis is ",
+                count,
+                " long; there must be one label per frame (row of features), or give the "
+                "annotation's and the rows' rates (labels_fps and the manifest's fps column)");
+    item.time_first = time_first(shape, options_.features_layout, count, 0, entry.features);
+    TORCH_CHECK(rows() == count, "annotation file ", entry.labels, " has ", count,
+                " labels but features file ", entry.features, " has ", rows(), " frames (shape ",
+                torch::IntArrayRef(shape), " read as ", item.time_first ? "[T,D]" : "[D,T]",
+                "): there must be one label per frame");
   }
-  item.labels = labels;
-  TORCH_CHECK(options_.features_layout != FeatureLayout::Auto || shape.size() != 2 ||
-                  shape[0] == count || shape[1] == count,
-              "annotation file ", entry.labels, " has ", count, " labels but features file ",
-              entry.features, " has shape ", torch::IntArrayRef(shape), ": neither axis is ", count,
-              " long; there must be one label per frame (row of features), or give the "
-              "annotation's and the rows' rates (labels_fps and the manifest's fps column)");
-  item.time_first = time_first(shape, options_.features_layout, count, 0, entry.features);
-  const int64_t rows = shape[item.time_first ? 0 : 1];
   item.feature_dim = shape[item.time_first ? 1 : 0];
-  TORCH_CHECK(rows == count, "annotation file ", entry.labels, " has ", count,
-              " labels but features file ", entry.features, " has ", rows, " frames (shape ",
-              torch::IntArrayRef(shape), " read as ", item.time_first ? "[T,D]" : "[D,T]",
-              "): there must be one label per frame");
-  for (int64_t k = 0; k < rows; ++k) {
+  for (int64_t k = 0; k < rows(); ++k) {
     item.sampled.push_back(k);
     item.seconds.push_back(entry.fps > 0 ? static_cast<double>(k) / entry.fps : 0.0);
   }
+  item.labels = labels_fps > 0 ? labels_at_times(labels, labels_fps, item.seconds) : labels;
   return item;
 }
 
