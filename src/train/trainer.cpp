@@ -707,25 +707,18 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
                    const std::optional<plan::StepSettings>& fixed,
                    const std::function<void(const std::string&)>& info) {
   const torch::Device device(config.device);
-  if (reads_features(config)) {
-    // Only the head runs, in float32, on whole videos: nothing to choose or calibrate.
-    StepPlan result;
-    const auto& tc = config.train;
-    result.budget = tc.budget > 0 ? tc.budget : memory::Tracker::of(device).available_bytes();
-    result.step_budget = result.budget;
-    result.chosen.fits = true;
-    auto& settings = result.chosen.settings;
-    for (int64_t i = 0; i < train_set.size(); ++i)
-      settings.frames = std::max(settings.frames, train_set.frames(i));
-    settings.chunk = settings.frames;
-    settings.keep = 0;
-    settings.precision = engine::Precision::FP32;
-    result.request.frames = settings.frames;
-    result.request.model.size = 0;  // no frames
-    return result;
-  }
   StepPlan result = step_request(config, train_set);
   auto& request = result.request;
+  if (reads_features(config)) {
+    // Only the head runs, in float32, on whole videos: nothing to choose or calibrate.
+    request.model.size = 0;  // no frames
+    result.chosen.fits = true;
+    auto& settings = result.chosen.settings;
+    settings.frames = settings.chunk = request.frames;
+    settings.keep = 0;
+    settings.precision = engine::Precision::FP32;
+    return result;
+  }
   if (fixed) {
     request.chunk = fixed->chunk;
     request.keep = fixed->keep;
