@@ -572,9 +572,10 @@ int predict_masks(const Args& args) {
 
 int run_predict(const Args& args) {
   const auto task = train::checkpoint_config(args.text("checkpoint")).task;
-  TORCH_CHECK(task == "phases" || !args.has("segments"),
-              "--segments writes the phase segments of a phases checkpoint; this one is for task ",
-              task);
+  for (const char* flag : {"segments", "online", "features"}) {
+    TORCH_CHECK(task == "phases" || !args.has(flag), "--", flag,
+                " is for a phases checkpoint; this one is for task ", task);
+  }
   if (task == "clips") return predict_clips(args);
   if (task == "segmentation") return predict_masks(args);
   return predict_phases(args);

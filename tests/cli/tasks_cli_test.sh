@@ -109,5 +109,5 @@ if "$framefit" predict --checkpoint clips/best.pt --video demo/videos/video01.mp
   --segments s.csv 2> predict.log; then
   echo "predict --segments ran on a clips model"; exit 1
 fi
-grep -q "segments of a phases checkpoint" predict.log
+grep -q -- "--segments is for a phases checkpoint" predict.log
 echo "tasks CLI: ok"
