@@ -266,11 +266,40 @@ torch::Tensor TCNHeadImpl::forward(const torch::Tensor& features) {
   return torch::stack(outputs);  // [S,T,C]
 }
 
+LSTMHeadOptions HeadSettings::lstm(int64_t input_dim, int64_t num_classes) const {
+  return LSTMHeadOptions(input_dim, num_classes)
+      .hidden(lstm_hidden)
+      .layers(lstm_layers)
+      .bidirectional(bidirectional);
+}
+
+TCNHeadOptions HeadSettings::tcn(int64_t input_dim, int64_t num_classes) const {
+  return TCNHeadOptions(input_dim, num_classes)
+      .stages(tcn_stages)
+      .layers(tcn_layers)
+      .channels(tcn_channels)
+      .causal(causal);
+}
+
+std::string HeadSettings::describe(const std::string& kind) const {
+  const HeadSettings defaults;
+  if (kind == "lstm" && (lstm_hidden != defaults.lstm_hidden ||
+                         lstm_layers != defaults.lstm_layers || bidirectional)) {
+    return c10::str("lstm ", lstm_hidden, "x", lstm_layers, bidirectional ? " bidirectional" : "");
+  }
+  if (kind == "tcn" && (tcn_stages != defaults.tcn_stages || tcn_layers != defaults.tcn_layers ||
+                        tcn_channels != defaults.tcn_channels || !causal)) {
+    return c10::str("tcn ", tcn_stages, "x", tcn_layers, "x", tcn_channels,
+                    causal ? "" : " acausal");
+  }
+  return "";
+}
+
 std::shared_ptr<TemporalHead> make_head(const std::string& kind, int64_t input_dim,
-                                        int64_t num_classes) {
+                                        int64_t num_classes, const HeadSettings& settings) {
   if (kind == "linear") return LinearHead(LinearHeadOptions(input_dim, num_classes)).ptr();
-  if (kind == "lstm") return LSTMHead(LSTMHeadOptions(input_dim, num_classes)).ptr();
-  if (kind == "tcn") return TCNHead(TCNHeadOptions(input_dim, num_classes)).ptr();
+  if (kind == "lstm") return LSTMHead(settings.lstm(input_dim, num_classes)).ptr();
+  if (kind == "tcn") return TCNHead(settings.tcn(input_dim, num_classes)).ptr();
   TORCH_CHECK(false, "unknown head '", kind, "': use linear, lstm or tcn");
 }
 
@@ -279,7 +308,7 @@ std::shared_ptr<TemporalHead> make_head(const std::string& kind, int64_t input_d
 namespace framefit::models {
 
 int64_t head_parameter_count(const std::string& kind, int64_t input_dim, int64_t num_classes,
-                             int64_t* largest) {
+                             int64_t* largest, const HeadSettings& settings) {
   int64_t total = 0, big = 0;
   auto add = [&](int64_t elements) {
     total += elements;
@@ -292,7 +321,7 @@ int64_t head_parameter_count(const std::string& kind, int64_t input_dim, int64_t
   if (kind == "linear") {
     linear(input_dim, num_classes);
   } else if (kind == "lstm") {
-    const LSTMHeadOptions o(input_dim, num_classes);
+    const auto o = settings.lstm(input_dim, num_classes);
     const int64_t directions = o.bidirectional() ? 2 : 1;
     for (int64_t layer = 0; layer < o.layers(); ++layer) {
       const int64_t in = layer == 0 ? input_dim : o.hidden() * directions;
@@ -305,7 +334,7 @@ int64_t head_parameter_count(const std::string& kind, int64_t input_dim, int64_t
     }
     linear(o.hidden() * directions, num_classes);
   } else if (kind == "tcn") {
-    const TCNHeadOptions o(input_dim, num_classes);
+    const auto o = settings.tcn(input_dim, num_classes);
     for (int64_t s = 0; s < o.stages(); ++s) {
       linear(s == 0 ? input_dim : num_classes, o.channels());
       for (int64_t l = 0; l < o.layers(); ++l) {

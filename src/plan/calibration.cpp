@@ -172,7 +172,7 @@ ChunkCosts calibrate(const ModelSpec& spec, const engine::FrameEncoder& encoder,
           options.head_frames.size() == 2 && options.head_frames[0] != options.head_frames[1],
       "calibration needs two different chunk sizes and two different head lengths");
   torch::manual_seed(options.seed);
-  auto head = models::make_head(spec.head, feature_dim, spec.classes);
+  auto head = models::make_head(spec.head, feature_dim, spec.classes, spec.head_settings);
   head->to(spec.device, spec.dtype);
   head->train();
 

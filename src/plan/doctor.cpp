@@ -122,7 +122,7 @@ std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) 
         "keeps each video's features after the first epoch (train.cache_features)"));
   }
   if (spec.head == "tcn") {
-    const models::TCNHeadOptions tcn(sizes.feature_dim, spec.classes);
+    const auto tcn = spec.head_settings.tcn(sizes.feature_dim, spec.classes);
     const int64_t field = models::TCNHeadImpl::receptive_field(tcn);
     if (field > request.frames) {
       findings.push_back(warning(c10::str("the TCN head sees ", field, " frames but videos have ",

@@ -15,6 +15,7 @@ std::string ModelSpec::calibration_key(engine::Precision precision) const {
                   "/freeze=", freeze.empty() ? "none" : freeze, drop_layer4 ? "/no-layer4" : "",
                   channels_last ? "/channels-last" : "",
                   channels_last && !nchw_from.empty() ? "/nchw-from-" + nchw_from : "", "/", head,
+                  head_settings.describe(head).empty() ? "" : " " + head_settings.describe(head),
                   "/", size, "px/", dtype, "/", engine::to_string(precision), "/",
                   device.type() == torch::kCPU ? "cpu" : "cuda");
 }
@@ -36,8 +37,8 @@ namespace {
 StaticSizes with_head(StaticSizes sizes, const ModelSpec& spec, int64_t feature_dim,
                       int64_t encoder_largest_trained) {
   int64_t head_largest = 0;
-  const int64_t head =
-      models::head_parameter_count(spec.head, feature_dim, spec.classes, &head_largest);
+  const int64_t head = models::head_parameter_count(spec.head, feature_dim, spec.classes,
+                                                    &head_largest, spec.head_settings);
   const int64_t element = static_cast<int64_t>(c10::elementSize(spec.dtype));
   sizes.parameter_bytes += head * element;
   sizes.trained_head_bytes = head * element;

@@ -235,6 +235,32 @@ const std::vector<Entry>& entries() {
                        {"", "conv1", "layer1", "layer2", "layer3", "layer4"}));
     t.push_back(choice("model.head", "temporal head", FRAMEFIT_MEMBER(std::string, model.head),
                        {"lstm", "tcn", "linear"}));
+    t.push_back(field<int64_t>("model.lstm_hidden", "LSTM head: hidden units",
+                               FRAMEFIT_MEMBER(int64_t, model.head_settings.lstm_hidden),
+                               "an integer", at_least(1)));
+    t.push_back(field<int64_t>("model.lstm_layers", "LSTM head: stacked LSTM layers",
+                               FRAMEFIT_MEMBER(int64_t, model.head_settings.lstm_layers),
+                               "an integer", at_least(1)));
+    t.push_back(field<bool>("model.bidirectional",
+                            "LSTM head: also read the video backwards (offline: each frame sees "
+                            "the frames after it)",
+                            FRAMEFIT_MEMBER(bool, model.head_settings.bidirectional),
+                            "true or false"));
+    t.push_back(field<int64_t>(
+        "model.tcn_stages", "TCN head: stages, each refining the one before (MS-TCN: 4)",
+        FRAMEFIT_MEMBER(int64_t, model.head_settings.tcn_stages), "an integer", at_least(1)));
+    t.push_back(field<int64_t>("model.tcn_layers",
+                               "TCN head: dilated residual layers per stage, dilations 1 to "
+                               "2^(layers-1) (MS-TCN: 10)",
+                               FRAMEFIT_MEMBER(int64_t, model.head_settings.tcn_layers),
+                               "an integer", at_least(1)));
+    t.push_back(field<int64_t>("model.tcn_channels", "TCN head: channels of each layer",
+                               FRAMEFIT_MEMBER(int64_t, model.head_settings.tcn_channels),
+                               "an integer", at_least(1)));
+    t.push_back(field<bool>("model.causal",
+                            "TCN head: only past frames (online recognition, TeCNO); false sees "
+                            "both sides (offline, MS-TCN)",
+                            FRAMEFIT_MEMBER(bool, model.head_settings.causal), "true or false"));
     t.push_back(field<std::string>("model.weights",
                                    "torchvision state_dict (.pt/.pth) to start the encoder from",
                                    FRAMEFIT_MEMBER(std::string, model.weights), "a path"));

@@ -47,6 +47,7 @@ plan::ModelSpec model_spec(const Config& config, int64_t size, torch::Device dev
   plan::ModelSpec spec;
   spec.model = config.model.encoder;
   spec.head = config.model.head;
+  spec.head_settings = config.model.head_settings;
   spec.classes = static_cast<int64_t>(config.data.classes.size());
   spec.norm = config.model.norm;
   spec.groups = config.model.groups;
@@ -271,7 +272,8 @@ Model build_model(const Config& config,
     }
     model.feature_dim = model.encoder->feature_dim();
   }
-  model.head = models::make_head(config.model.head, model.feature_dim, model.classes.size());
+  model.head = models::make_head(config.model.head, model.feature_dim, model.classes.size(),
+                                 config.model.head_settings);
   model.encoder_module().to(model.device);
   model.head->to(model.device);
   return model;

@@ -141,15 +141,39 @@ TEST(ModelSizes, AnalyticCountsMatchBuiltModels) {
       EXPECT_EQ(out.size(2), 64 / size.frozen_stride);
     }
   }
-  for (const std::string kind : {"linear", "lstm", "tcn"}) {
-    int64_t largest = 0;
-    const int64_t n = models::head_parameter_count(kind, 512, 7, &largest);
-    auto head = models::make_head(kind, 512, 7);
-    EXPECT_EQ(n, count(head->parameters(), false)) << kind;
-    int64_t built_largest = 0;
-    for (const auto& p : head->parameters()) built_largest = std::max(built_largest, p.numel());
-    EXPECT_EQ(largest, built_largest) << kind;
+  // Heads of the default sizes and of sizes a config sets (MS-TCN's 4 x 10 stages, a stacked
+  // bidirectional LSTM).
+  models::HeadSettings sized;
+  sized.lstm_hidden = 96;
+  sized.lstm_layers = 2;
+  sized.bidirectional = true;
+  sized.tcn_stages = 4;
+  sized.tcn_layers = 10;
+  sized.tcn_channels = 32;
+  sized.causal = false;
+  for (const auto& settings : {models::HeadSettings{}, sized}) {
+    for (const std::string kind : {"linear", "lstm", "tcn"}) {
+      int64_t largest = 0;
+      const int64_t n = models::head_parameter_count(kind, 512, 7, &largest, settings);
+      auto head = models::make_head(kind, 512, 7, settings);
+      EXPECT_EQ(n, count(head->parameters(), false)) << kind;
+      int64_t built_largest = 0;
+      for (const auto& p : head->parameters()) built_largest = std::max(built_largest, p.numel());
+      EXPECT_EQ(largest, built_largest) << kind;
+    }
   }
+  EXPECT_EQ(sized.describe("tcn"), "tcn 4x10x32 acausal");
+  EXPECT_EQ(sized.describe("lstm"), "lstm 96x2 bidirectional");
+  EXPECT_EQ(models::HeadSettings{}.describe("tcn"), "");
+  // Calibration measures the head too: another size is another cache entry; the default sizes
+  // keep the entries calibrated before sizes could be set.
+  plan::ModelSpec spec;
+  spec.head = "tcn";
+  const auto key = spec.calibration_key(engine::Precision::FP32);
+  EXPECT_EQ(key.find("tcn/"), key.find("/tcn/") + 1);
+  spec.head_settings = sized;
+  EXPECT_NE(spec.calibration_key(engine::Precision::FP32).find("/tcn tcn 4x10x32 acausal/"),
+            std::string::npos);
 }
 
 TEST(MemoryModel, StaticSizesAndShapeOfPrediction) {

@@ -608,8 +608,9 @@ TEST(Training, HeadTrainsOnPrecomputedFeaturesInEitherLayout) {
   std::ofstream(dir + "/td.csv") << time_first;
   std::ofstream(dir + "/dt.csv") << features_first;
   const auto config = [&](const std::string& manifest) {
+    // MS-TCN's offline head, smaller: three non-causal stages of four layers.
     return train::parse_config(
-        "model: {encoder: features, head: tcn}\n"
+        "model: {encoder: features, head: tcn, tcn_stages: 3, tcn_layers: 4, causal: false}\n"
         "data: {manifest: " +
             dir + "/" + manifest +
             ", classes: [a, b, c]}\n"
@@ -629,6 +630,10 @@ TEST(Training, HeadTrainsOnPrecomputedFeaturesInEitherLayout) {
   auto model = train::load_model(result.best_checkpoint);
   EXPECT_EQ(model.feature_dim, 6);
   EXPECT_EQ(model.config.model.feature_dim, 6);  // taken from the data, stored with the run
+  const auto tcn = std::dynamic_pointer_cast<models::TCNHeadImpl>(model.head);
+  ASSERT_TRUE(tcn);
+  EXPECT_EQ(tcn->options().stages(), 3);
+  EXPECT_FALSE(tcn->options().causal());
   for (const auto& [name, tensor] : train::export_state_dict(model))
     EXPECT_EQ(name.rfind("head.", 0), 0u) << name;
   // Evaluation and prediction from a file agree.

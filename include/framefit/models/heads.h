@@ -103,13 +103,30 @@ class TCNHeadImpl : public TemporalHead {
 };
 TORCH_MODULE(TCNHead);
 
-// Parameter elements of make_head(kind, input_dim, num_classes), without building it; `largest`
-// (optional) receives the largest single parameter tensor's elements.
-int64_t head_parameter_count(const std::string& kind, int64_t input_dim, int64_t num_classes,
-                             int64_t* largest = nullptr);
+// A head's size as a config sets it (model.lstm_*, model.tcn_*, model.bidirectional,
+// model.causal). The defaults are seeds/000's LSTM 512 and TeCNO's two-stage causal TCN; MS-TCN
+// on GTEA/50Salads/Breakfast is tcn_stages 4, tcn_layers 10, causal false.
+struct HeadSettings {
+  int64_t lstm_hidden = 512;
+  int64_t lstm_layers = 1;
+  bool bidirectional = false;
+  int64_t tcn_stages = 2;
+  int64_t tcn_layers = 8;
+  int64_t tcn_channels = 64;
+  bool causal = true;
+  LSTMHeadOptions lstm(int64_t input_dim, int64_t num_classes) const;
+  TCNHeadOptions tcn(int64_t input_dim, int64_t num_classes) const;
+  // What differs from the defaults, e.g. "tcn 4x10x64 acausal" ("" at the defaults).
+  std::string describe(const std::string& kind) const;
+};
 
-// "linear" | "lstm" | "tcn" with default options for the given sizes.
+// Parameter elements of make_head(kind, input_dim, num_classes, settings), without building it;
+// `largest` (optional) receives the largest single parameter tensor's elements.
+int64_t head_parameter_count(const std::string& kind, int64_t input_dim, int64_t num_classes,
+                             int64_t* largest = nullptr, const HeadSettings& settings = {});
+
+// "linear" | "lstm" | "tcn" of the given sizes.
 std::shared_ptr<TemporalHead> make_head(const std::string& kind, int64_t input_dim,
-                                        int64_t num_classes);
+                                        int64_t num_classes, const HeadSettings& settings = {});
 
 }  // namespace framefit::models

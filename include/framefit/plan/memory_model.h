@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "framefit/engine/amp.h"
+#include "framefit/models/heads.h"
 #include "framefit/models/network.h"
 #include "framefit/models/resnet.h"
 
@@ -24,6 +25,7 @@ namespace framefit::plan {
 struct ModelSpec {
   std::string model = "resnet18";  // resnet18 | resnet34 | resnet50
   std::string head = "lstm";       // lstm | tcn | linear
+  models::HeadSettings head_settings;
   int64_t classes = 7;
   std::string norm = "bn";  // bn | frozen_bn | group_norm
   int64_t groups = 32;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "framefit/models/heads.h"
 #include "framefit/models/network.h"
 
 namespace framefit::train {
@@ -19,6 +20,7 @@ struct ModelConfig {
   int64_t groups = 32;
   std::string freeze;         // last frozen stage (conv1, layer1..layer4), "" for none
   std::string head = "lstm";  // lstm | tcn | linear
+  models::HeadSettings head_settings;  // model.lstm_*, model.tcn_*, bidirectional, causal
   std::string weights;        // torchvision state_dict for the encoder, "" for random
   // The weights' key prefix in that file ("encoder." for a framefit export); "" finds it.
   std::string weights_prefix;
