@@ -304,6 +304,7 @@ VideoDataset::Item VideoDataset::probe_features(const VideoEntry& entry) const {
   const auto labels = read_phase_annotations(entry.labels, classes_);
   const auto count = static_cast<int64_t>(labels.size());
   const auto shape = feature_file_shape(entry.features);
+  check_feature_shape(shape, entry.features);
   const double labels_fps = entry.labels_fps > 0 ? entry.labels_fps : options_.labels_fps;
   const auto rows = [&] { return shape[item.time_first ? 0 : 1]; };
   if (labels_fps > 0) {
@@ -312,8 +313,6 @@ VideoDataset::Item VideoDataset::probe_features(const VideoEntry& entry) const {
     TORCH_CHECK(entry.fps > 0, "features file ", entry.features, ": labels_fps ", labels_fps,
                 " maps the annotation to the rows by time, which needs the rows' rate: give it in "
                 "the manifest's fps column");
-    TORCH_CHECK(shape.size() == 2, "features file ", entry.features, ": an array of shape ",
-                torch::IntArrayRef(shape), "; features are 2-D, [T,D] or [D,T]");
     const double labels_seconds = static_cast<double>(count) / labels_fps;
     const double tolerance = 1 / labels_fps + 1 / entry.fps;
     const auto lasts = [&](int64_t n) {
@@ -334,13 +333,12 @@ VideoDataset::Item VideoDataset::probe_features(const VideoEntry& entry) const {
                 " per second (", static_cast<double>(rows()) / entry.fps, " s; shape ",
                 torch::IntArrayRef(shape), "): they must describe the same time");
   } else {
-    TORCH_CHECK(options_.features_layout != FeatureLayout::Auto || shape.size() != 2 ||
-                    shape[0] == count || shape[1] == count,
-                "annotation file ", entry.labels, " has ", count, " labels but features file ",
-                entry.features, " has shape ", torch::IntArrayRef(shape), ": neither axis is ",
-                count,
-                " long; there must be one label per frame (row of features), or give the "
-                "annotation's and the rows' rates (labels_fps and the manifest's fps column)");
+    TORCH_CHECK(
+        options_.features_layout != FeatureLayout::Auto || shape[0] == count || shape[1] == count,
+        "annotation file ", entry.labels, " has ", count, " labels but features file ",
+        entry.features, " has shape ", torch::IntArrayRef(shape), ": neither axis is ", count,
+        " long; there must be one label per frame (row of features), or give the "
+        "annotation's and the rows' rates (labels_fps and the manifest's fps column)");
     item.time_first = time_first(shape, options_.features_layout, count, 0, entry.features);
     TORCH_CHECK(rows() == count, "annotation file ", entry.labels, " has ", count,
                 " labels but features file ", entry.features, " has ", rows(), " frames (shape ",

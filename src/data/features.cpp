@@ -153,12 +153,9 @@ FeatureLayout parse_feature_layout(const std::string& text) {
               "MS-TCN's .npy files)");
 }
 
-std::string to_string(FeatureLayout layout) {
-  switch (layout) {
-    case FeatureLayout::TimeFirst: return "T,D";
-    case FeatureLayout::FeaturesFirst: return "D,T";
-    default: return "auto";
-  }
+void check_feature_shape(const std::vector<int64_t>& shape, const std::string& path) {
+  TORCH_CHECK(shape.size() == 2, "features file ", path, ": an array of shape ",
+              torch::IntArrayRef(shape), "; features are 2-D, [T,D] or [D,T]");
 }
 
 namespace {
@@ -178,8 +175,7 @@ std::vector<int64_t> feature_file_shape(const std::string& path) {
 
 bool time_first(const std::vector<int64_t>& shape, FeatureLayout layout, int64_t frames,
                 int64_t dim, const std::string& path) {
-  TORCH_CHECK(shape.size() == 2, "features file ", path, ": an array of shape ",
-              torch::IntArrayRef(shape), "; features are 2-D, [T,D] or [D,T]");
+  check_feature_shape(shape, path);
   if (layout != FeatureLayout::Auto) return layout == FeatureLayout::TimeFirst;
   const bool by_frames = frames > 0;
   const int64_t length = by_frames ? frames : dim;
@@ -198,8 +194,7 @@ bool time_first(const std::vector<int64_t>& shape, FeatureLayout layout, int64_t
 torch::Tensor read_features(const std::string& path, bool time_first) {
   check_format(path);
   auto tensor = extension_of(path) == ".npy" ? read_npy(path) : models::read_tensor(path);
-  TORCH_CHECK(tensor.dim() == 2, "features file ", path, ": an array of shape ", tensor.sizes(),
-              "; features are 2-D, [T,D] or [D,T]");
+  check_feature_shape(tensor.sizes().vec(), path);
   if (!time_first) tensor = tensor.t();
   tensor = tensor.to(torch::kFloat32).contiguous();
   const auto finite = torch::isfinite(tensor).all(1);

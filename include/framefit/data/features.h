@@ -28,7 +28,9 @@ torch::Tensor read_npy(const std::string& path);
 // first ([D,T], MS-TCN), or auto: the axis whose length is the frame count is time.
 enum class FeatureLayout { Auto, TimeFirst, FeaturesFirst };
 FeatureLayout parse_feature_layout(const std::string& text);  // "auto" | "T,D" | "D,T"
-std::string to_string(FeatureLayout layout);
+
+// Features are 2-D ([T,D] or [D,T]); any other shape is an error naming the file.
+void check_feature_shape(const std::vector<int64_t>& shape, const std::string& path);
 
 // A features file's shape without its data where the format allows (.npy: the header; a
 // torch.save file is read whole). Any other extension is an error naming the formats.
