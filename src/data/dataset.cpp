@@ -231,7 +231,7 @@ torch::Tensor decode_source(const Source& source, const std::vector<int64_t>& sa
   if (!source.frame_files.empty()) {
     for (int64_t k = 0; k < t; ++k) read_image(source.frame_files[sampled[k]], frames[k]);
   } else {
-    VideoReader reader(source.path, options.decoder_threads);
+    VideoReader reader(source.path, options.decoder_threads, options.skip_unsampled);
     reader.read(sampled, frames);
   }
   const int64_t crop = options.transform.crop;

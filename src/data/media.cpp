@@ -555,6 +555,11 @@ struct VideoReader::State {
   // Timestamps of consecutive frames, to notice frames missing from a truncated file.
   int64_t start_pts = AV_NOPTS_VALUE, expected_pts = AV_NOPTS_VALUE;
   double pts_step = 0;
+  bool skip_unsampled = true;  // read() may skip frames it does not want (read_skipping)
+  // While read_skipping() decodes: the timestamps of the frames it wants, ascending. Any other
+  // frame that no frame refers to (a non-reference B-frame) is not decoded at all.
+  std::vector<int64_t> wanted_pts;
+  int64_t decoded = 0;  // frames the decoder returned since read() began
 
   // Opens (or reopens) the file and decoder at the first frame.
   void open() {
@@ -644,6 +649,7 @@ struct VideoReader::State {
         }
         const int64_t pts = frame->best_effort_timestamp;
         expected_pts = pts != AV_NOPTS_VALUE ? pts + std::llround(pts_step) : AV_NOPTS_VALUE;
+        ++decoded;
         return true;
       }
       if (err == AVERROR_EOF) {
@@ -669,11 +675,103 @@ struct VideoReader::State {
       if (ours && (packet->flags & AV_PKT_FLAG_CORRUPT) && input->pb && avio_feof(input->pb)) {
         truncated = true;
       }
-      if (ours && !truncated) err = avcodec_send_packet(decoder.get(), packet.get());
+      if (ours && !truncated) {
+        if (!wanted_pts.empty()) {
+          const bool wanted = std::binary_search(wanted_pts.begin(), wanted_pts.end(), packet->pts);
+          decoder->skip_frame = wanted ? AVDISCARD_DEFAULT : AVDISCARD_NONREF;
+        }
+        err = avcodec_send_packet(decoder.get(), packet.get());
+      }
       const std::string where = err < 0 ? packet_frame() : "";
       av_packet_unref(packet.get());
       TORCH_CHECK(err >= 0, what, ": cannot decode ", where, " (damaged data): ", av_error(err));
     }
+  }
+
+  // A video packet as the container lists it, without decoding.
+  struct Stamp {
+    int64_t pts, duration;  // pts: the decoding timestamp where the packet has none
+    bool key, discard, corrupt, pts_missing;
+  };
+
+  // The stream's packets in decoding order, read through the reader's own input from its start;
+  // the next read() opens the file afresh to decode.
+  std::vector<Stamp> scan_packets() {
+    if (!untouched) open();
+    untouched = false;
+    reusable = false;
+    std::vector<Stamp> packets;
+    auto pkt = new_packet();
+    for (;;) {
+      const int err = av_read_frame(input.get(), pkt.get());
+      if (err == AVERROR_EOF) break;
+      TORCH_CHECK(err >= 0, what, ": cannot read the packet after ", packets.size(),
+                  " frame packets: ", av_error(err));
+      if (pkt->stream_index == stream) {
+        const int64_t pts = pkt->pts != AV_NOPTS_VALUE ? pkt->pts : pkt->dts;
+        packets.push_back({pts, pkt->duration, (pkt->flags & AV_PKT_FLAG_KEY) != 0,
+                           (pkt->flags & AV_PKT_FLAG_DISCARD) != 0,
+                           (pkt->flags & AV_PKT_FLAG_CORRUPT) != 0, pkt->pts == AV_NOPTS_VALUE});
+      }
+      av_packet_unref(pkt.get());
+    }
+    return packets;
+  }
+
+  // Decodes the frames at `indices` (ascending) into out[i] as read() does, without decoding the
+  // frames between them that no other frame refers to: sampling a 25 fps video at 1 fps leaves
+  // out most B-frames. The frames decoded are the same pixels, since nothing refers to the ones
+  // left out. A decoded frame is found by its timestamp among the stream's packets, so only a
+  // plain stream qualifies: a timestamp on every packet, none twice, a keyframe first and nothing
+  // shown before it, no edit-list discards, no damaged packet. False, with nothing promised about
+  // `out`, when the stream does not qualify or anything goes differently (damage, a cut, a frame
+  // that does not come): read() then decodes every frame, and reports what is wrong as usual.
+  bool read_skipping(const std::vector<int64_t>& indices, uint8_t* base, int height, int width) {
+    const std::vector<Stamp> packets = scan_packets();
+    if (packets.empty() || !packets.front().key) return false;
+    std::vector<int64_t> shown;  // every frame's timestamp in display order
+    shown.reserve(packets.size());
+    for (const Stamp& p : packets) {
+      if (p.pts_missing || p.discard || p.corrupt || p.pts < packets.front().pts) {
+        return false;
+      }
+      shown.push_back(p.pts);
+    }
+    std::sort(shown.begin(), shown.end());
+    if (std::adjacent_find(shown.begin(), shown.end()) != shown.end()) return false;
+    const auto n = static_cast<int64_t>(indices.size());
+    if (indices.back() >= static_cast<int64_t>(shown.size())) return false;
+
+    open();
+    wanted_pts.clear();
+    for (const int64_t index : indices) wanted_pts.push_back(shown[index]);
+    wanted_pts.erase(std::unique(wanted_pts.begin(), wanted_pts.end()), wanted_pts.end());
+    const auto frame_bytes = static_cast<size_t>(3) * height * width;
+    int64_t i = 0;
+    try {
+      while (i < n && decode_next() && !truncated) {
+        const int64_t pts = frame->pts;  // its packet's
+        const auto at = std::lower_bound(shown.begin(), shown.end(), pts);
+        if (at == shown.end() || *at != pts) break;
+        const auto index = static_cast<int64_t>(at - shown.begin());
+        if (index > indices[i]) break;  // a wanted frame was not shown
+        if (index == indices[i]) {
+          next = index + 1;
+          auto* dst = base + static_cast<size_t>(i) * frame_bytes;
+          convert(dst, height, width);
+          for (++i; i < n && indices[i] == index; ++i) {
+            std::memcpy(base + static_cast<size_t>(i) * frame_bytes, dst, frame_bytes);
+          }
+        }
+        av_frame_unref(frame.get());
+      }
+    } catch (const c10::Error&) {
+      i = -1;  // read() decodes again and reports it
+    }
+    av_frame_unref(frame.get());
+    wanted_pts.clear();
+    decoder->skip_frame = AVDISCARD_DEFAULT;
+    return i == n;
   }
 
   // Converts the decoded frame to RGB at the displayed size (height x width), upright: the
@@ -693,7 +791,7 @@ struct VideoReader::State {
   }
 };
 
-VideoReader::VideoReader(const std::string& path, int decoder_threads)
+VideoReader::VideoReader(const std::string& path, int decoder_threads, bool skip_unsampled)
     : state_(std::make_unique<State>()) {
   quiet_ffmpeg();
   TORCH_CHECK(decoder_threads >= 0, "video ", path, ": decoder_threads must be >= 0, got ",
@@ -701,6 +799,7 @@ VideoReader::VideoReader(const std::string& path, int decoder_threads)
   state_->path = path;
   state_->what = "video " + path;
   state_->threads = decoder_threads;
+  state_->skip_unsampled = skip_unsampled;
   state_->open();
   state_->reusable = true;
 }
@@ -709,40 +808,18 @@ VideoReader::~VideoReader() = default;
 
 const VideoInfo& VideoReader::info() const { return state_->info; }
 const std::string& VideoReader::path() const { return state_->path; }
+int64_t VideoReader::frames_decoded() const { return state_->decoded; }
 
 VideoReader::FrameTimes VideoReader::frame_times() {
   auto& s = *state_;
-  // The packets are read through the reader's own input, from its start; the next read() opens
-  // the file afresh to decode.
-  if (!s.untouched) s.open();
-  s.untouched = false;
-  s.reusable = false;
-  auto* input = s.input.get();
-  const double time_base = av_q2d(input->streams[s.stream]->time_base);
-  struct Stamp {
-    int64_t pts, duration;
-    bool key, discard;
-  };
-  std::vector<Stamp> packets;  // the stream's, in decoding order
-  auto packet = new_packet();
-  for (;;) {
-    const int err = av_read_frame(input, packet.get());
-    if (err == AVERROR_EOF) break;
-    TORCH_CHECK(err >= 0, s.what, ": cannot read the packet after ", packets.size(),
-                " frame packets: ", av_error(err));
-    if (packet->stream_index == s.stream) {
-      const int64_t pts = packet->pts != AV_NOPTS_VALUE ? packet->pts : packet->dts;
-      packets.push_back({pts, packet->duration, (packet->flags & AV_PKT_FLAG_KEY) != 0,
-                         (packet->flags & AV_PKT_FLAG_DISCARD) != 0});
-    }
-    av_packet_unref(packet.get());
-  }
+  const std::vector<State::Stamp> packets = s.scan_packets();
+  const double time_base = av_q2d(s.input->streams[s.stream]->time_base);
   // The frames the decoder shows: not the discarded ones (before an edit list's start), and, in
   // a stream cut in the middle of a group of pictures (a recorder's segment), neither those
   // before its first keyframe nor those shown before that keyframe (they refer to pictures
   // before the cut); the decoder and the ffmpeg CLI drop them all.
   const auto first_key =
-      std::find_if(packets.begin(), packets.end(), [](const Stamp& p) { return p.key; });
+      std::find_if(packets.begin(), packets.end(), [](const State::Stamp& p) { return p.key; });
   const bool keyed = first_key != packets.end() && first_key->pts != AV_NOPTS_VALUE;
   std::vector<std::pair<int64_t, int64_t>> stamps;  // {pts, duration} per frame shown
   for (auto it = keyed ? first_key : packets.begin(); it != packets.end(); ++it) {
@@ -781,13 +858,21 @@ void VideoReader::read(const std::vector<int64_t>& indices, torch::Tensor out) {
                 ": frame indices must be >= 0 and ascending; index ", i, " is ", indices[i],
                 i > 0 ? " after " + std::to_string(indices[i - 1]) : std::string());
   }
+  s.decoded = 0;
   if (n == 0) return;
+  const int height = static_cast<int>(out.size(2)), width = static_cast<int>(out.size(3));
+  auto* base = out.data_ptr<uint8_t>();
+  if (s.skip_unsampled && (!s.reusable || indices.front() < s.next || s.next == 0)) {
+    // Decoding from the first frame: when frames are left out, skip those nothing refers to.
+    // The decoder then lacks them, so a later read starts afresh too.
+    int64_t distinct = 0;
+    for (int64_t k = 0; k < n; ++k) distinct += k == 0 || indices[k] != indices[k - 1];
+    if (indices.back() + 1 > distinct && s.read_skipping(indices, base, height, width)) return;
+  }
   if (!s.reusable || indices.front() < s.next) s.open();
   s.reusable = false;  // until this read succeeds
 
-  const int height = static_cast<int>(out.size(2)), width = static_cast<int>(out.size(3));
   const auto frame_bytes = static_cast<size_t>(3) * height * width;
-  auto* base = out.data_ptr<uint8_t>();
   int64_t i = 0;
   while (i < n) {
     if (!s.decode_next()) {
@@ -1193,10 +1278,11 @@ struct VideoReader::State {
   VideoInfo info;
   std::string path;
 };
-VideoReader::VideoReader(const std::string&, int) { no_ffmpeg(); }
+VideoReader::VideoReader(const std::string&, int, bool) { no_ffmpeg(); }
 VideoReader::~VideoReader() = default;
 const VideoInfo& VideoReader::info() const { return state_->info; }
 const std::string& VideoReader::path() const { return state_->path; }
+int64_t VideoReader::frames_decoded() const { no_ffmpeg(); }
 void VideoReader::read(const std::vector<int64_t>&, torch::Tensor) { no_ffmpeg(); }
 VideoReader::FrameTimes VideoReader::frame_times() { no_ffmpeg(); }
 

@@ -349,6 +349,10 @@ const std::vector<Entry>& entries() {
                        FRAMEFIT_MEMBER(std::string, data.on_error), {"fail", "skip"}));
     t.push_back(field<int64_t>("data.workers", "decoding threads",
                                FRAMEFIT_MEMBER(int64_t, data.workers), "an integer", at_least(1)));
+    t.push_back(field<bool>("data.skip_unsampled",
+                            "decoding leaves out the frames data.fps does not sample that no "
+                            "other frame refers to (most B-frames); the frames read are the same",
+                            FRAMEFIT_MEMBER(bool, data.skip_unsampled), "true or false"));
     t.push_back(bytes("data.prefetch_bytes", "decoded frames held ahead of training",
                       FRAMEFIT_MEMBER(int64_t, data.prefetch_bytes)));
     t.push_back(field<std::string>("data.train_split", "manifest split trained on",

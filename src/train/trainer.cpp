@@ -159,6 +159,7 @@ data::DataOptions data_options(const Config& config, bool training) {
   options.transform.random_crop = training && config.data.augment;
   options.transform.flip = training && config.data.augment;
   options.skip_bad = config.data.on_error == "skip";
+  options.skip_unsampled = config.data.skip_unsampled;
   options.pinned = torch::Device(config.device).is_cuda();
   options.features = reads_features(config);
   options.features_layout = data::parse_feature_layout(config.data.features_layout);

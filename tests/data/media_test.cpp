@@ -226,6 +226,53 @@ TEST(VideoReader, SampledFramesAreTheFullDecodesFrames) {
   reader.read({}, none);
 }
 
+TEST(VideoReader, SampledReadSkipsFramesNothingRefersToWithTheSamePixels) {
+  REQUIRE_FFMPEG();
+  // Each file (20 frames or more) read at the indices with and without skipping, with one
+  // decoder thread and with frame threads. Files that do not qualify for skipping (an edit list's
+  // discarded frames, a segment starting inside a group of pictures) decode every frame and still
+  // agree.
+  const std::vector<std::vector<int64_t>> samplings = {
+      {0, 5, 10, 15}, {0}, {19}, {1, 3, 3, 8, 9, 12}, {10, 11, 12}, {2, 4, 6, 8, 10, 12, 14}};
+  for (const char* name : {"clip_25fps.mp4", "rotated_90.mp4", "variable_rate.mp4",
+                           "variable_rate.mkv", "trimmed.mp4", "segment.ts"}) {
+    const auto path = media(name);
+    for (const auto& indices : samplings) {
+      for (const int threads : {1, 2}) {
+        auto full = torch::empty({static_cast<int64_t>(indices.size()), 3, 24, 24}, torch::kUInt8);
+        auto skipped = torch::empty_like(full);
+        VideoReader every(path, threads, /*skip_unsampled=*/false);
+        every.read(indices, full);
+        EXPECT_EQ(every.frames_decoded(), indices.back() + 1) << name;
+        VideoReader skipping(path, threads, /*skip_unsampled=*/true);
+        skipping.read(indices, skipped);
+        EXPECT_TRUE(skipped.equal(full))
+            << name << ", " << threads << " threads, frames " << indices.front() << "...";
+        EXPECT_LE(skipping.frames_decoded(), indices.back() + 1) << name;
+      }
+    }
+  }
+  // The clip (H.264 with B-frames, tests/media/README.md) at 5 fps: of the 46 frames up to the
+  // last one sampled, the non-reference B-frames between them are not decoded.
+  const auto path = media("clip_25fps.mp4");
+  const auto indices = data::sample_indices(50, 25, 5);
+  auto out = torch::empty({static_cast<int64_t>(indices.size()), 3, 48, 64}, torch::kUInt8);
+  VideoReader reader(path);
+  reader.read(indices, out);
+  EXPECT_LT(reader.frames_decoded(), 40);
+  EXPECT_GE(reader.frames_decoded(), static_cast<int64_t>(indices.size()));
+  // A later read starts afresh (the skipped frames are not in the decoder) and is right.
+  const auto all = decode_all(path, 50, 48, 64);
+  auto later = torch::empty({2, 3, 48, 64}, torch::kUInt8);
+  reader.read({46, 49}, later);
+  EXPECT_TRUE(later[0].equal(all[46]) && later[1].equal(all[49]));
+  // Every frame wanted: nothing to skip.
+  VideoReader dense(path);
+  auto first = torch::empty({10, 3, 48, 64}, torch::kUInt8);
+  dense.read(range(10), first);
+  EXPECT_EQ(dense.frames_decoded(), 10);
+}
+
 TEST(VideoReader, VariableRateVideoHasItsFramesTimes) {
   REQUIRE_FFMPEG();
   // tests/media/README.md: frames 0-9 at 25 fps, then 10 frames 0.12 s apart.
@@ -357,6 +404,11 @@ TEST(VideoReader, TruncatedFileDecodesUpToTheCut) {
   // 18: the data ends inside frame 18's packet; frame 19, decoded before it, is not counted as 18.
   EXPECT_TRUE(contains(message, ": stream ended after 18 of 50 frames (truncated file)"))
       << message;
+  auto sampled = torch::empty({10, 3, 48, 64}, torch::kUInt8);
+  const auto sampled_message =
+      test_util::error_message([&] { reader.read(data::sample_indices(50, 25, 5), sampled); });
+  EXPECT_TRUE(contains(sampled_message, ": stream ended after 18 of 50 frames (truncated file)"))
+      << sampled_message;
   // The frames before the cut are the complete clip's.
   const auto complete = decode_all(media("clip_25fps.mp4"), 50, 48, 64);
   auto first = torch::empty({18, 3, 48, 64}, torch::kUInt8);
@@ -374,6 +426,12 @@ TEST(VideoReader, DamagedPacketIsAnErrorNamingTheFrame) {
   const auto message = test_util::error_message([&] { reader.read(range(50), all); });
   EXPECT_TRUE(contains(message, "video " + path + ": cannot decode frame 25 (damaged data): "))
       << message;
+  // Sampled: the same error, though the frames between the samples are skipped at first.
+  auto sampled = torch::empty({10, 3, 48, 64}, torch::kUInt8);
+  const auto sampled_message =
+      test_util::error_message([&] { reader.read(data::sample_indices(50, 25, 5), sampled); });
+  EXPECT_TRUE(contains(sampled_message, "video " + path + ": cannot decode frame 25 (damaged"))
+      << sampled_message;
   // The frames before it decode and match the undamaged clip.
   auto first = torch::empty({20, 3, 48, 64}, torch::kUInt8);
   reader.read(range(20), first);

@@ -36,6 +36,7 @@ struct DataOptions {
   TransformOptions transform;
   bool skip_bad = false;  // data.on_error: skip: drop a bad video with a warning (else: error)
   int decoder_threads = 1;
+  bool skip_unsampled = true;  // VideoReader: leave out unsampled frames nothing refers to
   bool pinned = false;  // page-locked frame memory (training on CUDA)
   // Each video is its precomputed features (VideoEntry::features, data/features.h), one row per
   // labelled frame, taken as they are: nothing is decoded, sampled or transformed.

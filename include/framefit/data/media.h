@@ -53,10 +53,13 @@ std::vector<int64_t> sample_times(const std::vector<double>& times, double end_s
 std::pair<int64_t, int64_t> resized_hw(int64_t height, int64_t width, int64_t shorter_side);
 
 // Decodes one video file. Not thread-safe; use one reader per thread. decoder_threads 0 lets
-// FFmpeg choose.
+// FFmpeg choose. skip_unsampled: read() leaves out the frames it does not return that no other
+// frame refers to (most B-frames), which the frames it returns do not depend on; false decodes
+// every frame up to the last one asked for (for comparison).
 class VideoReader {
  public:
-  explicit VideoReader(const std::string& path, int decoder_threads = 1);
+  explicit VideoReader(const std::string& path, int decoder_threads = 1,
+                       bool skip_unsampled = true);
   ~VideoReader();
   VideoReader(const VideoReader&) = delete;
   VideoReader& operator=(const VideoReader&) = delete;
@@ -77,9 +80,16 @@ class VideoReader {
   // the last index is an error naming the file, the frames decoded and the frames expected
   // (truncated file; the frames before the cut still read); so is a packet the decoder rejects
   // (damage it can detect: some, such as zeroed bytes, decodes without a sign). A read whose
-  // first index is past the frames an earlier read decoded continues from there; otherwise
-  // decoding restarts from the first frame.
+  // first index is past the frames an earlier read decoded continues from there (unless that
+  // read skipped frames); otherwise decoding restarts from the first frame. When the indices
+  // leave frames out, the container's packets are read once more first (without decoding), to
+  // know which frame each packet holds.
   void read(const std::vector<int64_t>& indices, torch::Tensor out);
+
+  // Frames the decoder returned during the last read(): with skip_unsampled fewer than the
+  // frames up to the last index when some were left out (a skipping attempt that had to decode
+  // everything after all counts as well).
+  int64_t frames_decoded() const;
 
  private:
   struct State;

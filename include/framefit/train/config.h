@@ -55,6 +55,7 @@ struct DataConfig {
   bool augment = true;               // training: random crop offset and horizontal flip
   std::string on_error = "fail";     // fail | skip
   int64_t workers = 2;               // decoding threads
+  bool skip_unsampled = true;        // decoding leaves out unsampled frames nothing refers to
   int64_t prefetch_bytes = 256ll << 20;
   std::string train_split = "train";
   std::string val_split = "val";
