@@ -457,11 +457,14 @@ int predict_phases(const Args& args) {
                 "give --features F.npy|F.pt instead of --video");
     const auto path = args.text("features");
     const auto layout = data::parse_feature_layout(model.config.data.features_layout);
-    features = data::read_features(
-        path, data::time_first(data::feature_file_shape(path), layout, 0, model.feature_dim, path));
+    const int64_t stride = model.config.data.features_stride;
+    features = data::every_kth_row(
+        data::read_features(path, data::time_first(data::feature_file_shape(path), layout, 0,
+                                                   model.feature_dim, path)),
+        stride);
     if (!args.has("online")) prediction = train::predict_features(model, features, print_warning);
     const double fps = args.frame_rate("fps");
-    for (int64_t t = 0; t < features.size(0); ++t) {
+    for (int64_t t = 0; t < features.size(0) * stride; t += stride) {  // the rows' numbers
       video.source_frames.push_back(t);
       video.source_seconds.push_back(fps > 0 ? static_cast<double>(t) / fps : 0.0);
     }

@@ -118,6 +118,9 @@ VideoDataset::VideoDataset(std::vector<VideoEntry> entries, ClassList classes, D
   TORCH_CHECK(options_.fps >= 0, "data.fps must be >= 0 (0 keeps every frame), got ", options_.fps);
   TORCH_CHECK(options_.transform.resize >= 0 && options_.transform.crop >= 0,
               "data.resize and data.crop must be >= 0");
+  TORCH_CHECK(options_.features_stride >= 1,
+              "data.features_stride must be >= 1 (1 takes every row), got ",
+              options_.features_stride);
   int64_t total = 0;
   for (auto& entry : entries) {
     try {
@@ -346,11 +349,15 @@ VideoDataset::Item VideoDataset::probe_features(const VideoEntry& entry) const {
                 "): there must be one label per frame");
   }
   item.feature_dim = shape[item.time_first ? 1 : 0];
+  std::vector<double> row_seconds;  // every row's time; labels are kept per row
   for (int64_t k = 0; k < rows(); ++k) {
-    item.sampled.push_back(k);
-    item.seconds.push_back(entry.fps > 0 ? static_cast<double>(k) / entry.fps : 0.0);
+    row_seconds.push_back(entry.fps > 0 ? static_cast<double>(k) / entry.fps : 0.0);
   }
-  item.labels = labels_fps > 0 ? labels_at_times(labels, labels_fps, item.seconds) : labels;
+  for (int64_t k = 0; k < rows(); k += options_.features_stride) {
+    item.sampled.push_back(k);
+    item.seconds.push_back(row_seconds[k]);
+  }
+  item.labels = labels_fps > 0 ? labels_at_times(labels, labels_fps, row_seconds) : labels;
   return item;
 }
 
@@ -396,7 +403,8 @@ engine::Video VideoDataset::load(int64_t i, const Augmentation& augmentation) co
   const auto& v = videos_.at(i);
   if (options_.features) {
     engine::Video video;
-    video.features = read_features(v.entry.features, v.time_first);
+    video.features =
+        every_kth_row(read_features(v.entry.features, v.time_first), options_.features_stride);
     video.labels = labels(i);
     video.name = v.entry.name;
     TORCH_CHECK(

@@ -206,4 +206,9 @@ torch::Tensor read_features(const std::string& path, bool time_first) {
   return tensor;
 }
 
+torch::Tensor every_kth_row(const torch::Tensor& features, int64_t k) {
+  TORCH_CHECK(k >= 1, "a features stride must be >= 1 (1 takes every row), got ", k);
+  return k == 1 ? features : features.slice(0, 0, features.size(0), k).contiguous();
+}
+
 }  // namespace framefit::data

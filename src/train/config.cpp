@@ -332,6 +332,11 @@ const std::vector<Entry>& entries() {
                        "model.encoder features: the files' axes, T,D (framefit extract) or D,T "
                        "(MS-TCN's .npy); auto: the axis as long as the annotation is time",
                        FRAMEFIT_MEMBER(std::string, data.features_layout), {"auto", "T,D", "D,T"}));
+    t.push_back(field<int64_t>("data.features_stride",
+                               "model.encoder features: train, evaluate and predict on rows 0, k, "
+                               "2k, ... of each file (MS-TCN's sample_rate); 1: every row",
+                               FRAMEFIT_MEMBER(int64_t, data.features_stride), "an integer",
+                               at_least(1)));
     t.push_back(field<double>("data.labels_fps",
                               "frame rate of the annotation files where it is not the video's "
                               "(manifest column labels_fps overrides); 0: one label per frame",

@@ -163,6 +163,7 @@ data::DataOptions data_options(const Config& config, bool training) {
   options.pinned = torch::Device(config.device).is_cuda();
   options.features = reads_features(config);
   options.features_layout = data::parse_feature_layout(config.data.features_layout);
+  options.features_stride = config.data.features_stride;
   return options;
 }
 

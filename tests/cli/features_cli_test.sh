@@ -50,6 +50,21 @@ assert abs(metrics['accuracy'] - accuracy) < 1e-9, (metrics['accuracy'], accurac
 keys = list(torch.load('$work/weights.pt').keys())
 assert keys and all(k.startswith('head.') for k in keys), keys
 "
+# data.features_stride 3: eval and predict take rows 0, 3, 6, ... and agree.
+"$framefit" eval --checkpoint "$work/run/best.pt" --split val --set data.features_stride=3 \
+  --out "$work/metrics3.json" >/dev/null
+"$framefit" predict --checkpoint "$work/run/best.pt" --features "$work/features/video03.pt" \
+  --fps 25 --set data.features_stride=3 --out "$work/phases3.csv" 2>/dev/null
+"$python" -c "
+import csv, json
+rows = list(csv.DictReader(open('$work/phases3.csv')))
+truth = [line.split('\t')[1].strip() for line in open('$work/demo/labels/video03.txt')][1:][::3]
+assert len(rows) == len(truth), (len(rows), len(truth))
+assert (rows[1]['frame'], rows[1]['time_seconds']) == ('3', '0.120'), rows[1]
+accuracy = sum(r['phase'] == t for r, t in zip(rows, truth)) / len(truth)
+metrics = json.load(open('$work/metrics3.json'))
+assert abs(metrics['accuracy'] - accuracy) < 1e-9, (metrics['accuracy'], accuracy)
+"
 # A features model predicts from features, not from a video.
 if "$framefit" predict --checkpoint "$work/run/best.pt" --video "$work/demo/videos/video03.mp4" \
   2>"$work/err.txt"; then

@@ -850,4 +850,26 @@ TEST_F(DataTest, FeaturesDataSetPairsEachVideosFeaturesWithItsLabels) {
       << e;
   e = test_util::error_message([&] { data::read_manifest(write("none.csv", "name,labels\n")); });
   EXPECT_NE(e.find("`video` (or `features`) and `labels`"), std::string::npos) << e;
+
+  // A stride (MS-TCN's sample_rate): rows 0, k, 2k, ... with their own labels and times.
+  auto strided = options;
+  strided.features_stride = 3;
+  data::VideoDataset every_third(entries, classes_, strided);
+  EXPECT_EQ(every_third.frames(1), 3);  // rows 0, 3, 6 of 8
+  EXPECT_EQ(every_third.frame_bytes(1), 3 * 3 * 4);
+  const auto third = every_third.load(1);
+  EXPECT_TRUE(torch::equal(third.features,
+                           b.t().to(torch::kFloat32).index({torch::indexing::Slice(0, 8, 3)})));
+  EXPECT_TRUE(torch::equal(third.labels, torch::tensor({0, 0, 1})));
+  auto timed_strided = timed;
+  timed_strided.features_stride = 2;  // rows 0, 2, ..., 8 at 0, 1, ..., 4 s: labels 0, 10, ..., 40
+  data::VideoDataset slow_strided(
+      data::read_manifest(write("timed.csv", "name,labels,features,fps\ns,fast.txt,slow.pt,2\n")),
+      classes_, timed_strided);
+  EXPECT_TRUE(torch::equal(slow_strided.labels(0), torch::tensor({0, 0, 0, 1, 1})));
+  EXPECT_DOUBLE_EQ(slow_strided.source_seconds(0)[3], 3.0);
+  EXPECT_EQ(slow_strided.load(0).features.sizes(), (std::vector<int64_t>{5, 3}));
+  strided.features_stride = 0;
+  e = test_util::error_message([&] { data::VideoDataset(entries, classes_, strided); });
+  EXPECT_NE(e.find("data.features_stride must be >= 1"), std::string::npos) << e;
 }

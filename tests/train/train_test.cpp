@@ -587,6 +587,7 @@ TEST(Training, HeadTrainsOnPrecomputedFeaturesInEitherLayout) {
   torch::manual_seed(7);
   std::string time_first = "name,labels,split,features\n";
   std::string features_first = time_first;
+  std::string halved = time_first;  // rows 0, 2, 4, ... written out, with their labels
   for (int v = 0; v < 5; ++v) {
     const int64_t frames = 30 + 7 * v;
     const auto labels = torch::div(torch::arange(frames) * 3, frames, "floor");
@@ -601,11 +602,18 @@ TEST(Training, HeadTrainsOnPrecomputedFeaturesInEitherLayout) {
           << "\n";
     models::write_tensor(features, dir + "/" + name + "_td.pt");
     models::write_tensor(features.t().to(torch::kFloat64), dir + "/" + name + "_dt.pt");
+    models::write_tensor(features.slice(0, 0, frames, 2).contiguous(),
+                         dir + "/" + name + "_half.pt");
+    std::ofstream half_labels(dir + "/" + name + "_half.txt");
+    for (int64_t t = 0; t < frames; t += 2)
+      half_labels << t / 2 << "\t" << static_cast<char>('a' + labels[t].item<int64_t>()) << "\n";
     const std::string split = v < 4 ? "train" : "val";
     time_first += name + "," + name + ".txt," + split + "," + name + "_td.pt\n";
     features_first += name + "," + name + ".txt," + split + "," + name + "_dt.pt\n";
+    halved += name + "," + name + "_half.txt," + split + "," + name + "_half.pt\n";
   }
   std::ofstream(dir + "/td.csv") << time_first;
+  std::ofstream(dir + "/half.csv") << halved;
   std::ofstream(dir + "/dt.csv") << features_first;
   const auto config = [&](const std::string& manifest) {
     // MS-TCN's offline head, smaller: three non-causal stages of four layers.
@@ -652,6 +660,16 @@ TEST(Training, HeadTrainsOnPrecomputedFeaturesInEitherLayout) {
   // MS-TCN's layout ([D,T], float64 here) trains the same weights.
   const auto transposed = train::train(config("dt.csv"));
   EXPECT_TRUE(identical(weights(model), weights(train::load_model(transposed.best_checkpoint))));
+  // data.features_stride 2 (MS-TCN's sample_rate) trains on rows 0, 2, 4, ... and their labels:
+  // the weights of training on files holding only those rows.
+  auto strided = config("td.csv");
+  strided.data.features_stride = 2;
+  strided.train.out_dir = dir + "/runs/strided";
+  const auto every_other = train::train(strided);
+  const auto written_out = train::train(config("half.csv"));
+  EXPECT_TRUE(identical(weights(train::load_model(every_other.best_checkpoint)),
+                        weights(train::load_model(written_out.best_checkpoint))));
+  EXPECT_DOUBLE_EQ(every_other.best.accuracy, written_out.best.accuracy);
   // Settings for an encoder are refused.
   auto with_weights = config("td.csv");
   with_weights.model.weights = "resnet18.pt";

@@ -42,6 +42,7 @@ struct DataOptions {
   // labelled frame, taken as they are: nothing is decoded, sampled or transformed.
   bool features = false;
   FeatureLayout features_layout = FeatureLayout::Auto;
+  int64_t features_stride = 1;  // rows 0, k, 2k, ... of each features file (MS-TCN's sample_rate)
 };
 
 // The random choices applied to one video, drawn once so all its frames agree.

@@ -42,5 +42,7 @@ bool time_first(const std::vector<int64_t>& shape, FeatureLayout layout, int64_t
                 int64_t dim, const std::string& path);
 // The file's features as float32 [T,D] (transposed when the file is [D,T]).
 torch::Tensor read_features(const std::string& path, bool time_first);
+// Rows 0, k, 2k, ... of features [T,D] (k >= 1), contiguous: MS-TCN's sample_rate.
+torch::Tensor every_kth_row(const torch::Tensor& features, int64_t k);
 
 }  // namespace framefit::data

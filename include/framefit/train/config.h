@@ -50,6 +50,7 @@ struct DataConfig {
   double fps = 1;                    // sampling rate; 0 keeps every frame
   double labels_fps = 0;  // annotations' own frame rate (manifest rows without one); 0: video's
   std::string features_layout = "auto";  // model.encoder features: auto | T,D | D,T
+  int64_t features_stride = 1;  // model.encoder features: every k-th row (MS-TCN's sample_rate)
   int64_t resize = 0;                // shorter side; 0 keeps
   int64_t crop = 0;                  // square crop; 0 none
   bool augment = true;               // training: random crop offset and horizontal flip
