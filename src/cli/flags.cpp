@@ -553,6 +553,15 @@ const std::vector<Flag>& flag_table() {
        "(predict's columns and the labelled phase: frame, time_seconds, phase, confidence, "
        "truth).",
        ""},
+      {"relaxed",
+       {"eval"},
+       FlagType::Choice,
+       "Phases: also score with 10-second relaxed boundaries as Cholec80's evaluation script "
+       "(Evaluate.m, Main.m) does: cholec80 (its 7 phases in order), m2cai16 (8 phases) or "
+       "general (the +-1 rule for every phase).",
+       "",
+       false,
+       {"general", "cholec80", "m2cai16"}},
       {"segments",
        {"predict"},
        FlagType::Path,

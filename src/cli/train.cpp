@@ -122,6 +122,71 @@ void print_video_metrics(const std::vector<train::VideoMetrics>& videos) {
              percent(a.edit_std));
 }
 
+// The relaxed-boundary summary as Cholec80's evaluation script prints it, in percent.
+void print_relaxed(const train::RelaxedSummary& s, const std::string& rules,
+                   const data::ClassList& classes) {
+  fmt::print(
+      "  relaxed boundaries of 10 s ({} rules, as Cholec80's evaluation script), {} videos:\n",
+      rules, s.videos);
+  fmt::print("  {:<24} {:>9} {:>9} {:>9}\n", "phase", "Jaccard", "precision", "recall");
+  for (size_t c = 0; c < s.jaccard.size(); ++c) {
+    fmt::print("  {:<24} {:>9} {:>9} {:>9}\n", classes.names()[c], percent(s.jaccard[c]),
+               percent(s.precision[c]), percent(s.recall[c]));
+  }
+  fmt::print(
+      "  accuracy {} +- {} (over videos); precision {} +- {}, recall {} +- {}, Jaccard {} "
+      "+- {} (over phases)\n",
+      percent(s.accuracy_mean), percent(s.accuracy_std), percent(s.precision_mean),
+      percent(s.precision_std), percent(s.recall_mean), percent(s.recall_std),
+      percent(s.jaccard_mean), percent(s.jaccard_std));
+}
+
+nlohmann::json relaxed_json(const train::RelaxedSummary& s, const std::string& rules,
+                            const std::vector<train::RelaxedVideoMetrics>& videos,
+                            const data::ClassList& classes) {
+  const auto number = [](double x) {
+    return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr);
+  };
+  const auto per_phase = [&](const std::vector<double>& values) {
+    auto out = nlohmann::json::object();
+    for (size_t c = 0; c < values.size(); ++c) out[classes.names()[c]] = number(values[c]);
+    return out;
+  };
+  nlohmann::json json = {{"rules", rules},
+                         {"boundary_seconds", 10},
+                         {"videos", s.videos},
+                         {"accuracy_mean", number(s.accuracy_mean)},
+                         {"accuracy_std", number(s.accuracy_std)},
+                         {"precision_mean", number(s.precision_mean)},
+                         {"precision_std", number(s.precision_std)},
+                         {"recall_mean", number(s.recall_mean)},
+                         {"recall_std", number(s.recall_std)},
+                         {"jaccard_mean", number(s.jaccard_mean)},
+                         {"jaccard_std", number(s.jaccard_std)},
+                         {"precision", per_phase(s.precision)},
+                         {"recall", per_phase(s.recall)},
+                         {"jaccard", per_phase(s.jaccard)}};
+  json["per_video"] = nlohmann::json::array();
+  for (const auto& v : videos) {
+    json["per_video"].push_back({{"name", v.name},
+                                 {"accuracy", number(v.accuracy)},
+                                 {"precision", per_phase(v.precision)},
+                                 {"recall", per_phase(v.recall)},
+                                 {"jaccard", per_phase(v.jaccard)}});
+  }
+  return json;
+}
+
+// 10 s of a video's sampled frames, from their times: 10 at Cholec80's usual 1 fps.
+int64_t ten_seconds_of_frames(const std::vector<double>& seconds, const std::string& name) {
+  const auto n = seconds.size();
+  const double span = n > 1 ? seconds.back() - seconds.front() : 0;
+  TORCH_CHECK(span > 0, "video ", name,
+              ": relaxed boundaries are 10 s long, and its frames' times are unknown (a features "
+              "file needs its rows' rate in the manifest's fps column)");
+  return std::llround(10 * static_cast<double>(n - 1) / span);
+}
+
 nlohmann::json metrics_json(const train::PhaseMetrics& m, const data::ClassList& classes) {
   return nlohmann::json::parse(train::to_json(m, classes.names()));
 }
@@ -312,13 +377,15 @@ int run_eval(const Args& args) {
   const auto stored = train::checkpoint_config(checkpoint);
   train::PhaseMetrics metrics;
   std::vector<train::VideoMetrics> per_video;  // phases: each video's own metrics
+  std::vector<train::RelaxedVideoMetrics> relaxed;  // phases with --relaxed
+  const std::string relaxed_rules = args.has("relaxed") ? args.text("relaxed") : "";
   data::ClassList classes;
   std::string split, what;
   if (train::is_batch_task(stored)) {
-    TORCH_CHECK(
-        !args.has("predictions"),
-        "--predictions writes per-frame phases of a phases checkpoint; this one is for task ",
-        stored.task, " (framefit predict writes its predictions)");
+    TORCH_CHECK(!args.has("predictions") && relaxed_rules.empty(),
+                "--predictions and --relaxed are for the per-frame phases of a phases "
+                "checkpoint; this one is for task ",
+                stored.task, " (framefit predict writes its predictions)");
     auto model = train::load_batch_model(checkpoint, overrides);
     split = args.has("split") ? args.text("split") : model.config.data.test_split;
     metrics = train::evaluate_batch(model, split, on_event);
@@ -329,22 +396,29 @@ int run_eval(const Args& args) {
     const auto dataset = train::make_dataset(model.config, split, false, on_event);
     TORCH_CHECK(dataset.size() > 0, "no videos in split \"", split, "\" of ",
                 model.config.data.manifest);
-    train::PredictionCallback write_prediction;
-    if (args.has("predictions")) {
-      const std::string folder = args.text("predictions");
-      std::filesystem::create_directories(folder);
+    const std::string folder = args.has("predictions") ? args.text("predictions") : "";
+    if (!folder.empty()) std::filesystem::create_directories(folder);
+    const auto rules = relaxed_rules.empty() ? train::RelaxedRules::General
+                                             : train::parse_relaxed_rules(relaxed_rules);
+    const auto on_prediction = [&](int64_t i, const train::Prediction& prediction) {
+      if (!relaxed_rules.empty()) {
+        const auto& name = dataset.entry(i).name;
+        relaxed.push_back(train::relaxed_video_metrics(
+            prediction.labels, dataset.labels(i), model.classes.size(),
+            ten_seconds_of_frames(dataset.source_seconds(i), name), rules));
+        relaxed.back().name = name;
+      }
+      if (folder.empty()) return;
       // One file per video, named by the manifest (a name with '/' keeps it within the folder).
-      write_prediction = [&, folder](int64_t i, const train::Prediction& prediction) {
-        auto name = dataset.entry(i).name;
-        std::replace(name.begin(), name.end(), '/', '_');
-        const auto path = folder + "/" + name + ".csv";
-        std::ofstream out(path);
-        out << phase_csv(prediction, dataset.source_frames(i), dataset.source_seconds(i),
-                         model.classes, dataset.labels(i));
-        TORCH_CHECK(out.good(), "cannot write ", path);
-      };
-    }
-    metrics = train::evaluate(model, dataset, on_event, &per_video, write_prediction);
+      auto name = dataset.entry(i).name;
+      std::replace(name.begin(), name.end(), '/', '_');
+      const auto path = folder + "/" + name + ".csv";
+      std::ofstream out(path);
+      out << phase_csv(prediction, dataset.source_frames(i), dataset.source_seconds(i),
+                       model.classes, dataset.labels(i));
+      TORCH_CHECK(out.good(), "cannot write ", path);
+    };
+    metrics = train::evaluate(model, dataset, on_event, &per_video, on_prediction);
     classes = model.classes;
   }
   auto json = metrics_json(metrics, classes);
@@ -366,6 +440,10 @@ int run_eval(const Args& args) {
       json["videos"].push_back(entry);
     }
   }
+  const auto relaxed_summary = train::summarize_relaxed(relaxed);
+  if (!relaxed_rules.empty()) {
+    json["relaxed"] = relaxed_json(relaxed_summary, relaxed_rules, relaxed, classes);
+  }
   if (args.has("out")) std::ofstream(args.text("out")) << json.dump(2) << "\n";
   if (args.on("json")) {
     fmt::print("{}\n", json.dump(2));
@@ -374,6 +452,7 @@ int run_eval(const Args& args) {
   fmt::print("{} on split \"{}\":\n", checkpoint, split);
   print_metrics(metrics, classes, stored.task);
   if (!per_video.empty()) print_video_metrics(per_video);
+  if (!relaxed_rules.empty()) print_relaxed(relaxed_summary, relaxed_rules, classes);
   return 0;
 }
 

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
+#include <utility>
 
 namespace framefit::train {
 
@@ -191,17 +193,33 @@ SegmentMetrics SegmentScorer::metrics() const {
   return out;
 }
 
+namespace {
+
+// Mean and sample standard deviation (n - 1; 0 for one value; NaN for none).
+std::pair<double, double> mean_and_sample_std(const std::vector<double>& values) {
+  if (values.empty()) {
+    return {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN()};
+  }
+  double sum = 0;
+  for (const double x : values) sum += x;
+  const double mean = sum / static_cast<double>(values.size());
+  double squares = 0;
+  for (const double x : values) squares += (x - mean) * (x - mean);
+  const double std_dev =
+      values.size() > 1 ? std::sqrt(squares / static_cast<double>(values.size() - 1)) : 0;
+  return {mean, std_dev};
+}
+
+}  // namespace
+
 VideoAverages average_over_videos(const std::vector<VideoMetrics>& videos) {
   VideoAverages out;
   out.videos = static_cast<int64_t>(videos.size());
   if (videos.empty()) return out;
   const auto mean_std = [&](auto field, double& mean, double& std_dev) {
-    double sum = 0;
-    for (const auto& v : videos) sum += field(v.metrics);
-    mean = sum / static_cast<double>(videos.size());
-    double squares = 0;
-    for (const auto& v : videos) squares += (field(v.metrics) - mean) * (field(v.metrics) - mean);
-    std_dev = videos.size() > 1 ? std::sqrt(squares / static_cast<double>(videos.size() - 1)) : 0;
+    std::vector<double> values;
+    for (const auto& v : videos) values.push_back(field(v.metrics));
+    std::tie(mean, std_dev) = mean_and_sample_std(values);
   };
   mean_std([](const PhaseMetrics& m) { return m.accuracy; }, out.accuracy_mean, out.accuracy_std);
   mean_std([](const PhaseMetrics& m) { return m.macro_f1; }, out.macro_f1_mean, out.macro_f1_std);
@@ -212,6 +230,127 @@ VideoAverages average_over_videos(const std::vector<VideoMetrics>& videos) {
   if (segmental) {
     mean_std([](const PhaseMetrics& m) { return m.segments->edit; }, out.edit_mean, out.edit_std);
   }
+  return out;
+}
+
+RelaxedRules parse_relaxed_rules(const std::string& name) {
+  if (name == "general") return RelaxedRules::General;
+  if (name == "cholec80") return RelaxedRules::Cholec80;
+  if (name == "m2cai16") return RelaxedRules::M2cai16;
+  TORCH_CHECK(false, "unknown relaxed-boundary rules \"", name,
+              "\": general (the +-1 rule for every phase), cholec80 or m2cai16");
+}
+
+RelaxedVideoMetrics relaxed_video_metrics(const torch::Tensor& predictions,
+                                          const torch::Tensor& targets, int64_t classes,
+                                          int64_t boundary_frames, RelaxedRules rules) {
+  TORCH_CHECK(predictions.dim() == 1 && predictions.sizes() == targets.sizes(),
+              "relaxed metrics need predictions and targets of one shape [T], got ",
+              predictions.sizes(), " and ", targets.sizes());
+  TORCH_CHECK(boundary_frames >= 0, "the relaxed boundary must be >= 0 frames, got ",
+              boundary_frames);
+  // The two pairs of phases whose neighbours the script also forgives two ids away.
+  int64_t pair_a = -1, pair_b = -1;
+  if (rules == RelaxedRules::Cholec80) {
+    TORCH_CHECK(classes == 7,
+                "the cholec80 relaxed rules are for Cholec80's 7 phases in its order ",
+                "(Preparation ... GallbladderRetraction), got ", classes,
+                " classes: use the general rules");
+    pair_a = 3, pair_b = 5;
+  } else if (rules == RelaxedRules::M2cai16) {
+    TORCH_CHECK(classes == 8,
+                "the m2cai16 relaxed rules are for M2CAI16's 8 phases in its order, "
+                "got ",
+                classes, " classes: use the general rules");
+    pair_a = 4, pair_b = 6;
+  }
+  const auto pred = predictions.to(torch::kLong).contiguous();
+  const auto truth = targets.to(torch::kLong).contiguous();
+  const int64_t frames = truth.size(0);
+  const auto* p = pred.data_ptr<int64_t>();
+  const auto* g = truth.data_ptr<int64_t>();
+  std::vector<int64_t> diff(static_cast<size_t>(frames));
+  for (int64_t k = 0; k < frames; ++k) diff[k] = p[k] - g[k];
+  for (const auto& segment : segments_of(truth)) {
+    const int64_t phase = segment.label, length = segment.end - segment.start;
+    const int64_t t = std::min(boundary_frames, length);
+    const bool in_a = pair_a >= 0 && (phase == pair_a || phase == pair_a + 1);
+    const bool in_b = pair_b >= 0 && (phase == pair_b || phase == pair_b + 1);
+    const auto late = [&](int64_t d) { return d == -1 || (in_b && d == -2); };
+    const auto early = [&](int64_t d) { return d == 1 || ((in_a || in_b) && d == 2); };
+    int64_t* cur = diff.data() + segment.start;
+    for (int64_t k = 0; k < t; ++k) {
+      if (late(cur[k])) cur[k] = 0;
+    }
+    // Evaluate.m: curDiff(early(curDiff(end-t+1:end))) = 0, a logical index t long, which
+    // MATLAB applies to the first t frames.
+    std::vector<char> last_early(static_cast<size_t>(t));
+    for (int64_t k = 0; k < t; ++k) last_early[k] = early(cur[length - t + k]);
+    for (int64_t k = 0; k < t; ++k) {
+      if (last_early[k]) cur[k] = 0;
+    }
+  }
+  RelaxedVideoMetrics out;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  int64_t right = 0;
+  for (int64_t k = 0; k < frames; ++k) right += diff[k] == 0;
+  out.accuracy = frames > 0 ? static_cast<double>(right) / static_cast<double>(frames) : nan;
+  for (int64_t phase = 0; phase < classes; ++phase) {
+    int64_t in_union = 0, right_in_union = 0, predicted = 0, labelled = 0;
+    for (int64_t k = 0; k < frames; ++k) {
+      predicted += p[k] == phase;
+      labelled += g[k] == phase;
+      if (p[k] == phase || g[k] == phase) {
+        ++in_union;
+        right_in_union += diff[k] == 0;
+      }
+    }
+    if (labelled == 0) {
+      out.precision.push_back(nan), out.recall.push_back(nan), out.jaccard.push_back(nan);
+      continue;
+    }
+    const auto tp = static_cast<double>(right_in_union);
+    // No frame predicted the phase: 0/0 is NaN and x/0 infinite, as in MATLAB.
+    out.precision.push_back(predicted > 0
+                                ? tp / static_cast<double>(predicted)
+                                : (tp > 0 ? std::numeric_limits<double>::infinity() : nan));
+    out.recall.push_back(tp / static_cast<double>(labelled));
+    out.jaccard.push_back(tp / static_cast<double>(in_union));
+  }
+  return out;
+}
+
+RelaxedSummary summarize_relaxed(const std::vector<RelaxedVideoMetrics>& videos) {
+  RelaxedSummary out;
+  out.videos = static_cast<int64_t>(videos.size());
+  if (videos.empty()) return out;
+  std::vector<double> accuracies;
+  for (const auto& v : videos) accuracies.push_back(v.accuracy);
+  std::tie(out.accuracy_mean, out.accuracy_std) = mean_and_sample_std(accuracies);
+  const size_t classes = videos.front().jaccard.size();
+  const auto per_phase = [&](auto field, std::vector<double>& means, double& mean,
+                             double& std_dev) {
+    for (size_t c = 0; c < classes; ++c) {
+      std::vector<double> values;  // the videos that have the phase, clipped to 1 (Main.m)
+      for (const auto& v : videos) {
+        const double x = field(v).at(c);
+        if (!std::isnan(x)) values.push_back(std::min(x, 1.0));
+      }
+      means.push_back(values.empty() ? std::numeric_limits<double>::quiet_NaN()
+                                     : mean_and_sample_std(values).first);
+    }
+    std::vector<double> present;
+    for (const double m : means) {
+      if (!std::isnan(m)) present.push_back(m);
+    }
+    std::tie(mean, std_dev) = mean_and_sample_std(present);
+  };
+  per_phase([](const RelaxedVideoMetrics& v) -> const std::vector<double>& { return v.precision; },
+            out.precision, out.precision_mean, out.precision_std);
+  per_phase([](const RelaxedVideoMetrics& v) -> const std::vector<double>& { return v.recall; },
+            out.recall, out.recall_mean, out.recall_std);
+  per_phase([](const RelaxedVideoMetrics& v) -> const std::vector<double>& { return v.jaccard; },
+            out.jaccard, out.jaccard_mean, out.jaccard_std);
   return out;
 }
 

@@ -150,6 +150,86 @@ TEST(Metrics, AveragesOverVideos) {
   EXPECT_EQ(train::average_over_videos({}).videos, 0);
 }
 
+namespace {
+// Class ids from runs {id, length}: {{0, 2}, {1, 3}} is 0 0 1 1 1.
+torch::Tensor runs(const std::vector<std::pair<int64_t, int64_t>>& pieces) {
+  std::vector<int64_t> ids;
+  for (const auto& [id, length] : pieces) ids.insert(ids.end(), length, id);
+  return torch::tensor(ids);
+}
+}  // namespace
+
+TEST(Metrics, RelaxedBoundariesAsCholec80sEvaluationScript) {
+  using train::RelaxedRules;
+  const auto truth = runs({{0, 20}, {1, 20}});
+  // A late transition (3 frames of phase 1 still predicted 0, diff -1) is forgiven within the
+  // boundary's first frames of phase 1's segment.
+  auto late =
+      train::relaxed_video_metrics(runs({{0, 23}, {1, 17}}), truth, 3, 10, RelaxedRules::General);
+  EXPECT_DOUBLE_EQ(late.accuracy, 1.0);
+  EXPECT_DOUBLE_EQ(late.jaccard[0], 1.0);
+  EXPECT_DOUBLE_EQ(late.recall[0], 23.0 / 20);  // the script's counts: above 1
+  EXPECT_DOUBLE_EQ(late.precision[1], 20.0 / 17);
+  EXPECT_TRUE(std::isnan(late.jaccard[2]));  // not in the truth
+  EXPECT_DOUBLE_EQ(
+      train::relaxed_video_metrics(runs({{0, 23}, {1, 17}}), truth, 3, 2, RelaxedRules::General)
+          .accuracy,
+      39.0 / 40);  // frames 20 and 21 forgiven, 22 not
+  // An early transition (phase 1 predicted 3 frames early, diff +1 at frames 17-19): the
+  // script's logical index of the segment's last 10 frames addresses its first 10, so frames
+  // 7-9 are "forgiven" (frame 8's wrong id 3 with them) and frames 17-19 stay wrong.
+  const auto early = runs({{0, 8}, {3, 1}, {0, 8}, {1, 23}});
+  EXPECT_DOUBLE_EQ(
+      train::relaxed_video_metrics(early, truth, 4, 10, RelaxedRules::General).accuracy, 37.0 / 40);
+  // A boundary as long as the segment lines both up: frames 17-19 forgiven, frame 8 not.
+  EXPECT_DOUBLE_EQ(
+      train::relaxed_video_metrics(early, truth, 4, 20, RelaxedRules::General).accuracy, 39.0 / 40);
+  EXPECT_DOUBLE_EQ(train::relaxed_video_metrics(early, truth, 4, 0, RelaxedRules::General).accuracy,
+                   36.0 / 40);  // no boundary: the strict accuracy
+
+  // Cholec80's own rules: CleaningCoagulation (id 5) after GallbladderDissection (id 3), still
+  // predicted 3 for 3 frames (diff -2): forgiven for ids 5 and 6 only.
+  const auto cholec_truth = runs({{3, 20}, {5, 20}});
+  const auto cholec_pred = runs({{3, 23}, {5, 17}});
+  EXPECT_DOUBLE_EQ(
+      train::relaxed_video_metrics(cholec_pred, cholec_truth, 7, 10, RelaxedRules::Cholec80)
+          .accuracy,
+      1.0);
+  EXPECT_DOUBLE_EQ(
+      train::relaxed_video_metrics(cholec_pred, cholec_truth, 7, 10, RelaxedRules::General)
+          .accuracy,
+      37.0 / 40);
+  EXPECT_DOUBLE_EQ(
+      train::relaxed_video_metrics(cholec_pred, cholec_truth, 8, 10, RelaxedRules::M2cai16)
+          .accuracy,
+      37.0 / 40);  // M2CAI16's pairs are ids 4-5 and 6-7
+  EXPECT_NE(test_util::error_message([&] {
+              train::relaxed_video_metrics(truth, truth, 5, 10, RelaxedRules::Cholec80);
+            }).find("Cholec80's 7 phases"),
+            std::string::npos);
+  EXPECT_EQ(train::parse_relaxed_rules("m2cai16"), RelaxedRules::M2cai16);
+  EXPECT_NE(test_util::error_message([] { train::parse_relaxed_rules("cholec"); }).find("general"),
+            std::string::npos);
+
+  // The script's summary: per phase the mean over the videos that have it (values clipped to
+  // 1), then mean and sample std over the phases; accuracy over the videos.
+  auto half = train::relaxed_video_metrics(runs({{0, 2}, {2, 2}}), runs({{0, 4}}), 3, 10,
+                                           RelaxedRules::General);
+  EXPECT_DOUBLE_EQ(half.accuracy, 0.5);
+  late.name = "late", half.name = "half";
+  const auto summary = train::summarize_relaxed({late, half});
+  EXPECT_EQ(summary.videos, 2);
+  EXPECT_DOUBLE_EQ(summary.accuracy_mean, 0.75);
+  EXPECT_NEAR(summary.accuracy_std, std::sqrt(2 * 0.25 * 0.25), 1e-12);
+  EXPECT_DOUBLE_EQ(summary.recall[0], 0.75);  // min(1.15, 1) and 0.5
+  EXPECT_DOUBLE_EQ(summary.recall[1], 1.0);
+  EXPECT_TRUE(std::isnan(summary.recall[2]));  // in no video: left out
+  EXPECT_DOUBLE_EQ(summary.recall_mean, 0.875);
+  EXPECT_NEAR(summary.recall_std, std::sqrt(2 * 0.125 * 0.125), 1e-12);
+  EXPECT_DOUBLE_EQ(summary.precision_mean, 1.0);
+  EXPECT_DOUBLE_EQ(summary.jaccard_mean, 0.875);
+}
+
 TEST(Metrics, SegmentalEditAndF1) {
   const auto labels = [](const std::string& letters) {
     std::vector<int64_t> ids;

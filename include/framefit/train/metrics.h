@@ -80,6 +80,42 @@ struct VideoAverages {
 };
 VideoAverages average_over_videos(const std::vector<VideoMetrics>& videos);
 
+// Relaxed-boundary phase metrics as the evaluation script most Cholec80 papers report computes
+// them (Evaluate.m and Main.m of the M2CAI 2016 workflow challenge, in its Cholec80 revision).
+// Per video: within the first `boundary_frames` frames (10 s) of each true phase segment, a
+// prediction of the phase before it (diff = predicted - true id = -1) counts as right (a late
+// transition); for an early transition (+1 in the segment's last frames) the script's MATLAB
+// indexing applies the same test's positions to the segment's first frames instead, and so does
+// this code, so that its numbers are the script's. The data sets' own rules add: Cholec80
+// (ids 3, 4: +2 early too; ids 5, 6: -2 late and +2 early too), M2CAI16 (the same for ids 4, 5
+// and 6, 7); General: the ±1 rule alone. Per phase present in the truth: Jaccard = right frames
+// (after relaxing) among those predicted or labelled the phase / their count, precision = the
+// same right frames / frames predicted the phase, recall = / frames labelled it (so precision
+// can exceed 1, which the summary clips, as the script does); accuracy = right frames / frames.
+enum class RelaxedRules { General, Cholec80, M2cai16 };
+RelaxedRules parse_relaxed_rules(const std::string& name);  // general | cholec80 | m2cai16
+struct RelaxedVideoMetrics {
+  std::string name;
+  double accuracy = 0;
+  std::vector<double> precision, recall, jaccard;  // per phase; NaN where the truth lacks it
+};
+// predictions and targets: [T] class ids; `classes` must be 7 for Cholec80, 8 for M2CAI16.
+RelaxedVideoMetrics relaxed_video_metrics(const torch::Tensor& predictions,
+                                          const torch::Tensor& targets, int64_t classes,
+                                          int64_t boundary_frames, RelaxedRules rules);
+// The script's summary: accuracy's mean and sample standard deviation over the videos; per
+// phase, the mean over the videos that have it of precision, recall and Jaccard (each clipped
+// to 1), and the mean and sample standard deviation of those per-phase means over the phases
+// (phases no video has left out).
+struct RelaxedSummary {
+  int64_t videos = 0;
+  double accuracy_mean = 0, accuracy_std = 0;
+  double precision_mean = 0, precision_std = 0, recall_mean = 0, recall_std = 0;
+  double jaccard_mean = 0, jaccard_std = 0;
+  std::vector<double> precision, recall, jaccard;  // per phase, over videos; NaN: in none
+};
+RelaxedSummary summarize_relaxed(const std::vector<RelaxedVideoMetrics>& videos);
+
 // A metric by name: accuracy, macro_precision, macro_recall, macro_f1, macro_jaccard, edit or a
 // segment_f1_name (the last two need segmental scores).
 double metric_value(const PhaseMetrics& metrics, const std::string& name);
