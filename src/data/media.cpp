@@ -726,7 +726,13 @@ struct VideoReader::State {
   // shown before it, no edit-list discards, no damaged packet. False, with nothing promised about
   // `out`, when the stream does not qualify or anything goes differently (damage, a cut, a frame
   // that does not come): read() then decodes every frame, and reports what is wrong as usual.
+  // Only H.264, HEVC and MPEG-4 Part 2, progressive, whose packets hold one shown frame each
+  // (VP8's hidden frames, or fields in packets of their own, would shift the frames' numbers).
   bool read_skipping(const std::vector<int64_t>& indices, uint8_t* base, int height, int width) {
+    const AVCodecID codec = input->streams[stream]->codecpar->codec_id;
+    if (codec != AV_CODEC_ID_H264 && codec != AV_CODEC_ID_HEVC && codec != AV_CODEC_ID_MPEG4) {
+      return false;
+    }
     const std::vector<Stamp> packets = scan_packets();
     if (packets.empty() || !packets.front().key) return false;
     std::vector<int64_t> shown;  // every frame's timestamp in display order
@@ -750,6 +756,7 @@ struct VideoReader::State {
     int64_t i = 0;
     try {
       while (i < n && decode_next() && !truncated) {
+        if (frame->interlaced_frame) break;
         const int64_t pts = frame->pts;  // its packet's
         const auto at = std::lower_bound(shown.begin(), shown.end(), pts);
         if (at == shown.end() || *at != pts) break;
