@@ -97,7 +97,148 @@ Augmentation draw_augmentation(const TransformOptions& options, int64_t height, 
     a.left = static_cast<int64_t>(rng() % static_cast<uint64_t>(width - options.crop + 1));
   }
   if (options.flip) a.flip = (rng() & 1) != 0;
+  // Drawn after crop and flip, so those stay what they were without jitter.
+  const auto uniform = [&rng](double low, double high) {
+    return low + (high - low) * static_cast<double>(rng() >> 11) * 0x1.0p-53;
+  };
+  const auto factor = [&](double x) { return x > 0 ? uniform(std::max(0.0, 1 - x), 1 + x) : 1.0; };
+  if (options.brightness > 0 || options.contrast > 0 || options.saturation > 0 || options.hue > 0) {
+    for (int i = 3; i > 0; --i) {
+      std::swap(a.jitter_order[i], a.jitter_order[rng() % static_cast<uint64_t>(i + 1)]);
+    }
+    a.brightness = factor(options.brightness);
+    a.contrast = factor(options.contrast);
+    a.saturation = factor(options.saturation);
+    a.hue = options.hue > 0 ? uniform(-options.hue, options.hue) : 0.0;
+  }
+  if (options.rotation > 0) a.degrees = uniform(-options.rotation, options.rotation);
   return a;
+}
+
+namespace {
+
+// torchvision's _blend on uint8: ratio * a + (1 - ratio) * b in float, clamped, truncated.
+torch::Tensor blend(const torch::Tensor& a, const torch::Tensor& b, double ratio) {
+  return a.mul(ratio).add(b.mul(1.0 - ratio)).clamp(0, 255).to(torch::kUInt8);
+}
+
+// [N,1,H,W] uint8 luma, truncated as torchvision's rgb_to_grayscale does.
+torch::Tensor gray(const torch::Tensor& rgb) {
+  const auto c = rgb.unbind(1);
+  return c[0].mul(0.2989).add(c[1].mul(0.587)).add(c[2].mul(0.114)).to(torch::kUInt8).unsqueeze(1);
+}
+
+// Hue shifted by `shift` turns through HSV, pixel by pixel, with the float operations of
+// torchvision's adjust_hue (its _rgb2hsv, the shift, its _hsv2rgb) in their order, so the bytes
+// are its bytes (ColorJitterParity); one pass instead of its thirty-odd tensor temporaries. The
+// build keeps the compiler from fusing a multiply and an add (-ffp-contract=off).
+torch::Tensor shift_hue(const torch::Tensor& rgb8, double shift) {
+  const auto in = rgb8.contiguous();
+  auto out = torch::empty_like(in);
+  const int64_t plane = in.size(2) * in.size(3);
+  const auto* src = in.data_ptr<uint8_t>();
+  auto* dst = out.data_ptr<uint8_t>();
+  const auto h_shift = static_cast<float>(shift);
+  for (int64_t n = 0; n < in.size(0); ++n) {
+    const uint8_t* s = src + n * 3 * plane;
+    uint8_t* d = dst + n * 3 * plane;
+    for (int64_t k = 0; k < plane; ++k) {
+      const float r = static_cast<float>(s[k]) / 255.0f;
+      const float g = static_cast<float>(s[plane + k]) / 255.0f;
+      const float b = static_cast<float>(s[2 * plane + k]) / 255.0f;
+      const float maxc = std::max(std::max(r, g), b), minc = std::min(std::min(r, g), b);
+      const bool equal = maxc == minc;
+      const float range = maxc - minc;
+      const float sat = range / (equal ? 1.0f : maxc);
+      const float divisor = equal ? 1.0f : range;
+      const float rc = (maxc - r) / divisor, gc = (maxc - g) / divisor, bc = (maxc - b) / divisor;
+      const float hr = static_cast<float>(maxc == r) * (bc - gc);
+      const float hg = static_cast<float>(maxc == g && maxc != r) * (2.0f + rc - bc);
+      const float hb = static_cast<float>(maxc != g && maxc != r) * (4.0f + gc - rc);
+      // fmod(x, 1) and torch.remainder(x, 1), for x in [5/6, 11/6] and [-0.5, 1.5): x - 1 is
+      // exact for x in [1, 2), so these branches give fmod's results without its cost.
+      float h = (hr + hg + hb) / 6.0f + 1.0f;
+      if (h >= 1.0f) h -= 1.0f;
+      h += h_shift;
+      if (h >= 1.0f) h -= 1.0f;
+      if (h < 0.0f) h += 1.0f;
+      const float sector = std::floor(h * 6.0f);
+      const float f = h * 6.0f - sector;
+      const int i = (static_cast<int>(sector) % 6 + 6) % 6;
+      const float v = maxc;
+      const float p = std::min(std::max(v * (1.0f - sat), 0.0f), 1.0f);
+      const float q = std::min(std::max(v * (1.0f - sat * f), 0.0f), 1.0f);
+      const float t = std::min(std::max(v * (1.0f - sat * (1.0f - f)), 0.0f), 1.0f);
+      const float red[6] = {v, q, p, p, t, v}, green[6] = {t, v, v, q, p, p},
+                  blue[6] = {p, p, t, v, v, q};
+      d[k] = static_cast<uint8_t>(red[i] * 255.0f);
+      d[plane + k] = static_cast<uint8_t>(green[i] * 255.0f);
+      d[2 * plane + k] = static_cast<uint8_t>(blue[i] * 255.0f);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor rotate_frames(const torch::Tensor& frames, double degrees) {
+  TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3 && frames.scalar_type() == torch::kUInt8,
+              "rotation expects uint8 RGB frames [T,3,H,W], got ", frames.sizes(), " ",
+              frames.scalar_type());
+  // torchvision's inverse affine matrix of a rotation by -degrees about the centre, then its
+  // sampling grid over pixel centres normalised by the half sizes.
+  const double turn = -degrees * (M_PI / 180.0);
+  const auto theta =
+      torch::tensor({std::cos(turn), std::sin(turn), 0.0, -std::sin(turn), std::cos(turn), 0.0},
+                    torch::kFloat32)
+          .reshape({1, 2, 3});
+  const int64_t h = frames.size(2), w = frames.size(3);
+  auto base = torch::empty({1, h, w, 3}, torch::kFloat32);
+  base.select(3, 0).copy_(torch::linspace(-w * 0.5 + 0.5, w * 0.5 + 0.5 - 1, w));
+  base.select(3, 1).copy_(torch::linspace(-h * 0.5 + 0.5, h * 0.5 + 0.5 - 1, h).unsqueeze(-1));
+  base.select(3, 2).fill_(1);
+  const auto scaled = theta.transpose(1, 2) / torch::tensor({0.5 * w, 0.5 * h}, torch::kFloat32);
+  const auto grid = base.view({1, h * w, 3}).bmm(scaled).view({1, h, w, 2});
+  constexpr int64_t kFramesAtOnce = 16;  // bounds the float temporaries
+  auto out = torch::empty_like(frames);
+  for (int64_t start = 0; start < frames.size(0); start += kFramesAtOnce) {
+    const auto x = frames.narrow(0, start, std::min(kFramesAtOnce, frames.size(0) - start));
+    // Nearest sampling with zeros outside is torchvision's fill 0 (its mask channel, sampled
+    // the same way, is 0 exactly where the zeros come from).
+    const auto turned =
+        torch::grid_sampler(x.to(torch::kFloat32), grid.expand({x.size(0), h, w, 2}),
+                            /*interpolation_mode=nearest*/ 1,
+                            /*padding_mode=zeros*/ 0, /*align_corners=*/false);
+    out.narrow(0, start, x.size(0)).copy_(turned.round().to(torch::kUInt8));
+  }
+  return out;
+}
+
+torch::Tensor adjust_colors(const torch::Tensor& frames, const Augmentation& a) {
+  TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3 && frames.scalar_type() == torch::kUInt8,
+              "colour jitter expects uint8 RGB frames [T,3,H,W], got ", frames.sizes(), " ",
+              frames.scalar_type());
+  TORCH_CHECK(
+      a.brightness >= 0 && a.contrast >= 0 && a.saturation >= 0 && a.hue >= -0.5 && a.hue <= 0.5,
+      "colour jitter factors must be >= 0 and the hue shift within [-0.5, 0.5]");
+  constexpr int64_t kFramesAtOnce = 16;  // bounds the float temporaries
+  auto out = torch::empty_like(frames);
+  for (int64_t start = 0; start < frames.size(0); start += kFramesAtOnce) {
+    auto x = frames.narrow(0, start, std::min(kFramesAtOnce, frames.size(0) - start));
+    for (const int step : a.jitter_order) {
+      if (step == 0 && a.brightness != 1) {
+        x = blend(x, torch::zeros_like(x), a.brightness);
+      } else if (step == 1 && a.contrast != 1) {
+        x = blend(x, gray(x).to(torch::kFloat32).mean({1, 2, 3}, true), a.contrast);
+      } else if (step == 2 && a.saturation != 1) {
+        x = blend(x, gray(x), a.saturation);
+      } else if (step == 3 && a.hue != 0) {
+        x = shift_hue(x, a.hue);
+      }
+    }
+    out.narrow(0, start, x.size(0)).copy_(x);
+  }
+  return out;
 }
 
 std::vector<int64_t> epoch_order(int64_t count, uint64_t seed, int64_t epoch, bool shuffle) {
@@ -118,6 +259,14 @@ VideoDataset::VideoDataset(std::vector<VideoEntry> entries, ClassList classes, D
   TORCH_CHECK(options_.fps >= 0, "data.fps must be >= 0 (0 keeps every frame), got ", options_.fps);
   TORCH_CHECK(options_.transform.resize >= 0 && options_.transform.crop >= 0,
               "data.resize and data.crop must be >= 0");
+  const auto& t = options_.transform;
+  TORCH_CHECK(
+      t.brightness >= 0 && t.contrast >= 0 && t.saturation >= 0 && t.hue >= 0 && t.hue <= 0.5,
+      "data.brightness, data.contrast and data.saturation must be >= 0 and data.hue "
+      "within [0, 0.5], got ",
+      t.brightness, ", ", t.contrast, ", ", t.saturation, ", ", t.hue);
+  TORCH_CHECK(t.rotation >= 0 && t.rotation <= 180,
+              "data.rotation must be within [0, 180] degrees, got ", t.rotation);
   TORCH_CHECK(options_.features_stride >= 1,
               "data.features_stride must be >= 1 (1 takes every row), got ",
               options_.features_stride);
@@ -245,6 +394,8 @@ torch::Tensor decode_source(const Source& source, const std::vector<int64_t>& sa
     frames = frames.narrow(2, top, crop).narrow(3, left, crop).contiguous();
   }
   if (augmentation.flip) frames = frames.flip({3});
+  if (augmentation.jitters()) frames = adjust_colors(frames, augmentation);
+  if (augmentation.degrees != 0) frames = rotate_frames(frames, augmentation.degrees);
   return frames;
 }
 

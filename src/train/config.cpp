@@ -349,6 +349,32 @@ const std::vector<Entry>& entries() {
                                FRAMEFIT_MEMBER(int64_t, data.crop), "an integer", at_least(0)));
     t.push_back(field<bool>("data.augment", "training: random crop offset and flip per video",
                             FRAMEFIT_MEMBER(bool, data.augment), "true or false"));
+    t.push_back(field<double>("data.brightness",
+                              "training with data.augment: brightness factor drawn per video "
+                              "from [max(0, 1 - x), 1 + x] (torchvision ColorJitter); 0: off",
+                              FRAMEFIT_MEMBER(double, data.brightness), "a number",
+                              non_negative()));
+    t.push_back(field<double>("data.contrast", "as data.brightness, for contrast",
+                              FRAMEFIT_MEMBER(double, data.contrast), "a number", non_negative()));
+    t.push_back(field<double>("data.saturation", "as data.brightness, for saturation",
+                              FRAMEFIT_MEMBER(double, data.saturation), "a number",
+                              non_negative()));
+    t.push_back(field<double>("data.hue",
+                              "training with data.augment: hue shift drawn per video from "
+                              "[-x, x] turns (torchvision ColorJitter); 0: off",
+                              FRAMEFIT_MEMBER(double, data.hue), "a number",
+                              [](const double& v, const std::string& where) {
+                                TORCH_CHECK(v >= 0 && v <= 0.5, where,
+                                            ": must be within [0, 0.5] (turns), got ", v);
+                              }));
+    t.push_back(field<double>("data.rotation",
+                              "training with data.augment: rotation drawn per video from "
+                              "[-x, x] degrees (torchvision RandomRotation); 0: off",
+                              FRAMEFIT_MEMBER(double, data.rotation), "a number",
+                              [](const double& v, const std::string& where) {
+                                TORCH_CHECK(v >= 0 && v <= 180, where,
+                                            ": must be within [0, 180] (degrees), got ", v);
+                              }));
     t.push_back(choice("data.on_error",
                        "a bad video: stop with an error, or skip it with a warning",
                        FRAMEFIT_MEMBER(std::string, data.on_error), {"fail", "skip"}));

@@ -158,6 +158,13 @@ data::DataOptions data_options(const Config& config, bool training) {
   options.transform.crop = config.data.crop;
   options.transform.random_crop = training && config.data.augment;
   options.transform.flip = training && config.data.augment;
+  if (training && config.data.augment) {
+    options.transform.brightness = config.data.brightness;
+    options.transform.contrast = config.data.contrast;
+    options.transform.saturation = config.data.saturation;
+    options.transform.hue = config.data.hue;
+    options.transform.rotation = config.data.rotation;
+  }
   options.skip_bad = config.data.on_error == "skip";
   options.skip_unsampled = config.data.skip_unsampled;
   options.pinned = torch::Device(config.device).is_cuda();

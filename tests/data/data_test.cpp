@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <torch/torch.h>
 
+#include <array>
 #include <atomic>
 #include <fstream>
 #include <set>
@@ -438,6 +439,57 @@ TEST(Sampling, EpochOrdersAndAugmentationAreReproducible) {
   EXPECT_EQ(tops.size(), 5u);
   EXPECT_GT(flips, 60);
   EXPECT_LT(flips, 140);
+  EXPECT_FALSE(x.jitters());
+
+  // Colour jitter: drawn after crop and flip (which stay as they were), within ColorJitter's
+  // ranges, in every order, and nothing for a property left at 0.
+  auto jittered = t;
+  jittered.brightness = 0.2, jittered.saturation = 1.5, jittered.hue = 0.05;
+  std::set<std::array<int, 4>> orders;
+  double lowest = 2, highest = 0;
+  for (int64_t v = 0; v < 200; ++v) {
+    const auto plain = data::draw_augmentation(t, 24, 32, 1, 2, v);
+    const auto d = data::draw_augmentation(jittered, 24, 32, 1, 2, v);
+    EXPECT_TRUE(d.top == plain.top && d.left == plain.left && d.flip == plain.flip);
+    EXPECT_TRUE(d.jitters());
+    EXPECT_GE(d.brightness, 0.8);
+    EXPECT_LE(d.brightness, 1.2);
+    EXPECT_GE(d.saturation, 0.0);  // max(0, 1 - 1.5)
+    EXPECT_LE(std::abs(d.hue), 0.05);
+    EXPECT_EQ(d.contrast, 1.0);
+    orders.insert(d.jitter_order);
+    lowest = std::min(lowest, d.brightness), highest = std::max(highest, d.brightness);
+  }
+  EXPECT_EQ(orders.size(), 24u);
+  EXPECT_LT(lowest, 0.82);
+  EXPECT_GT(highest, 1.18);
+  // Each frame's own contrast (its mean gray), and the frames a few at a time agree with all
+  // at once.
+  auto frames = (torch::rand({37, 3, 6, 5}) * 255).to(torch::kUInt8);
+  data::Augmentation colors;
+  colors.contrast = 0.5, colors.hue = 0.2, colors.jitter_order = {1, 3, 0, 2};
+  const auto all = data::adjust_colors(frames, colors);
+  EXPECT_TRUE(all.narrow(0, 20, 1).equal(data::adjust_colors(frames.narrow(0, 20, 1), colors)));
+  EXPECT_FALSE(all.equal(frames));
+  // Rotation: drawn within [-rotation, rotation]; 0 degrees is the frames, 90 a quarter turn
+  // counterclockwise (torch's rot90 over H and W) on square frames.
+  auto turning = t;
+  turning.rotation = 10;
+  double widest = 0;
+  for (int64_t v = 0; v < 100; ++v) {
+    const double degrees = data::draw_augmentation(turning, 24, 32, 1, 2, v).degrees;
+    EXPECT_LE(std::abs(degrees), 10.0);
+    widest = std::max(widest, std::abs(degrees));
+  }
+  EXPECT_GT(widest, 9.0);
+  EXPECT_EQ(data::draw_augmentation(t, 24, 32, 1, 2, 0).degrees, 0.0);
+  EXPECT_TRUE(data::rotate_frames(frames, 0).equal(frames));
+  const auto square = (torch::rand({3, 3, 7, 7}) * 255).to(torch::kUInt8);
+  EXPECT_TRUE(data::rotate_frames(square, 90).equal(square.rot90(1, {2, 3})));
+  EXPECT_NE(test_util::error_message([&] {
+              data::adjust_colors(frames.to(torch::kFloat), colors);
+            }).find("uint8 RGB frames"),
+            std::string::npos);
 }
 
 TEST(Prefetch, DeliversInOrderWithinTheMemoryBoundAndRethrows) {

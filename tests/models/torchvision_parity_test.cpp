@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <fstream>
 
+#include "framefit/data/dataset.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/weights.h"
 
@@ -96,3 +97,44 @@ TEST_P(TorchvisionParity, SavedWeightsLoadInPyTorchAndGiveTheSameOutputs) {
 
 INSTANTIATE_TEST_SUITE_P(ResNets, TorchvisionParity, ::testing::Values(18, 50),
                          [](const auto& info) { return "resnet" + std::to_string(info.param); });
+
+// The training colour jitter (data.brightness ... data.hue) and rotation (data.rotation) against
+// torchvision's ColorJitter functions and rotate on the same uint8 frames: the same bytes, each
+// alone and in a jittered order.
+TEST(AugmentationParity, SameBytesAsTorchvision) {
+  if (!std::ifstream(kData + "/colors_input.pt").good()) {
+    GTEST_SKIP() << "no reference data in " << kData << ": run through ctest";
+  }
+  const auto frames = read_tensor(kData + "/colors_input.pt");
+  const auto check = [&](const std::string& name, framefit::data::Augmentation a) {
+    const auto expected = read_tensor(kData + "/colors_" + name + ".pt");
+    const auto got = framefit::data::adjust_colors(frames, a);
+    const auto differ = got.ne(expected).sum().item<int64_t>();
+    EXPECT_EQ(differ, 0)
+        << name << ": " << differ << " of " << got.numel() << " bytes differ, largest difference "
+        << (got.to(torch::kInt) - expected.to(torch::kInt)).abs().max().item<int>();
+  };
+  framefit::data::Augmentation a;
+  a.brightness = 1.3;
+  check("brightness", a);
+  a = {};
+  a.contrast = 0.6;
+  check("contrast", a);
+  a = {};
+  a.saturation = 1.7;
+  check("saturation", a);
+  a = {};
+  a.hue = 0.21;
+  check("hue", a);
+  a.hue = -0.37;
+  check("hue_negative", a);
+  a = {};
+  a.jitter_order = {3, 1, 0, 2};
+  a.hue = 0.1, a.contrast = 1.2, a.brightness = 0.8, a.saturation = 0.5;
+  check("sequence", a);
+  for (const auto& [name, degrees] : {std::pair{"rotated", 7.3}, {"rotated_negative", -23.0}}) {
+    const auto expected = read_tensor(kData + "/colors_" + std::string(name) + ".pt");
+    const auto got = framefit::data::rotate_frames(frames, degrees);
+    EXPECT_EQ(got.ne(expected).sum().item<int64_t>(), 0) << name;
+  }
+}

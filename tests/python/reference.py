@@ -89,7 +89,31 @@ def make(outdir):
         with open(f"{outdir}/{arch}_keys.txt", "w") as f:
             f.write("\n".join(model.state_dict().keys()) + "\n")
     make_torchscript(outdir)
+    make_colors(outdir)
     print(f"reference data written to {outdir}")
+
+
+def make_colors(outdir):
+    """uint8 frames and torchvision's colour adjustments of them (ColorJitter's functions)."""
+    F = torchvision.transforms.functional
+    g = torch.Generator().manual_seed(3)
+    frames = (torch.rand(5, 3, 24, 32, generator=g) * 256).to(torch.uint8)
+    frames[:, :, :4, :4] = 128  # gray pixels: hue's equal-channel branch
+    frames[:, 0, 4:8, :4] = 255  # saturated red: hue near 0 and 1
+    torch.save(frames, f"{outdir}/colors_input.pt")
+    torch.save(F.adjust_brightness(frames, 1.3), f"{outdir}/colors_brightness.pt")
+    torch.save(F.adjust_contrast(frames, 0.6), f"{outdir}/colors_contrast.pt")
+    torch.save(F.adjust_saturation(frames, 1.7), f"{outdir}/colors_saturation.pt")
+    torch.save(F.adjust_hue(frames, 0.21), f"{outdir}/colors_hue.pt")
+    torch.save(F.adjust_hue(frames, -0.37), f"{outdir}/colors_hue_negative.pt")
+    # ColorJitter's order [3, 1, 0, 2]: hue, contrast, brightness, saturation.
+    x = F.adjust_hue(frames, 0.1)
+    x = F.adjust_contrast(x, 1.2)
+    x = F.adjust_brightness(x, 0.8)
+    torch.save(F.adjust_saturation(x, 0.5), f"{outdir}/colors_sequence.pt")
+    # RandomRotation's call: nearest, no expansion, fill 0.
+    for name, angle in (("rotated", 7.3), ("rotated_negative", -23.0)):
+        torch.save(F.rotate(frames, angle, fill=[0.0, 0.0, 0.0]), f"{outdir}/colors_{name}.pt")
 
 
 class TinyEncoder(torch.nn.Module):

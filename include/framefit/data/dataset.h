@@ -5,6 +5,7 @@
 // memory-bounded prefetch queue decoding in worker threads.
 #include <torch/types.h>
 
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -26,6 +27,13 @@ struct TransformOptions {
   int64_t crop = 0;          // square crop side; 0: no crop
   bool random_crop = false;  // training: a random crop offset per video (else centered)
   bool flip = false;         // training: flip a video horizontally with probability 1/2
+  // Training: torchvision's ColorJitter(brightness, contrast, saturation, hue): factors drawn
+  // from [max(0, 1 - x), 1 + x] (hue: a shift from [-hue, hue] turns, hue <= 0.5) and applied
+  // in a random order, drawn once per video so all its frames agree; 0 leaves one alone.
+  double brightness = 0, contrast = 0, saturation = 0, hue = 0;
+  // Training: torchvision's RandomRotation(rotation): an angle from [-rotation, rotation]
+  // degrees per video, about the frame's centre, nearest neighbour, corners filled black.
+  double rotation = 0;
 };
 
 struct DataOptions {
@@ -50,10 +58,25 @@ struct Augmentation {
   int64_t top = -1;  // crop offset; -1: centered
   int64_t left = -1;
   bool flip = false;
+  // Colour jitter (TransformOptions): factors, 1 (hue 0) for none, and the order they apply in
+  // (0 brightness, 1 contrast, 2 saturation, 3 hue).
+  double brightness = 1, contrast = 1, saturation = 1, hue = 0;
+  std::array<int, 4> jitter_order = {0, 1, 2, 3};
+  bool jitters() const { return brightness != 1 || contrast != 1 || saturation != 1 || hue != 0; }
+  double degrees = 0;  // rotation, counterclockwise (TransformOptions::rotation)
 };
 // Deterministic in (seed, epoch, video): resuming a run redraws the same augmentation.
 Augmentation draw_augmentation(const TransformOptions& options, int64_t height, int64_t width,
                                uint64_t seed, int64_t epoch, int64_t video);
+
+// The augmentation's colour jitter applied to uint8 frames [T,3,H,W] (RGB), as torchvision's
+// tensor functions adjust_brightness, adjust_contrast (mean gray per frame), adjust_saturation
+// and adjust_hue compute it on uint8 images, in its order: a new tensor, equal to torchvision's
+// output (tested). Works through the frames a few at a time, so its float temporaries stay small.
+torch::Tensor adjust_colors(const torch::Tensor& frames, const Augmentation& augmentation);
+// uint8 frames [T,3,H,W] turned `degrees` counterclockwise about their centre as torchvision's
+// rotate (nearest, no expansion, fill 0) turns uint8 images: a new tensor, equal to its output.
+torch::Tensor rotate_frames(const torch::Tensor& frames, double degrees);
 
 // The order of `count` videos in `epoch`: a permutation that depends only on (seed, epoch), so a
 // resumed run continues the same order from its saved position. shuffle=false: 0, 1, 2, ...

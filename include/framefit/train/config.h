@@ -54,6 +54,9 @@ struct DataConfig {
   int64_t resize = 0;                // shorter side; 0 keeps
   int64_t crop = 0;                  // square crop; 0 none
   bool augment = true;               // training: random crop offset and horizontal flip
+  // Training, with augment: torchvision ColorJitter's ranges, drawn once per video; 0: off.
+  double brightness = 0, contrast = 0, saturation = 0, hue = 0;
+  double rotation = 0;  // training, with augment: torchvision RandomRotation's degrees; 0: off
   std::string on_error = "fail";     // fail | skip
   int64_t workers = 2;               // decoding threads
   bool skip_unsampled = true;        // decoding leaves out unsampled frames nothing refers to
