@@ -130,7 +130,7 @@ torch::Tensor gray(const torch::Tensor& rgb) {
 
 // Hue shifted by `shift` turns through HSV, pixel by pixel, with the float operations of
 // torchvision's adjust_hue (its _rgb2hsv, the shift, its _hsv2rgb) in their order, so the bytes
-// are its bytes (ColorJitterParity); one pass instead of its thirty-odd tensor temporaries. The
+// are its bytes (AugmentationParity); one pass instead of its thirty-odd tensor temporaries. The
 // build keeps the compiler from fusing a multiply and an add (-ffp-contract=off).
 torch::Tensor shift_hue(const torch::Tensor& rgb8, double shift) {
   const auto in = rgb8.contiguous();
@@ -179,12 +179,25 @@ torch::Tensor shift_hue(const torch::Tensor& rgb8, double shift) {
   return out;
 }
 
+// `apply` to uint8 RGB frames [T,3,H,W] 16 at a time, which bounds its float temporaries,
+// into a new tensor; `what` names the transform in the error for other frames.
+torch::Tensor in_pieces(const torch::Tensor& frames, const char* what,
+                        const std::function<torch::Tensor(const torch::Tensor&)>& apply) {
+  TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3 && frames.scalar_type() == torch::kUInt8,
+              what, " expects uint8 RGB frames [T,3,H,W], got ", frames.sizes(), " ",
+              frames.scalar_type());
+  constexpr int64_t kFramesAtOnce = 16;
+  auto out = torch::empty_like(frames);
+  for (int64_t start = 0; start < frames.size(0); start += kFramesAtOnce) {
+    const int64_t count = std::min(kFramesAtOnce, frames.size(0) - start);
+    out.narrow(0, start, count).copy_(apply(frames.narrow(0, start, count)));
+  }
+  return out;
+}
+
 }  // namespace
 
 torch::Tensor rotate_frames(const torch::Tensor& frames, double degrees) {
-  TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3 && frames.scalar_type() == torch::kUInt8,
-              "rotation expects uint8 RGB frames [T,3,H,W], got ", frames.sizes(), " ",
-              frames.scalar_type());
   // torchvision's inverse affine matrix of a rotation by -degrees about the centre, then its
   // sampling grid over pixel centres normalised by the half sizes.
   const double turn = -degrees * (M_PI / 180.0);
@@ -199,32 +212,22 @@ torch::Tensor rotate_frames(const torch::Tensor& frames, double degrees) {
   base.select(3, 2).fill_(1);
   const auto scaled = theta.transpose(1, 2) / torch::tensor({0.5 * w, 0.5 * h}, torch::kFloat32);
   const auto grid = base.view({1, h * w, 3}).bmm(scaled).view({1, h, w, 2});
-  constexpr int64_t kFramesAtOnce = 16;  // bounds the float temporaries
-  auto out = torch::empty_like(frames);
-  for (int64_t start = 0; start < frames.size(0); start += kFramesAtOnce) {
-    const auto x = frames.narrow(0, start, std::min(kFramesAtOnce, frames.size(0) - start));
+  return in_pieces(frames, "rotation", [&](const torch::Tensor& x) {
     // Nearest sampling with zeros outside is torchvision's fill 0 (its mask channel, sampled
     // the same way, is 0 exactly where the zeros come from).
-    const auto turned =
-        torch::grid_sampler(x.to(torch::kFloat32), grid.expand({x.size(0), h, w, 2}),
-                            /*interpolation_mode=nearest*/ 1,
-                            /*padding_mode=zeros*/ 0, /*align_corners=*/false);
-    out.narrow(0, start, x.size(0)).copy_(turned.round().to(torch::kUInt8));
-  }
-  return out;
+    return torch::grid_sampler(x.to(torch::kFloat32), grid.expand({x.size(0), h, w, 2}),
+                               /*interpolation_mode=nearest*/ 1,
+                               /*padding_mode=zeros*/ 0, /*align_corners=*/false)
+        .round()
+        .to(torch::kUInt8);
+  });
 }
 
 torch::Tensor adjust_colors(const torch::Tensor& frames, const Augmentation& a) {
-  TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3 && frames.scalar_type() == torch::kUInt8,
-              "colour jitter expects uint8 RGB frames [T,3,H,W], got ", frames.sizes(), " ",
-              frames.scalar_type());
   TORCH_CHECK(
       a.brightness >= 0 && a.contrast >= 0 && a.saturation >= 0 && a.hue >= -0.5 && a.hue <= 0.5,
       "colour jitter factors must be >= 0 and the hue shift within [-0.5, 0.5]");
-  constexpr int64_t kFramesAtOnce = 16;  // bounds the float temporaries
-  auto out = torch::empty_like(frames);
-  for (int64_t start = 0; start < frames.size(0); start += kFramesAtOnce) {
-    auto x = frames.narrow(0, start, std::min(kFramesAtOnce, frames.size(0) - start));
+  return in_pieces(frames, "colour jitter", [&](torch::Tensor x) {
     for (const int step : a.jitter_order) {
       if (step == 0 && a.brightness != 1) {
         x = blend(x, torch::zeros_like(x), a.brightness);
@@ -236,9 +239,8 @@ torch::Tensor adjust_colors(const torch::Tensor& frames, const Augmentation& a) 
         x = shift_hue(x, a.hue);
       }
     }
-    out.narrow(0, start, x.size(0)).copy_(x);
-  }
-  return out;
+    return x;
+  });
 }
 
 std::vector<int64_t> epoch_order(int64_t count, uint64_t seed, int64_t epoch, bool shuffle) {
