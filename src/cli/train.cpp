@@ -400,6 +400,7 @@ int run_eval(const Args& args) {
     if (!folder.empty()) std::filesystem::create_directories(folder);
     const auto rules = relaxed_rules.empty() ? train::RelaxedRules::General
                                              : train::parse_relaxed_rules(relaxed_rules);
+    train::check_relaxed_rules(rules, model.classes.size());  // before any video is scored
     const auto on_prediction = [&](int64_t i, const train::Prediction& prediction) {
       if (!relaxed_rules.empty()) {
         const auto& name = dataset.entry(i).name;

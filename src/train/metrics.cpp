@@ -241,6 +241,17 @@ RelaxedRules parse_relaxed_rules(const std::string& name) {
               "\": general (the +-1 rule for every phase), cholec80 or m2cai16");
 }
 
+void check_relaxed_rules(RelaxedRules rules, int64_t classes) {
+  TORCH_CHECK(
+      rules != RelaxedRules::Cholec80 || classes == 7,
+      "the cholec80 relaxed rules are for Cholec80's 7 phases in its order (Preparation ... "
+      "GallbladderRetraction), got ",
+      classes, " classes: use the general rules");
+  TORCH_CHECK(rules != RelaxedRules::M2cai16 || classes == 8,
+              "the m2cai16 relaxed rules are for M2CAI16's 8 phases in its order, got ", classes,
+              " classes: use the general rules");
+}
+
 RelaxedVideoMetrics relaxed_video_metrics(const torch::Tensor& predictions,
                                           const torch::Tensor& targets, int64_t classes,
                                           int64_t boundary_frames, RelaxedRules rules) {
@@ -249,21 +260,14 @@ RelaxedVideoMetrics relaxed_video_metrics(const torch::Tensor& predictions,
               predictions.sizes(), " and ", targets.sizes());
   TORCH_CHECK(boundary_frames >= 0, "the relaxed boundary must be >= 0 frames, got ",
               boundary_frames);
+  check_relaxed_rules(rules, classes);
   // The two pairs of phases whose neighbours the script also forgives two ids away.
-  int64_t pair_a = -1, pair_b = -1;
-  if (rules == RelaxedRules::Cholec80) {
-    TORCH_CHECK(classes == 7,
-                "the cholec80 relaxed rules are for Cholec80's 7 phases in its order ",
-                "(Preparation ... GallbladderRetraction), got ", classes,
-                " classes: use the general rules");
-    pair_a = 3, pair_b = 5;
-  } else if (rules == RelaxedRules::M2cai16) {
-    TORCH_CHECK(classes == 8,
-                "the m2cai16 relaxed rules are for M2CAI16's 8 phases in its order, "
-                "got ",
-                classes, " classes: use the general rules");
-    pair_a = 4, pair_b = 6;
-  }
+  const int64_t pair_a = rules == RelaxedRules::Cholec80  ? 3
+                         : rules == RelaxedRules::M2cai16 ? 4
+                                                          : -1;
+  const int64_t pair_b = rules == RelaxedRules::Cholec80  ? 5
+                         : rules == RelaxedRules::M2cai16 ? 6
+                                                          : -1;
   const auto pred = predictions.to(torch::kLong).contiguous();
   const auto truth = targets.to(torch::kLong).contiguous();
   const int64_t frames = truth.size(0);

@@ -94,6 +94,9 @@ VideoAverages average_over_videos(const std::vector<VideoMetrics>& videos);
 // can exceed 1, which the summary clips, as the script does); accuracy = right frames / frames.
 enum class RelaxedRules { General, Cholec80, M2cai16 };
 RelaxedRules parse_relaxed_rules(const std::string& name);  // general | cholec80 | m2cai16
+// An error unless the rules are for `classes` phases: 7 for Cholec80, 8 for M2CAI16, any for
+// General. Checked again by relaxed_video_metrics; call it before scoring any video.
+void check_relaxed_rules(RelaxedRules rules, int64_t classes);
 struct RelaxedVideoMetrics {
   std::string name;
   double accuracy = 0;
