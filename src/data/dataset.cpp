@@ -195,32 +195,73 @@ torch::Tensor in_pieces(const torch::Tensor& frames, const char* what,
   return out;
 }
 
-}  // namespace
-
-torch::Tensor rotate_frames(const torch::Tensor& frames, double degrees) {
-  // torchvision's inverse affine matrix of a rotation by -degrees about the centre, then its
-  // sampling grid over pixel centres normalised by the half sizes.
+// torchvision's sampling grid [1,h,w,2] of a rotation by `degrees` about the centre: its inverse
+// affine matrix of a rotation by -degrees, over pixel centres normalised by the half sizes.
+torch::Tensor rotation_grid(int64_t h, int64_t w, double degrees) {
   const double turn = -degrees * (M_PI / 180.0);
   const auto theta =
       torch::tensor({std::cos(turn), std::sin(turn), 0.0, -std::sin(turn), std::cos(turn), 0.0},
                     torch::kFloat32)
           .reshape({1, 2, 3});
-  const int64_t h = frames.size(2), w = frames.size(3);
   auto base = torch::empty({1, h, w, 3}, torch::kFloat32);
   base.select(3, 0).copy_(torch::linspace(-w * 0.5 + 0.5, w * 0.5 + 0.5 - 1, w));
   base.select(3, 1).copy_(torch::linspace(-h * 0.5 + 0.5, h * 0.5 + 0.5 - 1, h).unsqueeze(-1));
   base.select(3, 2).fill_(1);
   const auto scaled = theta.transpose(1, 2) / torch::tensor({0.5 * w, 0.5 * h}, torch::kFloat32);
-  const auto grid = base.view({1, h * w, 3}).bmm(scaled).view({1, h, w, 2});
+  return base.view({1, h * w, 3}).bmm(scaled).view({1, h, w, 2});
+}
+
+// Nearest sampling of float images [N,C,H,W] along `grid`, zeros outside.
+torch::Tensor sample_nearest(const torch::Tensor& images, const torch::Tensor& grid) {
+  return torch::grid_sampler(images, grid.expand({images.size(0), grid.size(1), grid.size(2), 2}),
+                             /*interpolation_mode=nearest*/ 1, /*padding_mode=zeros*/ 0,
+                             /*align_corners=*/false);
+}
+
+}  // namespace
+
+torch::Tensor rotate_frames(const torch::Tensor& frames, double degrees) {
+  const auto grid =
+      frames.dim() == 4 ? rotation_grid(frames.size(2), frames.size(3), degrees) : torch::Tensor();
   return in_pieces(frames, "rotation", [&](const torch::Tensor& x) {
     // Nearest sampling with zeros outside is torchvision's fill 0 (its mask channel, sampled
     // the same way, is 0 exactly where the zeros come from).
-    return torch::grid_sampler(x.to(torch::kFloat32), grid.expand({x.size(0), h, w, 2}),
-                               /*interpolation_mode=nearest*/ 1,
-                               /*padding_mode=zeros*/ 0, /*align_corners=*/false)
-        .round()
-        .to(torch::kUInt8);
+    return sample_nearest(x.to(torch::kFloat32), grid).round().to(torch::kUInt8);
   });
+}
+
+torch::Tensor rotate_mask(const torch::Tensor& mask, double degrees, int64_t fill) {
+  TORCH_CHECK(mask.dim() == 2, "rotate_mask expects class ids [H,W], got ", mask.sizes());
+  // The ids and a plane of ones, sampled alike: where the ones are gone, the source was outside.
+  const auto planes =
+      torch::stack({mask.to(torch::kFloat32), torch::ones(mask.sizes())}).unsqueeze(0);
+  const auto turned = sample_nearest(planes, rotation_grid(mask.size(0), mask.size(1), degrees))[0];
+  return torch::where(turned[1] < 0.5, torch::full_like(turned[0], static_cast<double>(fill)),
+                      turned[0])
+      .round()
+      .to(torch::kLong);
+}
+
+void check_mask_rotation(double degrees, int64_t ignore_id) {
+  TORCH_CHECK(degrees == 0 || ignore_id >= 0,
+              "data.rotation turns the masks too, and their corners then show nothing: set "
+              "data.ignore_id (e.g. 255) so those pixels count in neither the loss nor the "
+              "metrics");
+}
+
+std::pair<torch::Tensor, torch::Tensor> augment_image(torch::Tensor image, torch::Tensor mask,
+                                                      const Augmentation& a, int64_t ignore_id) {
+  if (a.flip) {
+    image = image.flip({2}).contiguous();
+    mask = mask.flip({1}).contiguous();
+  }
+  if (a.jitters()) image = adjust_colors(image.unsqueeze(0), a)[0];
+  if (a.degrees != 0) {
+    check_mask_rotation(a.degrees, ignore_id);
+    image = rotate_frames(image.unsqueeze(0), a.degrees)[0];
+    mask = rotate_mask(mask, a.degrees, ignore_id);
+  }
+  return {image, mask};
 }
 
 torch::Tensor adjust_colors(const torch::Tensor& frames, const Augmentation& a) {

@@ -80,6 +80,14 @@ class TaskData {
       options.values = config.data.mask_values;
       options.mask_suffix = config.data.mask_suffix;
       ignore_id_ = config.data.ignore_id;
+      // Flip, colour jitter and rotation as for videos; no crop (images are resized whole).
+      image_augmentation_.flip = true;
+      image_augmentation_.brightness = config.data.brightness;
+      image_augmentation_.contrast = config.data.contrast;
+      image_augmentation_.saturation = config.data.saturation;
+      image_augmentation_.hue = config.data.hue;
+      image_augmentation_.rotation = config.data.rotation;
+      data::check_mask_rotation(config.data.rotation, config.data.ignore_id);
       const auto images = replace_split(config.data.images, split);
       const auto masks = replace_split(config.data.masks, split);
       if (::access(images.c_str(), F_OK) == 0 || split == config.data.train_split) {
@@ -159,7 +167,8 @@ class TaskData {
     return shape[1] * shape[2] * (3 + 8);
   }
 
-  // A unit with the epoch's augmentation (training): a video's crop and flip, an image's flip.
+  // A unit with the epoch's augmentation (training): a video's crop, flip, colour jitter and
+  // rotation; an image's the same but the crop.
   engine::Video load(int64_t unit, uint64_t seed, int64_t epoch) const {
     if (videos_) {
       return videos_->load(
@@ -167,13 +176,11 @@ class TaskData {
     }
     auto [image, mask] = images_->load(unit);
     if (training_ && augment_) {
-      data::TransformOptions flip_only;
-      flip_only.flip = true;
-      if (data::draw_augmentation(flip_only, image.size(1), image.size(2), seed, epoch, unit)
-              .flip) {
-        image = image.flip({2}).contiguous();
-        mask = mask.flip({1}).contiguous();
-      }
+      std::tie(image, mask) =
+          data::augment_image(image, mask,
+                              data::draw_augmentation(image_augmentation_, image.size(1),
+                                                      image.size(2), seed, epoch, unit),
+                              ignore_id_);
     }
     engine::Video v;
     v.frames = image.unsqueeze(0);
@@ -196,6 +203,7 @@ class TaskData {
   bool augment_;
   bool skip_bad_ = false;
   int64_t ignore_id_ = -1;  // segmentation: data.ignore_id
+  data::TransformOptions image_augmentation_;  // segmentation, training with data.augment
   std::optional<data::VideoDataset> videos_;
   data::ClipOptions clip_;
   std::optional<data::ClipIndex> index_;

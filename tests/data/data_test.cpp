@@ -925,3 +925,32 @@ TEST_F(DataTest, FeaturesDataSetPairsEachVideosFeaturesWithItsLabels) {
   e = test_util::error_message([&] { data::VideoDataset(entries, classes_, strided); });
   EXPECT_NE(e.find("data.features_stride must be >= 1"), std::string::npos) << e;
 }
+
+TEST(Sampling, SegmentationSamplesTurnImageAndMaskAlike) {
+  // A mask whose ids are the image's red channel: after flip and rotation they still agree
+  // pixel for pixel, and the corners the turn brings in are black in the image and ignore_id in
+  // the mask.
+  const auto ids = torch::randint(1, 200, {12, 16}, torch::kLong);
+  auto image = torch::zeros({3, 12, 16}, torch::kUInt8);
+  image[0].copy_(ids);
+  data::Augmentation a;
+  a.flip = true;
+  a.degrees = 17;
+  const auto [turned, mask] = data::augment_image(image, ids, a, 255);
+  EXPECT_TRUE(turned.equal(data::rotate_frames(image.flip({2}).unsqueeze(0), 17)[0]));
+  const auto outside = mask == 255;
+  EXPECT_GT(outside.sum().item<int64_t>(), 0);
+  EXPECT_TRUE(turned[0].masked_select(outside).eq(0).all().item<bool>());
+  EXPECT_TRUE(
+      turned[0].to(torch::kLong).masked_select(~outside).equal(mask.masked_select(~outside)));
+  // Colour jitter changes the image only; turning without an ignore id is refused.
+  data::Augmentation colors;
+  colors.brightness = 0.5;
+  const auto [darker, same] = data::augment_image(image, ids, colors, -1);
+  EXPECT_TRUE(same.equal(ids));
+  EXPECT_TRUE(darker.equal(data::adjust_colors(image.unsqueeze(0), colors)[0]));
+  EXPECT_NE(test_util::error_message([&] {
+              data::augment_image(image, ids, a, -1);
+            }).find("set data.ignore_id"),
+            std::string::npos);
+}

@@ -77,6 +77,17 @@ torch::Tensor adjust_colors(const torch::Tensor& frames, const Augmentation& aug
 // uint8 frames [T,3,H,W] turned `degrees` counterclockwise about their centre as torchvision's
 // rotate (nearest, no expansion, fill 0) turns uint8 images: a new tensor, equal to its output.
 torch::Tensor rotate_frames(const torch::Tensor& frames, double degrees);
+// A class-id mask [H,W] (int64) turned as rotate_frames turns its image (the same nearest
+// pixels), `fill` where the turned image has no source pixel.
+torch::Tensor rotate_mask(const torch::Tensor& mask, double degrees, int64_t fill);
+// A segmentation sample (image uint8 [3,H,W], mask int64 [H,W]) with the augmentation's flip,
+// colour jitter (the image) and rotation (both; the mask's corners get `ignore_id`, which must
+// then be a class-free id >= 0).
+// An error asking for data.ignore_id when masks are to be turned (degrees != 0) without one.
+void check_mask_rotation(double degrees, int64_t ignore_id);
+std::pair<torch::Tensor, torch::Tensor> augment_image(torch::Tensor image, torch::Tensor mask,
+                                                      const Augmentation& augmentation,
+                                                      int64_t ignore_id);
 
 // The order of `count` videos in `epoch`: a permutation that depends only on (seed, epoch), so a
 // resumed run continues the same order from its saved position. shuffle=false: 0, 1, 2, ...
