@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -271,6 +272,53 @@ TEST(VideoReader, SampledReadSkipsFramesNothingRefersToWithTheSamePixels) {
   auto first = torch::empty({10, 3, 48, 64}, torch::kUInt8);
   dense.read(range(10), first);
   EXPECT_EQ(dense.frames_decoded(), 10);
+}
+
+// Encodings the committed media lack, made by the ffmpeg CLI when it is installed: skipping must
+// give the frames of decoding every frame, or fall back to decoding them (interlaced, VP9).
+TEST(VideoReader, SkippingAgreesWithDecodingEveryFrameAcrossEncodings) {
+  REQUIRE_FFMPEG();
+  if (std::system("ffmpeg -version > /dev/null 2>&1") != 0) GTEST_SKIP() << "no ffmpeg CLI";
+  TempDir dir("framefit_skip_encodings");
+  const std::string source =
+      "ffmpeg -loglevel error -y -f lavfi -i testsrc2=size=96x64:rate=25:duration=4 ";
+  struct Encoding {
+    std::string name, codec;
+    bool skips;  // has frames to skip and qualifies
+  };
+  const std::vector<Encoding> encodings = {
+      {"open_gop.mkv", "-c:v libx264 -x264-params bframes=8:b-pyramid=strict:keyint=30:open-gop=1",
+       true},
+      {"four_slices.mov", "-c:v libx264 -x264-params slices=4:bframes=3", true},
+      {"transport.ts", "-c:v libx264 -bf 3", true},
+      {"hevc.mkv", "-c:v libx265 -x265-params log-level=error:bframes=4", true},
+      {"mpeg4.mp4", "-c:v mpeg4 -bf 2 -q:v 5", true},
+      {"interlaced.mp4", "-c:v libx264 -flags +ildct+ilme -x264-params tff=1", false},
+      {"vp9.webm", "-c:v libvpx-vp9 -deadline realtime", false}};
+  for (const auto& e : encodings) {
+    const auto path = dir.file(e.name);
+    const auto command = source + e.codec + " -pix_fmt yuv420p " + path;
+    if (std::system(command.c_str()) != 0) {
+      ADD_FAILURE() << "could not encode " << e.name << ": " << command;
+      continue;
+    }
+    for (const double fps : {1.0, 7.0}) {
+      const auto indices = data::sample_indices(100, 25, fps);
+      auto every = torch::empty({static_cast<int64_t>(indices.size()), 3, 64, 96}, torch::kUInt8);
+      auto skipped = torch::empty_like(every);
+      VideoReader(path, 1, /*skip_unsampled=*/false).read(indices, every);
+      VideoReader reader(path, 2, /*skip_unsampled=*/true);
+      reader.read(indices, skipped);
+      EXPECT_TRUE(skipped.equal(every)) << e.name << " at " << fps << " fps";
+      // Skipped: fewer frames than those up to the last index; fallen back: all of them (and
+      // what the attempt decoded before it gave up).
+      if (e.skips) {
+        EXPECT_LT(reader.frames_decoded(), indices.back() + 1) << e.name << " at " << fps;
+      } else {
+        EXPECT_GE(reader.frames_decoded(), indices.back() + 1) << e.name << " at " << fps;
+      }
+    }
+  }
 }
 
 TEST(VideoReader, VariableRateVideoHasItsFramesTimes) {
