@@ -71,6 +71,22 @@ Entry names(std::string name, std::string help, std::vector<std::string>& (*memb
   return e;
 }
 
+// A file or folder: a leading ~ (alone or before /) is the home folder, as a shell expands it.
+Entry path(std::string name, std::string help, std::string& (*member)(Config&)) {
+  Entry e = field<std::string>(std::move(name), std::move(help), member, "a path");
+  e.set = [set = e.set, member](Config& c, const YAML::Node& n, const std::string& where) {
+    set(c, n, where);
+    std::string& value = member(c);
+    if (value == "~" || value.rfind("~/", 0) == 0) {
+      const char* home = std::getenv("HOME");
+      TORCH_CHECK(home != nullptr && *home != '\0', where, ": ", value,
+                  " starts with ~ but HOME is not set: give the whole path");
+      value = std::string(home) + value.substr(1);
+    }
+  };
+  return e;
+}
+
 Entry choice(std::string name, std::string help, std::string& (*member)(Config&),
              std::vector<std::string> choices) {
   std::string list;
@@ -261,9 +277,8 @@ const std::vector<Entry>& entries() {
                             "TCN head: only past frames (online recognition, TeCNO); false sees "
                             "both sides (offline, MS-TCN)",
                             FRAMEFIT_MEMBER(bool, model.head_settings.causal), "true or false"));
-    t.push_back(field<std::string>("model.weights",
-                                   "torchvision state_dict (.pt/.pth) to start the encoder from",
-                                   FRAMEFIT_MEMBER(std::string, model.weights), "a path"));
+    t.push_back(path("model.weights", "torchvision state_dict (.pt/.pth) to start the encoder from",
+                     FRAMEFIT_MEMBER(std::string, model.weights)));
     t.push_back(field<std::string>(
         "model.weights_prefix",
         "the key prefix of the encoder's weights in model.weights (encoder. for a framefit "
@@ -300,9 +315,9 @@ const std::vector<Entry>& entries() {
                        "set) for clips, unet for segmentation",
                        FRAMEFIT_MEMBER(std::string, model.network),
                        {"", "layers", "r3d_18", "r2plus1d_18", "unet", "torchscript"}));
-    t.push_back(field<std::string>(
-        "model.script", "model.network or model.encoder torchscript: the file torch.jit.save wrote",
-        FRAMEFIT_MEMBER(std::string, model.script), "a path"));
+    t.push_back(path("model.script",
+                     "model.network or model.encoder torchscript: the file torch.jit.save wrote",
+                     FRAMEFIT_MEMBER(std::string, model.script)));
     t.push_back(field<int64_t>("model.width", "UNet: channels of the first stage",
                                FRAMEFIT_MEMBER(int64_t, model.width), "an integer", at_least(1)));
     t.push_back(field<int64_t>("model.depth", "UNet: down-sampling steps",
@@ -317,8 +332,8 @@ const std::vector<Entry>& entries() {
         "slower but leaner; auto: only where that fits twice the batch",
         FRAMEFIT_MEMBER(std::string, model.lean_backward), {"auto", "true", "false"}));
     // data
-    t.push_back(field<std::string>("data.manifest", "CSV listing videos, label files and splits",
-                                   FRAMEFIT_MEMBER(std::string, data.manifest), "a path"));
+    t.push_back(path("data.manifest", "CSV listing videos, label files and splits",
+                     FRAMEFIT_MEMBER(std::string, data.manifest)));
     t.push_back(names("data.classes",
                       "phase names in label-id order, e.g. [Preparation, Dissection]",
                       FRAMEFIT_MEMBER(std::vector<std::string>, data.classes)));
@@ -401,12 +416,10 @@ const std::vector<Entry>& entries() {
     t.push_back(choice("data.clip_label", "clips: a clip's label from its frames' labels",
                        FRAMEFIT_MEMBER(std::string, data.clip_label),
                        {"majority", "center", "last"}));
-    t.push_back(field<std::string>("data.images",
-                                   "segmentation: image folder, {split} replaced by the split",
-                                   FRAMEFIT_MEMBER(std::string, data.images), "a path"));
-    t.push_back(field<std::string>("data.masks",
-                                   "segmentation: mask folder (PNG class ids), {split} as above",
-                                   FRAMEFIT_MEMBER(std::string, data.masks), "a path"));
+    t.push_back(path("data.images", "segmentation: image folder, {split} replaced by the split",
+                     FRAMEFIT_MEMBER(std::string, data.images)));
+    t.push_back(path("data.masks", "segmentation: mask folder (PNG class ids), {split} as above",
+                     FRAMEFIT_MEMBER(std::string, data.masks)));
     {
       Entry e;
       e.key = {"data.mask_values",
@@ -510,9 +523,8 @@ const std::vector<Entry>& entries() {
                             FRAMEFIT_MEMBER(bool, train.class_weights), "true or false"));
     t.push_back(field<uint64_t>("train.seed", "initialisation, data order and augmentation",
                                 FRAMEFIT_MEMBER(uint64_t, train.seed), "a non-negative integer"));
-    t.push_back(field<std::string>("train.out_dir",
-                                   "checkpoints, log.jsonl and config.yaml go here",
-                                   FRAMEFIT_MEMBER(std::string, train.out_dir), "a path"));
+    t.push_back(path("train.out_dir", "checkpoints, log.jsonl and config.yaml go here",
+                     FRAMEFIT_MEMBER(std::string, train.out_dir)));
     t.push_back(field<int64_t>("train.keep_last", "checkpoints kept besides the best",
                                FRAMEFIT_MEMBER(int64_t, train.keep_last), "an integer",
                                at_least(1)));

@@ -77,6 +77,21 @@ TEST(Config, BadKeysAndValuesAreNamed) {
       std::string::npos);
 }
 
+TEST(Config, PathsStartingWithTildeAreInTheHomeFolder) {
+  const std::string home = std::getenv("HOME") ? std::getenv("HOME") : "";
+  if (home.empty()) GTEST_SKIP() << "HOME is not set";
+  const auto c = train::parse_config(
+      "model: {weights: ~/.cache/torch/hub/checkpoints/resnet50-0676ba61.pth}\n"
+      "data: {manifest: ~/data/m.csv, images: ~user/images}\n"
+      "train: {out_dir: runs/~x}\n",
+      "test", {"data.masks=\"~\""});  // quoted: a bare ~ is YAML's null
+  EXPECT_EQ(c.model.weights, home + "/.cache/torch/hub/checkpoints/resnet50-0676ba61.pth");
+  EXPECT_EQ(c.data.manifest, home + "/data/m.csv");
+  EXPECT_EQ(c.data.images, "~user/images");  // another user's folder: left as written
+  EXPECT_EQ(c.data.masks, home);
+  EXPECT_EQ(c.train.out_dir, "runs/~x");
+}
+
 TEST(Config, BackgroundNamesClassesOfAPhasesTask) {
   const auto config = [](const std::string& task, const std::string& background) {
     return train::parse_config("task: " + task + "\ndata:\n  classes: [SIL, cut, pour]\n" +
