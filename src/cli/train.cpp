@@ -37,11 +37,21 @@ std::string clock_text(double seconds) {
 
 // Per-frame phases as CSV: source frame, its time, the predicted phase and its probability, and
 // with `truth` ([T] class ids) the labelled phase.
+// With tool probabilities, one more column per tool (named by `tools`): its probability.
 std::string phase_csv(const train::Prediction& prediction, const std::vector<int64_t>& frames,
                       const std::vector<double>& seconds, const data::ClassList& classes,
-                      const torch::Tensor& truth = {}) {
-  std::string csv = truth.defined() ? "frame,time_seconds,phase,confidence,truth\n"
-                                    : "frame,time_seconds,phase,confidence\n";
+                      const std::vector<std::string>& tools, const torch::Tensor& truth = {}) {
+  std::string csv = truth.defined() ? "frame,time_seconds,phase,confidence,truth"
+                                    : "frame,time_seconds,phase,confidence";
+  const auto tool_p = prediction.tool_probabilities.defined()
+                          ? prediction.tool_probabilities.contiguous()
+                          : torch::Tensor();
+  if (tool_p.defined()) {
+    TORCH_CHECK(tool_p.size(1) == static_cast<int64_t>(tools.size()), "phase_csv: ", tool_p.size(1),
+                " tool columns for ", tools.size(), " names");
+    for (const auto& t : tools) csv += "," + t;
+  }
+  csv += "\n";
   const auto labels = prediction.labels.accessor<int64_t, 1>();
   const auto probabilities = prediction.probabilities.accessor<float, 2>();
   const auto truth_ids = truth.defined() ? truth.contiguous() : torch::Tensor();
@@ -49,8 +59,11 @@ std::string phase_csv(const train::Prediction& prediction, const std::vector<int
     const auto k = static_cast<size_t>(t);
     csv += fmt::format("{},{:.3f},{},{:.4f}", frames[k], seconds[k], classes.names()[labels[t]],
                        probabilities[t][labels[t]]);
-    csv +=
-        truth_ids.defined() ? "," + classes.names()[truth_ids.data_ptr<int64_t>()[t]] + "\n" : "\n";
+    if (truth_ids.defined()) csv += "," + classes.names()[truth_ids.data_ptr<int64_t>()[t]];
+    for (int64_t j = 0; tool_p.defined() && j < tool_p.size(1); ++j) {
+      csv += fmt::format(",{:.4f}", tool_p.data_ptr<float>()[t * tool_p.size(1) + j]);
+    }
+    csv += "\n";
   }
   return csv;
 }
@@ -64,7 +77,7 @@ std::string counted(const std::string& task) {
 }
 
 void print_metrics(const train::PhaseMetrics& m, const data::ClassList& classes,
-                   const std::string& task) {
+                   const std::string& task, const std::vector<std::string>& tools = {}) {
   fmt::print("  {} accuracy {:.2f}% over {} {}s\n", counted(task), 100 * m.accuracy, m.frames,
              counted(task));
   fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9}\n", task == "phases" ? "phase" : "class",
@@ -99,6 +112,15 @@ void print_metrics(const train::PhaseMetrics& m, const data::ClassList& classes,
     }
     fmt::print("  segments: edit {}{} ({} true, {} predicted segments)\n", percent(s.edit), f1,
                s.true_segments, s.predicted_segments);
+  }
+  if (m.tools && m.tools->average_precision.size() == tools.size()) {
+    const auto& t = *m.tools;
+    fmt::print("  tool presence over {} annotated frames:\n  {:<20} {:>9} {:>9}\n", t.frames,
+               "tool", "AP", "present");
+    for (size_t k = 0; k < tools.size(); ++k) {
+      fmt::print("  {:<20} {:>9} {:>9}\n", tools[k], percent(t.average_precision[k]), t.present[k]);
+    }
+    fmt::print("  {:<20} {:>9}\n", "mean (mAP)", percent(t.mean_average_precision));
   }
 }
 
@@ -187,8 +209,9 @@ int64_t ten_seconds_of_frames(const std::vector<double>& seconds, const std::str
   return std::llround(10 * static_cast<double>(n - 1) / span);
 }
 
-nlohmann::json metrics_json(const train::PhaseMetrics& m, const data::ClassList& classes) {
-  return nlohmann::json::parse(train::to_json(m, classes.names()));
+nlohmann::json metrics_json(const train::PhaseMetrics& m, const data::ClassList& classes,
+                            const std::vector<std::string>& tools = {}) {
+  return nlohmann::json::parse(train::to_json(m, classes.names(), tools));
 }
 
 // Renders training and evaluation events on stderr: one redrawn line on a terminal, plain
@@ -231,14 +254,17 @@ class ProgressPrinter {
         end_line();
         if (e.validated) {
           const auto& segments = e.metrics.segments;
-          fmt::print(stderr,
-                     "framefit {}: epoch {}/{} done at {}: train loss {:.4f}, validation accuracy "
-                     "{:.2f}%, macro F1 {:.2f}%, macro Jaccard (IoU) {:.2f}%{}{}\n",
-                     command_, e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss,
-                     100 * e.metrics.accuracy, 100 * e.metrics.macro_f1,
-                     100 * e.metrics.macro_jaccard,
-                     segments ? fmt::format(", edit {:.2f}%", 100 * segments->edit) : "",
-                     e.best ? " (best so far)" : "");
+          fmt::print(
+              stderr,
+              "framefit {}: epoch {}/{} done at {}: train loss {:.4f}, validation accuracy "
+              "{:.2f}%, macro F1 {:.2f}%, macro Jaccard (IoU) {:.2f}%{}{}{}\n",
+              command_, e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss,
+              100 * e.metrics.accuracy, 100 * e.metrics.macro_f1, 100 * e.metrics.macro_jaccard,
+              segments ? fmt::format(", edit {:.2f}%", 100 * segments->edit) : "",
+              e.metrics.tools
+                  ? fmt::format(", tool mAP {:.2f}%", 100 * e.metrics.tools->mean_average_precision)
+                  : "",
+              e.best ? " (best so far)" : "");
         } else {
           fmt::print(stderr, "framefit {}: epoch {}/{} done at {}: train loss {:.4f}\n", command_,
                      e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss);
@@ -348,7 +374,7 @@ int run_train(const Args& args) {
                           {"last_checkpoint", result.last_checkpoint},
                           {"skipped_videos", result.skipped_videos}};
     if (result.validated) {
-      out["best_validation"] = metrics_json(result.best, classes);
+      out["best_validation"] = metrics_json(result.best, classes, config.data.tools);
       out["best_by"] = train::best_metric(config);
     }
     fmt::print("{}\n", out.dump(2));
@@ -359,7 +385,7 @@ int run_train(const Args& args) {
   if (result.validated) {
     fmt::print("best validation by {} (written to {}):\n", train::best_metric(config),
                result.best_checkpoint);
-    print_metrics(result.best, classes, config.task);
+    print_metrics(result.best, classes, config.task, config.data.tools);
   }
   if (result.skipped_videos > 0) {
     fmt::print("skipped {} bad {}\n", result.skipped_videos,
@@ -416,13 +442,13 @@ int run_eval(const Args& args) {
       const auto path = folder + "/" + name + ".csv";
       std::ofstream out(path);
       out << phase_csv(prediction, dataset.source_frames(i), dataset.source_seconds(i),
-                       model.classes, dataset.labels(i));
+                       model.classes, model.config.data.tools, dataset.labels(i));
       TORCH_CHECK(out.good(), "cannot write ", path);
     };
     metrics = train::evaluate(model, dataset, on_event, &per_video, on_prediction);
     classes = model.classes;
   }
-  auto json = metrics_json(metrics, classes);
+  auto json = metrics_json(metrics, classes, stored.data.tools);
   if (!per_video.empty()) {
     const auto averages = train::average_over_videos(per_video);
     json["video_averages"] = {{"videos", averages.videos},
@@ -436,7 +462,7 @@ int run_eval(const Args& args) {
                               {"edit_std", averages.edit_std}};
     json["videos"] = nlohmann::json::array();
     for (const auto& v : per_video) {
-      auto entry = metrics_json(v.metrics, classes);
+      auto entry = metrics_json(v.metrics, classes, stored.data.tools);
       entry["name"] = v.name;
       json["videos"].push_back(entry);
     }
@@ -451,7 +477,7 @@ int run_eval(const Args& args) {
     return 0;
   }
   fmt::print("{} on split \"{}\":\n", checkpoint, split);
-  print_metrics(metrics, classes, stored.task);
+  print_metrics(metrics, classes, stored.task, stored.data.tools);
   if (!per_video.empty()) print_video_metrics(per_video);
   if (!relaxed_rules.empty()) print_relaxed(relaxed_summary, relaxed_rules, classes);
   return 0;
@@ -495,7 +521,7 @@ train::Prediction predict_online(train::Model& model, const torch::Tensor& frame
                                  const torch::Tensor& features, int64_t piece) {
   train::OnlinePredictor online(model);
   const auto& input = features.defined() ? features : frames;
-  std::vector<torch::Tensor> labels, probabilities;
+  std::vector<torch::Tensor> labels, probabilities, tool_probabilities;
   std::vector<double> seconds;
   for (int64_t at = 0; at < input.size(0); at += piece) {
     const auto part = input.slice(0, at, at + piece);
@@ -505,6 +531,7 @@ train::Prediction predict_online(train::Model& model, const torch::Tensor& frame
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     labels.push_back(p.labels);
     probabilities.push_back(p.probabilities);
+    if (p.tool_probabilities.defined()) tool_probabilities.push_back(p.tool_probabilities);
   }
   const auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -522,6 +549,7 @@ train::Prediction predict_online(train::Model& model, const torch::Tensor& frame
   train::Prediction prediction;
   prediction.labels = torch::cat(labels);
   prediction.probabilities = torch::cat(probabilities);
+  if (!tool_probabilities.empty()) prediction.tool_probabilities = torch::cat(tool_probabilities);
   return prediction;
 }
 
@@ -559,7 +587,8 @@ int predict_phases(const Args& args) {
   if (args.has("online"))
     prediction = predict_online(model, video.frames, features, args.integer("online"));
   write_predictions(args,
-                    phase_csv(prediction, video.source_frames, video.source_seconds, model.classes),
+                    phase_csv(prediction, video.source_frames, video.source_seconds, model.classes,
+                              model.config.data.tools),
                     prediction.labels.size(0), "frames");
   const auto probabilities = prediction.probabilities.accessor<float, 2>();
   if (args.has("segments")) {

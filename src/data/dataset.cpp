@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <numeric>
 #include <random>
 
 #include "framefit/data/media.h"
@@ -470,10 +471,16 @@ VideoDataset::Item VideoDataset::probe(const VideoEntry& entry) const {
   item.frame_files = source.frame_files;
   item.labels = read_phase_annotations(entry.labels, classes_);
   const double labels_fps = entry.labels_fps > 0 ? entry.labels_fps : options_.labels_fps;
+  const auto count = static_cast<int64_t>(item.labels.size());
+  std::vector<int64_t> annotation_frames(static_cast<size_t>(count));
+  std::iota(annotation_frames.begin(), annotation_frames.end(), 0);
   if (labels_fps > 0) {
-    item.labels = labels_by_time(entry, source, item.labels, labels_fps);
+    // Each source frame's annotation frame, by time; its label follows.
+    annotation_frames = labels_by_time(entry, source, annotation_frames, labels_fps);
+    std::vector<int64_t> labels;
+    for (const int64_t a : annotation_frames) labels.push_back(item.labels[a]);
+    item.labels = std::move(labels);
   } else {
-    const auto count = static_cast<int64_t>(item.labels.size());
     // Many times more labels than frames: frames extracted at a lower rate than annotated.
     const std::string hint =
         count >= 2 * source.frames
@@ -484,6 +491,7 @@ VideoDataset::Item VideoDataset::probe(const VideoEntry& entry) const {
                 " frames but ", entry.video, " has ", source.frames,
                 ": they must describe the same frames", hint);
   }
+  read_tools(item, annotation_frames, count);
   item.sampled = sampled_frames(source, options_.fps);
   for (const int64_t frame : item.sampled) item.seconds.push_back(seconds_of(source, frame));
   std::tie(item.height, item.width) =
@@ -551,8 +559,29 @@ VideoDataset::Item VideoDataset::probe_features(const VideoEntry& entry) const {
     item.sampled.push_back(k);
     item.seconds.push_back(row_seconds[k]);
   }
-  item.labels = labels_fps > 0 ? labels_at_times(labels, labels_fps, row_seconds) : labels;
+  std::vector<int64_t> annotation_frames(static_cast<size_t>(count));
+  std::iota(annotation_frames.begin(), annotation_frames.end(), 0);
+  if (labels_fps > 0)
+    annotation_frames = labels_at_times(annotation_frames, labels_fps, row_seconds);
+  for (const int64_t a : annotation_frames) item.labels.push_back(labels[a]);
+  read_tools(item, annotation_frames, count);
   return item;
+}
+
+void VideoDataset::read_tools(Item& item, const std::vector<int64_t>& annotation_frames,
+                              int64_t count) const {
+  if (options_.tools.empty()) return;
+  const auto& entry = item.entry;
+  TORCH_CHECK(!entry.tools.empty(), "video ", entry.name,
+              " has no tool annotation file: with data.tools set, the manifest's `tools` column "
+              "names each video's (Cholec80's tool_annotations/",
+              entry.name, "-tool.txt)");
+  const auto annotations = read_tool_annotations(entry.tools, options_.tools);
+  TORCH_CHECK(annotations.frames.back() < count, "tool annotation file ", entry.tools,
+              " annotates frame ", annotations.frames.back(), " but the phase annotation ",
+              entry.labels, " has ", count,
+              " frames: both must count frames at the same rate (Cholec80's are 25 fps)");
+  item.tools = tools_of_frames(annotations, annotation_frames);
 }
 
 int64_t VideoDataset::frames(int64_t i) const {
@@ -588,6 +617,18 @@ torch::Tensor VideoDataset::labels(int64_t i) const {
   return out;
 }
 
+torch::Tensor VideoDataset::tools(int64_t i) const {
+  const auto& v = videos_.at(i);
+  if (options_.tools.empty()) return {};
+  const auto k = static_cast<int64_t>(options_.tools.size());
+  auto out = torch::empty({static_cast<int64_t>(v.sampled.size()), k}, torch::kFloat32);
+  auto* p = out.data_ptr<float>();
+  for (size_t row = 0; row < v.sampled.size(); ++row) {
+    std::copy_n(v.tools.data() + v.sampled[row] * k, k, p + row * k);
+  }
+  return out;
+}
+
 Augmentation VideoDataset::augmentation(int64_t i, uint64_t seed, int64_t epoch) const {
   const auto& v = videos_.at(i);
   return draw_augmentation(options_.transform, v.height, v.width, seed, epoch, i);
@@ -600,6 +641,7 @@ engine::Video VideoDataset::load(int64_t i, const Augmentation& augmentation) co
     video.features =
         every_kth_row(read_features(v.entry.features, v.time_first), options_.features_stride);
     video.labels = labels(i);
+    video.tools = tools(i);
     video.name = v.entry.name;
     TORCH_CHECK(
         video.features.size(0) == video.labels.size(0) && video.features.size(1) == v.feature_dim,
@@ -611,8 +653,10 @@ engine::Video VideoDataset::load(int64_t i, const Augmentation& augmentation) co
   Source source;
   source.path = v.entry.video;
   source.frame_files = v.frame_files;
-  return {decode_source(source, v.sampled, v.height, v.width, options_, augmentation), labels(i),
-          v.entry.name};
+  engine::Video video{decode_source(source, v.sampled, v.height, v.width, options_, augmentation),
+                      labels(i), v.entry.name};
+  video.tools = tools(i);
+  return video;
 }
 
 // ---------------------------------------------------------------------------------------------

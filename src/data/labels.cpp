@@ -174,6 +174,97 @@ void write_phase_annotations(const std::string& path, const std::vector<int64_t>
   TORCH_CHECK(out.good(), "annotation file ", path, ": write failed");
 }
 
+const float* ToolAnnotations::at(int64_t frame) const {
+  const auto it = std::lower_bound(frames.begin(), frames.end(), frame);
+  if (it == frames.end() || *it != frame) return nullptr;
+  return presence.data() + (it - frames.begin()) * static_cast<int64_t>(tools.size());
+}
+
+ToolAnnotations read_tool_annotations(const std::string& path,
+                                      const std::vector<std::string>& tools) {
+  TORCH_CHECK(!tools.empty(), "read_tool_annotations: name the tools to read");
+  auto in = open_for_reading(path, "tool annotation file");
+  ToolAnnotations out;
+  out.tools = tools;
+  std::vector<size_t> columns;  // of each asked-for tool
+  size_t width = 0;
+  std::string line;
+  int64_t line_number = 0;
+  while (std::getline(in, line)) {
+    ++line_number;
+    const auto text = trim(line);
+    if (text.empty()) continue;
+    std::istringstream stream(text);
+    std::vector<std::string> fields;
+    for (std::string f; stream >> f;) fields.push_back(f);
+    const std::string where = path + ":" + std::to_string(line_number);
+    if (columns.empty()) {
+      TORCH_CHECK(fields.size() >= 2 && fields[0] == "Frame", where,
+                  ": expected a header `Frame<TAB><tool><TAB>...` naming the tools, got \"", text,
+                  "\"");
+      const std::vector<std::string> header(fields.begin() + 1, fields.end());
+      for (const auto& tool : tools) {
+        const auto it = std::find(header.begin(), header.end(), tool);
+        TORCH_CHECK(it != header.end(), where, ": no column \"", tool,
+                    "\" (data.tools); the file has ", join(header));
+        columns.push_back(static_cast<size_t>(it - header.begin()) + 1);
+      }
+      width = fields.size();
+      continue;
+    }
+    TORCH_CHECK(fields.size() == width, where, ": ", fields.size(), " fields where the header has ",
+                width);
+    char* end = nullptr;
+    const long long frame = std::strtoll(fields[0].c_str(), &end, 10);
+    TORCH_CHECK(end != fields[0].c_str() && *end == '\0' && frame >= 0, where, ": frame number \"",
+                fields[0], "\" is not a non-negative integer");
+    TORCH_CHECK(out.frames.empty() || frame > out.frames.back(), where, ": frame ", frame,
+                " after frame ", out.frames.empty() ? 0 : out.frames.back(),
+                " (frames must increase)");
+    out.frames.push_back(frame);
+    for (size_t k = 0; k < columns.size(); ++k) {
+      const auto& value = fields[columns[k]];
+      TORCH_CHECK(value == "0" || value == "1", where, ": tool ", tools[k], " is \"", value,
+                  "\"; expected 0 (absent) or 1 (present)");
+      out.presence.push_back(value == "1" ? 1.0F : 0.0F);
+    }
+  }
+  TORCH_CHECK(!columns.empty(), "tool annotation file ", path, ": empty (expected a header)");
+  TORCH_CHECK(!out.frames.empty(), "tool annotation file ", path, ": no annotated frames");
+  return out;
+}
+
+void write_tool_annotations(const std::string& path, const std::vector<std::string>& tools,
+                            const std::vector<float>& presence) {
+  const auto k = tools.size();
+  TORCH_CHECK(k > 0 && presence.size() % k == 0, "tool annotation file ", path, ": ",
+              presence.size(), " values are not rows of ", k, " tools");
+  std::ofstream out(path);
+  TORCH_CHECK(out.good(), "tool annotation file ", path, ": cannot write");
+  out << "Frame";
+  for (const auto& t : tools) out << '\t' << t;
+  out << '\n';
+  for (size_t row = 0; row * k < presence.size(); ++row) {
+    if (presence[row * k] < 0) continue;  // not annotated
+    out << row;
+    for (size_t j = 0; j < k; ++j) out << '\t' << (presence[row * k + j] > 0.5F ? 1 : 0);
+    out << '\n';
+  }
+  TORCH_CHECK(out.good(), "tool annotation file ", path, ": write failed");
+}
+
+std::vector<float> tools_of_frames(const ToolAnnotations& annotations,
+                                   const std::vector<int64_t>& annotation_frames) {
+  const auto k = annotations.tools.size();
+  std::vector<float> out;
+  out.reserve(annotation_frames.size() * k);
+  for (const int64_t frame : annotation_frames) {
+    const float* row = annotations.at(frame);
+    for (size_t j = 0; j < k; ++j) out.push_back(row ? row[j] : -1.0F);
+  }
+  return out;
+}
+
 std::vector<VideoEntry> read_manifest(const std::string& path) {
   auto in = open_for_reading(path, "manifest");
   const auto folder = std::filesystem::path(path).parent_path();
@@ -195,11 +286,10 @@ std::vector<VideoEntry> read_manifest(const std::string& path) {
       for (size_t i = 0; i < fields.size(); ++i) {
         TORCH_CHECK(column.emplace(fields[i], i).second, where, ": column \"", fields[i],
                     "\" appears twice");
-        static const std::vector<std::string> known = {"name", "video",      "labels",  "split",
-                                                       "fps",  "labels_fps", "features"};
+        static const std::vector<std::string> known = {"name", "video",      "labels",   "split",
+                                                       "fps",  "labels_fps", "features", "tools"};
         TORCH_CHECK(std::find(known.begin(), known.end(), fields[i]) != known.end(), where,
-                    ": unknown column \"", fields[i],
-                    "\" (known: name, video, labels, split, fps, labels_fps, features)");
+                    ": unknown column \"", fields[i], "\" (known: ", join(known), ")");
       }
       TORCH_CHECK((column.count("video") || column.count("features")) && column.count("labels"),
                   where, ": the header must name the columns `video` (or `features`) and `labels`");
@@ -216,6 +306,7 @@ std::vector<VideoEntry> read_manifest(const std::string& path) {
     entry.video = resolve(get("video"));
     entry.labels = resolve(get("labels"));
     entry.features = resolve(get("features"));
+    entry.tools = resolve(get("tools"));
     TORCH_CHECK((!entry.video.empty() || !entry.features.empty()) && !entry.labels.empty(), where,
                 ": `labels` and one of `video` and `features` must not be empty");
     entry.name = get("name");
@@ -250,8 +341,10 @@ void write_manifest(const std::string& path, const std::vector<VideoEntry>& entr
                                       [](const VideoEntry& e) { return e.labels_fps > 0; });
   const bool features = std::any_of(entries.begin(), entries.end(),
                                     [](const VideoEntry& e) { return !e.features.empty(); });
+  const bool tools = std::any_of(entries.begin(), entries.end(),
+                                 [](const VideoEntry& e) { return !e.tools.empty(); });
   out << "name,video,labels,split,fps" << (labels_fps ? ",labels_fps" : "")
-      << (features ? ",features" : "") << "\n";
+      << (features ? ",features" : "") << (tools ? ",tools" : "") << "\n";
   for (const auto& e : entries) {
     out << csv_field(e.name) << ',' << csv_field(e.video) << ',' << csv_field(e.labels) << ','
         << csv_field(e.split) << ',';
@@ -261,6 +354,7 @@ void write_manifest(const std::string& path, const std::vector<VideoEntry>& entr
       if (e.labels_fps > 0) out << e.labels_fps;
     }
     if (features) out << ',' << csv_field(e.features);
+    if (tools) out << ',' << csv_field(e.tools);
     out << '\n';
   }
   TORCH_CHECK(out.good(), "manifest ", path, ": write failed");

@@ -51,6 +51,25 @@ torch::Tensor phase_loss(const torch::Tensor& logits_in, const torch::Tensor& la
   return total;
 }
 
+torch::Tensor tool_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  TORCH_CHECK(logits.dim() == 2 && targets.sizes() == logits.sizes(),
+              "tool_loss: logits and targets must both be [T,K]; got ", logits.sizes(), " and ",
+              targets.sizes(), " (one row of tool presence per frame)");
+  const auto compute_dtype =
+      logits.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  const auto x = logits.to(compute_dtype);
+  const auto y = targets.to(logits.device(), compute_dtype);
+  const auto known = y.ge(0);
+  TORCH_CHECK(y.masked_select(known).le(1).all().item<bool>(),
+              "tool_loss: targets must be 1 (present), 0 (absent) or -1 (not annotated)");
+  const auto count = known.sum().item<int64_t>();
+  if (count == 0) return x.sum() * 0;
+  const auto per_entry = torch::nn::functional::binary_cross_entropy_with_logits(
+      x, y.clamp_min(0),
+      torch::nn::functional::BinaryCrossEntropyWithLogitsFuncOptions().reduction(torch::kNone));
+  return per_entry.masked_select(known).sum() / static_cast<double>(count);
+}
+
 torch::Tensor inverse_frequency_weights(const torch::Tensor& counts) {
   TORCH_CHECK(counts.dim() == 1 && counts.numel() > 0,
               "inverse_frequency_weights: counts must be [C], got ", counts.sizes());

@@ -63,9 +63,11 @@ std::optional<RetrySettings> halve_chunk(const OutOfMemoryEvent& event) {
 }
 
 TrainingStep::TrainingStep(FrameEncoder encoder, std::shared_ptr<models::TemporalHead> head,
-                           std::shared_ptr<torch::optim::Optimizer> optimizer, StepOptions options)
+                           std::shared_ptr<torch::optim::Optimizer> optimizer, StepOptions options,
+                           std::shared_ptr<torch::nn::LinearImpl> tool_head)
     : encoder_(std::move(encoder)),
       head_(std::move(head)),
+      tool_head_(std::move(tool_head)),
       optimizer_(std::move(optimizer)),
       options_(std::move(options)),
       scaler_(scaler_options_for(options_.scaler, options_.precision)) {
@@ -77,6 +79,12 @@ TrainingStep::TrainingStep(FrameEncoder encoder, std::shared_ptr<models::Tempora
   parameters_ = encoder_.parameters;
   for (const auto& p : head_->parameters()) {
     if (p.requires_grad()) parameters_.push_back(p);
+  }
+  if (tool_head_) {
+    TORCH_CHECK(options_.tool_weight >= 0, "tool_weight must be >= 0; got ", options_.tool_weight);
+    for (const auto& p : tool_head_->parameters()) {
+      if (p.requires_grad()) parameters_.push_back(p);
+    }
   }
 }
 
@@ -100,6 +108,12 @@ void TrainingStep::accumulate_gradients(const std::vector<Video>& videos, StepRe
     {
       auto phase = tracker.phase("head");
       loss = phase_loss(head_->forward(features), video.labels, options_.loss);
+      if (tool_head_) {
+        // In float32 as the phase head: the features of mixed precision are bf16/fp16.
+        const auto input =
+            features.scalar_type() == torch::kFloat64 ? features : features.to(torch::kFloat32);
+        loss = loss + options_.tool_weight * tool_loss(tool_head_->forward(input), video.tools);
+      }
     }
     report.loss += loss.item<double>() / static_cast<double>(videos.size());
     report.frames += video.labels.size(0);
@@ -123,6 +137,16 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
     const int64_t frames = video.features.defined() ? video.features.size(0) : video.frames.size(0);
     TORCH_CHECK(video.labels.dim() == 1 && video.labels.size(0) == frames, what, ": ", frames,
                 " frames but ", video.labels.numel(), " labels: there must be one label per frame");
+    if (tool_head_) {
+      TORCH_CHECK(
+          video.tools.defined(), what,
+          ": the step trains a tool head but the video has no tool presence (Video::tools)");
+      TORCH_CHECK(video.tools.dim() == 2 && video.tools.size(0) == frames &&
+                      video.tools.size(1) == tool_head_->options.out_features(),
+                  what, ": tool presence must be [", frames, ",",
+                  tool_head_->options.out_features(), "] (frames x tools), got ",
+                  video.tools.sizes());
+    }
   }
   const auto start = std::chrono::steady_clock::now();
   auto& tracker = memory::Tracker::of(options_.chunked.device);

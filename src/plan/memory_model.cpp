@@ -38,7 +38,8 @@ StaticSizes with_head(StaticSizes sizes, const ModelSpec& spec, int64_t feature_
                       int64_t encoder_largest_trained) {
   int64_t head_largest = 0;
   const int64_t head = models::head_parameter_count(spec.head, feature_dim, spec.classes,
-                                                    &head_largest, spec.head_settings);
+                                                    &head_largest, spec.head_settings) +
+                       spec.tools * (feature_dim + 1);
   const int64_t element = static_cast<int64_t>(c10::elementSize(spec.dtype));
   sizes.parameter_bytes += head * element;
   sizes.trained_head_bytes = head * element;

@@ -341,6 +341,10 @@ const std::vector<Entry>& entries() {
                       "phases: classes the segmental metrics (edit, F1@k) leave out, e.g. "
                       "[background]; frame metrics count them",
                       FRAMEFIT_MEMBER(std::vector<std::string>, data.background)));
+    t.push_back(names("data.tools",
+                      "phases: tools whose presence is also learned, the columns of the "
+                      "manifest's tool annotation files, e.g. [Grasper, Bipolar]; empty: none",
+                      FRAMEFIT_MEMBER(std::vector<std::string>, data.tools)));
     t.push_back(field<double>("data.fps", "frames per second sampled from each video; 0: all",
                               FRAMEFIT_MEMBER(double, data.fps), "a number", non_negative()));
     t.push_back(choice("data.features_layout",
@@ -517,6 +521,11 @@ const std::vector<Entry>& entries() {
                               non_negative()));
     t.push_back(field<double>("train.smoothing", "phases: MS-TCN smoothing loss weight; 0: off",
                               FRAMEFIT_MEMBER(double, train.smoothing), "a number",
+                              non_negative()));
+    t.push_back(field<double>("train.tool_weight",
+                              "with data.tools: weight of the tool presence loss (binary "
+                              "cross-entropy) added to the phase loss",
+                              FRAMEFIT_MEMBER(double, train.tool_weight), "a number",
                               non_negative()));
     t.push_back(field<bool>("train.class_weights",
                             "weight the loss by inverse class frequency (frames, clips or pixels)",

@@ -379,7 +379,8 @@ std::string segment_f1_name(double threshold) {
   return "f1@" + std::to_string(std::lround(100 * threshold));
 }
 
-std::string to_json(const PhaseMetrics& m, const std::vector<std::string>& phase_names) {
+std::string to_json(const PhaseMetrics& m, const std::vector<std::string>& phase_names,
+                    const std::vector<std::string>& tool_names) {
   TORCH_CHECK(phase_names.size() == m.f1.size(), "to_json: ", phase_names.size(), " names for ",
               m.f1.size(), " phases");
   auto number = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
@@ -409,6 +410,20 @@ std::string to_json(const PhaseMetrics& m, const std::vector<std::string>& phase
     }
     out["segments"] = segments;
   }
+  if (m.tools) {
+    const auto& t = *m.tools;
+    TORCH_CHECK(tool_names.size() == t.average_precision.size(), "to_json: ", tool_names.size(),
+                " names for ", t.average_precision.size(), " tools");
+    nlohmann::json ap = nlohmann::json::object(), present = nlohmann::json::object();
+    for (size_t k = 0; k < tool_names.size(); ++k) {
+      ap[tool_names[k]] = number(t.average_precision[k]);
+      present[tool_names[k]] = t.present[k];
+    }
+    out["tools"] = {{"frames", t.frames},
+                    {"mean_average_precision", number(t.mean_average_precision)},
+                    {"average_precision", ap},
+                    {"present_frames", present}};
+  }
   return out.dump();
 }
 
@@ -426,6 +441,74 @@ double learning_rate(const Schedule& s, int64_t step, int64_t total) {
   TORCH_CHECK(s.kind == "constant", "unknown learning-rate schedule \"", s.kind,
               "\" (constant | step | cosine)");
   return s.lr;
+}
+
+double average_precision(const torch::Tensor& scores, const torch::Tensor& targets) {
+  TORCH_CHECK(scores.dim() == 1 && targets.sizes() == scores.sizes(),
+              "average_precision: scores and targets must both be [N]; got ", scores.sizes(),
+              " and ", targets.sizes());
+  const auto s = scores.to(torch::kDouble).contiguous();
+  const auto y = targets.to(torch::kDouble).contiguous();
+  const auto order = torch::argsort(s, 0, /*descending=*/true);
+  const auto sorted_scores = s.index_select(0, order);
+  const auto sorted_targets = y.index_select(0, order);
+  const auto* score = sorted_scores.data_ptr<double>();
+  const auto* target = sorted_targets.data_ptr<double>();
+  const double positives = y.sum().item<double>();
+  if (positives <= 0) return std::nan("");
+  double ap = 0, true_positives = 0, recall_before = 0;
+  const int64_t n = s.size(0);
+  for (int64_t i = 0; i < n; ++i) {
+    true_positives += target[i];
+    // A threshold ends where the next score is lower: equal scores count together.
+    if (i + 1 < n && score[i + 1] == score[i]) continue;
+    const double recall = true_positives / positives;
+    ap += (recall - recall_before) * true_positives / static_cast<double>(i + 1);
+    recall_before = recall;
+  }
+  return ap;
+}
+
+void ToolScorer::add(const torch::Tensor& probabilities, const torch::Tensor& targets) {
+  const auto k = static_cast<int64_t>(scores_.size());
+  TORCH_CHECK(probabilities.dim() == 2 && probabilities.size(1) == k &&
+                  targets.sizes() == probabilities.sizes(),
+              "ToolScorer: probabilities and targets must both be [T,", k, "]; got ",
+              probabilities.sizes(), " and ", targets.sizes());
+  const auto p = probabilities.to(torch::kFloat32).cpu().contiguous();
+  const auto y = targets.to(torch::kFloat32).cpu().contiguous();
+  const auto* pp = p.data_ptr<float>();
+  const auto* yp = y.data_ptr<float>();
+  for (int64_t t = 0; t < p.size(0); ++t) {
+    bool annotated = false;
+    for (int64_t j = 0; j < k; ++j) {
+      if (yp[t * k + j] < 0) continue;
+      annotated = true;
+      scores_[j].push_back(pp[t * k + j]);
+      targets_[j].push_back(yp[t * k + j]);
+    }
+    frames_ += annotated;
+  }
+}
+
+ToolMetrics ToolScorer::metrics() const {
+  ToolMetrics m;
+  m.frames = frames_;
+  double sum = 0;
+  int64_t counted = 0;
+  for (size_t j = 0; j < scores_.size(); ++j) {
+    const auto n = static_cast<int64_t>(scores_[j].size());
+    const auto s = torch::from_blob(const_cast<float*>(scores_[j].data()), {n}, torch::kFloat32);
+    const auto y = torch::from_blob(const_cast<float*>(targets_[j].data()), {n}, torch::kFloat32);
+    m.present.push_back(n == 0 ? 0 : static_cast<int64_t>(y.sum().item<float>()));
+    m.average_precision.push_back(n == 0 ? std::nan("") : average_precision(s, y));
+    if (!std::isnan(m.average_precision.back())) {
+      sum += m.average_precision.back();
+      ++counted;
+    }
+  }
+  m.mean_average_precision = counted > 0 ? sum / static_cast<double>(counted) : std::nan("");
+  return m;
 }
 
 }  // namespace framefit::train

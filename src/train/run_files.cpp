@@ -285,7 +285,7 @@ void end_epoch(Event e, double loss_sum, int64_t loss_count, const EpochValidati
   if (validation.validate) {
     e.metrics = validation.validate();
     e.validated = true;
-    record["val"] = nlohmann::json::parse(to_json(e.metrics, class_names));
+    record["val"] = nlohmann::json::parse(to_json(e.metrics, class_names, validation.tool_names));
     const double score = metric_value(e.metrics, validation.best_by);
     ++stale_epochs;
     if (score > best_score) {

@@ -152,6 +152,7 @@ struct EpochValidation {
   std::function<PhaseMetrics()> validate;  // empty: the run has no validation split
   std::string best_by;                     // metric_value's name
   std::function<void()> save_best;
+  std::vector<std::string> tool_names;  // data.tools: names the tool metrics in the log
 };
 // `stale_epochs` counts the validated epochs since the best one.
 void end_epoch(Event e, double loss_sum, int64_t loss_count, const EpochValidation& validation,

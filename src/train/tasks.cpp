@@ -925,6 +925,20 @@ std::vector<plan::Finding> diagnose_label_settings(const Config& config) {
                   config.task, " has none"),
          "choose accuracy, macro_f1, macro_jaccard or auto"});
   }
+  const auto& tools = config.data.tools;
+  if (!tools.empty() && config.task != "phases") {
+    findings.push_back({plan::Finding::Severity::Error,
+                        c10::str("data.tools learns tool presence per video frame; task ",
+                                 config.task, " has no frame sequences"),
+                        "remove data.tools"});
+  }
+  for (size_t i = 0; i < tools.size(); ++i) {
+    if (std::find(tools.begin(), tools.begin() + i, tools[i]) != tools.begin() + i) {
+      findings.push_back({plan::Finding::Severity::Error,
+                          c10::str("data.tools names '", tools[i], "' twice"),
+                          "name each tool once"});
+    }
+  }
   const auto& classes = config.data.classes;
   for (const auto& name : config.data.background) {
     if (config.task != "phases") {

@@ -49,6 +49,7 @@ plan::ModelSpec model_spec(const Config& config, int64_t size, torch::Device dev
   spec.head = config.model.head;
   spec.head_settings = config.model.head_settings;
   spec.classes = static_cast<int64_t>(config.data.classes.size());
+  spec.tools = static_cast<int64_t>(config.data.tools.size());
   spec.norm = config.model.norm;
   spec.groups = config.model.groups;
   spec.freeze = config.model.freeze;
@@ -69,6 +70,17 @@ int64_t frame_size_for_planning(const data::VideoDataset& dataset) {
     largest = std::max<int64_t>(largest, std::llround(std::sqrt(static_cast<double>(h * w))));
   }
   return largest;
+}
+
+// The tool head's weights, where the model has one.
+void read_tool_head(torch::serialize::InputArchive& archive, Model& model,
+                    const std::string& checkpoint) {
+  if (!model.tools) return;
+  torch::serialize::InputArchive tools;
+  TORCH_CHECK(archive.try_read("tools", tools), checkpoint,
+              " holds no tool head although its config sets data.tools");
+  model.tools->load(tools);
+  model.tools->to(model.device);
 }
 
 // What a checkpoint records about the run's position and settings.
@@ -92,6 +104,11 @@ void write_model(torch::serialize::OutputArchive& archive, const Model& model) {
   if (model.script) write_script(archive, *model.script);
   archive.write("encoder", encoder);
   archive.write("head", head);
+  if (model.tools) {
+    torch::serialize::OutputArchive tools;
+    model.tools->save(tools);
+    archive.write("tools", tools);
+  }
 }
 
 torch::Tensor settings_tensor(const Progress& p) {
@@ -171,6 +188,7 @@ data::DataOptions data_options(const Config& config, bool training) {
   options.features = reads_features(config);
   options.features_layout = data::parse_feature_layout(config.data.features_layout);
   options.features_stride = config.data.features_stride;
+  options.tools = config.data.tools;
   return options;
 }
 
@@ -283,6 +301,12 @@ Model build_model(const Config& config,
   }
   model.head = models::make_head(config.model.head, model.feature_dim, model.classes.size(),
                                  config.model.head_settings);
+  // Built after the head, so a run without tools initialises as before.
+  if (!config.data.tools.empty()) {
+    model.tools =
+        torch::nn::Linear(model.feature_dim, static_cast<int64_t>(config.data.tools.size()));
+    model.tools->to(model.device);
+  }
   model.encoder_module().to(model.device);
   model.head->to(model.device);
   return model;
@@ -333,6 +357,7 @@ Model load_model(const std::string& checkpoint, const std::vector<std::string>& 
   archive.read("head", head);
   model.encoder_module().load(encoder);
   model.head->load(head);
+  read_tool_head(archive, model, checkpoint);
   model.encoder_module().to(model.device);
   model.head->to(model.device);
   torch::Tensor progress;
@@ -377,6 +402,7 @@ class FeatureCache {
     return {[&set, v, file = path(v), load] {
               engine::Video video;
               video.labels = set.labels(v);
+              video.tools = set.tools(v);
               video.name = set.entry(v).name;
               try {
                 video.features = models::read_tensor(file);
@@ -421,6 +447,14 @@ torch::Tensor encode_frames(Model& model, const torch::Tensor& frames) {
   return engine::chunked_encode(model.frame_encoder(), frames, options);
 }
 
+// The tool head's presence probabilities [T,K] of features [T,D] (float32, as in training);
+// undefined without a tool head.
+torch::Tensor tool_probabilities(Model& model, const torch::Tensor& features) {
+  if (!model.tools) return {};
+  model.tools->eval();
+  return torch::sigmoid(model.tools->forward(features.to(torch::kFloat32))).cpu();
+}
+
 // The video's features (those it brings, else its frames encoded) through the head;
 // `features_out` receives them on the CPU.
 Prediction predict_at_chunk(Model& model, const engine::Video& video, torch::Tensor* features_out) {
@@ -434,6 +468,7 @@ Prediction predict_at_chunk(Model& model, const engine::Video& video, torch::Ten
   Prediction p;
   p.probabilities = torch::softmax(logits.to(torch::kFloat32), -1).cpu();
   p.labels = p.probabilities.argmax(-1);
+  p.tool_probabilities = tool_probabilities(model, features);
   return p;
 }
 Prediction predict_video(Model& model, const engine::Video& video, const EventCallback& on_event,
@@ -536,6 +571,7 @@ Prediction OnlinePredictor::push_features(const torch::Tensor& features) {
   Prediction p;
   p.probabilities = torch::softmax(logits.to(torch::kFloat32), -1).cpu();
   p.labels = p.probabilities.argmax(-1);
+  p.tool_probabilities = tool_probabilities(model_, x);
   return p;
 }
 
@@ -552,6 +588,8 @@ PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
     background.push_back(id);
   }
   SegmentScorer segments(background);
+  std::optional<ToolScorer> tools;
+  if (model.tools) tools.emplace(model.tools->options.out_features());
   std::vector<data::Prefetcher::Job> jobs;
   for (int64_t i = 0; i < dataset.size(); ++i) {
     auto load = [&dataset, i] { return dataset.load(i); };
@@ -579,6 +617,7 @@ PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
     if (keep) cache->write(i, features);
     confusion.add(prediction.labels, video.labels);
     segments.add(prediction.labels, video.labels);
+    if (tools) tools->add(prediction.tool_probabilities, video.tools);
     if (on_prediction) on_prediction(i, prediction);
     if (per_video) {
       ConfusionMatrix own(model.classes.size());
@@ -587,6 +626,11 @@ PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
       own_segments.add(prediction.labels, video.labels);
       per_video->push_back({video.name, own.metrics()});
       per_video->back().metrics.segments = own_segments.metrics();
+      if (tools) {
+        ToolScorer own_tools(model.tools->options.out_features());
+        own_tools.add(prediction.tool_probabilities, video.tools);
+        per_video->back().metrics.tools = own_tools.metrics();
+      }
     }
     frames += video.labels.numel();
     if (on_event) {
@@ -601,6 +645,7 @@ PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
   }
   auto metrics = confusion.metrics();
   metrics.segments = segments.metrics();
+  if (tools) metrics.tools = tools->metrics();
   return metrics;
 }
 }  // namespace
@@ -647,6 +692,14 @@ std::string extract_features(Model& model, const std::string& out_dir,
           std::vector<int64_t>(labels.data_ptr<int64_t>(),
                                labels.data_ptr<int64_t>() + labels.numel()),
           model.classes);
+      if (video.tools.defined()) {
+        // One row per features row, as the labels; frames without tool annotation left out.
+        out.tools = entry.name + "-tools.txt";
+        const auto tools = video.tools.contiguous();
+        data::write_tool_annotations(
+            out_dir + "/" + out.tools, d.tools,
+            std::vector<float>(tools.data_ptr<float>(), tools.data_ptr<float>() + tools.numel()));
+      }
       written.push_back(out);
       if (on_event) {
         on_event(
@@ -671,6 +724,11 @@ models::StateDict export_state_dict(const Model& model) {
   for (auto& [name, tensor] : encoder) out.emplace_back("encoder." + name, tensor.cpu());
   for (auto& [name, tensor] : models::state_dict(*model.head)) {
     out.emplace_back("head." + name, tensor.cpu());
+  }
+  if (model.tools) {
+    for (auto& [name, tensor] : models::state_dict(*model.tools)) {
+      out.emplace_back("tools." + name, tensor.cpu());
+    }
   }
   return out;
 }
@@ -988,8 +1046,13 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   }
   auto parameters = encoder.parameters;
   for (auto& p : model.head->parameters()) parameters.push_back(p);
+  if (model.tools) {
+    for (auto& p : model.tools->parameters()) parameters.push_back(p);
+    options.tool_weight = tc.tool_weight;
+  }
   auto optimizer = engine::make_optimizer(parameters, optimizer_options(tc));
-  engine::TrainingStep step(encoder, model.head, optimizer, options);
+  engine::TrainingStep step(encoder, model.head, optimizer, options,
+                            model.tools ? model.tools.ptr() : nullptr);
   if (planned) {
     step.replan = plan::make_replanner(step_plan.request, step_plan.sizes,
                                        step_plan.costs.at(progress.settings.precision),
@@ -1002,6 +1065,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
     resumed->read("head", head_archive);
     model.encoder_module().load(encoder_archive);
     model.head->load(head_archive);
+    read_tool_head(*resumed, model, resume_from);
     model.encoder_module().to(device);
     model.head->to(device);
     read_resume_state(*resumed, *optimizer, step.scaler());
@@ -1091,6 +1155,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
       for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
       model.encoder_module().train();  // validation and prediction leave it in eval mode
       model.head->train();
+      if (model.tools) model.tools->train();
       const auto report = step.step(batch);
       if (feature_cache) {
         for (size_t i = 0; i < batch.size(); ++i) {
@@ -1137,6 +1202,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
       };
       validation.best_by = best_metric(config);
       validation.save_best = save_best;
+      validation.tool_names = config.data.tools;
     }
     end_epoch(progress_event(Event::Kind::Epoch), loss_sum, loss_count, validation,
               model.classes.names(), progress.best_score, progress.stale_epochs, result, emit, log);

@@ -345,6 +345,81 @@ TEST_F(DataTest, AnnotationsAtTheirOwnRateFollowTheFramesByTime) {
             (std::vector<int64_t>{4, 4, 5, 6, 6}));
 }
 
+TEST_F(DataTest, ToolAnnotationsParseByNameAndFollowTheFramesByTime) {
+  // Cholec80's layout: a header naming the tools, one line per 25th frame (1 fps).
+  const auto cholec = write("tools.txt",
+                            "Frame\tGrasper\tBipolar\tHook\n"
+                            "0\t1\t0\t0\n25\t1\t0\t1\n50\t0\t1\t0\n75\t0\t0\t0\n");
+  // Columns by name, in the order asked for; others left out.
+  const auto t = data::read_tool_annotations(cholec, {"Hook", "Grasper"});
+  EXPECT_EQ(t.frames, (std::vector<int64_t>{0, 25, 50, 75}));
+  EXPECT_EQ(t.presence, (std::vector<float>{0, 1, 1, 1, 0, 0, 0, 0}));
+  ASSERT_NE(t.at(25), nullptr);
+  EXPECT_EQ(t.at(25)[0], 1);
+  EXPECT_EQ(t.at(24), nullptr);
+  EXPECT_EQ(data::tools_of_frames(t, {50, 51, 0}), (std::vector<float>{0, 0, -1, -1, 0, 1}));
+  // Written back one row per frame, unknown rows left out.
+  const auto written = dir_ + "/written.txt";
+  data::write_tool_annotations(written, {"Hook", "Grasper"}, {1, 0, -1, -1, 0, 1});
+  const auto back = data::read_tool_annotations(written, {"Grasper", "Hook"});
+  EXPECT_EQ(back.frames, (std::vector<int64_t>{0, 2}));
+  EXPECT_EQ(back.presence, (std::vector<float>{0, 1, 1, 0}));
+
+  const auto error = [&](const std::string& text, const std::vector<std::string>& tools) {
+    const auto path = write("bad.txt", text);
+    return test_util::error_message([&] { data::read_tool_annotations(path, tools); });
+  };
+  EXPECT_NE(error("Frame\tGrasper\n0\t1\n", {"Hook"})
+                .find("bad.txt:1: no column \"Hook\" (data.tools); the file has Grasper"),
+            std::string::npos);
+  EXPECT_NE(error("Frame\tGrasper\n0\t2\n", {"Grasper"})
+                .find("bad.txt:2: tool Grasper is \"2\"; expected 0 (absent) or 1 (present)"),
+            std::string::npos);
+  EXPECT_NE(error("Frame\tGrasper\n25\t1\n0\t1\n", {"Grasper"}).find("frames must increase"),
+            std::string::npos);
+  EXPECT_NE(error("Frame\tGrasper\n0\t1\t0\n", {"Grasper"})
+                .find("bad.txt:2: 3 fields where the header has 2"),
+            std::string::npos);
+  EXPECT_NE(error("0\t1\n", {"Grasper"}).find("expected a header"), std::string::npos);
+  EXPECT_NE(error("Frame\tGrasper\n", {"Grasper"}).find("no annotated frames"), std::string::npos);
+
+  // In a data set: a folder of 5 frames at 1 fps with 25 fps annotations. Folder frame k shows
+  // annotation frame 25 k: tools of frames 0-3 annotated, frame 4 (frame 100) not.
+  std::string phases;
+  for (int j = 0; j < 123; ++j) phases += "a\n";
+  data::VideoEntry folder{"f", kMedia + "/frames", write("phases.txt", phases), "train", 1};
+  folder.labels_fps = 25;
+  folder.tools = cholec;
+  data::DataOptions options;
+  options.tools = {"Grasper", "Hook"};
+  const data::VideoDataset set({folder}, classes_, options);
+  EXPECT_TRUE(torch::equal(
+      set.tools(0), torch::tensor({{1, 0}, {1, 1}, {0, 0}, {0, 0}, {-1, -1}}, torch::kFloat32)));
+  const auto video = set.load(0);
+  EXPECT_TRUE(torch::equal(video.tools, set.tools(0)));
+  // Without data.tools nothing is read; with them every video needs its file.
+  EXPECT_FALSE(data::VideoDataset({folder}, classes_, data::DataOptions{}).tools(0).defined());
+  auto untooled = folder;
+  untooled.tools.clear();
+  EXPECT_NE(test_util::error_message([&] {
+              data::VideoDataset({untooled}, classes_, options);
+            }).find("video f has no tool annotation file"),
+            std::string::npos);
+  // A tool file counting frames past the phase annotation's is at another rate.
+  auto late = folder;
+  late.tools = write("late.txt", "Frame\tGrasper\tHook\n0\t1\t0\n500\t1\t1\n");
+  EXPECT_NE(test_util::error_message([&] {
+              data::VideoDataset({late}, classes_, options);
+            }).find("annotates frame 500 but the phase annotation"),
+            std::string::npos);
+  // The manifest's tools column, resolved against its folder and written back.
+  const auto manifest = write("m.csv", "video,labels,tools\nv.mp4,v.txt,v-tool.txt\n");
+  const auto entries = data::read_manifest(manifest);
+  EXPECT_EQ(entries[0].tools, dir_ + "/v-tool.txt");
+  data::write_manifest(dir_ + "/m2.csv", entries);
+  EXPECT_EQ(data::read_manifest(dir_ + "/m2.csv")[0].tools, dir_ + "/v-tool.txt");
+}
+
 TEST_F(DataTest, BadVideosAreNamedOrSkipped) {
   if (skip_without_ffmpeg()) GTEST_SKIP() << "built without FFmpeg";
   const auto l50 = labels("l50.txt", 50);

@@ -165,6 +165,39 @@ TEST(Metrics, AveragesOverVideos) {
   EXPECT_EQ(train::average_over_videos({}).videos, 0);
 }
 
+TEST(Metrics, ToolAveragePrecisionAsScikitLearnComputesIt) {
+  // scikit-learn's documented example: average_precision_score([0, 0, 1, 1],
+  // [0.1, 0.4, 0.35, 0.8]) = 0.8333.
+  EXPECT_NEAR(
+      train::average_precision(torch::tensor({0.1, 0.4, 0.35, 0.8}), torch::tensor({0, 0, 1, 1})),
+      5.0 / 6, 1e-12);
+  // Equal scores are one threshold: (0.5 recall at precision 1/2) + (0.5 at 2/3).
+  EXPECT_NEAR(train::average_precision(torch::tensor({0.5, 0.5, 0.2}), torch::tensor({1, 0, 1})),
+              0.5 * 0.5 + 0.5 * 2.0 / 3, 1e-12);
+  EXPECT_TRUE(std::isnan(train::average_precision(torch::tensor({0.5}), torch::tensor({0}))));
+  // The scorer leaves out unannotated entries; a tool never present has no AP and no share of
+  // the mean.
+  train::ToolScorer scorer(3);
+  scorer.add(torch::tensor({{0.1, 0.9, 0.3}, {0.4, 0.2, 0.3}}),
+             torch::tensor({{0.0, 1.0, 0.0}, {-1.0, -1.0, -1.0}}));
+  scorer.add(torch::tensor({{0.35, 0.1, 0.2}, {0.8, 0.7, 0.1}, {0.4, 0.3, 0.6}}),
+             torch::tensor({{1.0, 0.0, 0.0}, {1.0, 1.0, 0.0}, {0.0, -1.0, 0.0}}));
+  const auto m = scorer.metrics();
+  EXPECT_EQ(m.frames, 4);
+  EXPECT_NEAR(m.average_precision[0], 5.0 / 6, 1e-12);  // the example above, across videos
+  EXPECT_NEAR(m.average_precision[1], 1.0, 1e-12);
+  EXPECT_TRUE(std::isnan(m.average_precision[2]));
+  EXPECT_EQ(m.present, (std::vector<int64_t>{2, 2, 0}));
+  EXPECT_NEAR(m.mean_average_precision, (5.0 / 6 + 1) / 2, 1e-12);
+  train::PhaseMetrics phases;
+  phases.precision = phases.recall = phases.f1 = phases.jaccard = {0};
+  phases.tools = m;
+  const auto json = nlohmann::json::parse(train::to_json(phases, {"a"}, {"x", "y", "z"}));
+  EXPECT_NEAR(json["tools"]["average_precision"]["x"].get<double>(), 5.0 / 6, 1e-12);
+  EXPECT_TRUE(json["tools"]["average_precision"]["z"].is_null());
+  EXPECT_EQ(json["tools"]["present_frames"]["y"], 2);
+}
+
 namespace {
 // Class ids from runs {id, length}: {{0, 2}, {1, 3}} is 0 0 1 1 1.
 torch::Tensor runs(const std::vector<std::pair<int64_t, int64_t>>& pieces) {
@@ -527,7 +560,7 @@ TEST(Training, DoctorReportsEveryBadVideoOfEverySplitWithoutTraining) {
   // validation video is missing: both reported, where training stops at the first.
   const std::string dir = config.train.out_dir + "_data";
   test_util::remove_tree(dir);
-  std::filesystem::create_directories(dir);
+  ::mkdir(dir.c_str(), 0755);
   auto entries = data::read_manifest(config.data.manifest);
   ASSERT_EQ(entries.size(), 5u);
   std::ifstream in(entries[1].labels);
@@ -1031,3 +1064,119 @@ TEST(Training, TorchScriptEncoderTrainsThroughThePlannedChunkedEngine) {
   test_util::remove_tree(config.train.out_dir);
 }
 #endif
+
+namespace {
+// The tiny demo's manifest with a tool file per video, written to `dir`: every 5th source frame
+// annotated, A present in phases 0-1, B in phases 3 and later, Scissors never.
+std::string manifest_with_tools(const std::string& dir) {
+  test_util::remove_tree(dir);
+  std::filesystem::create_directories(dir);
+  auto entries = data::read_manifest(tiny_demo() + "/manifest.csv");
+  const auto classes = data::demo_classes();
+  for (auto& entry : entries) {
+    const auto labels = data::read_phase_annotations(entry.labels, classes);
+    entry.tools = dir + "/" + entry.name + "-tool.txt";
+    std::ofstream out(entry.tools);
+    out << "Frame\tScissors\tA\tB\n";
+    for (size_t f = 0; f < labels.size(); f += 5) {
+      out << f << "\t0\t" << (labels[f] <= 1) << '\t' << (labels[f] >= 3) << '\n';
+    }
+  }
+  data::write_manifest(dir + "/manifest.csv", entries);
+  return dir + "/manifest.csv";
+}
+}  // namespace
+
+TEST(Training, ToolPresenceTrainsWithThePhasesAndIsScoredSavedAndResumed) {
+  auto config = tiny_config("/tmp/framefit_tools_run");
+  config.data.manifest = manifest_with_tools(config.train.out_dir + "_data");
+  config.data.tools = {"A", "B", "Scissors"};
+  config.train.tool_weight = 2;
+  // Sampled at 12.5 of 25 fps (source frames 0, 2, 4, ...): rows 0, 5, 10, ... are annotated.
+  const auto val = train::make_dataset(config, "val", false);
+  const auto tools = val.tools(0);
+  ASSERT_EQ(tools.sizes(), (std::vector<int64_t>{val.frames(0), 3}));
+  for (int64_t k = 0; k < tools.size(0); ++k) {
+    EXPECT_EQ(tools[k][0].item<float>() >= 0, k % 5 == 0) << k;
+  }
+  const int64_t annotated = (val.frames(0) + 4) / 5;
+
+  const auto result = train::train(config);
+  ASSERT_TRUE(result.validated);
+  ASSERT_TRUE(result.best.tools.has_value());
+  EXPECT_EQ(result.best.tools->frames, annotated);
+  EXPECT_TRUE(std::isnan(result.best.tools->average_precision[2]));  // Scissors: never present
+  const auto records = epoch_records(config.train.out_dir);
+  ASSERT_EQ(records.size(), 2u);
+  EXPECT_TRUE(records[1]["val"]["tools"]["average_precision"].contains("B"));
+
+  auto model = train::load_model(result.best_checkpoint);
+  ASSERT_TRUE(model.tools);
+  const auto state = train::export_state_dict(model);
+  const auto weight = std::find_if(state.begin(), state.end(),
+                                   [](const auto& kv) { return kv.first == "tools.weight"; });
+  ASSERT_NE(weight, state.end());
+  EXPECT_EQ(weight->second.sizes(), (std::vector<int64_t>{3, 512}));
+  // Evaluation scores the tools from the predictions it makes.
+  const auto test = train::make_dataset(config, "test", false);
+  torch::Tensor probabilities;
+  const auto metrics = train::evaluate(
+      model, test, {}, nullptr,
+      [&](int64_t, const train::Prediction& p) { probabilities = p.tool_probabilities; });
+  ASSERT_TRUE(metrics.tools.has_value());
+  ASSERT_EQ(probabilities.sizes(), (std::vector<int64_t>{test.frames(0), 3}));
+  train::ToolScorer scorer(3);
+  scorer.add(probabilities, test.tools(0));
+  EXPECT_DOUBLE_EQ(scorer.metrics().average_precision[0], metrics.tools->average_precision[0]);
+  // Online prediction gives the same tool probabilities, piece by piece.
+  train::OnlinePredictor online(model);
+  const auto frames = test.load(0).frames;
+  std::vector<torch::Tensor> pieces;
+  for (int64_t at = 0; at < frames.size(0); at += 7) {
+    pieces.push_back(online.push(frames.slice(0, at, at + 7)).tool_probabilities);
+  }
+  EXPECT_TRUE(torch::allclose(torch::cat(pieces), probabilities, 1e-4, 1e-5));
+
+  // Resumed after step 2 of 4, the tool head ends as the uninterrupted run's.
+  auto whole = config;
+  whole.train.out_dir += "_whole";
+  test_util::remove_tree(whole.train.out_dir);
+  whole.train.max_steps = 4;
+  whole.train.validate = false;
+  train::train(whole);
+  auto first = whole;
+  first.train.out_dir += "_resumed";
+  test_util::remove_tree(first.train.out_dir);
+  first.train.max_steps = 2;
+  train::train(first);
+  auto rest = first;
+  rest.train.max_steps = 4;
+  train::train(rest, "auto");
+  EXPECT_TRUE(identical(weights(train::load_model(whole.train.out_dir + "/best.pt")),
+                        weights(train::load_model(first.train.out_dir + "/best.pt"))));
+
+  // Stage one writes each video's tool presence with its features; a features run reads them.
+  const auto dir = config.train.out_dir + "/features";
+  const auto manifest = train::extract_features(model, dir);
+  auto features_config = config;
+  features_config.model.encoder = "features";
+  features_config.model.feature_dim = model.feature_dim;
+  features_config.data.manifest = manifest;
+  const auto rows = train::make_dataset(features_config, "val", false);
+  EXPECT_TRUE(torch::equal(rows.tools(0), tools));
+  features_config.train.out_dir += "_features";
+  test_util::remove_tree(features_config.train.out_dir);
+  const auto head_only = train::train(features_config);
+  ASSERT_TRUE(head_only.best.tools.has_value());
+  EXPECT_EQ(head_only.best.tools->frames, annotated);
+
+  // Tools are for phases, named once.
+  auto twice = config;
+  twice.data.tools = {"A", "A"};
+  EXPECT_NE(test_util::error_message([&] { train::train(twice); }).find("names 'A' twice"),
+            std::string::npos);
+  for (const auto& d : {config.train.out_dir, config.train.out_dir + "_data", whole.train.out_dir,
+                        first.train.out_dir, features_config.train.out_dir}) {
+    test_util::remove_tree(d);
+  }
+}

@@ -51,6 +51,9 @@ struct DataOptions {
   bool features = false;
   FeatureLayout features_layout = FeatureLayout::Auto;
   int64_t features_stride = 1;  // rows 0, k, 2k, ... of each features file (MS-TCN's sample_rate)
+  // Tool presence to read with each video (VideoEntry::tools, the columns of these names);
+  // empty: none. Every video then needs its tool annotation file.
+  std::vector<std::string> tools;
 };
 
 // The random choices applied to one video, drawn once so all its frames agree.
@@ -132,6 +135,9 @@ class VideoDataset {
   std::pair<int64_t, int64_t> locate(int64_t global_frame) const;
   // Labels of video i's sampled frames (no decoding).
   torch::Tensor labels(int64_t i) const;
+  // With DataOptions::tools: their presence in video i's sampled frames, [T,K] float (1, 0, or
+  // -1 where the frame is not annotated); else undefined.
+  torch::Tensor tools(int64_t i) const;
   // Video i's sampled frames: their source frame indices and times in seconds (0 for a frame
   // folder of unknown rate).
   const std::vector<int64_t>& source_frames(int64_t i) const { return videos_.at(i).sampled; }
@@ -151,12 +157,16 @@ class VideoDataset {
     std::vector<int64_t> sampled;          // source frame indices kept
     std::vector<double> seconds;           // their times
     std::vector<int64_t> labels;           // per source frame
+    std::vector<float> tools;              // per source frame x DataOptions::tools (-1: unknown)
     int64_t height = 0, width = 0;         // after resizing, before cropping
     bool time_first = true;                // features: stored [T,D] (else [D,T])
     int64_t feature_dim = 0;               // features: D
   };
   Item probe(const VideoEntry& entry) const;
   Item probe_features(const VideoEntry& entry) const;
+  // Item::tools from the entry's tool file, given each frame's annotation frame; `count`: the
+  // phase annotation's frames (the tool file's must be among them).
+  void read_tools(Item& item, const std::vector<int64_t>& annotation_frames, int64_t count) const;
 
   ClassList classes_;
   DataOptions options_;

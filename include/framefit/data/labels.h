@@ -38,6 +38,30 @@ void write_phase_annotations(const std::string& path, const std::vector<int64_t>
 std::vector<int64_t> labels_at_times(const std::vector<int64_t>& labels, double labels_fps,
                                      const std::vector<double>& seconds);
 
+// Tool presence per annotated frame, as Cholec80's tool_annotations/videoNN-tool.txt holds it:
+// a header `Frame<TAB>Grasper<TAB>Bipolar...`, then one line per annotated frame (every 25th
+// source frame there: 1 fps) with 0 or 1 per tool. The file's frame numbers count frames of the
+// phase annotation (same rate).
+struct ToolAnnotations {
+  std::vector<std::string> tools;  // the columns read, in the order asked for
+  std::vector<int64_t> frames;     // annotated frames, increasing
+  std::vector<float> presence;     // frames.size() x tools.size(), 0 or 1
+  // The presence row of annotation frame `frame`; nullptr where that frame is not annotated.
+  const float* at(int64_t frame) const;
+};
+// Reads the columns named `tools` (each must be in the header; other columns are left out).
+// Missing columns, values other than 0 and 1, frames out of order and malformed lines are
+// errors naming the file and line.
+ToolAnnotations read_tool_annotations(const std::string& path,
+                                      const std::vector<std::string>& tools);
+// presence [T,K] (0 or 1; a negative row, unknown, is left out): rows written as frames 0..T-1.
+void write_tool_annotations(const std::string& path, const std::vector<std::string>& tools,
+                            const std::vector<float>& presence);
+// Per frame, the tool presence of the annotation frame it shows (`annotation_frames`, as the
+// phase labels map them), -1 for every tool where that frame is not annotated: frames x tools.
+std::vector<float> tools_of_frames(const ToolAnnotations& annotations,
+                                   const std::vector<int64_t>& annotation_frames);
+
 // A video: a file (mp4, avi, mkv, ...) or a folder of frame images, with its annotation file.
 struct VideoEntry {
   std::string name;
@@ -51,12 +75,14 @@ struct VideoEntry {
   // Precomputed per-frame features (data/features.h) for a model that reads features
   // (model.encoder: features); same resolution.
   std::string features;
+  // Tool presence annotation (ToolAnnotations), for a run with data.tools; same resolution.
+  std::string tools;
 };
 
 // CSV with a header naming the columns: `labels` and `video` or `features` (or both) are
-// required; `name`, `split`, `fps` and `labels_fps` are optional (name defaults to the video's
-// file name, else the features file's, split to "train").
-// Quoted fields ("a, b") are supported. Errors name the file and line.
+// required; `name`, `split`, `fps`, `labels_fps` and `tools` are optional (name defaults to the
+// video's file name, else the features file's, split to "train"). Quoted fields ("a, b") are
+// supported. Errors name the file and line.
 std::vector<VideoEntry> read_manifest(const std::string& path);
 void write_manifest(const std::string& path, const std::vector<VideoEntry>& entries);
 

@@ -18,6 +18,11 @@ struct PhaseLossOptions {
 torch::Tensor phase_loss(const torch::Tensor& logits, const torch::Tensor& labels,
                          const PhaseLossOptions& options = {});
 
+// Tool presence (multi-label): logits [T,K], targets [T,K] of 1 (present), 0 (absent) or -1
+// (not annotated) -> the mean binary cross-entropy with logits over the annotated entries
+// (PyTorch's BCEWithLogitsLoss on them); 0, still attached to the logits, when none is.
+torch::Tensor tool_loss(const torch::Tensor& logits, const torch::Tensor& targets);
+
 // Class weights from the training labels' counts per class [C]: total / (count x C), so a class
 // at the average frequency weighs 1 and a rare one more; a class that never occurs counts as 1.
 // Float32 on the CPU.

@@ -29,6 +29,9 @@ struct Video {
   // (StepReport::features): the step uses them instead of encoding `frames`, which may then be
   // undefined. The same numbers as encoding again: such an encoder is a fixed function.
   torch::Tensor features;
+  // [T,K] float tool presence (1 present, 0 absent, -1 not annotated), for a step with a tool
+  // head; undefined: the video has no tool labels.
+  torch::Tensor tools;
 };
 
 struct OptimizerOptions {
@@ -67,6 +70,8 @@ struct StepOptions {
   // StepReport::features gets each video's encoder output (CPU, detached): with an encoder
   // without trained parameters, what later steps may take as Video::features.
   bool return_features = false;
+  // With a tool head: the loss adds tool_weight x tool_loss on each video's tool presence.
+  double tool_weight = 1.0;
 };
 
 // What a step was doing when it ran out of memory.
@@ -109,8 +114,11 @@ struct StepReport {
 
 class TrainingStep {
  public:
+  // `tool_head` (optional) maps each frame's features to tool logits [T,K], trained on
+  // Video::tools alongside the phases (multi-task, as EndoNet and TeCNO's feature training).
   TrainingStep(FrameEncoder encoder, std::shared_ptr<models::TemporalHead> head,
-               std::shared_ptr<torch::optim::Optimizer> optimizer, StepOptions options);
+               std::shared_ptr<torch::optim::Optimizer> optimizer, StepOptions options,
+               std::shared_ptr<torch::nn::LinearImpl> tool_head = nullptr);
 
   // Videos of different lengths are processed one after another; their gradients are averaged.
   StepReport step(const std::vector<Video>& videos);
@@ -130,10 +138,11 @@ class TrainingStep {
  private:
   FrameEncoder encoder_;
   std::shared_ptr<models::TemporalHead> head_;
+  std::shared_ptr<torch::nn::LinearImpl> tool_head_;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
   StepOptions options_;
   LossScaler scaler_;
-  std::vector<torch::Tensor> parameters_;  // encoder's then head's
+  std::vector<torch::Tensor> parameters_;  // encoder's, head's, tool head's
   int64_t pending_ = 0;                    // step() calls accumulated so far
 
   // Forward and backward of every video; gradients accumulate into .grad.

@@ -27,6 +27,7 @@ struct ModelSpec {
   std::string head = "lstm";       // lstm | tcn | linear
   models::HeadSettings head_settings;
   int64_t classes = 7;
+  int64_t tools = 0;        // a tool presence head (Linear features -> tools) beside the phase head
   std::string norm = "bn";  // bn | frozen_bn | group_norm
   int64_t groups = 32;
   std::string freeze;  // last frozen stage, "" for none
@@ -38,8 +39,8 @@ struct ModelSpec {
   std::string optimizer = "adamw";  // sgd | adam | adamw
   torch::Device device = torch::kCPU;
 
-  // Identifies what calibration measures: everything above but the head's classes and the
-  // optimizer, plus the precision.
+  // Identifies what calibration measures: everything above but the head's classes, the tools
+  // and the optimizer, plus the precision.
   std::string calibration_key(engine::Precision precision) const;
   // The encoder this describes, in feature mode (what static sizes, probes and the CLI build).
   models::ResNetOptions encoder_options() const;

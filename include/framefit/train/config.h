@@ -83,6 +83,9 @@ struct DataConfig {
   // Task phases: classes whose segments the segmental metrics (edit, F1@k) leave out, as MS-TCN
   // leaves out "background"; frame metrics count them.
   std::vector<std::string> background;
+  // Task phases: tool presence also learned and scored (multi-label), the tool annotation
+  // files' columns of these names (Cholec80's Grasper, Bipolar, ...); empty: none.
+  std::vector<std::string> tools;
 };
 
 struct TrainConfig {
@@ -104,6 +107,7 @@ struct TrainConfig {
   int64_t accumulate = 1;          // videos per optimizer step
   double clip_grad_norm = 0;
   double smoothing = 0;        // MS-TCN smoothing loss weight
+  double tool_weight = 1;      // with data.tools: weight of the tool presence loss
   bool class_weights = false;  // weight classes by inverse frequency in the training split
   uint64_t seed = 0;
   std::string out_dir = "runs/train";

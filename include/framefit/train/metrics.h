@@ -53,6 +53,32 @@ class SegmentScorer {
   int64_t videos_ = 0, true_segments_ = 0, predicted_segments_ = 0;
 };
 
+// Tool presence detection (multi-label), as EndoNet and later Cholec80 work report it: per
+// tool, the average precision of the frames' presence probabilities over the annotated frames,
+// and their mean (mAP) over the tools present in at least one of them.
+struct ToolMetrics {
+  int64_t frames = 0;                     // annotated frames scored
+  std::vector<double> average_precision;  // per tool; NaN for a tool never present
+  std::vector<int64_t> present;           // per tool: annotated frames showing it
+  double mean_average_precision = 0;
+};
+// scores [N] (higher: more likely present), targets [N] of 0 and 1: the sum over thresholds of
+// precision times the recall gained (equal scores are one threshold), as scikit-learn's
+// average_precision_score; NaN when no target is 1.
+double average_precision(const torch::Tensor& scores, const torch::Tensor& targets);
+// Accumulates ToolMetrics video by video.
+class ToolScorer {
+ public:
+  explicit ToolScorer(int64_t tools) : scores_(tools), targets_(tools) {}
+  // probabilities [T,K]; targets [T,K] of 1, 0 or -1 (not annotated: left out).
+  void add(const torch::Tensor& probabilities, const torch::Tensor& targets);
+  ToolMetrics metrics() const;
+
+ private:
+  std::vector<std::vector<float>> scores_, targets_;  // per tool, annotated frames
+  int64_t frames_ = 0;
+};
+
 struct PhaseMetrics {
   int64_t frames = 0;
   double accuracy = 0;
@@ -61,6 +87,7 @@ struct PhaseMetrics {
   // confusion[truth][prediction]: frames (clips, pixels) of each true class by predicted class.
   std::vector<std::vector<int64_t>> confusion;
   std::optional<SegmentMetrics> segments;  // phases: the videos' segmental scores
+  std::optional<ToolMetrics> tools;        // phases with data.tools
 };
 
 // One video's metrics. Cholec80 papers report video-level figures: each video's accuracy (and
@@ -130,8 +157,11 @@ std::string segment_f1_name(double threshold);
 // "phases": {name: {"precision", "recall", "f1", "jaccard"}}, "confusion": [[count, ...], ...]
 // (rows the true classes, columns the predicted ones, in phase order)} as JSON text, with
 // "segments": {"edit", "f1@10", "f1@25", "f1@50", "videos", "true_segments",
-// "predicted_segments"} when scored; NaN becomes null.
-std::string to_json(const PhaseMetrics& metrics, const std::vector<std::string>& phase_names);
+// "predicted_segments"} when scored, and "tools": {"frames", "mean_average_precision",
+// "average_precision": {tool: AP}, "present_frames": {tool: count}} with tool metrics (named by
+// `tool_names`); NaN becomes null.
+std::string to_json(const PhaseMetrics& metrics, const std::vector<std::string>& phase_names,
+                    const std::vector<std::string>& tool_names = {});
 
 class ConfusionMatrix {
  public:

@@ -117,6 +117,9 @@ struct Model {
   std::shared_ptr<torch::nn::Module> features_input;
   int64_t feature_dim = 0;
   std::shared_ptr<models::TemporalHead> head;
+  // With data.tools: per-frame tool presence logits from the features (Linear D -> tools),
+  // trained with the phases.
+  torch::nn::Linear tools{nullptr};
   torch::Device device = torch::kCPU;
   engine::Precision precision = engine::Precision::FP32;  // inference autocast
   int64_t chunk = 64;                                     // inference chunk
@@ -136,6 +139,7 @@ Model load_model(const std::string& checkpoint, const std::vector<std::string>& 
 struct Prediction {
   torch::Tensor labels;
   torch::Tensor probabilities;
+  torch::Tensor tool_probabilities;  // [T,K] sigmoid of the tool head; undefined without one
 };
 // model.chunk frames at a time; a video that runs out of memory is predicted again with the
 // chunk halved (a Warning event), and model.chunk keeps the chunk that ran.
@@ -147,8 +151,9 @@ Prediction predict_features(Model& model, const torch::Tensor& features,
 // Stage one of two-stage training: every video of the config's splits (data.train_split,
 // val_split, test_split) through the model's encoder as evaluation runs it (centre crop, no
 // flip, model.chunk frames at a time), written to `out_dir` as NAME.pt (features [T,D] float32,
-// one row per sampled frame), NAME.txt (the labels of those frames, one line each) and
-// manifest.csv (name, labels, split, features, fps) - the data set model.encoder: features
+// one row per sampled frame), NAME.txt (the labels of those frames, one line each), with
+// data.tools NAME-tools.txt (their tool presence, frames numbered by row), and
+// manifest.csv (name, labels, split, features, fps, tools) - the data set model.encoder: features
 // trains on. Returns the manifest's path. Not for a model that has no encoder.
 std::string extract_features(Model& model, const std::string& out_dir,
                              const EventCallback& on_event = {});
@@ -197,7 +202,7 @@ data::VideoDataset make_dataset(const Config& config, const std::string& split, 
 void warn_unused_splits(const Config& config, const EventCallback& on_event);
 
 // Weights as a PyTorch state_dict: "encoder.<torchvision name>" (a TorchScript encoder: its
-// own names) and "head.<name>".
+// own names), "head.<name>", and with data.tools "tools.weight" and "tools.bias".
 models::StateDict export_state_dict(const Model& model);
 
 }  // namespace framefit::train
