@@ -549,10 +549,11 @@ const std::vector<Entry>& entries() {
                                at_least(0)));
     t.push_back(choice(
         "train.best_by",
-        "validation metric that picks best.pt (edit, f1@k: phases); auto: "
+        "validation metric that picks best.pt (edit, f1@k: phases; tool_map: data.tools); auto: "
         "macro_jaccard for segmentation, accuracy otherwise",
         FRAMEFIT_MEMBER(std::string, train.best_by),
-        {"auto", "accuracy", "macro_f1", "macro_jaccard", "edit", "f1@10", "f1@25", "f1@50"}));
+        {"auto", "accuracy", "macro_f1", "macro_jaccard", "edit", "f1@10", "f1@25", "f1@50",
+         "tool_map"}));
     t.push_back(field<std::string>(
         "train.batch", "clips/segmentation: samples per batch; auto: the largest that fits",
         FRAMEFIT_MEMBER(std::string, train.batch), "auto or a count", auto_or_count()));

@@ -364,6 +364,7 @@ double metric_value(const PhaseMetrics& m, const std::string& name) {
   if (name == "macro_recall") return m.macro_recall;
   if (name == "macro_f1") return m.macro_f1;
   if (name == "macro_jaccard") return m.macro_jaccard;
+  if (name == "tool_map" && m.tools) return m.tools->mean_average_precision;
   if (m.segments) {
     if (name == "edit") return m.segments->edit;
     for (size_t k = 0; k < m.segments->thresholds.size(); ++k) {

@@ -926,6 +926,11 @@ std::vector<plan::Finding> diagnose_label_settings(const Config& config) {
          "choose accuracy, macro_f1, macro_jaccard or auto"});
   }
   const auto& tools = config.data.tools;
+  if (best_by == "tool_map" && tools.empty()) {
+    findings.push_back({plan::Finding::Severity::Error,
+                        "train.best_by tool_map scores tool presence, which nothing learns",
+                        "list the tools in data.tools, or choose another metric"});
+  }
   if (!tools.empty() && config.task != "phases") {
     findings.push_back({plan::Finding::Severity::Error,
                         c10::str("data.tools learns tool presence per video frame; task ",

@@ -1170,6 +1170,26 @@ TEST(Training, ToolPresenceTrainsWithThePhasesAndIsScoredSavedAndResumed) {
   ASSERT_TRUE(head_only.best.tools.has_value());
   EXPECT_EQ(head_only.best.tools->frames, annotated);
 
+  // best.pt by tool mAP: the epoch whose validation mAP is highest.
+  auto by_map = config;
+  by_map.train.best_by = "tool_map";
+  by_map.train.out_dir += "_by_map";
+  test_util::remove_tree(by_map.train.out_dir);
+  const auto by_map_result = train::train(by_map);
+  double highest = -1;
+  for (const auto& record : epoch_records(by_map.train.out_dir)) {
+    highest = std::max(highest, record["val"]["tools"]["mean_average_precision"].get<double>());
+  }
+  EXPECT_DOUBLE_EQ(by_map_result.best.tools->mean_average_precision, highest);
+  test_util::remove_tree(by_map.train.out_dir);
+  auto no_tools = config;
+  no_tools.data.tools.clear();
+  no_tools.train.best_by = "tool_map";
+  EXPECT_NE(test_util::error_message([&] {
+              train::train(no_tools);
+            }).find("tool_map scores tool presence, which nothing learns"),
+            std::string::npos);
+
   // Tools are for phases, named once.
   auto twice = config;
   twice.data.tools = {"A", "A"};
