@@ -51,7 +51,8 @@ torch::Tensor phase_loss(const torch::Tensor& logits_in, const torch::Tensor& la
   return total;
 }
 
-torch::Tensor tool_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+torch::Tensor tool_loss(const torch::Tensor& logits, const torch::Tensor& targets,
+                        const torch::Tensor& positive_weight) {
   TORCH_CHECK(logits.dim() == 2 && targets.sizes() == logits.sizes(),
               "tool_loss: logits and targets must both be [T,K]; got ", logits.sizes(), " and ",
               targets.sizes(), " (one row of tool presence per frame)");
@@ -64,10 +65,25 @@ torch::Tensor tool_loss(const torch::Tensor& logits, const torch::Tensor& target
               "tool_loss: targets must be 1 (present), 0 (absent) or -1 (not annotated)");
   const auto count = known.sum().item<int64_t>();
   if (count == 0) return x.sum() * 0;
-  const auto per_entry = torch::nn::functional::binary_cross_entropy_with_logits(
-      x, y.clamp_min(0),
-      torch::nn::functional::BinaryCrossEntropyWithLogitsFuncOptions().reduction(torch::kNone));
+  auto options =
+      torch::nn::functional::BinaryCrossEntropyWithLogitsFuncOptions().reduction(torch::kNone);
+  if (positive_weight.defined()) {
+    TORCH_CHECK(positive_weight.dim() == 1 && positive_weight.size(0) == x.size(1),
+                "tool_loss: positive_weight must have one entry per tool (", x.size(1), "); got ",
+                positive_weight.sizes());
+    options.pos_weight(positive_weight.to(x.device(), compute_dtype));
+  }
+  const auto per_entry =
+      torch::nn::functional::binary_cross_entropy_with_logits(x, y.clamp_min(0), options);
   return per_entry.masked_select(known).sum() / static_cast<double>(count);
+}
+
+torch::Tensor tool_positive_weights(const torch::Tensor& present, const torch::Tensor& annotated) {
+  TORCH_CHECK(present.dim() == 1 && annotated.sizes() == present.sizes(),
+              "tool_positive_weights: counts must both be [K], got ", present.sizes(), " and ",
+              annotated.sizes());
+  const auto p = present.to(torch::kDouble), n = annotated.to(torch::kDouble) - p;
+  return torch::where(p > 0, n / p.clamp_min(1), torch::ones_like(p)).to(torch::kFloat32);
 }
 
 torch::Tensor inverse_frequency_weights(const torch::Tensor& counts) {

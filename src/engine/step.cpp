@@ -112,7 +112,8 @@ void TrainingStep::accumulate_gradients(const std::vector<Video>& videos, StepRe
         // In float32 as the phase head: the features of mixed precision are bf16/fp16.
         const auto input =
             features.scalar_type() == torch::kFloat64 ? features : features.to(torch::kFloat32);
-        loss = loss + options_.tool_weight * tool_loss(tool_head_->forward(input), video.tools);
+        loss = loss + options_.tool_weight * tool_loss(tool_head_->forward(input), video.tools,
+                                                       options_.tool_positive_weight);
       }
     }
     report.loss += loss.item<double>() / static_cast<double>(videos.size());

@@ -1026,6 +1026,20 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
     info("class weights (inverse frequency over the training frames): " +
          describe_class_weights(weights, model.classes.names()));
     options.loss.class_weights = weights.to(device);
+    if (model.tools) {
+      const auto k = model.tools->options.out_features();
+      auto present = torch::zeros({k}, torch::kDouble),
+           annotated = torch::zeros({k}, torch::kDouble);
+      for (int64_t i = 0; i < train_set.size(); ++i) {
+        const auto tools = train_set.tools(i).to(torch::kDouble);
+        present += tools.clamp_min(0).sum(0);
+        annotated += tools.ge(0).sum(0).to(torch::kDouble);
+      }
+      const auto positive = engine::tool_positive_weights(present, annotated);
+      info("tool weights of present frames (absent over present annotated training frames): " +
+           describe_class_weights(positive, config.data.tools));
+      options.tool_positive_weight = positive.to(device);
+    }
   }
   auto encoder = model.frame_encoder();
   std::optional<FeatureCache> feature_cache, val_feature_cache;

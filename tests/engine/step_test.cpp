@@ -269,6 +269,15 @@ TEST(TrainingStep, ToolLossIsBinaryCrossEntropyOverAnnotatedEntries) {
     expected -= y * std::log(s) + (1 - y) * std::log(1 - s);
   }
   EXPECT_NEAR(engine::tool_loss(logits, targets).item<double>(), expected / 4, 1e-12);
+  // pos_weight 3 and 0.5: the present entries (x = 2 of tool 0, x = 1.5 of tool 1) weigh so.
+  const auto s = [](double x) { return 1 / (1 + std::exp(-x)); };
+  const double weighted =
+      -3 * std::log(s(2)) - std::log(1 - s(-1)) - std::log(1 - s(-3)) - 0.5 * std::log(s(1.5));
+  EXPECT_NEAR(engine::tool_loss(logits, targets, torch::tensor({3.0, 0.5})).item<double>(),
+              weighted / 4, 1e-12);
+  EXPECT_TRUE(torch::allclose(
+      engine::tool_positive_weights(torch::tensor({1, 4, 0}), torch::tensor({5, 5, 5})),
+      torch::tensor({4.0F, 0.25F, 1.0F})));
   // Nothing annotated: 0, still differentiable.
   auto x = logits.clone().requires_grad_();
   const auto none = engine::tool_loss(x, torch::full_like(targets, -1));

@@ -1170,12 +1170,18 @@ TEST(Training, ToolPresenceTrainsWithThePhasesAndIsScoredSavedAndResumed) {
   ASSERT_TRUE(head_only.best.tools.has_value());
   EXPECT_EQ(head_only.best.tools->frames, annotated);
 
-  // best.pt by tool mAP: the epoch whose validation mAP is highest.
+  // best.pt by tool mAP: the epoch whose validation mAP is highest. With class weights, each
+  // tool's present frames weigh absent / present (Scissors, never present: 1).
   auto by_map = config;
   by_map.train.best_by = "tool_map";
+  by_map.train.class_weights = true;
   by_map.train.out_dir += "_by_map";
   test_util::remove_tree(by_map.train.out_dir);
-  const auto by_map_result = train::train(by_map);
+  std::string tool_weights;
+  const auto by_map_result = train::train(by_map, "", [&](const train::Event& e) {
+    if (e.message.rfind("tool weights", 0) == 0) tool_weights = e.message;
+  });
+  EXPECT_NE(tool_weights.find(", Scissors 1"), std::string::npos) << tool_weights;
   double highest = -1;
   for (const auto& record : epoch_records(by_map.train.out_dir)) {
     highest = std::max(highest, record["val"]["tools"]["mean_average_precision"].get<double>());

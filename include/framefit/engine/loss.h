@@ -21,7 +21,13 @@ torch::Tensor phase_loss(const torch::Tensor& logits, const torch::Tensor& label
 // Tool presence (multi-label): logits [T,K], targets [T,K] of 1 (present), 0 (absent) or -1
 // (not annotated) -> the mean binary cross-entropy with logits over the annotated entries
 // (PyTorch's BCEWithLogitsLoss on them); 0, still attached to the logits, when none is.
-torch::Tensor tool_loss(const torch::Tensor& logits, const torch::Tensor& targets);
+// `positive_weight` [K], optional: BCEWithLogitsLoss's pos_weight, the weight of each tool's
+// present entries (rare tools weigh more).
+torch::Tensor tool_loss(const torch::Tensor& logits, const torch::Tensor& targets,
+                        const torch::Tensor& positive_weight = {});
+// pos_weight from the training frames' counts per tool [K]: annotated frames without the tool
+// over those with it, so both weigh alike; a tool never present weighs 1. Float32 on the CPU.
+torch::Tensor tool_positive_weights(const torch::Tensor& present, const torch::Tensor& annotated);
 
 // Class weights from the training labels' counts per class [C]: total / (count x C), so a class
 // at the average frequency weighs 1 and a rare one more; a class that never occurs counts as 1.

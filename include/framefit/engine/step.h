@@ -72,6 +72,7 @@ struct StepOptions {
   bool return_features = false;
   // With a tool head: the loss adds tool_weight x tool_loss on each video's tool presence.
   double tool_weight = 1.0;
+  torch::Tensor tool_positive_weight;  // [K], optional: tool_loss's positive_weight
 };
 
 // What a step was doing when it ran out of memory.
