@@ -70,6 +70,7 @@ double BatchTrainingStep::accumulate_gradients(const torch::Tensor& samples,
       auto loss_options = torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum);
       if (weights_.defined()) loss_options.weight(weights_.to(scores.options()));
       if (options_.ignore_label >= 0) loss_options.ignore_index(options_.ignore_label);
+      loss_options.label_smoothing(options_.label_smoothing);
       loss = torch::nn::functional::cross_entropy(scores, y, loss_options) / denominator;
     }
     scaler_.scale(loss).backward();

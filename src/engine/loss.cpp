@@ -36,10 +36,12 @@ torch::Tensor phase_loss(const torch::Tensor& logits_in, const torch::Tensor& la
   torch::Tensor total;
   for (int64_t s = 0; s < logits.size(0); ++s) {
     const auto stage = logits[s].to(compute_dtype);
-    auto loss = torch::nn::functional::cross_entropy(
-        stage, target,
-        torch::nn::functional::CrossEntropyFuncOptions().weight(weights).ignore_index(
-            options.ignore_index));
+    auto loss =
+        torch::nn::functional::cross_entropy(stage, target,
+                                             torch::nn::functional::CrossEntropyFuncOptions()
+                                                 .weight(weights)
+                                                 .ignore_index(options.ignore_index)
+                                                 .label_smoothing(options.label_smoothing));
     if (options.smoothing > 0 && frames > 1) {
       const auto log_probs = torch::log_softmax(stage, 1);
       const auto delta = log_probs.slice(0, 1) - log_probs.slice(0, 0, frames - 1).detach();

@@ -522,6 +522,14 @@ const std::vector<Entry>& entries() {
     t.push_back(field<double>("train.smoothing", "phases: MS-TCN smoothing loss weight; 0: off",
                               FRAMEFIT_MEMBER(double, train.smoothing), "a number",
                               non_negative()));
+    t.push_back(field<double>(
+        "train.label_smoothing",
+        "cross-entropy label smoothing (PyTorch's label_smoothing): the target puts 1 - x on the "
+        "label and x spread over all classes; 0: off",
+        FRAMEFIT_MEMBER(double, train.label_smoothing), "a number",
+        [](const double& v, const std::string& where) {
+          TORCH_CHECK(v >= 0 && v < 1, where, ": must be within [0, 1), got ", v);
+        }));
     t.push_back(field<double>("train.tool_weight",
                               "with data.tools: weight of the tool presence loss (binary "
                               "cross-entropy) added to the phase loss",

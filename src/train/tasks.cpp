@@ -1110,6 +1110,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   options.micro_batches = progress.micro_batches * tc.accumulate;
   options.clip_grad_norm = tc.clip_grad_norm;
   options.ignore_label = config.data.ignore_id;
+  options.label_smoothing = config.train.label_smoothing;
   if (tc.class_weights) {
     const auto counts = train_set.class_counts(model.classes.size());
     options.class_weights = engine::inverse_frequency_weights(counts);

@@ -1017,6 +1017,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   options.precision = progress.settings.precision;
   options.clip_grad_norm = tc.clip_grad_norm;
   options.loss.smoothing = tc.smoothing;
+  options.loss.label_smoothing = tc.label_smoothing;
   if (tc.class_weights) {
     auto counts = torch::zeros({model.classes.size()}, torch::kDouble);
     for (int64_t i = 0; i < train_set.size(); ++i) {

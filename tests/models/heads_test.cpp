@@ -72,6 +72,15 @@ TEST(PhaseLoss, CrossEntropyWeightsSmoothingAndChecks) {
   EXPECT_GT(engine::phase_loss(logits[0], labels, smooth).item<double>(),
             engine::phase_loss(logits[0], labels).item<double>());
 
+  // Label smoothing x: (1 - x) times the cross-entropy plus x times the mean over classes of
+  // -log p, as PyTorch defines it.
+  engine::PhaseLossOptions smoothed;
+  smoothed.label_smoothing = 0.2;
+  const auto log_p = torch::log_softmax(logits[0], 1);
+  const auto by_hand =
+      0.8 * torch::nn::functional::cross_entropy(logits[0], labels) + 0.2 * (-log_p.mean(1)).mean();
+  EXPECT_TRUE(torch::allclose(engine::phase_loss(logits[0], labels, smoothed), by_hand));
+
   auto ignored = labels.clone();
   ignored[3] = -100;
   EXPECT_NO_THROW(engine::phase_loss(logits, ignored));

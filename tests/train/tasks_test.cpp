@@ -159,6 +159,33 @@ TEST(BatchStep, ClassWeightsGiveTheWeightedMeanWhateverTheMicroBatches) {
             std::string::npos);
 }
 
+TEST(BatchStep, LabelSmoothingAsPyTorchsWhateverTheMicroBatches) {
+  // PyTorch's weighted cross-entropy with label smoothing and an ignored label, over the whole
+  // batch, against micro-batches each divided by the whole batch's weight.
+  const auto labels = torch::tensor({0, 9, 1, 3, 2, 3}, torch::kLong);
+  engine::BatchStepOptions options;
+  options.ignore_label = 9;
+  options.label_smoothing = 0.3;
+  options.class_weights = torch::tensor({0.5, 2.0, 1.0, 3.0}, torch::kDouble);
+  auto network = small_network();
+  torch::manual_seed(7);
+  const auto x = torch::randn({6, 3, 12, 12}, torch::kDouble);
+  torch::randint(0, 4, {6}, torch::kLong);  // as run_step draws
+  torch::nn::functional::cross_entropy(network->forward(x), labels,
+                                       torch::nn::functional::CrossEntropyFuncOptions()
+                                           .weight(options.class_weights)
+                                           .ignore_index(9)
+                                           .label_smoothing(0.3))
+      .backward();
+  std::vector<torch::Tensor> reference;
+  for (const auto& p : network->parameters()) reference.push_back(p.grad());
+  EXPECT_LT(largest_difference(reference, run_step(options, 0, labels).gradients), 1e-12);
+  options.micro_batches = 3;
+  EXPECT_LT(largest_difference(reference, run_step(options, 0, labels).gradients), 1e-12);
+  options.label_smoothing = 0;
+  EXPECT_GT(largest_difference(reference, run_step(options, 0, labels).gradients), 1e-6);
+}
+
 TEST(BatchStep, IgnoredLabelsCountInNeitherTheLossNorItsMean) {
   // Labels 9 (a mask's border pixels, say) are left out, as PyTorch's ignore_index leaves them
   // out: of the sum and of the count (or weight) it is divided by, whatever the micro-batches.

@@ -64,6 +64,9 @@ TEST(Config, BadKeysAndValuesAreNamed) {
   EXPECT_NE(error("train:\n  epochs: 0\n").find("train.epochs: must be at least 1"),
             std::string::npos);
   EXPECT_NE(error("train:\n  lr: 0\n").find("train.lr: must be positive"), std::string::npos);
+  EXPECT_NE(error("", {"train.label_smoothing=1"})
+                .find("train.label_smoothing: must be within [0, 1), got 1"),
+            std::string::npos);
   EXPECT_NE(error("train:\n  chunk: big\n").find("train.chunk"), std::string::npos);
   EXPECT_NE(error("train:\n  budget: 12XB\n").find("train.budget"), std::string::npos);
   EXPECT_NE(error("data:\n  classes: a\n").find("data.classes: expected a list"),

@@ -33,6 +33,8 @@ struct BatchStepOptions {
   // the border pixels of a segmentation mask); -1: none. A batch of ignored labels only has a
   // loss of 0.
   int64_t ignore_label = -1;
+  // PyTorch's label_smoothing, the loss still the batch's (weighted) mean; 0: off.
+  double label_smoothing = 0;
   LossScalerOptions scaler;  // used with Precision::FP16 only
   bool retry_on_out_of_memory = true;
   // Stored samples (uint8 clips or images) to network input on the device, one micro-batch at

@@ -11,6 +11,9 @@ struct PhaseLossOptions {
   double smoothing = 0.0;
   double smoothing_clamp = 4.0;
   int64_t ignore_index = -100;  // frames with this label do not count
+  // PyTorch's label_smoothing: the target is (1 - x) on the label plus x spread evenly over
+  // all classes; 0: off.
+  double label_smoothing = 0.0;
 };
 
 // logits [S,T,C] (or [T,C]), labels [T] int64 -> scalar: the sum over stages of the mean

@@ -108,6 +108,7 @@ struct TrainConfig {
   double clip_grad_norm = 0;
   double smoothing = 0;        // MS-TCN smoothing loss weight
   double tool_weight = 1;      // with data.tools: weight of the tool presence loss
+  double label_smoothing = 0;  // PyTorch's cross-entropy label_smoothing
   bool class_weights = false;  // weight classes by inverse frequency in the training split
   uint64_t seed = 0;
   std::string out_dir = "runs/train";
