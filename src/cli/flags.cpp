@@ -551,7 +551,8 @@ const std::vector<Flag>& flag_table() {
        FlagType::Path,
        "Phases: also write each video's per-frame predictions to this folder as NAME.csv "
        "(predict's columns and the labelled phase: frame, time_seconds, phase, confidence, "
-       "truth).",
+       "truth; and one column per tool with data.tools) and its timeline as NAME.png (the "
+       "labelled phases above the predicted ones, a colour per phase).",
        ""},
       {"relaxed",
        {"eval"},
@@ -567,6 +568,12 @@ const std::vector<Flag>& flag_table() {
        FlagType::Path,
        "Phases: also write the predicted phase segments (runs of frames with one phase) as CSV: "
        "segment, phase, first and last frame and time, frames, mean confidence.",
+       ""},
+      {"timeline",
+       {"predict"},
+       FlagType::Path,
+       "Phases: also write the predicted phases as a timeline picture (PNG): a colour per phase "
+       "(matplotlib's tab20 order), time left to right, one column per frame up to 2,000.",
        ""},
       {"json", {"eval", "train", "bench-data"}, FlagType::Switch, "Print the result as JSON.", ""},
       {"threads",

@@ -23,6 +23,7 @@
 #include "framefit/data/media.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/train/tasks.h"
+#include "framefit/train/timeline.h"
 #include "framefit/train/trainer.h"
 
 namespace framefit::cli {
@@ -444,6 +445,8 @@ int run_eval(const Args& args) {
       out << phase_csv(prediction, dataset.source_frames(i), dataset.source_seconds(i),
                        model.classes, model.config.data.tools, dataset.labels(i));
       TORCH_CHECK(out.good(), "cannot write ", path);
+      data::write_image(folder + "/" + name + ".png",
+                        train::timeline_image({dataset.labels(i), prediction.labels}));
     };
     metrics = train::evaluate(model, dataset, on_event, &per_video, on_prediction);
     classes = model.classes;
@@ -590,6 +593,9 @@ int predict_phases(const Args& args) {
                     phase_csv(prediction, video.source_frames, video.source_seconds, model.classes,
                               model.config.data.tools),
                     prediction.labels.size(0), "frames");
+  if (args.has("timeline")) {
+    data::write_image(args.text("timeline"), train::timeline_image({prediction.labels}));
+  }
   const auto probabilities = prediction.probabilities.accessor<float, 2>();
   if (args.has("segments")) {
     const auto segments = train::segments_of(prediction.labels);
@@ -684,7 +690,7 @@ int predict_masks(const Args& args) {
 
 int run_predict(const Args& args) {
   const auto task = train::checkpoint_config(args.text("checkpoint")).task;
-  for (const char* flag : {"segments", "online", "features"}) {
+  for (const char* flag : {"segments", "timeline", "online", "features"}) {
     TORCH_CHECK(task == "phases" || !args.has(flag), "--", flag,
                 " is for a phases checkpoint; this one is for task ", task);
   }

@@ -123,7 +123,7 @@ grep -q "Cholec80's 7 phases" relaxed.err || { cat relaxed.err; fail "relaxed me
 "$framefit" eval --checkpoint run/best.pt --set data.manifest=demo/manifest_frames.csv --json \
   > eval_frames.json
 "$framefit" predict --checkpoint run/best.pt --video demo/videos/video05.mp4 --out phases.csv \
-  --segments segments.csv
+  --segments segments.csv --timeline timeline.png
 "$framefit" predict --checkpoint run/best.pt --video demo/frames/video05 --fps 25 > phases_frames.csv
 "$framefit" export --checkpoint run/best.pt --out weights.pt > /dev/null
 "$python" - <<'PY'
@@ -211,6 +211,13 @@ for (index, phase, first, last, first_s, last_s, count, confidence), (label, sta
     assert start == position
     position = end
 assert position == len(frame_rows)
+# predict --timeline and eval --predictions' NAME.png: PNG pictures one column per frame, one
+# ribbon (24 pixels) per row: the prediction, or the labels 4 pixels above it.
+import struct
+for path, rows in (("timeline.png", 1), ("preds/video05.png", 2)):
+    head = open(path, "rb").read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
+    assert struct.unpack(">II", head[16:24]) == (len(frame_rows), 24 * rows + 4 * (rows - 1)), path
 # eval --predictions: the test video's frames as predict gives them, with their labels.
 evaluated = [r.split(",") for r in open("preds/video05.csv").read().strip().split("\n")]
 assert evaluated[0] == ["frame", "time_seconds", "phase", "confidence", "truth"], evaluated[0]

@@ -20,6 +20,7 @@
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
 #include "framefit/train/tasks.h"
+#include "framefit/train/timeline.h"
 #include "framefit/train/trainer.h"
 
 using namespace framefit;
@@ -199,6 +200,36 @@ TEST(Metrics, ToolAveragePrecisionAsScikitLearnComputesIt) {
   EXPECT_NEAR(json["tools"]["average_precision"]["x"].get<double>(), 5.0 / 6, 1e-12);
   EXPECT_TRUE(json["tools"]["average_precision"]["z"].is_null());
   EXPECT_EQ(json["tools"]["present_frames"]["y"], 2);
+}
+
+TEST(Timeline, RibbonsOfClassColoursOneColumnPerFrame) {
+  const auto image =
+      train::timeline_image({torch::tensor({0, 1, 1, -1}), torch::tensor({2, 2, 1, 0})});
+  ASSERT_EQ(image.sizes(), (std::vector<int64_t>{3, 24 + 4 + 24, 4}));
+  const auto pixel = [&](int64_t y, int64_t x) {
+    return std::array<uint8_t, 3>{image[0][y][x].item<uint8_t>(), image[1][y][x].item<uint8_t>(),
+                                  image[2][y][x].item<uint8_t>()};
+  };
+  EXPECT_EQ(pixel(0, 0), train::class_color(0));
+  EXPECT_EQ(pixel(23, 2), train::class_color(1));
+  EXPECT_EQ(pixel(10, 3), (std::array<uint8_t, 3>{220, 220, 220}));  // unlabelled
+  EXPECT_EQ(pixel(25, 1), (std::array<uint8_t, 3>{255, 255, 255}));  // the gap
+  EXPECT_EQ(pixel(28, 0), train::class_color(2));
+  EXPECT_EQ(pixel(51, 3), train::class_color(0));
+  EXPECT_EQ(train::class_color(21), train::class_color(1));
+  EXPECT_NE(train::class_color(0), train::class_color(1));
+  // 5,000 frames in 2,000 columns: column x shows the frame at its centre, (2x + 1) * 5000 / 4000.
+  const auto ramp = torch::arange(5000) / 250;  // classes 0..19, 250 frames each
+  const auto wide = train::timeline_image({ramp});
+  ASSERT_EQ(wide.size(2), 2000);
+  for (const int64_t x : {0, 99, 100, 1999}) {
+    const int64_t frame = (2 * x + 1) * 5000 / 4000;
+    EXPECT_EQ(wide[0][0][x].item<uint8_t>(), train::class_color(frame / 250)[0]) << x;
+  }
+  EXPECT_NE(test_util::error_message([] {
+              train::timeline_image({torch::tensor({0, 1}), torch::tensor({0})});
+            }).find("every row must be [2]"),
+            std::string::npos);
 }
 
 namespace {
