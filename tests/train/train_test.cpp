@@ -1230,6 +1230,22 @@ TEST(Training, ToolPresenceTrainsWithThePhasesAndIsScoredSavedAndResumed) {
             }).find("tool_map scores tool presence, which nothing learns"),
             std::string::npos);
 
+  // The doctor names every video whose tool file is missing or bad, before training.
+  auto entries = data::read_manifest(config.data.manifest);
+  entries[0].tools = config.train.out_dir + "_data/missing-tool.txt";
+  std::ofstream(config.train.out_dir + "_data/bad-tool.txt") << "Frame\tA\tB\tScissors\n0\t1\tyes\t0\n";
+  entries[3].tools = config.train.out_dir + "_data/bad-tool.txt";
+  data::write_manifest(config.train.out_dir + "_data/bad.csv", entries);
+  auto bad = config;
+  bad.data.manifest = config.train.out_dir + "_data/bad.csv";
+  std::vector<std::string> errors;
+  for (const auto& f : train::diagnose_phases(bad)) {
+    if (f.severity == plan::Finding::Severity::Error) errors.push_back(f.problem);
+  }
+  ASSERT_EQ(errors.size(), 2u);
+  EXPECT_NE(errors[0].find("missing-tool.txt: cannot open"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("bad-tool.txt:2: tool B is \"yes\""), std::string::npos) << errors[1];
+
   // Tools are for phases, named once.
   auto twice = config;
   twice.data.tools = {"A", "A"};
