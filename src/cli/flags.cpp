@@ -437,6 +437,14 @@ const std::vector<Flag>& flag_table() {
        "Write MP4 files only, no JPEG frame folders.",
        ""},
       {"seed", {"make-demo"}, FlagType::Int, "Random seed.", "0", false, {}, 0},
+      {"tools",
+       {"make-demo"},
+       FlagType::Switch,
+       "Also draw two tools (Clip: a white square, Probe: a magenta bar) in view at random times, "
+       "annotated every 25th frame in tools/videoNN-tool.txt as Cholec80's tools "
+       "(configs/demo_tools.yaml learns them); frames differ from the plain demo's where a tool "
+       "shows.",
+       ""},
       // train, eval, predict, export
       {"config",
        {"train", "bench-data"},

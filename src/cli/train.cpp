@@ -308,6 +308,7 @@ int run_make_demo(const Args& args) {
   options.max_frames = args.integer("max-frames");
   options.frame_folders = !args.on("no-frame-folders");
   options.seed = static_cast<uint64_t>(args.integer("seed"));
+  options.tools = args.on("tools");
   const auto summary =
       data::make_demo(args.text("out"), options, [](const std::string& name, int64_t frames) {
         fmt::print(stderr, "framefit make-demo: {} ({} frames)\n", name, frames);
@@ -321,6 +322,9 @@ int run_make_demo(const Args& args) {
   const auto demo_classes = data::demo_classes();
   for (const auto& name : demo_classes.names()) classes += (classes.empty() ? "" : ", ") + name;
   fmt::print("  classes: [{}]\n", classes);
+  if (options.tools) {
+    fmt::print("  tools: [{}]\n", c10::Join(", ", data::demo_tools()));
+  }
   data::SegmentationDemoOptions segmentation;
   segmentation.seed = options.seed;
   const std::string segmentation_dir = args.text("out") + "/segmentation";

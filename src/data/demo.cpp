@@ -64,6 +64,39 @@ torch::Tensor render(int look, const Style& s, int64_t t, const torch::Tensor& y
   return image.clamp(0, 255).round().to(torch::kUInt8);
 }
 
+// Per tool, whether it is in view in each of `frames` frames: two random intervals of 10-30% of
+// the video each.
+std::vector<std::vector<bool>> draw_tool_presence(std::mt19937_64& rng, int64_t tools,
+                                                  int64_t frames) {
+  std::uniform_real_distribution<double> u(0, 1);
+  std::vector<std::vector<bool>> present(static_cast<size_t>(tools),
+                                         std::vector<bool>(static_cast<size_t>(frames), false));
+  for (auto& row : present) {
+    for (int interval = 0; interval < 2; ++interval) {
+      const auto length = static_cast<int64_t>(frames * (0.1 + 0.2 * u(rng)));
+      const auto start = static_cast<int64_t>((frames - length) * u(rng));
+      for (int64_t t = start; t < start + length; ++t) row[static_cast<size_t>(t)] = true;
+    }
+  }
+  return present;
+}
+
+// Draws the tools in view over a rendered frame [3,H,W]: tool 0 a white square, tool 1 a
+// magenta bar, both within the central 60% of the width (any crop of a 64-pixel square from the
+// 80-pixel-wide frame keeps them).
+void draw_tools(torch::Tensor& image, const std::vector<std::vector<bool>>& present, int64_t t) {
+  const int64_t h = image.size(1), w = image.size(2);
+  if (present[0][static_cast<size_t>(t)]) {
+    image.slice(1, h / 8, h / 8 + h / 6).slice(2, w * 2 / 5, w * 2 / 5 + h / 6).fill_(255);
+  }
+  if (present[1][static_cast<size_t>(t)]) {
+    auto bar = image.slice(1, h / 2, h * 9 / 10).slice(2, w * 3 / 5, w * 3 / 5 + w / 20 + 1);
+    bar[0].fill_(255);
+    bar[1].fill_(0);
+    bar[2].fill_(255);
+  }
+}
+
 void make_directory(const std::string& path) {
   if (::mkdir(path.c_str(), 0755) != 0) {
     struct stat info {};
@@ -73,6 +106,8 @@ void make_directory(const std::string& path) {
 }
 
 }  // namespace
+
+std::vector<std::string> demo_tools() { return {"Clip", "Probe"}; }
 
 ClassList demo_classes() {
   return ClassList({"Preparation", "Dissection", "Irrigation", "Suturing", "Inspection"});
@@ -87,8 +122,11 @@ DemoSummary make_demo(const std::string& out_dir, const DemoOptions& options,
               "demo videos need min_frames >= 25 and max_frames >= min_frames");
   const auto classes = demo_classes();
   for (const char* sub : {"", "/videos", "/labels", "/frames"}) make_directory(out_dir + sub);
+  if (options.tools) make_directory(out_dir + "/tools");
 
   std::mt19937_64 rng(options.seed);
+  // Its own stream, so the phases and looks are those of the demo without tools.
+  std::mt19937_64 tool_rng(options.seed ^ 0x70015ULL);
   auto gen = at::detail::createCPUGenerator(options.seed);
   const auto yy =
       torch::linspace(0, 1, options.height).view({-1, 1}).expand({options.height, options.width});
@@ -121,6 +159,8 @@ DemoSummary make_demo(const std::string& out_dir, const DemoOptions& options,
       while (static_cast<int64_t>(labels.size()) < end) labels.push_back(p);
     }
     const Style style = draw_style(rng);
+    const auto tools =
+        options.tools ? draw_tool_presence(tool_rng, 2, frames) : std::vector<std::vector<bool>>{};
 
     const std::string video_path = out_dir + "/videos/" + name + ".mp4";
     const std::string label_path = out_dir + "/labels/" + name + ".txt";
@@ -128,7 +168,8 @@ DemoSummary make_demo(const std::string& out_dir, const DemoOptions& options,
     if (options.frame_folders) make_directory(folder);
     VideoWriter writer(video_path, options.width, options.height, options.fps);
     for (int64_t t = 0; t < frames; ++t) {
-      const auto image = render(kLookOfPhase[labels[t]], style, t, yy, xx, gen);
+      auto image = render(kLookOfPhase[labels[t]], style, t, yy, xx, gen);
+      if (!tools.empty()) draw_tools(image, tools, t);
       writer.write(image);
       if (options.frame_folders) {
         char file[32];
@@ -143,6 +184,17 @@ DemoSummary make_demo(const std::string& out_dir, const DemoOptions& options,
                       std::string("labels/") + name + ".txt", split, 0});
     folders.push_back({name, std::string("frames/") + name, std::string("labels/") + name + ".txt",
                        split, options.fps});
+    if (!tools.empty()) {
+      // Every 25th frame, as Cholec80 annotates tools (1 fps of its 25).
+      std::vector<float> rows;
+      for (int64_t t = 0; t < frames; ++t) {
+        for (const auto& tool : tools)
+          rows.push_back(t % 25 == 0 ? tool[static_cast<size_t>(t)] : -1);
+      }
+      const std::string tool_file = std::string("tools/") + name + "-tool.txt";
+      write_tool_annotations(out_dir + "/" + tool_file, demo_tools(), rows);
+      videos.back().tools = folders.back().tools = tool_file;
+    }
     summary.frames += frames;
     ++summary.videos;
     if (on_video) on_video(name, frames);

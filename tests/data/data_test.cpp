@@ -420,6 +420,54 @@ TEST_F(DataTest, ToolAnnotationsParseByNameAndFollowTheFramesByTime) {
   EXPECT_EQ(data::read_manifest(dir_ + "/m2.csv")[0].tools, dir_ + "/v-tool.txt");
 }
 
+TEST_F(DataTest, DemoWithToolsDrawsWhatItsToolFilesSay) {
+  if (skip_without_ffmpeg()) GTEST_SKIP() << "built without FFmpeg";
+  data::DemoOptions options;
+  options.train_videos = 2;
+  options.val_videos = options.test_videos = 0;
+  options.min_frames = options.max_frames = 300;
+  options.frame_folders = false;
+  options.tools = true;
+  const auto summary = data::make_demo(dir_, options);
+  const auto entries = data::read_manifest(summary.manifest);
+  ASSERT_EQ(entries.size(), 2u);
+  EXPECT_EQ(entries[1].tools, dir_ + "/tools/video02-tool.txt");
+  data::DataOptions read;
+  read.tools = data::demo_tools();
+  const data::VideoDataset set(entries, data::demo_classes(), read);
+  int64_t shown[2] = {0, 0}, annotated = 0;
+  for (int64_t v = 0; v < set.size(); ++v) {
+    const auto tools = set.tools(v);
+    const auto frames = set.load(v).frames.to(torch::kFloat32);
+    for (int64_t t = 0; t < tools.size(0); ++t) {
+      if (tools[t][0].item<float>() < 0) {
+        EXPECT_NE(t % 25, 0) << t;  // every 25th frame is annotated, no other
+        continue;
+      }
+      ++annotated;
+      // Clip: a white square; Probe: a magenta bar (red and blue high, green low).
+      const auto square = frames[t].slice(1, 8, 18).slice(2, 32, 42).mean().item<float>();
+      const auto bar = frames[t].slice(1, 33, 56).slice(2, 48, 52).mean({1, 2});
+      const bool clip = tools[t][0].item<float>() > 0, probe = tools[t][1].item<float>() > 0;
+      EXPECT_EQ(square > 200, clip) << "video " << v << " frame " << t << ": " << square;
+      EXPECT_EQ(bar[1].item<float>() < 60 && bar[0].item<float>() > 200, probe)
+          << "video " << v << " frame " << t;
+      shown[0] += clip;
+      shown[1] += probe;
+    }
+  }
+  EXPECT_EQ(annotated, 24);
+  EXPECT_GT(shown[0], 0);
+  EXPECT_GT(shown[1], 0);
+  // The phases are those of the demo without tools.
+  options.tools = false;
+  const auto plain = data::make_demo(dir_ + "/plain", options);
+  const auto plain_entries = data::read_manifest(plain.manifest);
+  EXPECT_TRUE(plain_entries[0].tools.empty());
+  EXPECT_EQ(data::read_phase_annotations(plain_entries[1].labels, data::demo_classes()),
+            data::read_phase_annotations(entries[1].labels, data::demo_classes()));
+}
+
 TEST_F(DataTest, BadVideosAreNamedOrSkipped) {
   if (skip_without_ffmpeg()) GTEST_SKIP() << "built without FFmpeg";
   const auto l50 = labels("l50.txt", 50);

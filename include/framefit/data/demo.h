@@ -22,10 +22,16 @@ struct DemoOptions {
   int64_t height = 64;
   bool frame_folders = true;  // JPEG frames as well as MP4 files
   uint64_t seed = 0;
+  // Two tools drawn over the frames at random times (demo_tools(): a white square and a magenta
+  // bar near the centre, which crops keep), annotated every 25th frame as Cholec80's tools are
+  // (tools/videoNN-tool.txt, the manifests' tools column). Off: the videos are those without.
+  bool tools = false;
 };
 
 // The demo's phases, in the order they occur.
 ClassList demo_classes();
+// The demo's tools (DemoOptions::tools), in column order.
+std::vector<std::string> demo_tools();
 
 struct DemoSummary {
   std::string manifest;         // MP4 videos
@@ -34,7 +40,8 @@ struct DemoSummary {
   int64_t frames = 0;
 };
 
-// Writes videos/, frames/, labels/, manifest.csv and manifest_frames.csv under `out_dir`.
+// Writes videos/, frames/, labels/, manifest.csv and manifest_frames.csv (and with tools,
+// tools/) under `out_dir`.
 // `on_video` is told (name, frames) after each video.
 DemoSummary make_demo(const std::string& out_dir, const DemoOptions& options = {},
                       const std::function<void(const std::string&, int64_t)>& on_video = {});
