@@ -42,6 +42,17 @@ if [ "$mode" = tiny ]; then
     fail "the doctor passed a manifest naming a missing video"
   fi
   grep -q "none.mp4: cannot open" doctor.txt || { cat doctor.txt; fail "doctor on a missing video"; }
+  # The demo drawn with tools and configs/demo_tools.yaml: two steps, then eval scores the tools
+  # (10 annotated frames per 250-frame video).
+  "$framefit" make-demo --out demo_tools --tools --train-videos 2 --val-videos 0 --test-videos 1 \
+    --min-frames 250 --max-frames 250 --no-frame-folders --threads 2 > make_tools.txt
+  grep -q "tools: \[Clip, Probe\]" make_tools.txt || { cat make_tools.txt; fail "make-demo --tools"; }
+  test -f demo_tools/tools/video03-tool.txt
+  "$framefit" train --config "$(dirname "$0")/../../configs/demo_tools.yaml" --threads 2 \
+    --set train.max_steps=2 --set train.validate=false --set data.resize=32 --set data.crop=32 \
+    --set train.out_dir=run_tools > train_tools.txt 2>&1 || { cat train_tools.txt; fail "tools run"; }
+  "$framefit" eval --checkpoint run_tools/best.pt --set data.test_split=train > eval_tools.txt
+  grep -Eq "^  mean \(mAP\) +[0-9.]+$" eval_tools.txt || { cat eval_tools.txt; fail "tool mAP"; }
 fi
 
 if [ "$mode" = resume ]; then
