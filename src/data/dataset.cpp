@@ -491,9 +491,9 @@ VideoDataset::Item VideoDataset::probe(const VideoEntry& entry) const {
                 " frames but ", entry.video, " has ", source.frames,
                 ": they must describe the same frames", hint);
   }
-  read_tools(item, annotation_frames, count);
   item.sampled = sampled_frames(source, options_.fps);
   for (const int64_t frame : item.sampled) item.seconds.push_back(seconds_of(source, frame));
+  read_tools(item, annotation_frames, count);
   std::tie(item.height, item.width) =
       resized_hw(source.height, source.width, options_.transform.resize);
   check_crop(entry.video, options_.transform.crop, item.height, item.width);
@@ -581,7 +581,9 @@ void VideoDataset::read_tools(Item& item, const std::vector<int64_t>& annotation
               " annotates frame ", annotations.frames.back(), " but the phase annotation ",
               entry.labels, " has ", count,
               " frames: both must count frames at the same rate (Cholec80's are 25 fps)");
-  item.tools = tools_of_frames(annotations, annotation_frames);
+  std::vector<int64_t> sampled;  // only the sampled frames' rows are kept
+  for (const int64_t frame : item.sampled) sampled.push_back(annotation_frames[frame]);
+  item.tools = tools_of_frames(annotations, sampled);
 }
 
 int64_t VideoDataset::frames(int64_t i) const {
@@ -622,10 +624,7 @@ torch::Tensor VideoDataset::tools(int64_t i) const {
   if (options_.tools.empty()) return {};
   const auto k = static_cast<int64_t>(options_.tools.size());
   auto out = torch::empty({static_cast<int64_t>(v.sampled.size()), k}, torch::kFloat32);
-  auto* p = out.data_ptr<float>();
-  for (size_t row = 0; row < v.sampled.size(); ++row) {
-    std::copy_n(v.tools.data() + v.sampled[row] * k, k, p + row * k);
-  }
+  std::copy(v.tools.begin(), v.tools.end(), out.data_ptr<float>());
   return out;
 }
 

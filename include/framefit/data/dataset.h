@@ -157,15 +157,16 @@ class VideoDataset {
     std::vector<int64_t> sampled;          // source frame indices kept
     std::vector<double> seconds;           // their times
     std::vector<int64_t> labels;           // per source frame
-    std::vector<float> tools;              // per source frame x DataOptions::tools (-1: unknown)
+    std::vector<float> tools;              // per sampled frame x DataOptions::tools (-1: unknown)
     int64_t height = 0, width = 0;         // after resizing, before cropping
     bool time_first = true;                // features: stored [T,D] (else [D,T])
     int64_t feature_dim = 0;               // features: D
   };
   Item probe(const VideoEntry& entry) const;
   Item probe_features(const VideoEntry& entry) const;
-  // Item::tools from the entry's tool file, given each frame's annotation frame; `count`: the
-  // phase annotation's frames (the tool file's must be among them).
+  // Item::tools of the sampled frames (Item::sampled) from the entry's tool file, given each
+  // source frame's annotation frame; `count`: the phase annotation's frames (the tool file's
+  // must be among them).
   void read_tools(Item& item, const std::vector<int64_t>& annotation_frames, int64_t count) const;
 
   ClassList classes_;
