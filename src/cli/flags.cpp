@@ -581,7 +581,8 @@ const std::vector<Flag>& flag_table() {
        {"predict"},
        FlagType::Path,
        "Phases: also write the predicted phases as a timeline picture (PNG): a colour per phase "
-       "(matplotlib's tab20 order), time left to right, one column per frame up to 2,000.",
+       "(matplotlib's tab20 order), time left to right, one column per frame up to 2,000; with "
+       "data.tools a ribbon per tool below, coloured where it is predicted present (p >= 0.5).",
        ""},
       {"json", {"eval", "train", "bench-data"}, FlagType::Switch, "Print the result as JSON.", ""},
       {"threads",

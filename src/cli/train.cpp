@@ -598,7 +598,14 @@ int predict_phases(const Args& args) {
                               model.config.data.tools),
                     prediction.labels.size(0), "frames");
   if (args.has("timeline")) {
-    data::write_image(args.text("timeline"), train::timeline_image({prediction.labels}));
+    // The phases, then with tools one ribbon per tool: its colour where it is predicted present.
+    std::vector<torch::Tensor> rows = {prediction.labels};
+    const auto& tools = prediction.tool_probabilities;
+    for (int64_t k = 0; tools.defined() && k < tools.size(1); ++k) {
+      rows.push_back(torch::where(tools.select(1, k) >= 0.5, torch::tensor(2 * k % 20),
+                                  torch::tensor(int64_t{-1})));
+    }
+    data::write_image(args.text("timeline"), train::timeline_image(rows));
   }
   const auto probabilities = prediction.probabilities.accessor<float, 2>();
   if (args.has("segments")) {

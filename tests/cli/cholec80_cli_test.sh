@@ -57,7 +57,14 @@ done
 "$framefit" eval --checkpoint run/best.pt --relaxed cholec80 --predictions predicted --json > eval.json
 "$framefit" eval --checkpoint run/best.pt > eval.txt
 grep -Eq "^  mean \(mAP\) +[0-9.]+$" eval.txt || { cat eval.txt; exit 1; }
-"$framefit" predict --checkpoint run/best.pt --video cholec80/videos/video01.mp4 --out p.csv
+"$framefit" predict --checkpoint run/best.pt --video cholec80/videos/video01.mp4 --out p.csv \
+  --timeline timeline.png
+# The phases' ribbon and one per tool: 8 ribbons of 24 pixels, 4 apart, one column per frame.
+"$python" -c "
+import struct
+head = open('timeline.png', 'rb').read(24)
+assert head[12:16] == b'IHDR' and struct.unpack('>II', head[16:24]) == (4, 8 * 24 + 7 * 4), head
+"
 head -1 p.csv | grep -q "^frame,time_seconds,phase,confidence,Grasper,Bipolar,Hook,.*,SpecimenBag$" ||
   { head -2 p.csv; exit 1; }
 "$python" -c "
