@@ -116,10 +116,14 @@ void print_metrics(const train::PhaseMetrics& m, const data::ClassList& classes,
   }
   if (m.tools && m.tools->average_precision.size() == tools.size()) {
     const auto& t = *m.tools;
-    fmt::print("  tool presence over {} annotated frames:\n  {:<20} {:>9} {:>9}\n", t.frames,
-               "tool", "AP", "present");
+    fmt::print(
+        "  tool presence over {} annotated frames (precision, recall, F1 at p >= 0.5):\n"
+        "  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}\n",
+        t.frames, "tool", "AP", "precision", "recall", "F1", "present");
     for (size_t k = 0; k < tools.size(); ++k) {
-      fmt::print("  {:<20} {:>9} {:>9}\n", tools[k], percent(t.average_precision[k]), t.present[k]);
+      fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}\n", tools[k],
+                 percent(t.average_precision[k]), percent(t.precision[k]), percent(t.recall[k]),
+                 percent(t.f1[k]), t.present[k]);
     }
     fmt::print("  {:<20} {:>9}\n", "mean (mAP)", percent(t.mean_average_precision));
   }

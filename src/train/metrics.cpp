@@ -415,15 +415,23 @@ std::string to_json(const PhaseMetrics& m, const std::vector<std::string>& phase
     const auto& t = *m.tools;
     TORCH_CHECK(tool_names.size() == t.average_precision.size(), "to_json: ", tool_names.size(),
                 " names for ", t.average_precision.size(), " tools");
-    nlohmann::json ap = nlohmann::json::object(), present = nlohmann::json::object();
+    nlohmann::json ap = nlohmann::json::object(), present = nlohmann::json::object(),
+                   precision = nlohmann::json::object(), recall = nlohmann::json::object(),
+                   f1 = nlohmann::json::object();
     for (size_t k = 0; k < tool_names.size(); ++k) {
       ap[tool_names[k]] = number(t.average_precision[k]);
       present[tool_names[k]] = t.present[k];
+      precision[tool_names[k]] = number(t.precision[k]);
+      recall[tool_names[k]] = number(t.recall[k]);
+      f1[tool_names[k]] = number(t.f1[k]);
     }
     out["tools"] = {{"frames", t.frames},
                     {"mean_average_precision", number(t.mean_average_precision)},
                     {"average_precision", ap},
-                    {"present_frames", present}};
+                    {"present_frames", present},
+                    {"precision", precision},
+                    {"recall", recall},
+                    {"f1", f1}};
   }
   return out.dump();
 }
@@ -503,6 +511,17 @@ ToolMetrics ToolScorer::metrics() const {
     const auto y = torch::from_blob(const_cast<float*>(targets_[j].data()), {n}, torch::kFloat32);
     m.present.push_back(n == 0 ? 0 : static_cast<int64_t>(y.sum().item<float>()));
     m.average_precision.push_back(n == 0 ? std::nan("") : average_precision(s, y));
+    const auto predicted = s.ge(0.5);
+    const double hits = predicted.logical_and(y.gt(0.5)).sum().item<double>();
+    const double said = predicted.sum().item<double>();
+    const auto present = static_cast<double>(m.present.back());
+    const double precision = said > 0 ? hits / said : std::nan("");
+    const double recall = present > 0 ? hits / present : std::nan("");
+    m.precision.push_back(precision);
+    m.recall.push_back(recall);
+    // 2 TP / (2 TP + FP + FN): 0 for a tool present but never predicted, or the reverse.
+    const double errors = (said - hits) + (present - hits);
+    m.f1.push_back(hits + errors > 0 ? 2 * hits / (2 * hits + errors) : std::nan(""));
     if (!std::isnan(m.average_precision.back())) {
       sum += m.average_precision.back();
       ++counted;

@@ -97,6 +97,13 @@ for k, name in enumerate(names):
     expected = ap(scores, labels) if sum(labels) else None
     got = t['average_precision'][name]
     assert (got is None) == (expected is None) and (got is None or abs(got - expected) < 1e-3), (name, got, expected)
+    said = [y for s, y in zip(scores, labels) if s >= 0.5]  # predicted present
+    errors = (len(said) - sum(said)) + (sum(labels) - sum(said))
+    for key, want in (('precision', sum(said) / len(said) if said else None),
+                      ('recall', sum(said) / sum(labels) if sum(labels) else None),
+                      ('f1', 2 * sum(said) / (2 * sum(said) + errors) if sum(said) + errors else None)):
+        have = t[key][name]
+        assert (have is None) == (want is None) and (have is None or abs(have - want) < 1e-9), (key, name, have, want)
 present = [v for v in t['average_precision'].values() if v is not None]
 assert abs(t['mean_average_precision'] - sum(present) / len(present)) < 1e-9, t
 r = m['relaxed']

@@ -193,6 +193,15 @@ TEST(Metrics, ToolAveragePrecisionAsScikitLearnComputesIt) {
   EXPECT_TRUE(std::isnan(m.average_precision[2]));
   EXPECT_EQ(m.present, (std::vector<int64_t>{2, 2, 0}));
   EXPECT_NEAR(m.mean_average_precision, (5.0 / 6 + 1) / 2, 1e-12);
+  // At p >= 0.5: tool 0 predicted once (0.8, right) of 2 present; tool 1 twice, both right; tool
+  // 2 never present but predicted once (0.6).
+  EXPECT_DOUBLE_EQ(m.precision[0], 1.0);
+  EXPECT_DOUBLE_EQ(m.recall[0], 0.5);
+  EXPECT_DOUBLE_EQ(m.f1[0], 2.0 / 3);
+  EXPECT_DOUBLE_EQ(m.f1[1], 1.0);
+  EXPECT_DOUBLE_EQ(m.precision[2], 0.0);
+  EXPECT_TRUE(std::isnan(m.recall[2]));
+  EXPECT_DOUBLE_EQ(m.f1[2], 0.0);  // 2 TP / (2 TP + FP + FN) with one false positive
   train::PhaseMetrics phases;
   phases.precision = phases.recall = phases.f1 = phases.jaccard = {0};
   phases.tools = m;
@@ -200,6 +209,8 @@ TEST(Metrics, ToolAveragePrecisionAsScikitLearnComputesIt) {
   EXPECT_NEAR(json["tools"]["average_precision"]["x"].get<double>(), 5.0 / 6, 1e-12);
   EXPECT_TRUE(json["tools"]["average_precision"]["z"].is_null());
   EXPECT_EQ(json["tools"]["present_frames"]["y"], 2);
+  EXPECT_DOUBLE_EQ(json["tools"]["recall"]["x"].get<double>(), 0.5);
+  EXPECT_TRUE(json["tools"]["recall"]["z"].is_null());
 }
 
 TEST(Timeline, RibbonsOfClassColoursOneColumnPerFrame) {

@@ -61,6 +61,10 @@ struct ToolMetrics {
   std::vector<double> average_precision;  // per tool; NaN for a tool never present
   std::vector<int64_t> present;           // per tool: annotated frames showing it
   double mean_average_precision = 0;
+  // Per tool, predicting present where the probability is at least 0.5: precision (NaN when
+  // never predicted), recall (NaN when never present) and F1 = 2 TP / (2 TP + FP + FN) (NaN
+  // when neither present nor predicted).
+  std::vector<double> precision, recall, f1;
 };
 // scores [N] (higher: more likely present), targets [N] of 0 and 1: the sum over thresholds of
 // precision times the recall gained (equal scores are one threshold), as scikit-learn's
@@ -158,8 +162,8 @@ std::string segment_f1_name(double threshold);
 // (rows the true classes, columns the predicted ones, in phase order)} as JSON text, with
 // "segments": {"edit", "f1@10", "f1@25", "f1@50", "videos", "true_segments",
 // "predicted_segments"} when scored, and "tools": {"frames", "mean_average_precision",
-// "average_precision": {tool: AP}, "present_frames": {tool: count}} with tool metrics (named by
-// `tool_names`); NaN becomes null.
+// "average_precision": {tool: AP}, "present_frames": {tool: count}, "precision", "recall",
+// "f1": {tool: value}} with tool metrics (named by `tool_names`); NaN becomes null.
 std::string to_json(const PhaseMetrics& metrics, const std::vector<std::string>& phase_names,
                     const std::vector<std::string>& tool_names = {});
 
