@@ -109,6 +109,15 @@ std::function<void(const double&, const std::string&)> non_negative() {
     TORCH_CHECK(v >= 0, where, ": must not be negative, got ", v);
   };
 }
+// Within [low, high] (closed) or [low, high) (not closed); `unit` follows the range in the
+// message, e.g. " (turns)".
+std::function<void(const double&, const std::string&)> within(double low, double high, bool closed,
+                                                              std::string unit = "") {
+  return [=](const double& v, const std::string& where) {
+    TORCH_CHECK(v >= low && (closed ? v <= high : v < high), where, ": must be within [", low, ", ",
+                high, closed ? "]" : ")", unit, ", got ", v);
+  };
+}
 std::function<void(const double&, const std::string&)> positive() {
   return [](const double& v, const std::string& where) {
     TORCH_CHECK(v > 0, where, ": must be positive, got ", v);
@@ -382,18 +391,12 @@ const std::vector<Entry>& entries() {
                               "training with data.augment: hue shift drawn per video from "
                               "[-x, x] turns (torchvision ColorJitter); 0: off",
                               FRAMEFIT_MEMBER(double, data.hue), "a number",
-                              [](const double& v, const std::string& where) {
-                                TORCH_CHECK(v >= 0 && v <= 0.5, where,
-                                            ": must be within [0, 0.5] (turns), got ", v);
-                              }));
+                              within(0, 0.5, true, " (turns)")));
     t.push_back(field<double>("data.rotation",
                               "training with data.augment: rotation drawn per video from "
                               "[-x, x] degrees (torchvision RandomRotation); 0: off",
                               FRAMEFIT_MEMBER(double, data.rotation), "a number",
-                              [](const double& v, const std::string& where) {
-                                TORCH_CHECK(v >= 0 && v <= 180, where,
-                                            ": must be within [0, 180] (degrees), got ", v);
-                              }));
+                              within(0, 180, true, " (degrees)")));
     t.push_back(choice("data.on_error",
                        "a bad video: stop with an error, or skip it with a warning",
                        FRAMEFIT_MEMBER(std::string, data.on_error), {"fail", "skip"}));
@@ -526,10 +529,7 @@ const std::vector<Entry>& entries() {
         "train.label_smoothing",
         "cross-entropy label smoothing (PyTorch's label_smoothing): the target puts 1 - x on the "
         "label and x spread over all classes; 0: off",
-        FRAMEFIT_MEMBER(double, train.label_smoothing), "a number",
-        [](const double& v, const std::string& where) {
-          TORCH_CHECK(v >= 0 && v < 1, where, ": must be within [0, 1), got ", v);
-        }));
+        FRAMEFIT_MEMBER(double, train.label_smoothing), "a number", within(0, 1, false)));
     t.push_back(field<double>("train.tool_weight",
                               "with data.tools: weight of the tool presence loss (binary "
                               "cross-entropy) added to the phase loss",

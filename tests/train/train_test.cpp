@@ -65,6 +65,11 @@ TEST(Config, BadKeysAndValuesAreNamed) {
   EXPECT_NE(error("train:\n  epochs: 0\n").find("train.epochs: must be at least 1"),
             std::string::npos);
   EXPECT_NE(error("train:\n  lr: 0\n").find("train.lr: must be positive"), std::string::npos);
+  EXPECT_NE(error("", {"data.hue=0.6"}).find("data.hue: must be within [0, 0.5] (turns), got 0.6"),
+            std::string::npos);
+  EXPECT_NE(error("", {"data.rotation=-1"})
+                .find("data.rotation: must be within [0, 180] (degrees), got -1"),
+            std::string::npos);
   EXPECT_NE(error("", {"train.label_smoothing=1"})
                 .find("train.label_smoothing: must be within [0, 1), got 1"),
             std::string::npos);
