@@ -2,7 +2,8 @@
 
   /usr/bin/python3 bench/layers_bench.py            # section 1: 3 interleaved rounds of 7 steps
   /usr/bin/python3 bench/layers_bench.py --quick    # small inputs only, for a smoke run
-  /usr/bin/python3 bench/layers_bench.py --only-cost --nets unet --rounds 7   # part of section 1
+  /usr/bin/python3 bench/layers_bench.py --sections 1 --nets unet --rounds 7  # part of section 1
+  /usr/bin/python3 bench/layers_bench.py --sections 3   # seeds/001 only; the rest from layers.json
 
 1. Cost of checkpointing: the same batch trained without checkpointing, with the planner's
    choice for a budget that halves the activation memory, and with every stage recomputed.
@@ -11,7 +12,8 @@
 2. UNet (seeds/003): the largest batch a fixed budget allows, fp32 without checkpointing vs bf16
    with the planner's checkpointing (seeds/003 reports 4 -> 16 with AMP + checkpointing + more).
 3. seeds/001's corrected 3D CNN on full-size clips (3 x 60 x 230 x 230, 20 classes) within 12 GiB:
-   the largest batch the planner finds, checked by real training steps under the budget.
+   the largest batch the planner finds, checked by real training steps under the budget, with
+   framefit's lean max pooling (models/pooling.h) and with PyTorch's.
 
 Every row runs `framefit bench-layers` (tracked bytes enforce the budget on the CPU, as GPU memory
 would). Writes bench/results/layers.{md,json}.
@@ -42,22 +44,26 @@ def mib(n):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only-cost", action="store_true",
-                        help="rerun section 1 only; sections 2 and 3 come from layers.json")
-    parser.add_argument("--nets", help="comma-separated nets of section 1 to rerun (with "
-                        "--only-cost; the other nets' rows come from layers.json)")
+    parser.add_argument("--sections", default="1,2,3",
+                        help="comma-separated sections to rerun; the others come from layers.json")
+    parser.add_argument("--nets", help="comma-separated nets of section 1 to rerun (the other "
+                        "nets' rows come from layers.json)")
     parser.add_argument("--rounds", type=int, help="section 1 rounds (default 3)")
     opts = parser.parse_args()
-    if opts.nets and not opts.only_cost:
-        parser.error("--nets reruns part of section 1: give --only-cost too")
+    sections = set(opts.sections.split(","))
+    if opts.nets and "1" not in sections:
+        parser.error("--nets reruns part of section 1: give --sections 1")
     # Steps of well under a second are noisy on a shared machine: more of them per median.
     repeat = "1" if opts.quick else "7"
     results = {"cost": [], "unet_batch": [], "seed001": []}
     machine = None
-    if opts.only_cost:
+    if sections != {"1", "2", "3"}:
         with open(os.path.join(OUT, "layers.json")) as f:
             previous = json.load(f)
-        results["unet_batch"], results["seed001"] = previous["unet_batch"], previous["seed001"]
+        for section, key in (("1", "cost"), ("2", "unet_batch"), ("3", "seed001")):
+            if section not in sections:
+                results[key] = previous[key]
+        machine = previous["machine"]
 
     # 1. Cost of checkpointing at a fixed batch.
     nets = [("unet", "3,128,128", ["--width", "32", "--depth", "4", "--classes", "2"], "8"),
@@ -70,7 +76,9 @@ def main():
     if opts.quick:
         nets = [("unet", "3,64,64", ["--width", "8", "--depth", "3", "--classes", "2"], "4")]
     kept_rows = []
-    if opts.nets:
+    if "1" not in sections:
+        nets = []
+    elif opts.nets:
         wanted = opts.nets.split(",")
         nets = [n for n in nets if n[0] in wanted]
         kept_rows = [r for r in previous["cost"] if r["net"] not in wanted]
@@ -81,7 +89,9 @@ def main():
     checkpoint_modes = ("off", "auto, budget halfway", "auto, half the activations", "all")
     # Settings other than checkpointing, run plain in the same rounds: the video ResNets'
     # convolution backward through oneDNN throughout (models/conv3d.h), as LibTorch runs it.
-    other_modes = {"r3d_18": [("off, oneDNN backward", ["--onednn-backward"])]}
+    # seeds/001's net with PyTorch's max pooling, which keeps its input (models/pooling.h).
+    other_modes = {"r3d_18": [("off, oneDNN backward", ["--onednn-backward"])],
+                   "clip3d": [("off, PyTorch's max pooling", ["--plain-pooling"])]}
     for net, shape, extra, batch in nets:
         common = ["--net", net, "--input", shape, *extra, "--batch", batch, "--repeat", repeat]
         modes = checkpoint_modes + tuple(m for m, _ in other_modes.get(net, []))
@@ -126,14 +136,14 @@ def main():
 
     # 2. UNet's largest batch within a fixed budget.
     unet_shape, unet_budget = ("3,64,64", "64MiB") if opts.quick else ("3,128,128", "512MiB")
-    sections = (("fp32, no checkpointing", ["--precision", "fp32", "--checkpoint", "off"]),
-                ("fp32, checkpointing", ["--precision", "fp32", "--checkpoint", "auto"]),
-                ("bf16, checkpointing", ["--precision", "bf16", "--checkpoint", "auto"]))
-    if opts.only_cost:
-        sections = ()
+    unet_settings = (("fp32, no checkpointing", ["--precision", "fp32", "--checkpoint", "off"]),
+                     ("fp32, checkpointing", ["--precision", "fp32", "--checkpoint", "auto"]),
+                     ("bf16, checkpointing", ["--precision", "bf16", "--checkpoint", "auto"]))
+    if "2" not in sections:
+        unet_settings = ()
     unet = ["--net", "unet", "--input", unet_shape, "--width", "16", "--depth", "4", "--classes",
             "2", "--batch", "0", "--budget", unet_budget, "--repeat", "1"]
-    for label, extra in sections:
+    for label, extra in unet_settings:
         row = bench(*unet, *extra)
         results["unet_batch"].append({"setting": label, "budget": unet_budget,
                                       **{k: row.get(k) for k in ("planned_batch", "largest_batch",
@@ -143,11 +153,14 @@ def main():
               flush=True)
 
     # 3. seeds/001 corrected, full-size clips, 12 GiB.
-    if not opts.quick and not opts.only_cost:
+    if not opts.quick and "3" in sections:
         for label, extra in (("fp32, no checkpointing", ["--checkpoint", "off"]),
-                             ("fp32, checkpointing", ["--checkpoint", "auto"])):
+                             ("fp32, checkpointing", ["--checkpoint", "auto"]),
+                             ("fp32, no checkpointing, PyTorch's max pooling",
+                              ["--checkpoint", "off", "--plain-pooling"])):
             row = bench("--net", "clip3d", "--input", "3,60,230,230", "--classes", "20", "--batch",
                         "0", "--budget", "12GiB", "--repeat", "1", *extra)
+            machine = row.get("machine", machine)
             results["seed001"].append({"setting": label, **{k: row.get(k) for k in (
                 "planned_batch", "largest_batch", "peak_bytes", "predicted_peak_bytes",
                 "step_seconds", "samples_per_second", "tries", "rss_peak_bytes", "recomputed")}})

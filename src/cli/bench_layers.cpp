@@ -72,7 +72,8 @@ LayerNet build_net(const Args& args, const std::vector<int64_t>& input) {
   } else {
     net.chain = engine::chain_network(
         models::Network(models::NetworkOptions(
-                            models::clip3d_layers(classes, name == "clip3d_separable"), input))
+                            models::clip3d_layers(classes, name == "clip3d_separable"), input)
+                            .lean_pooling(!args.on("plain-pooling")))
             .ptr());
   }
   return net;

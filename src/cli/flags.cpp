@@ -410,6 +410,13 @@ const std::vector<Flag>& flag_table() {
        "LibTorch, instead of LibTorch's own kernel where oneDNN's workspace is many times the "
        "weight (few output positions: layer4 on 112-pixel clips; models/conv3d.h).",
        ""},
+      {"plain-pooling",
+       {"bench-layers"},
+       FlagType::Switch,
+       "clip3d nets: PyTorch's max pooling, which keeps its input for backward, instead of the "
+       "lean pooling that keeps the indices and runs a preceding ReLU on the pooled output "
+       "(models/pooling.h).",
+       ""},
       // make-demo
       {"out", {"make-demo"}, FlagType::Path, "Folder to write the demo data set into.", "", true},
       {"train-videos", {"make-demo"}, FlagType::Int, "Training videos.", "12", false, {}, 1},

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "framefit/models/conv3d.h"
+#include "framefit/models/pooling.h"
 
 namespace framefit::models {
 
@@ -79,10 +80,16 @@ int64_t window_out(int64_t size, int64_t kernel, int64_t stride, int64_t padding
   return span < 0 ? 0 : span / stride + 1;
 }
 
+// A relu whose next layer is a lean maxpool runs with it as one (pooling.h).
+bool relu_pools_next(const std::vector<LayerSpec>& layers, size_t i, bool lean_pooling = true) {
+  return lean_pooling && layers[i].type == "relu" && i + 1 < layers.size() &&
+         layers[i + 1].type == "maxpool";
+}
+
 }  // namespace
 
-NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers,
-                           const std::vector<int64_t>& input) {
+NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers, const std::vector<int64_t>& input,
+                           bool lean_pooling) {
   NetworkShapes result;
   TORCH_CHECK(input.size() >= 1 && input.size() <= 4,
               "the network input must be given per sample as [C,H,W] or [C,T,H,W]; got ",
@@ -190,7 +197,8 @@ NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers,
       out.buffers = spec.type == "bn" ? 2 * channels : 0;
       out.saved_elements = kept ? 0 : product(shape);
     } else if (spec.type == "relu") {
-      out.saved_elements = product(shape);  // relu's gradient needs its output
+      // relu's gradient needs its output; before a lean maxpool, the pool keeps the pooled one.
+      out.saved_elements = relu_pools_next(layers, i, lean_pooling) ? 0 : product(shape);
     } else if (spec.type == "dropout") {
       if (!(spec.p >= 0 && spec.p <= 1)) {
         fail(c10::str("dropout probability ", spec.p, " is not in [0, 1]"),
@@ -228,8 +236,16 @@ NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers,
              "use larger inputs or fewer downsampling layers before it");
         break;
       }
-      out.saved_elements = kept ? 0 : product(shape);
-      if (spec.type == "maxpool") out.saved_index_bytes = product(next) * 8;  // int64 indices
+      if (spec.type == "maxpool") {
+        out.saved_index_bytes = product(next) * 8;  // int64 indices
+        // PyTorch's keeps its input too; the lean one only ReLU's mask, its own output.
+        const bool after_relu = i > 0 && relu_pools_next(layers, i - 1, lean_pooling);
+        out.saved_elements =
+            !lean_pooling ? (kept ? 0 : product(shape)) : (after_relu ? product(next) : 0);
+        kept = lean_pooling && after_relu;
+      } else {
+        out.saved_elements = kept ? 0 : product(shape);
+      }
       shape = next;
     } else if (spec.type == "global_avgpool") {
       if (spatial < 1) {
@@ -271,8 +287,8 @@ NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers,
     out.output = shape;
     if (spec.type == "relu") {
       kept = true;
-    } else if (spec.type != "flatten") {
-      kept = false;  // a new tensor (flatten is a view of the same one)
+    } else if (spec.type != "flatten" && spec.type != "maxpool") {
+      kept = false;  // a new tensor (flatten is a view of the same one); maxpool set it above
     }
     result.layers.push_back(out);
   }
@@ -330,7 +346,7 @@ class GlobalAvgPoolImpl : public torch::nn::Module {
 TORCH_MODULE(GlobalAvgPool);
 
 torch::nn::AnyModule build_layer(const LayerSpec& spec, const std::vector<int64_t>& in_shape,
-                                 const std::string& name, bool lean_backward) {
+                                 const std::string& name, bool lean_backward, bool lean_pooling) {
   const int64_t channels = in_shape[0];
   const int64_t spatial = static_cast<int64_t>(in_shape.size()) - 1;
   const auto& t = spec.type;
@@ -378,17 +394,8 @@ torch::nn::AnyModule build_layer(const LayerSpec& spec, const std::vector<int64_
   const auto k = expand(spec.kernel, spatial, 2, name, "kernel");
   const auto s = spec.stride.empty() ? k : expand(spec.stride, spatial, 1, name, "stride");
   const auto p = expand(spec.padding, spatial, 0, name, "padding");
-  if (t == "maxpool" && spatial == 3) {
-    return torch::nn::AnyModule(
-        torch::nn::MaxPool3d(torch::nn::MaxPool3dOptions(torch::IntArrayRef(k))
-                                 .stride(torch::IntArrayRef(s))
-                                 .padding(torch::IntArrayRef(p))));
-  }
   if (t == "maxpool") {
-    return torch::nn::AnyModule(
-        torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(torch::IntArrayRef(k))
-                                 .stride(torch::IntArrayRef(s))
-                                 .padding(torch::IntArrayRef(p))));
+    return torch::nn::AnyModule(MaxPool(MaxPoolOptions(k).stride(s).padding(p).lean(lean_pooling)));
   }
   if (spatial == 3) {
     return torch::nn::AnyModule(
@@ -405,7 +412,8 @@ torch::nn::AnyModule build_layer(const LayerSpec& spec, const std::vector<int64_
 }  // namespace
 
 NetworkImpl::NetworkImpl(const NetworkOptions& options)
-    : options_(options), shapes_(infer_shapes(options.layers(), options.input())) {
+    : options_(options),
+      shapes_(infer_shapes(options.layers(), options.input(), options.lean_pooling())) {
   if (!shapes_.ok()) {
     std::string problems;
     for (const auto& p : shapes_.problems) {
@@ -417,7 +425,8 @@ NetworkImpl::NetworkImpl(const NetworkOptions& options)
   std::vector<int64_t> shape = options.input();
   for (size_t i = 0; i < options.layers().size(); ++i) {
     const auto& name = shapes_.layers[i].name;
-    auto layer = build_layer(options.layers()[i], shape, name, options.lean_backward());
+    auto layer = build_layer(options.layers()[i], shape, name, options.lean_backward(),
+                             options.lean_pooling());
     register_module(name, layer.ptr());
     layers_.push_back(std::move(layer));
     shape = shapes_.layers[i].output;
@@ -427,7 +436,17 @@ NetworkImpl::NetworkImpl(const NetworkOptions& options)
 torch::Tensor NetworkImpl::forward_layers(torch::Tensor x, int64_t begin, int64_t end) {
   TORCH_CHECK(0 <= begin && begin <= end && end <= layer_count(), "layers [", begin, ", ", end,
               ") are outside the network's ", layer_count(), " layers");
-  for (int64_t i = begin; i < end; ++i) x = layers_[static_cast<size_t>(i)].forward(x);
+  const auto& specs = options_.layers();
+  for (int64_t i = begin; i < end; ++i) {
+    const auto at = static_cast<size_t>(i);
+    if (relu_pools_next(specs, at) && i + 1 < end) {
+      // relu then maxpool as one: pool first, ReLU on the pooled output (pooling.h).
+      x = max_pool(x, layers_[at + 1].get<MaxPool>()->options, /*relu_first=*/true);
+      ++i;
+    } else {
+      x = layers_[at].forward(x);
+    }
+  }
   return x;
 }
 

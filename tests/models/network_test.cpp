@@ -8,6 +8,7 @@
 #include "framefit/memory/tracker.h"
 #include "framefit/models/conv3d.h"
 #include "framefit/models/network.h"
+#include "framefit/models/pooling.h"
 #include "framefit/models/weights.h"
 #include "framefit/plan/doctor.h"
 #include "framefit/train/config.h"
@@ -196,6 +197,102 @@ TEST(Network, ActivationEstimateMatchesWhatAutogradKeeps) {
   const double ratio = static_cast<double>(kept) / (batch * predicted.activation_bytes_per_sample);
   EXPECT_NEAR(ratio, 1.0, 0.15) << "kept " << kept << " bytes";
   out.sum().backward();
+}
+
+// Activation bytes a forward pass of `net` keeps for backward (the input included).
+int64_t kept_by_forward(models::Network& net, const torch::Tensor& x) {
+  auto& tracker = memory::Tracker::cpu();
+  const int64_t before = tracker.current_bytes();
+  auto out = net->forward(x);
+  const int64_t kept = tracker.current_bytes() - before + x.nbytes();
+  out.sum().backward();
+  return kept;
+}
+
+TEST(Network, LeanMaxPoolingKeepsLessAndIsEstimated) {
+  // seeds/001's shape: conv -> relu -> maxpool twice. PyTorch's pooling keeps the ReLU's full-size
+  // output; the lean one the pooled output and the indices.
+  torch::manual_seed(0);
+  const std::vector<int64_t> input = {3, 8, 32, 32};
+  const auto layers = models::clip3d_layers(20);
+  models::Network lean(models::NetworkOptions(layers, input));
+  models::Network plain(models::NetworkOptions(layers, input).lean_pooling(false));
+  const int64_t batch = 4;
+  const auto x = torch::randn({batch, 3, 8, 32, 32});
+  const int64_t kept_lean = kept_by_forward(lean, x), kept_plain = kept_by_forward(plain, x);
+  EXPECT_LT(kept_lean, kept_plain * 4 / 10) << kept_lean << " vs " << kept_plain;
+  for (auto [net, kept] : {std::pair{&lean, kept_lean}, std::pair{&plain, kept_plain}}) {
+    const auto predicted = plan::network_memory((*net)->shapes(), input, {});
+    EXPECT_NEAR(static_cast<double>(kept) / (batch * predicted.activation_bytes_per_sample), 1.0,
+                0.15)
+        << "lean " << (*net)->options().lean_pooling();
+  }
+}
+
+TEST(Network, LeanMaxPoolingGivesPyTorchsValuesAndGradients) {
+  // float64; overlapping padded windows (the 2d net's 3/2/1 stem pool, BN before the ReLU,
+  // dropout replayed by seed) and non-overlapping 3d ones (seeds/001's).
+  torch::manual_seed(0);
+  struct Case {
+    std::vector<LayerSpec> layers;
+    std::vector<int64_t> input;
+  };
+  for (const auto& c :
+       {Case{varied_2d_network(), {3, 37, 29}}, Case{models::clip3d_layers(5), {3, 4, 12, 12}}}) {
+    models::Network lean(models::NetworkOptions(c.layers, c.input));
+    models::Network plain(models::NetworkOptions(c.layers, c.input).lean_pooling(false));
+    lean->to(torch::kFloat64);
+    plain->to(torch::kFloat64);
+    const auto lean_params = lean->named_parameters();
+    for (auto& p : plain->named_parameters()) p.value().data().copy_(lean_params[p.key()].data());
+    std::vector<int64_t> shape = {3};
+    shape.insert(shape.end(), c.input.begin(), c.input.end());
+    const auto x = torch::randn(shape, torch::kFloat64);
+    torch::manual_seed(1);
+    const auto y_lean = lean->forward(x);
+    torch::manual_seed(1);
+    const auto y_plain = plain->forward(x);
+    EXPECT_TRUE(torch::equal(y_lean, y_plain));
+    const auto weights = torch::randn_like(y_plain);
+    (y_lean * weights).sum().backward();
+    (y_plain * weights).sum().backward();
+    const auto plain_params = plain->named_parameters();
+    for (const auto& p : lean->named_parameters()) {
+      const auto& expected = plain_params[p.key()].grad();
+      EXPECT_LE((p.value().grad() - expected).abs().max().item<double>(),
+                1e-12 * expected.abs().max().item<double>())
+          << p.key();
+    }
+  }
+}
+
+TEST(Network, LeanMaxPoolingOnTiesAndNegativeWindows) {
+  // Integer inputs with many equal values, whole windows at or below zero: the argmax PyTorch
+  // picks and ReLU's mask agree with pool-then-ReLU, 2d and 3d, with and without the ReLU.
+  torch::manual_seed(0);
+  for (const int64_t dims : {2, 3}) {
+    std::vector<int64_t> shape = {2, 3, 6, 7};
+    if (dims == 3) shape.push_back(5);
+    const auto options = models::MaxPoolOptions({3}).stride({2}).padding({1});
+    for (const bool relu_first : {false, true}) {
+      const auto data = torch::randint(-3, 2, shape, torch::kFloat64);
+      const auto x_lean = data.clone().requires_grad_(), x_plain = data.clone().requires_grad_();
+      const auto y_lean = models::max_pool(x_lean, options, relu_first);
+      const auto y_plain =
+          models::max_pool(x_plain, models::MaxPoolOptions(options).lean(false), relu_first);
+      const auto reference = dims == 3
+                                 ? torch::max_pool3d(relu_first ? data.relu() : data, 3, 2, 1)
+                                 : torch::max_pool2d(relu_first ? data.relu() : data, 3, 2, 1);
+      EXPECT_TRUE(torch::equal(y_lean, reference));
+      EXPECT_TRUE(torch::equal(y_plain, reference));
+      const auto weights = torch::randn_like(reference);
+      (y_lean * weights).sum().backward();
+      (y_plain * weights).sum().backward();
+      EXPECT_LE((x_lean.grad() - x_plain.grad()).abs().max().item<double>(), 1e-12)
+          << dims << "d relu " << relu_first;
+    }
+  }
+  EXPECT_THROW(models::max_pool(torch::zeros({2, 3, 4}), models::MaxPoolOptions({2})), c10::Error);
 }
 
 TEST(Network, Conv3dLayersTakeTheLeanBackwardWhereItApplies) {

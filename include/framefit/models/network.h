@@ -79,7 +79,9 @@ struct NetworkShapes {
 // Pure arithmetic: allocates no tensor. A Linear whose written `in` differs from its real input
 // is reported and inference carries on with the size as written, so later problems (and the
 // parameter count the author's code would allocate) are still found.
-NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers, const std::vector<int64_t>& input);
+// `lean_pooling` as NetworkOptions::lean_pooling: what max pooling keeps for backward.
+NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers, const std::vector<int64_t>& input,
+                           bool lean_pooling = true);
 
 // "64 x 15 x 57 x 57"
 std::string format_shape(const std::vector<int64_t>& shape);
@@ -94,6 +96,10 @@ struct NetworkOptions {
   // conv3d layers (one group) are LeanConv3d (models/conv3d.h): on the CPU, one with few output
   // positions runs its backward without oneDNN's weight-sized workspace; false: oneDNN's.
   TORCH_ARG(bool, lean_backward) = true;
+  // maxpool layers keep only their indices for backward, and a relu right before one runs on the
+  // pooled output (models/pooling.h): same values and gradients, far less kept memory after a
+  // convolution; false: PyTorch's max pooling, which keeps its input.
+  TORCH_ARG(bool, lean_pooling) = true;
 };
 
 // The network as a module whose children carry the layers' names, so its state_dict matches a
