@@ -132,21 +132,30 @@ void print_metrics(const train::PhaseMetrics& m, const data::ClassList& classes,
 // Each video's scores, then their mean and standard deviation over the videos (how Cholec80
 // papers report phase recognition).
 void print_video_metrics(const std::vector<train::VideoMetrics>& videos) {
-  fmt::print("  per video:\n  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}\n", "video", "frames",
-             "accuracy", "macro F1", "Jaccard", "edit");
+  const auto a = train::average_over_videos(videos);
+  const bool tools = a.tool_videos > 0;  // a column of each video's tool mAP
+  fmt::print("  per video:\n  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}{}\n", "video", "frames",
+             "accuracy", "macro F1", "Jaccard", "edit",
+             tools ? fmt::format(" {:>9}", "tool mAP") : "");
+  const auto tool_map = [&](const train::PhaseMetrics& m) {
+    if (!tools) return std::string();
+    return fmt::format(" {:>9}", m.tools ? percent(m.tools->mean_average_precision) : "");
+  };
   for (const auto& v : videos) {
     const auto& m = v.metrics;
-    fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}\n", v.name, m.frames, percent(m.accuracy),
+    fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}{}\n", v.name, m.frames, percent(m.accuracy),
                percent(m.macro_f1), percent(m.macro_jaccard),
-               m.segments ? percent(m.segments->edit) : "");
+               m.segments ? percent(m.segments->edit) : "", tool_map(m));
   }
-  const auto a = train::average_over_videos(videos);
-  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}\n", "mean over videos", "",
+  const auto tool_column = [&](double value) {
+    return tools ? fmt::format(" {:>9}", percent(value)) : std::string();
+  };
+  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}{}\n", "mean over videos", "",
              percent(a.accuracy_mean), percent(a.macro_f1_mean), percent(a.macro_jaccard_mean),
-             percent(a.edit_mean));
-  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}\n", "std over videos", "",
+             percent(a.edit_mean), tool_column(a.tool_map_mean));
+  fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}{}\n", "std over videos", "",
              percent(a.accuracy_std), percent(a.macro_f1_std), percent(a.macro_jaccard_std),
-             percent(a.edit_std));
+             percent(a.edit_std), tool_column(a.tool_map_std));
 }
 
 // The relaxed-boundary summary as Cholec80's evaluation script prints it, in percent.
@@ -471,6 +480,11 @@ int run_eval(const Args& args) {
                               {"macro_jaccard_std", averages.macro_jaccard_std},
                               {"edit_mean", averages.edit_mean},
                               {"edit_std", averages.edit_std}};
+    if (averages.tool_videos > 0) {
+      json["video_averages"]["tool_videos"] = averages.tool_videos;
+      json["video_averages"]["tool_map_mean"] = averages.tool_map_mean;
+      json["video_averages"]["tool_map_std"] = averages.tool_map_std;
+    }
     json["videos"] = nlohmann::json::array();
     for (const auto& v : per_video) {
       auto entry = metrics_json(v.metrics, classes, stored.data.tools);

@@ -230,6 +230,17 @@ VideoAverages average_over_videos(const std::vector<VideoMetrics>& videos) {
   if (segmental) {
     mean_std([](const PhaseMetrics& m) { return m.segments->edit; }, out.edit_mean, out.edit_std);
   }
+  std::vector<double> tool_maps;
+  for (const auto& v : videos) {
+    const auto& tools = v.metrics.tools;
+    const bool shows_a_tool = tools && std::any_of(tools->present.begin(), tools->present.end(),
+                                                   [](int64_t frames) { return frames > 0; });
+    if (shows_a_tool) tool_maps.push_back(tools->mean_average_precision);
+  }
+  out.tool_videos = static_cast<int64_t>(tool_maps.size());
+  if (!tool_maps.empty()) {
+    std::tie(out.tool_map_mean, out.tool_map_std) = mean_and_sample_std(tool_maps);
+  }
   return out;
 }
 

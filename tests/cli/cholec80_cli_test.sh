@@ -106,6 +106,11 @@ for k, name in enumerate(names):
         assert (have is None) == (want is None) and (have is None or abs(have - want) < 1e-9), (key, name, have, want)
 present = [v for v in t['average_precision'].values() if v is not None]
 assert abs(t['mean_average_precision'] - sum(present) / len(present)) < 1e-9, t
+# One test video: the mean over videos is its own mAP, which is the pooled one.
+v = m['video_averages']
+assert v['tool_videos'] == 1 and v['tool_map_std'] == 0, v
+assert abs(v['tool_map_mean'] - m['videos'][0]['tools']['mean_average_precision']) < 1e-12, v
+assert abs(v['tool_map_mean'] - t['mean_average_precision']) < 1e-12, v
 r = m['relaxed']
 assert r['rules'] == 'cholec80' and r['videos'] == 1, r
 assert r['accuracy_mean'] >= m['accuracy'] - 1e-12, (r['accuracy_mean'], m['accuracy'])

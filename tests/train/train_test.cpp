@@ -172,6 +172,32 @@ TEST(Metrics, AveragesOverVideos) {
                    (1.0 + (b.metrics().jaccard[0] + b.metrics().jaccard[1]) / 2) / 2);
   EXPECT_EQ(train::average_over_videos({videos[0]}).accuracy_std, 0);
   EXPECT_EQ(train::average_over_videos({}).videos, 0);
+  EXPECT_EQ(avg.tool_videos, 0);  // no tool metrics
+}
+
+TEST(Metrics, ToolMapAveragesOverTheVideosThatShowATool) {
+  // Video a: tool 0 ranked perfectly (AP 1), tool 1 never present; video b: tool 0 ranked
+  // worst (AP 0.5 for [1, 0] scored [0.2, 0.9]) and tool 1 perfectly; video c shows no tool and
+  // counts in neither mean nor std.
+  const auto scored = [](std::vector<float> probabilities, std::vector<int64_t> targets) {
+    train::ToolScorer scorer(2);
+    const auto n = static_cast<int64_t>(probabilities.size()) / 2;
+    scorer.add(torch::tensor(probabilities).view({n, 2}), torch::tensor(targets).view({n, 2}));
+    train::PhaseMetrics m;
+    m.tools = scorer.metrics();
+    return m;
+  };
+  const std::vector<train::VideoMetrics> videos = {
+      {"a", scored({0.9f, 0.1f, 0.2f, 0.3f}, {1, 0, 0, 0})},
+      {"b", scored({0.2f, 0.8f, 0.9f, 0.1f}, {1, 1, 0, 0})},
+      {"c", scored({0.5f, 0.5f}, {0, 0})}};
+  ASSERT_NEAR(videos[0].metrics.tools->mean_average_precision, 1.0, 1e-12);
+  ASSERT_NEAR(videos[1].metrics.tools->mean_average_precision, 0.75, 1e-12);
+  ASSERT_TRUE(std::isnan(videos[2].metrics.tools->mean_average_precision));
+  const auto avg = train::average_over_videos(videos);
+  EXPECT_EQ(avg.tool_videos, 2);
+  EXPECT_NEAR(avg.tool_map_mean, 0.875, 1e-12);
+  EXPECT_NEAR(avg.tool_map_std, std::sqrt(2 * 0.125 * 0.125), 1e-12);
 }
 
 TEST(Metrics, ToolAveragePrecisionAsScikitLearnComputesIt) {

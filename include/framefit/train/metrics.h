@@ -108,6 +108,10 @@ struct VideoAverages {
   double macro_f1_mean = 0, macro_f1_std = 0;
   double macro_jaccard_mean = 0, macro_jaccard_std = 0;
   double edit_mean = 0, edit_std = 0;  // over the videos with segmental scores
+  // Tool presence: each video's mAP (over the tools it shows), averaged over the videos with
+  // tool metrics that show any tool; tool_videos counts them.
+  int64_t tool_videos = 0;
+  double tool_map_mean = 0, tool_map_std = 0;
 };
 VideoAverages average_over_videos(const std::vector<VideoMetrics>& videos);
 
