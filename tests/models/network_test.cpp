@@ -295,6 +295,25 @@ TEST(Network, LeanMaxPoolingOnTiesAndNegativeWindows) {
   EXPECT_THROW(models::max_pool(torch::zeros({2, 3, 4}), models::MaxPoolOptions({2})), c10::Error);
 }
 
+TEST(Network, LeanMaxPoolingOnCudaMatchesTheCpu) {
+  // scatter_add on CUDA sums overlapping windows with atomics: equal to the CPU's PyTorch pooling
+  // up to rounding in float64. Run by scripts/cuda_check.sh where a GPU is present.
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  torch::manual_seed(0);
+  const auto data = torch::randn({2, 4, 6, 9, 7}, torch::kFloat64);
+  const auto options = models::MaxPoolOptions({3}).stride({2}).padding({1});
+  const auto x_cuda = data.to(torch::kCUDA).requires_grad_();
+  const auto x_cpu = data.clone().requires_grad_();
+  const auto y_cuda = models::max_pool(x_cuda, options, /*relu_first=*/true);
+  const auto y_cpu =
+      models::max_pool(x_cpu, models::MaxPoolOptions(options).lean(false), /*relu_first=*/true);
+  EXPECT_TRUE(torch::equal(y_cuda.cpu(), y_cpu));
+  const auto weights = torch::randn_like(y_cpu);
+  (y_cuda * weights.to(torch::kCUDA)).sum().backward();
+  (y_cpu * weights).sum().backward();
+  EXPECT_LE((x_cuda.grad().cpu() - x_cpu.grad()).abs().max().item<double>(), 1e-12);
+}
+
 TEST(Network, Conv3dLayersTakeTheLeanBackwardWhereItApplies) {
   // conv3d layers of one group are LeanConv3d: on the CPU the one with 2x8x8 = 128 output
   // positions per sample runs the lean backward, the one with 4x16x16 does not; a grouped conv3d
