@@ -31,8 +31,20 @@ Window window_of(const MaxPoolOptions& options, int64_t dims) {
   return w;
 }
 
+// LibTorch 1.13's CPU kernel of 3d max pooling has no bfloat16 or half: such inputs pool in
+// float32, which picks the same maxima (the conversion is exact both ways).
+bool pools_in_float32(const torch::Tensor& x, const Window& w) {
+  return w.kernel.size() == 3 && x.device().is_cpu() &&
+         (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf);
+}
+
 std::tuple<torch::Tensor, torch::Tensor> pool_with_indices(const torch::Tensor& x,
                                                            const Window& w) {
+  if (pools_in_float32(x, w)) {
+    auto [y, indices] =
+        at::max_pool3d_with_indices(x.to(torch::kFloat32), w.kernel, w.stride, w.padding);
+    return {y.to(x.scalar_type()), indices};
+  }
   if (w.kernel.size() == 3) return at::max_pool3d_with_indices(x, w.kernel, w.stride, w.padding);
   return at::max_pool2d_with_indices(x, w.kernel, w.stride, w.padding);
 }

@@ -295,6 +295,32 @@ TEST(Network, LeanMaxPoolingOnTiesAndNegativeWindows) {
   EXPECT_THROW(models::max_pool(torch::zeros({2, 3, 4}), models::MaxPoolOptions({2})), c10::Error);
 }
 
+TEST(Network, MaxPoolingTakesBfloat16OnTheCpu) {
+  // LibTorch 1.13 has no CPU bfloat16 kernel for 3d max pooling (bf16 autocast hands pooling
+  // bf16 activations): both poolings pool such inputs in float32. Non-overlapping windows, so
+  // each input receives at most one gradient: equal to float32's, rounded.
+  torch::manual_seed(0);
+  for (const int64_t dims : {2, 3}) {
+    std::vector<int64_t> shape = {2, 3, 6, 8};
+    if (dims == 3) shape.push_back(4);
+    const auto data = torch::randn(shape).to(torch::kBFloat16);
+    const auto options = models::MaxPoolOptions({2});
+    const auto reference_in = data.to(torch::kFloat32).requires_grad_();
+    const auto reference = models::max_pool(reference_in, options, /*relu_first=*/true);
+    const auto weights = torch::randn_like(reference).to(torch::kBFloat16);
+    (reference * weights.to(torch::kFloat32)).sum().backward();
+    for (const bool lean : {true, false}) {
+      const auto x = data.clone().requires_grad_();
+      const auto y = models::max_pool(x, models::MaxPoolOptions(options).lean(lean), true);
+      ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+      EXPECT_TRUE(torch::equal(y.to(torch::kFloat32), reference)) << dims << "d lean " << lean;
+      (y * weights).sum().backward();
+      EXPECT_TRUE(torch::equal(x.grad(), reference_in.grad().to(torch::kBFloat16)))
+          << dims << "d lean " << lean;
+    }
+  }
+}
+
 TEST(Network, LeanMaxPoolingOnCudaMatchesTheCpu) {
   // scatter_add on CUDA sums overlapping windows with atomics: equal to the CPU's PyTorch pooling
   // up to rounding in float64. Run by scripts/cuda_check.sh where a GPU is present.

@@ -658,6 +658,19 @@ TEST(ClipTraining, AccumulatedBatchesTrainAsOneBatchOfTheirSamples) {
     test_util::remove_tree(c->train.out_dir);
 }
 
+TEST(ClipTraining, Bfloat16RunsThroughThreeDimensionalMaxPooling) {
+  // LibTorch 1.13 has no CPU bfloat16 kernel for 3d max pooling, which bf16 autocast hands the
+  // convolutions' bf16 outputs: a clip network with maxpool failed on its first step.
+  auto c = clips_config("/tmp/framefit_clips_bf16");
+  c.train.precision = "bf16";
+  c.train.epochs = 1;
+  const auto result = train::train(c);
+  EXPECT_GE(result.steps, 1);
+  const auto peaks = step_peaks(c.train.out_dir);
+  EXPECT_EQ(static_cast<int64_t>(peaks.size()), result.steps);
+  test_util::remove_tree(c.train.out_dir);
+}
+
 TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForTwiceTheBatch) {
   // R3D-18 on 4 x 32 x 32 clips: layer2 to layer4 have at most 2x4x4 output positions, where
   // oneDNN's backward holds weight-sized buffers (layer4's weights are 27 MiB each) and the lean

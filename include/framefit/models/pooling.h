@@ -11,6 +11,9 @@
 // Values and gradients equal PyTorch's conv -> relu -> maxpool exactly for finite inputs:
 // each input position receives the gradient of the windows whose argmax it is, and ReLU's mask
 // is the same (a window's maximum is positive exactly where its ReLU is).
+//
+// LibTorch 1.13's CPU 3d max pooling has no bfloat16 or half kernel; both variants pool such
+// inputs in float32 (the same maxima: the conversions are exact), so bf16 autocast runs.
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
