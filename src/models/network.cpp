@@ -334,6 +334,21 @@ class SeparableConvImpl : public torch::nn::Module {
 };
 TORCH_MODULE(SeparableConv);
 
+// GroupNorm (same parameters and names) that takes bf16/fp16 activations under autocast:
+// LibTorch 1.13's kernels need the input in the parameters' dtype, so a low-precision input is
+// normalised as a float32 copy (which backward keeps) and the result cast back.
+class MixedGroupNormImpl : public torch::nn::GroupNormImpl {
+ public:
+  using GroupNormImpl::GroupNormImpl;
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (!options.affine() || x.scalar_type() == weight.scalar_type()) {
+      return GroupNormImpl::forward(x);
+    }
+    return GroupNormImpl::forward(x.to(weight.scalar_type())).to(x.scalar_type());
+  }
+};
+TORCH_MODULE(MixedGroupNorm);
+
 // Global average pooling that keeps the rank: [N,C,...] -> [N,C,1,...,1].
 class GlobalAvgPoolImpl : public torch::nn::Module {
  public:
@@ -381,7 +396,7 @@ torch::nn::AnyModule build_layer(const LayerSpec& spec, const std::vector<int64_
     if (spatial == 2) return torch::nn::AnyModule(torch::nn::BatchNorm2d(channels));
     return torch::nn::AnyModule(torch::nn::BatchNorm1d(channels));
   }
-  if (t == "gn") return torch::nn::AnyModule(torch::nn::GroupNorm(spec.groups, channels));
+  if (t == "gn") return torch::nn::AnyModule(MixedGroupNorm(spec.groups, channels));
   if (t == "relu") return torch::nn::AnyModule(torch::nn::ReLU());
   if (t == "dropout") return torch::nn::AnyModule(torch::nn::Dropout(spec.p));
   if (t == "flatten") return torch::nn::AnyModule(torch::nn::Flatten());

@@ -658,17 +658,24 @@ TEST(ClipTraining, AccumulatedBatchesTrainAsOneBatchOfTheirSamples) {
     test_util::remove_tree(c->train.out_dir);
 }
 
-TEST(ClipTraining, Bfloat16RunsThroughThreeDimensionalMaxPooling) {
-  // LibTorch 1.13 has no CPU bfloat16 kernel for 3d max pooling, which bf16 autocast hands the
-  // convolutions' bf16 outputs: a clip network with maxpool failed on its first step.
-  auto c = clips_config("/tmp/framefit_clips_bf16");
-  c.train.precision = "bf16";
-  c.train.epochs = 1;
-  const auto result = train::train(c);
-  EXPECT_GE(result.steps, 1);
-  const auto peaks = step_peaks(c.train.out_dir);
-  EXPECT_EQ(static_cast<int64_t>(peaks.size()), result.steps);
-  test_util::remove_tree(c.train.out_dir);
+TEST(ClipTraining, Bfloat16RunsThroughEveryLayerType) {
+  // bf16 autocast hands pooling and norms the convolutions' bf16 outputs. LibTorch 1.13 has no
+  // CPU bf16 kernel for 3d max pooling, and its GroupNorm wants the parameters' dtype: a clip
+  // network with maxpool, or with gn, failed on its first step.
+  for (const bool group_norm : {false, true}) {
+    auto c = clips_config("/tmp/framefit_clips_bf16");
+    if (group_norm) {
+      c.model.layers[1].type = "gn";
+      c.model.layers[1].groups = 4;
+      c.model.layers[3].type = "avgpool";
+    }
+    c.train.precision = "bf16";
+    c.train.epochs = 1;
+    const auto result = train::train(c);
+    EXPECT_GE(result.steps, 1);
+    EXPECT_EQ(static_cast<int64_t>(step_peaks(c.train.out_dir).size()), result.steps);
+    test_util::remove_tree(c.train.out_dir);
+  }
 }
 
 TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForTwiceTheBatch) {

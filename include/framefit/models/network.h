@@ -21,7 +21,8 @@ namespace framefit::models {
 //   sepconv2d, sepconv3d  depthwise conv (groups = in channels) then a 1x1 pointwise conv to
 //                         `out`; children <name>.depthwise and <name>.pointwise
 //   bn                    BatchNorm over the channels (2d or 3d from the input's rank)
-//   gn                    GroupNorm with `groups` groups
+//   gn                    GroupNorm with `groups` groups (a bf16/fp16 input under autocast is
+//                         normalised in float32 and cast back)
 //   relu, flatten, dropout (p)
 //   maxpool, avgpool      kernel, stride (= kernel), padding (0); 2d or 3d from the rank
 //   global_avgpool        average over every position: [C,...] -> [C,1,...,1]
