@@ -187,6 +187,7 @@ int run_bench_layers(const Args& args) {
   torch::manual_seed(static_cast<uint64_t>(args.integer("seed")));
   Bench bench(args);
   const auto mode = args.text("checkpoint");  // off | auto | all
+  const auto recompute = plan::parse_recompute(mode);
   const int64_t budget = args.bytes("budget");
   TORCH_CHECK(mode != "auto" || budget > 0, "--checkpoint auto plans for a budget: give --budget");
   const int64_t n = bench.stage_count();
@@ -205,7 +206,7 @@ int run_bench_layers(const Args& args) {
   if (batch == 0) {
     // The largest batch: the planner's answer, then checked by real steps under the budget.
     TORCH_CHECK(budget > 0, "--batch 0 finds the largest batch for --budget: give one");
-    const auto planned = plan::plan_batch(costs, budget, mode != "off");
+    const auto planned = plan::plan_batch(costs, budget, recompute);
     out["planned_batch"] = planned.batch;
     if (planned.batch == 0) {
       out["fits"] = false;
@@ -216,8 +217,7 @@ int run_bench_layers(const Args& args) {
     batch = planned.batch;
     nlohmann::json tries = nlohmann::json::array();
     const auto plan_for = [&](int64_t b) {
-      return mode == "all" ? engine::recompute_every(n, 1)
-                           : plan::plan_batch_chain(costs, b, budget, mode != "off").segments;
+      return plan::plan_batch_chain(costs, b, budget, recompute).segments;
     };
     auto run = [&](int64_t b) {
       auto r = bench.step(b, plan_for(b));
@@ -251,7 +251,7 @@ int run_bench_layers(const Args& args) {
     if (mode == "all") {
       segments = engine::recompute_every(n, 1);
     } else if (mode == "auto") {
-      segments = plan::plan_batch_chain(costs, batch, budget, true).segments;
+      segments = plan::plan_batch_chain(costs, batch, budget, plan::Recompute::AsNeeded).segments;
     }
     predicted =
         plan::batch_peak_bytes(costs, batch, engine::evaluate_chain(costs.at(batch), segments));

@@ -388,10 +388,10 @@ BatchCosts lines_toward_budget(const std::function<std::vector<engine::StageCost
   const bool jump = grows_faster_than_batch(one, two);
   const int64_t low = jump ? 2 : 1;
   const auto& low_costs = jump ? two : one;
-  int64_t plain = plan_batch(costs, budget_bytes, false, max_batch).batch;
+  int64_t plain = plan_batch(costs, budget_bytes, Recompute::Nothing, max_batch).batch;
   if (jump && plain >= 4 && plain < 8) {  // the overshooting model already fits batch 4
     costs = through(2, two, 4, at(4));
-    plain = plan_batch(costs, budget_bytes, false, max_batch).batch;
+    plain = plan_batch(costs, budget_bytes, Recompute::Nothing, max_batch).batch;
   }
   // Measured again toward what the budget allows, the line through it holds there.
   if (plain >= 8) costs = through(low, low_costs, plain / 2, at(plain / 2));

@@ -382,24 +382,33 @@ int64_t batch_peak_bytes(const BatchCosts& costs, int64_t batch, const engine::C
   return costs.static_bytes + batch * costs.input_bytes_per_sample + chain.predicted_bytes;
 }
 
+Recompute parse_recompute(const std::string& checkpointing) {
+  if (checkpointing == "off") return Recompute::Nothing;
+  if (checkpointing == "auto") return Recompute::AsNeeded;
+  if (checkpointing == "all") return Recompute::EveryStage;
+  TORCH_CHECK(false, "unknown checkpointing \"", checkpointing, "\": use off, auto or all");
+}
+
 engine::ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
-                                   bool checkpointing, int64_t micro_batches) {
+                                   Recompute recompute, int64_t micro_batches) {
   TORCH_CHECK(micro_batches >= 1, "plan_batch_chain: micro_batches must be >= 1");
   const auto scaled = costs.at((batch + micro_batches - 1) / micro_batches);
   const int64_t room = budget_bytes - costs.static_bytes - batch * costs.input_bytes_per_sample;
-  auto plain =
-      engine::evaluate_chain(scaled, engine::store_all(static_cast<int64_t>(scaled.size())));
-  plain.fits = plain.predicted_bytes <= room;
-  if (!checkpointing || plain.fits || room <= 0) return plain;
+  const auto stages = static_cast<int64_t>(scaled.size());
+  auto fixed = engine::evaluate_chain(scaled, recompute == Recompute::EveryStage
+                                                  ? engine::recompute_every(stages, 1)
+                                                  : engine::store_all(stages));
+  fixed.fits = fixed.predicted_bytes <= room;
+  if (recompute != Recompute::AsNeeded || fixed.fits || room <= 0) return fixed;
   return engine::plan_chain(scaled, room, costs.max_segment_stages);
 }
 
-BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, bool checkpointing,
+BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute recompute,
                      int64_t max_batch) {
   TORCH_CHECK(!costs.per_sample.empty(), "plan_batch: no stage costs");
   TORCH_CHECK(budget_bytes > 0, "plan_batch: give a budget");
   const auto fits = [&](int64_t batch) {
-    return plan_batch_chain(costs, batch, budget_bytes, checkpointing).fits;
+    return plan_batch_chain(costs, batch, budget_bytes, recompute).fits;
   };
   BatchPlan result;
   result.minimum_bytes_one_sample =
@@ -415,7 +424,7 @@ BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, bool checkpo
     (fits(mid) ? low : high) = mid;
   }
   result.batch = low;
-  result.chain = plan_batch_chain(costs, low, budget_bytes, checkpointing);
+  result.chain = plan_batch_chain(costs, low, budget_bytes, recompute);
   result.predicted_peak_bytes = batch_peak_bytes(costs, low, result.chain);
   return result;
 }

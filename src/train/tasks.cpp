@@ -469,7 +469,8 @@ void plan_evaluation(BatchTaskPlan& plan, const Config& config, const BatchModel
       probe.network, random_samples(plan.input, device), plan.static_bytes,
       stored_sample_bytes(config, plan.input) + 4 * elements(plan.input), plan.step_budget_bytes,
       device, plan.precision, kMaxEvalBatch);
-  const auto planned = plan::plan_batch(costs, plan.step_budget_bytes, false, kMaxEvalBatch);
+  const auto planned =
+      plan::plan_batch(costs, plan.step_budget_bytes, plan::Recompute::Nothing, kMaxEvalBatch);
   // Not even one sample: evaluation splits batches that run out of memory down to one sample.
   plan.eval_batch = std::max<int64_t>(1, planned.batch);
   plan.eval_peak_bytes = planned.predicted_peak_bytes;
@@ -503,7 +504,7 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
     return plan;
   }
   plan.planned = true;
-  const bool may_checkpoint = tc.checkpointing != "off";
+  const auto recompute = plan::parse_recompute(tc.checkpointing);
   // The batch and recomputation for the probe's measured costs; `fits`: whether that batch fits.
   const auto plan_measured = [&](BatchTaskPlan p, bool& fits) {
     // Per sample of a batch: the stored samples and labels of the optimizer step's
@@ -516,18 +517,19 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
       // More than the samples would only be an epoch's worth of them.
       p.batch = p.largest_batch = std::min(*fixed_batch, p.samples);
     } else {
-      const auto planned = plan::plan_batch(costs, step_budget, may_checkpoint);
+      const auto planned = plan::plan_batch(costs, step_budget, recompute);
       p.minimum_bytes_one_sample = planned.minimum_bytes_one_sample;
       p.largest_batch = planned.batch;
       p.batch = std::min(planned.batch, p.samples);
       fits = p.batch > 0;
       if (p.batch == 0) return p;
     }
-    auto chain = plan::plan_batch_chain(costs, p.batch, step_budget, may_checkpoint);
+    auto chain = plan::plan_batch_chain(costs, p.batch, step_budget, recompute);
     // A fixed batch that does not fit: the fewest micro-batches whose activations fit beside
     // the whole batch's inputs (counted in full: conservative for the float input).
+    const bool may_checkpoint = recompute != plan::Recompute::Nothing;
     for (int64_t m = 2; fixed_batch && !chain.fits && may_checkpoint && m <= p.batch; ++m) {
-      auto micro = plan::plan_batch_chain(costs, p.batch, step_budget, true, m);
+      auto micro = plan::plan_batch_chain(costs, p.batch, step_budget, recompute, m);
       if (micro.fits) {
         chain = std::move(micro);
         p.micro_batches = m;
@@ -535,7 +537,7 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
     }
     fits = chain.fits;
     const int64_t micro_batch = (p.batch + p.micro_batches - 1) / p.micro_batches;
-    p.segments = tc.checkpointing == "all" ? engine::recompute_every(stages, 1) : chain.segments;
+    p.segments = chain.segments;
     const auto evaluated = engine::evaluate_chain(costs.at(micro_batch), p.segments);
     p.input_bytes = costs.input_bytes_per_sample * p.batch;
     p.activation_bytes = evaluated.predicted_bytes;

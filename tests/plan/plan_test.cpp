@@ -295,7 +295,7 @@ TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
     costs.fixed.push_back(engine::StageCost{});
   }
   const int64_t budget = 10'000;
-  const auto plain = plan::plan_batch(costs, budget, false);
+  const auto plain = plan::plan_batch(costs, budget, plan::Recompute::Nothing);
   ASSERT_GT(plain.batch, 0);
   EXPECT_LE(plain.predicted_peak_bytes, budget);
   EXPECT_GT(plan::batch_peak_bytes(
@@ -304,21 +304,42 @@ TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
             budget);
   EXPECT_EQ(plain.chain.recomputed_stages(), 0);
   // Checkpointing keeps 20 of each stage's 100 bytes per sample: a larger batch fits.
-  const auto checkpointed = plan::plan_batch(costs, budget, true);
+  const auto checkpointed = plan::plan_batch(costs, budget, plan::Recompute::AsNeeded);
   EXPECT_GT(checkpointed.batch, plain.batch);
   EXPECT_LE(checkpointed.predicted_peak_bytes, budget);
   EXPECT_GT(checkpointed.chain.recomputed_stages(), 0);
   // In micro-batches: one piece's activations beside the whole batch's inputs.
   const int64_t twice = 2 * checkpointed.batch;
-  EXPECT_FALSE(plan::plan_batch_chain(costs, twice, budget, true).fits);
-  const auto halves = plan::plan_batch_chain(costs, twice, budget, true, 2);
+  EXPECT_FALSE(plan::plan_batch_chain(costs, twice, budget, plan::Recompute::AsNeeded).fits);
+  const auto halves = plan::plan_batch_chain(costs, twice, budget, plan::Recompute::AsNeeded, 2);
   EXPECT_EQ(halves.predicted_bytes,
-            plan::plan_batch_chain(costs, checkpointed.batch, budget, true).predicted_bytes);
+            plan::plan_batch_chain(costs, checkpointed.batch, budget, plan::Recompute::AsNeeded)
+                .predicted_bytes);
   EXPECT_EQ(halves.fits, plan::batch_peak_bytes(costs, twice, halves) <= budget);
   // Not even one sample: batch 0 and the least memory one sample needs.
-  const auto none = plan::plan_batch(costs, 1050, true);
+  const auto none = plan::plan_batch(costs, 1050, plan::Recompute::AsNeeded);
   EXPECT_EQ(none.batch, 0);
   EXPECT_GT(none.minimum_bytes_one_sample, 1050);
+  // train.checkpointing all: the batch is planned for every stage recomputed.
+  const auto every = [&](const plan::BatchCosts& c, int64_t batch) {
+    return plan::batch_peak_bytes(
+        c, batch, engine::evaluate_chain(c.at(batch), engine::recompute_every(6, 1)));
+  };
+  const auto all = plan::plan_batch(costs, budget, plan::Recompute::EveryStage);
+  EXPECT_EQ(all.chain.recomputed_stages(), 6);
+  EXPECT_LE(every(costs, all.batch), budget);
+  EXPECT_GT(every(costs, all.batch + 1), budget);
+  // Stages that hand on more than they keep: recomputing every one keeps more, so fewer samples
+  // fit than with nothing recomputed (the batch used to be planned as for auto, and then run
+  // with every stage recomputed, over the budget).
+  auto flat = costs;
+  for (auto& c : flat.per_sample) c.output_bytes = 120;
+  const auto flat_plain = plan::plan_batch(flat, budget, plan::Recompute::Nothing);
+  const auto flat_all = plan::plan_batch(flat, budget, plan::Recompute::EveryStage);
+  EXPECT_LT(flat_all.batch, flat_plain.batch);
+  EXPECT_LE(every(flat, flat_all.batch), budget);
+  EXPECT_LE(flat_all.predicted_peak_bytes, budget);
+  EXPECT_THROW(plan::parse_recompute("some"), c10::Error);
 }
 
 TEST(BatchPlanner, WorkspaceFromBatchTwoOnIsNotTakenAsGrowingWithTheBatch) {
@@ -364,8 +385,8 @@ TEST(BatchPlanner, EvaluationBatchIsPlannedFromItsOwnForwardPass) {
   const auto buffers = unet->buffers();
   for (size_t i = 0; i < buffers.size(); ++i) EXPECT_TRUE(torch::equal(buffers[i], statistics[i]));
 
-  const int64_t train_batch = plan::plan_batch(training, budget, false).batch;
-  const auto planned = plan::plan_batch(evaluation, budget, false);
+  const int64_t train_batch = plan::plan_batch(training, budget, plan::Recompute::Nothing).batch;
+  const auto planned = plan::plan_batch(evaluation, budget, plan::Recompute::Nothing);
   EXPECT_GT(planned.batch, 2 * train_batch) << train_batch << " for training";
   unet->eval();
   torch::NoGradGuard no_grad;

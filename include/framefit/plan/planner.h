@@ -126,13 +126,18 @@ struct BatchPlan {
 };
 // The predicted peak of a batch: static + inputs + the chain plan's activation memory.
 int64_t batch_peak_bytes(const BatchCosts& costs, int64_t batch, const engine::ChainPlan& chain);
-// `checkpointing` false: nothing recomputed. `max_batch` bounds the search.
-BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, bool checkpointing,
+// What a batch plan may recompute: nothing (train.checkpointing off), what the budget needs
+// (auto), or every stage (all; which can hold more than nothing recomputed, so the batch is
+// planned for it).
+enum class Recompute { Nothing, AsNeeded, EveryStage };
+Recompute parse_recompute(const std::string& checkpointing);  // off | auto | all
+// The largest batch that fits; `max_batch` bounds the search.
+BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute recompute,
                      int64_t max_batch = 4096);
-// The chain plan for a given batch (checkpointing only if needed to fit). With micro_batches
-// > 1 the batch runs in that many pieces: activations of one piece (ceil(batch / micro_batches)
-// samples) beside the whole batch's inputs.
+// The chain plan for a given batch (with AsNeeded, checkpointing only if needed to fit). With
+// micro_batches > 1 the batch runs in that many pieces: activations of one piece
+// (ceil(batch / micro_batches) samples) beside the whole batch's inputs.
 engine::ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
-                                   bool checkpointing, int64_t micro_batches = 1);
+                                   Recompute recompute, int64_t micro_batches = 1);
 
 }  // namespace framefit::plan
