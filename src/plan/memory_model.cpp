@@ -191,9 +191,14 @@ Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepS
                 ? costs.backward_peak
                 : costs.grad_peak;
         add(m, bigger, chunk_frames[i]);
-        seconds +=
-            costs.grad_seconds.at(chunk_frames[i]) + costs.backward_seconds.at(chunk_frames[i]);
-        if (cache) seconds -= costs.frozen_seconds.at(chunk_frames[i]);
+        // An encoder with nothing to train has no backward to recompute for; otherwise the
+        // recompute less the cached frozen stages, which measured lines must not make negative
+        // (an all-frozen encoder's noise once made every extra chunk "save" time).
+        if (sizes.trained_encoder_bytes > 0) {
+          const double frozen = cache ? costs.frozen_seconds.at(chunk_frames[i]) : 0.0;
+          seconds += std::max(0.0, costs.grad_seconds.at(chunk_frames[i]) +
+                                       costs.backward_seconds.at(chunk_frames[i]) - frozen);
+        }
       }
       if (cache) {
         // A cached chunk's frozen output is read, then released.

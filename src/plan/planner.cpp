@@ -56,11 +56,20 @@ struct Candidate {
   double seconds = 0;
 };
 
-// Faster first; equal time: less accumulation, then less memory.
+// Encoder calls per video: one for naive training, else one per chunk.
+int64_t chunks_per_video(const StepSettings& s) {
+  return s.naive() ? 1 : (s.frames + s.chunk - 1) / s.chunk;
+}
+
+// Faster first; equal time: less accumulation, then fewer encoder calls (per-call overhead the
+// time model does not see below its calibrated chunk sizes: an all-frozen encoder's predicted
+// time is the same for any chunk, and one-frame chunks ran 3x slower), then less memory.
 bool better(const Candidate& a, const Candidate& b) {
   const double tolerance = 1e-9 * std::max(a.seconds, b.seconds);
   if (std::abs(a.seconds - b.seconds) > tolerance) return a.seconds < b.seconds;
   if (a.accumulate != b.accumulate) return a.accumulate < b.accumulate;
+  const int64_t calls_a = chunks_per_video(a.settings), calls_b = chunks_per_video(b.settings);
+  if (calls_a != calls_b) return calls_a < calls_b;
   return a.breakdown.peak_bytes < b.breakdown.peak_bytes;
 }
 
