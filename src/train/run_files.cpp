@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <sstream>
 
 #include "framefit/models/torchscript.h"
@@ -105,6 +106,19 @@ bool stop_requested(const StopRequest& stop, int64_t step, TrainResult& result,
   result.stopped = true;
   if (on_event)
     on_event(Event::note(Event::Kind::Info, c10::str("stopping at step ", step, " as requested")));
+  return true;
+}
+
+bool last_weights_are_best(bool validation_split, const TrainResult& result,
+                           const EventCallback& on_event) {
+  if (result.stopped) return false;
+  if (!validation_split) return true;
+  if (std::filesystem::exists(result.best_checkpoint)) return false;
+  if (on_event) {
+    on_event(Event::note(Event::Kind::Info,
+                         "the run ended before its first validation: " + result.best_checkpoint +
+                             " holds the last weights"));
+  }
   return true;
 }
 

@@ -1240,8 +1240,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     }
   }
   if (last_saved_step != progress.step) checkpoint(progress);
-  // Nothing to choose the best by: the last weights of a finished run are the best.
-  if (!val_set && !result.stopped) save_best();
+  if (last_weights_are_best(val_set.has_value(), result, emit)) save_best();
   result.steps = progress.step;
   result.seconds = seconds_since(start);
   result.skipped_videos = progress.skipped + train_set.skipped_at_start();

@@ -1234,9 +1234,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
     }
   }
   if (last_saved_step != progress.step) checkpoint(progress);
-  if (!val_set && !result.stopped) {  // nothing to choose the best by: the last weights are
-    save_best();                      // the best
-  }
+  if (last_weights_are_best(val_set.has_value(), result, emit)) save_best();
   result.steps = progress.step;
   result.seconds = seconds_since(start);
   result.skipped_videos = progress.skipped + train_set.skipped();

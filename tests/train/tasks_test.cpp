@@ -678,6 +678,29 @@ TEST(ClipTraining, Bfloat16RunsThroughEveryLayerType) {
   }
 }
 
+TEST(ClipTraining, RunEndedBeforeItsFirstValidationLeavesItsLastWeightsAsBest) {
+  // train.max_steps within the first epoch: no validation ran, so nothing chose a best.pt, and
+  // eval or export of the run's best.pt found no file.
+  auto c = clips_config("/tmp/framefit_clips_no_validation");
+  c.train.max_steps = 1;
+  std::vector<std::string> infos;
+  const auto result = train::train(c, "", [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Info) infos.push_back(e.message);
+  });
+  ASSERT_EQ(result.steps, 1);
+  ASSERT_TRUE(std::filesystem::exists(result.best_checkpoint));
+  const auto best = checkpoint_weights(result.best_checkpoint);
+  const auto last = checkpoint_weights(result.last_checkpoint);
+  ASSERT_EQ(best.size(), last.size());
+  for (size_t i = 0; i < best.size(); ++i) EXPECT_TRUE(torch::equal(best[i], last[i])) << i;
+  EXPECT_NE(std::find_if(infos.begin(), infos.end(),
+                         [](const std::string& m) {
+                           return m.find("before its first validation") != std::string::npos;
+                         }),
+            infos.end());
+  test_util::remove_tree(c.train.out_dir);
+}
+
 TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForTwiceTheBatch) {
   // R3D-18 on 4 x 32 x 32 clips: layer2 to layer4 have at most 2x4x4 output positions, where
   // oneDNN's backward holds weight-sized buffers (layer4's weights are 27 MiB each) and the lean
