@@ -38,6 +38,11 @@ struct Settings {
 BenchModel build(const Args& args, const Settings& settings) {
   const torch::Device device(args.text("device"));
   const auto dtype = args.text("dtype") == "float64" ? torch::kFloat64 : torch::kFloat32;
+  // Autocast lowers float32 operations only: a float64 model would run in float64 throughout.
+  TORCH_CHECK(dtype == torch::kFloat32 || settings.precision == engine::Precision::FP32,
+              "--precision ", engine::to_string(settings.precision),
+              " autocasts a float32 model; --dtype float64 runs in float64 throughout: use "
+              "--precision fp32 with it");
   torch::manual_seed(static_cast<uint64_t>(args.integer("seed")));
   BenchModel m;
   const auto spec = model_spec(args);

@@ -34,6 +34,12 @@ PY
     rc=$?; [ "$rc" -eq 3 ] || { cat err.txt; echo "exit code $rc, expected 3"; exit 1; }
   fi
   grep -q "out of memory" err.txt
+  # bf16 autocast would leave a float64 model in float64: refused, not silently ignored.
+  if "$framefit" bench-step --model resnet18 --head lstm --frames 8 --size 32 --chunk 2 \
+      --dtype float64 --precision bf16 2>err.txt; then
+    echo "ran bf16 on a float64 model"; exit 1
+  fi
+  grep -q "use --precision fp32 with it" err.txt
   ;;
 exact)
   work=$4
