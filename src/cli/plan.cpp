@@ -269,11 +269,15 @@ int run_doctor(const Args& args) {
       if (!args.on("json") && !summary.empty()) fmt::print("framefit doctor: {}\n", summary);
       return print_findings(args, findings);
     }
-    TORCH_CHECK(!config.model.layers.empty() && !config.model.input.empty(), "config ",
+    // A clips or segmentation config's input follows from its data settings where they fix it.
+    auto checked = config;
+    if (checked.model.input.empty()) checked.model.input = train::configured_sample_shape(config);
+    TORCH_CHECK(!checked.model.layers.empty() && !checked.model.input.empty(), "config ",
                 args.text("config"),
                 ": `framefit doctor --config` checks a layer-list network; set model.layers and "
-                "model.input (per sample, e.g. [3, 60, 230, 230])");
-    return doctor_network(args, config, budget);
+                "model.input (per sample, e.g. [3, 60, 230, 230]), or for task clips data.crop "
+                "(segmentation: data.resize), from which the input follows");
+    return doctor_network(args, checked, budget);
   }
   return print_findings(args, plan::diagnose(plan_request(args), args.bytes("budget") > 0
                                                                      ? args.bytes("budget")

@@ -591,6 +591,16 @@ std::string network_kind(const Config& config) {
   return config.model.layers.empty() ? "r3d_18" : "layers";
 }
 
+std::vector<int64_t> configured_sample_shape(const Config& config) {
+  if (config.task == "clips" && config.data.crop > 0) {
+    return {3, config.data.clip_length, config.data.crop, config.data.crop};
+  }
+  if (config.task == "segmentation" && config.data.resize > 0) {
+    return {3, config.data.resize, config.data.resize};
+  }
+  return {};
+}
+
 namespace {
 
 // build_batch_model with a TorchScript network loaded from a checkpoint instead of model.script.

@@ -23,4 +23,8 @@ if "$framefit" doctor --config "$source/configs/clip3d.yaml" --batch 1000 > big.
   echo "batch 1000 passed in 12 GiB"; exit 1
 fi
 grep -q "use a batch of at most" big.txt
+# A clips config without model.input: the input follows from data.clip_length and data.crop.
+out=$("$framefit" doctor --config "$source/configs/demo_clips.yaml")
+grep -q "on input 3 x 8 x 64 x 64 (per sample)" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "no problems found" <<<"$out"
 echo "doctor CLI: ok"

@@ -296,6 +296,22 @@ TEST(TaskConfig, KeysAndMismatchesAreNamed) {
             std::string::npos);
 }
 
+TEST(TaskConfig, SampleShapeFollowsFromTheDataSettingsWhereTheyFixIt) {
+  train::Config c;
+  c.task = "clips";
+  c.data.clip_length = 8;
+  c.data.resize = 72;
+  EXPECT_TRUE(train::configured_sample_shape(c).empty());  // no crop: the videos' own aspect
+  c.data.crop = 64;
+  EXPECT_EQ(train::configured_sample_shape(c), (std::vector<int64_t>{3, 8, 64, 64}));
+  c.task = "segmentation";
+  EXPECT_EQ(train::configured_sample_shape(c), (std::vector<int64_t>{3, 72, 72}));
+  c.data.resize = 0;
+  EXPECT_TRUE(train::configured_sample_shape(c).empty());
+  c.task = "phases";
+  EXPECT_TRUE(train::configured_sample_shape(c).empty());
+}
+
 TEST(TaskConfig, DoctorChecksNamedNetworksWithoutAllocating) {
   auto c = train::parse_config(
       "task: segmentation\nmodel:\n  width: 8\n  depth: 3\ndata:\n  classes: [bg, fg]\n"

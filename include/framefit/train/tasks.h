@@ -23,6 +23,10 @@ bool is_batch_task(const Config& config);  // task clips or segmentation
 
 // The network config.model.network names, with "" resolved for the task.
 std::string network_kind(const Config& config);
+// A batch task's per-sample input where the config alone fixes it - clips:
+// [3, data.clip_length, data.crop, data.crop]; segmentation: [3, data.resize, data.resize] -
+// else empty (without a crop or resize only the data can tell).
+std::vector<int64_t> configured_sample_shape(const Config& config);
 
 struct BatchModel {
   Config config;
