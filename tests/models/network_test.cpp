@@ -199,6 +199,30 @@ TEST(Network, ActivationEstimateMatchesWhatAutogradKeeps) {
   out.sum().backward();
 }
 
+namespace {
+
+// `to` gets `from`'s parameter values (the same layer list: the same names).
+void copy_parameters(const models::Network& from, models::Network& to) {
+  const auto source = from->named_parameters();
+  for (auto& p : to->named_parameters()) p.value().data().copy_(source[p.key()].data());
+}
+
+// The same weighted sum backward through both networks' outputs; every parameter gradient of
+// `a` within `relative` (of the largest) of `b`'s.
+void expect_equal_gradients(models::Network& a, const torch::Tensor& y_a, models::Network& b,
+                            const torch::Tensor& y_b, double relative) {
+  const auto weights = torch::randn_like(y_b);
+  (y_a * weights).sum().backward();
+  (y_b * weights).sum().backward();
+  const auto expected_grads = b->named_parameters();
+  for (const auto& p : a->named_parameters()) {
+    const auto& expected = expected_grads[p.key()].grad();
+    EXPECT_LE((p.value().grad() - expected).abs().max().item<double>(),
+              relative * expected.abs().max().item<double>())
+        << p.key();
+  }
+}
+
 // Activation bytes a forward pass of `net` keeps for backward (the input included).
 int64_t kept_by_forward(models::Network& net, const torch::Tensor& x) {
   auto& tracker = memory::Tracker::cpu();
@@ -208,6 +232,8 @@ int64_t kept_by_forward(models::Network& net, const torch::Tensor& x) {
   out.sum().backward();
   return kept;
 }
+
+}  // namespace
 
 TEST(Network, LeanMaxPoolingKeepsLessAndIsEstimated) {
   // seeds/001's shape: conv -> relu -> maxpool twice. PyTorch's pooling keeps the ReLU's full-size
@@ -243,8 +269,7 @@ TEST(Network, LeanMaxPoolingGivesPyTorchsValuesAndGradients) {
     models::Network plain(models::NetworkOptions(c.layers, c.input).lean_pooling(false));
     lean->to(torch::kFloat64);
     plain->to(torch::kFloat64);
-    const auto lean_params = lean->named_parameters();
-    for (auto& p : plain->named_parameters()) p.value().data().copy_(lean_params[p.key()].data());
+    copy_parameters(lean, plain);
     std::vector<int64_t> shape = {3};
     shape.insert(shape.end(), c.input.begin(), c.input.end());
     const auto x = torch::randn(shape, torch::kFloat64);
@@ -253,16 +278,7 @@ TEST(Network, LeanMaxPoolingGivesPyTorchsValuesAndGradients) {
     torch::manual_seed(1);
     const auto y_plain = plain->forward(x);
     EXPECT_TRUE(torch::equal(y_lean, y_plain));
-    const auto weights = torch::randn_like(y_plain);
-    (y_lean * weights).sum().backward();
-    (y_plain * weights).sum().backward();
-    const auto plain_params = plain->named_parameters();
-    for (const auto& p : lean->named_parameters()) {
-      const auto& expected = plain_params[p.key()].grad();
-      EXPECT_LE((p.value().grad() - expected).abs().max().item<double>(),
-                1e-12 * expected.abs().max().item<double>())
-          << p.key();
-    }
+    expect_equal_gradients(lean, y_lean, plain, y_plain, 1e-12);
   }
 }
 
@@ -370,22 +386,12 @@ TEST(Network, Conv3dLayersTakeTheLeanBackwardWhereItApplies) {
   models::Network lean(options);
   models::Network plain(models::NetworkOptions(options).lean_backward(false));
   EXPECT_EQ(models::set_lean_backward(*lean, true), 2);
-  const auto lean_params = lean->named_parameters();
-  for (auto& p : plain->named_parameters()) p.value().data().copy_(lean_params[p.key()].data());
+  copy_parameters(lean, plain);
   const auto x = torch::randn({2, 3, 4, 16, 16});
   const auto y_lean = lean->forward(x), y_plain = plain->forward(x);
   EXPECT_TRUE(torch::equal(y_lean, y_plain));
   EXPECT_EQ(models::lean_applicable_calls(*lean), 1);
-  const auto weights = torch::randn_like(y_plain);
-  (y_lean * weights).sum().backward();
-  (y_plain * weights).sum().backward();
-  const auto plain_params = plain->named_parameters();
-  for (const auto& p : lean->named_parameters()) {
-    const auto& expected = plain_params[p.key()].grad();
-    EXPECT_LE((p.value().grad() - expected).abs().max().item<double>(),
-              1e-4 * expected.abs().max().item<double>())
-        << p.key();
-  }
+  expect_equal_gradients(lean, y_lean, plain, y_plain, 1e-4);
 }
 
 TEST(Network, BadLayerListsAreNamed) {
