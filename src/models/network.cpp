@@ -81,7 +81,7 @@ int64_t window_out(int64_t size, int64_t kernel, int64_t stride, int64_t padding
 }
 
 // A relu whose next layer is a lean maxpool runs with it as one (pooling.h).
-bool relu_pools_next(const std::vector<LayerSpec>& layers, size_t i, bool lean_pooling = true) {
+bool relu_pools_next(const std::vector<LayerSpec>& layers, size_t i, bool lean_pooling) {
   return lean_pooling && layers[i].type == "relu" && i + 1 < layers.size() &&
          layers[i + 1].type == "maxpool";
 }
@@ -454,7 +454,7 @@ torch::Tensor NetworkImpl::forward_layers(torch::Tensor x, int64_t begin, int64_
   const auto& specs = options_.layers();
   for (int64_t i = begin; i < end; ++i) {
     const auto at = static_cast<size_t>(i);
-    if (relu_pools_next(specs, at) && i + 1 < end) {
+    if (relu_pools_next(specs, at, options_.lean_pooling()) && i + 1 < end) {
       // relu then maxpool as one: pool first, ReLU on the pooled output (pooling.h).
       x = max_pool(x, layers_[at + 1].get<MaxPool>()->options, /*relu_first=*/true);
       ++i;
