@@ -12,7 +12,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <sstream>
 
 #include "framefit/models/torchscript.h"
@@ -109,15 +108,15 @@ bool stop_requested(const StopRequest& stop, int64_t step, TrainResult& result,
   return true;
 }
 
-bool last_weights_are_best(bool validation_split, const TrainResult& result,
+bool last_weights_are_best(bool validation_split, double best_score, const TrainResult& result,
                            const EventCallback& on_event) {
   if (result.stopped) return false;
   if (!validation_split) return true;
-  if (std::filesystem::exists(result.best_checkpoint)) return false;
+  if (best_score >= 0) return false;
   if (on_event) {
-    on_event(Event::note(Event::Kind::Info,
-                         "the run ended before its first validation: " + result.best_checkpoint +
-                             " holds the last weights"));
+    on_event(Event::note(Event::Kind::Info, "the run ended before a validation chose a best: " +
+                                                result.best_checkpoint +
+                                                " holds the last weights"));
   }
   return true;
 }

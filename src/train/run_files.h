@@ -50,10 +50,10 @@ Config read_config(torch::serialize::InputArchive& archive, const std::string& p
 bool stop_requested(const StopRequest& stop, int64_t step, TrainResult& result,
                     const EventCallback& on_event);
 // Whether a run that ends here writes its last weights as best.pt: a finished run (not stopped)
-// without a validation split has nothing to choose the best by, and one whose validation never
-// ran (train.max_steps ended it within its first epoch) would leave no best.pt for eval and
-// export; that case is told through on_event.
-bool last_weights_are_best(bool validation_split, const TrainResult& result,
+// without a validation split has nothing to choose the best by, and one where no validation has
+// chosen a best yet (`best_score` < 0: train.max_steps ended it within its first epoch, resumed
+// or not) would leave no best.pt for eval and export, or a stale one; told through on_event.
+bool last_weights_are_best(bool validation_split, double best_score, const TrainResult& result,
                            const EventCallback& on_event);
 // A Warning event naming the keys where the config a run resumes with differs from the one its
 // checkpoint stored (the run goes on with the new values: a changed train.lr or train.epochs

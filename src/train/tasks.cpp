@@ -1250,7 +1250,9 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     }
   }
   if (last_saved_step != progress.step) checkpoint(progress);
-  if (last_weights_are_best(val_set.has_value(), result, emit)) save_best();
+  if (last_weights_are_best(val_set.has_value(), progress.best_score, result, emit)) {
+    save_best();
+  }
   result.steps = progress.step;
   result.seconds = seconds_since(start);
   result.skipped_videos = progress.skipped + train_set.skipped_at_start();

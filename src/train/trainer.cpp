@@ -1234,7 +1234,9 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
     }
   }
   if (last_saved_step != progress.step) checkpoint(progress);
-  if (last_weights_are_best(val_set.has_value(), result, emit)) save_best();
+  if (last_weights_are_best(val_set.has_value(), progress.best_score, result, emit)) {
+    save_best();
+  }
   result.steps = progress.step;
   result.seconds = seconds_since(start);
   result.skipped_videos = progress.skipped + train_set.skipped();
