@@ -121,7 +121,8 @@ DemoSummary make_demo(const std::string& out_dir, const DemoOptions& options,
   TORCH_CHECK(options.min_frames >= 25 && options.max_frames >= options.min_frames,
               "demo videos need min_frames >= 25 and max_frames >= min_frames");
   const auto classes = demo_classes();
-  for (const char* sub : {"", "/videos", "/labels", "/frames"}) make_directory(out_dir + sub);
+  for (const char* sub : {"", "/videos", "/labels"}) make_directory(out_dir + sub);
+  if (options.frame_folders) make_directory(out_dir + "/frames");
   if (options.tools) make_directory(out_dir + "/tools");
 
   std::mt19937_64 rng(options.seed);

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <atomic>
+#include <filesystem>
 #include <fstream>
 #include <set>
 
@@ -429,6 +430,7 @@ TEST_F(DataTest, DemoWithToolsDrawsWhatItsToolFilesSay) {
   options.frame_folders = false;
   options.tools = true;
   const auto summary = data::make_demo(dir_, options);
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/frames"));  // no frame folders asked for
   const auto entries = data::read_manifest(summary.manifest);
   ASSERT_EQ(entries.size(), 2u);
   EXPECT_EQ(entries[1].tools, dir_ + "/tools/video02-tool.txt");
