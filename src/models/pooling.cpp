@@ -2,6 +2,9 @@
 
 #include <torch/torch.h>
 
+#include <functional>
+#include <numeric>
+
 namespace framefit::models {
 
 namespace {
@@ -73,7 +76,9 @@ class LeanMaxPoolFunction : public torch::autograd::Function<LeanMaxPoolFunction
     if (!grad.defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
     if (pooled.defined()) grad = at::threshold_backward(grad, pooled, 0);
     const int64_t planes = sizes[0] * sizes[1];
-    auto grad_input = torch::zeros({planes, c10::multiply_integers(sizes.begin() + 2, sizes.end())},
+    const int64_t positions =
+        std::accumulate(sizes.begin() + 2, sizes.end(), int64_t{1}, std::multiplies<int64_t>());
+    auto grad_input = torch::zeros({planes, positions},
                                    grad.options().memory_format(c10::MemoryFormat::Contiguous));
     grad_input.scatter_add_(1, indices.reshape({planes, -1}), grad.reshape({planes, -1}));
     return {grad_input.view(sizes), torch::Tensor(), torch::Tensor()};
