@@ -762,7 +762,8 @@ StepPlan step_request(const Config& config, const data::VideoDataset& train_set)
   auto& request = result.request;
   request.model = model_spec(config, frame_size_for_planning(train_set), device);
   request.frames = longest;
-  request.videos = tc.accumulate;
+  // A step takes train.accumulate videos, or every one where there are fewer.
+  request.videos = std::max<int64_t>(1, std::min<int64_t>(tc.accumulate, train_set.size()));
   request.accumulate = 1;
   request.chunk = fixed_count(tc.chunk);
   request.keep = fixed_count(tc.keep);

@@ -626,6 +626,20 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
   test_util::remove_tree(config.train.out_dir);
 }
 
+TEST(Training, AccumulationBeyondTheVideosIsPlannedForTheVideosThereAre) {
+  // train.accumulate 50 over a handful of training videos: each step takes them all, and the
+  // plan holds that many in memory, not 50 videos of the longest length.
+  auto c = tiny_config("/tmp/framefit_accumulate_plan");
+  c.train.chunk = c.train.keep = "auto";  // planned
+  c.train.accumulate = 50;
+  const auto plan = train::plan_phases(c);
+  ASSERT_TRUE(plan.fits);
+  EXPECT_LT(plan.videos, 50);
+  EXPECT_EQ(plan.settings.videos_per_call, plan.videos);
+  c.train.accumulate = 1;
+  EXPECT_EQ(train::plan_phases(c).settings.videos_per_call, 1);
+}
+
 TEST(Training, DoctorReportsEveryBadVideoOfEverySplitWithoutTraining) {
   auto config = tiny_config("/tmp/framefit_doctor");
   std::string summary;
