@@ -201,8 +201,11 @@ int run_bench_layers(const Args& args) {
                         {"static_bytes", costs.static_bytes},
                         {"machine", machine_info().describe()}};
   int64_t batch = args.integer("batch");
-  std::vector<engine::ChainSegment> segments = engine::store_all(n);
   int64_t predicted = 0;
+  // What the mode recomputes at a batch: nothing, what the budget needs, or every stage.
+  const auto plan_for = [&](int64_t b) {
+    return plan::plan_batch_chain(costs, b, budget, recompute).segments;
+  };
   if (batch == 0) {
     // The largest batch: the planner's answer, then checked by real steps under the budget.
     TORCH_CHECK(budget > 0, "--batch 0 finds the largest batch for --budget: give one");
@@ -216,9 +219,6 @@ int run_bench_layers(const Args& args) {
     }
     batch = planned.batch;
     nlohmann::json tries = nlohmann::json::array();
-    const auto plan_for = [&](int64_t b) {
-      return plan::plan_batch_chain(costs, b, budget, recompute).segments;
-    };
     auto run = [&](int64_t b) {
       auto r = bench.step(b, plan_for(b));
       tries.push_back({{"batch", b}, {"fits", r.fits}, {"peak_bytes", r.peak_bytes}});
@@ -247,12 +247,9 @@ int run_bench_layers(const Args& args) {
     out["tries"] = tries;
     out["largest_batch"] = batch;
   }
+  std::vector<engine::ChainSegment> segments;  // what the measured steps recompute
   if (batch > 0) {
-    if (mode == "all") {
-      segments = engine::recompute_every(n, 1);
-    } else if (mode == "auto") {
-      segments = plan::plan_batch_chain(costs, batch, budget, plan::Recompute::AsNeeded).segments;
-    }
+    segments = plan_for(batch);
     predicted =
         plan::batch_peak_bytes(costs, batch, engine::evaluate_chain(costs.at(batch), segments));
     bench.step(batch, segments);  // untimed: kernels for this batch's shapes are set up once

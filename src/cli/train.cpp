@@ -133,29 +133,25 @@ void print_metrics(const train::PhaseMetrics& m, const data::ClassList& classes,
 // papers report phase recognition).
 void print_video_metrics(const std::vector<train::VideoMetrics>& videos) {
   const auto a = train::average_over_videos(videos);
-  const bool tools = a.tool_videos > 0;  // a column of each video's tool mAP
-  fmt::print("  per video:\n  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}{}\n", "video", "frames",
-             "accuracy", "macro F1", "Jaccard", "edit",
-             tools ? fmt::format(" {:>9}", "tool mAP") : "");
-  const auto tool_map = [&](const train::PhaseMetrics& m) {
-    if (!tools) return std::string();
-    return fmt::format(" {:>9}", m.tools ? percent(m.tools->mean_average_precision) : "");
+  // A column of each video's tool mAP where any video shows a tool.
+  const auto tool_cell = [&](const std::string& text) {
+    return a.tool_videos > 0 ? fmt::format(" {:>9}", text) : std::string();
   };
+  fmt::print("  per video:\n  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}{}\n", "video", "frames",
+             "accuracy", "macro F1", "Jaccard", "edit", tool_cell("tool mAP"));
   for (const auto& v : videos) {
     const auto& m = v.metrics;
     fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}{}\n", v.name, m.frames, percent(m.accuracy),
                percent(m.macro_f1), percent(m.macro_jaccard),
-               m.segments ? percent(m.segments->edit) : "", tool_map(m));
+               m.segments ? percent(m.segments->edit) : "",
+               tool_cell(m.tools ? percent(m.tools->mean_average_precision) : ""));
   }
-  const auto tool_column = [&](double value) {
-    return tools ? fmt::format(" {:>9}", percent(value)) : std::string();
-  };
   fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}{}\n", "mean over videos", "",
              percent(a.accuracy_mean), percent(a.macro_f1_mean), percent(a.macro_jaccard_mean),
-             percent(a.edit_mean), tool_column(a.tool_map_mean));
+             percent(a.edit_mean), tool_cell(percent(a.tool_map_mean)));
   fmt::print("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>9}{}\n", "std over videos", "",
              percent(a.accuracy_std), percent(a.macro_f1_std), percent(a.macro_jaccard_std),
-             percent(a.edit_std), tool_column(a.tool_map_std));
+             percent(a.edit_std), tool_cell(percent(a.tool_map_std)));
 }
 
 // The relaxed-boundary summary as Cholec80's evaluation script prints it, in percent.

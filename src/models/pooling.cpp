@@ -91,12 +91,11 @@ torch::Tensor max_pool(const torch::Tensor& x, const MaxPoolOptions& options, bo
   const int64_t dims = x.dim() - 2;
   TORCH_CHECK(dims == 2 || dims == 3, "max_pool takes [N,C,H,W] or [N,C,T,H,W]; got ", x.sizes());
   const auto window = window_of(options, dims);
-  const bool needs_backward = torch::GradMode::is_enabled() && x.requires_grad();
   if (!options.lean()) {
     const auto in = relu_first ? torch::relu(x) : x;
     return std::get<0>(pool_with_indices(in, window));
   }
-  if (!needs_backward) {
+  if (!torch::GradMode::is_enabled() || !x.requires_grad()) {  // nothing to keep
     auto y = std::get<0>(pool_with_indices(x, window));
     return relu_first ? y.relu_() : y;
   }
