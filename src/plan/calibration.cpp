@@ -355,19 +355,16 @@ int64_t training_static_bytes(const torch::nn::Module& module, const std::string
 }
 
 namespace {
-// Whether some stage's peak grew more than 2.1 times from batch 1 to batch 2 (exactly
-// proportional costs measure a few bytes over twice).
-bool grows_faster_than_batch(const std::vector<engine::StageCost>& one,
-                             const std::vector<engine::StageCost>& two) {
-  for (size_t i = 0; i < one.size() && i < two.size(); ++i) {
-    if (10 * two[i].peak_bytes > 21 * one[i].peak_bytes) return true;
-  }
-  return false;
-}
-
-// Cost lines through batches 1 and 2, measured again toward the batch the budget plainly fits
-// (per-sample costs from tiny batches are dominated by fixed overheads). `at(b)`: the stage costs
-// of b samples; `base`: the costs' static and input parts and segment limit.
+// Cost lines through batches 1 and 2, measured again toward the batch the budget allows.
+// Batches 1 and 2 alone mislead both ways: a workspace oneDNN takes from batch 2 on makes their
+// line overshoot (R3D-18 on 4 x 32 x 32 clips: 4,385 MiB predicted for batch 28, 843 measured);
+// one its weight gradient takes only while the batch has fewer samples than threads makes it
+// undershoot (seeds/001's clips at half size: batch 5 planned within 300 MiB, where batch 3 took
+// 306). So wherever the line leads past batch 2 it is measured there (at half the planned batch,
+// at least 3, at most 8 times the last measurement: a line that does not grow plans the largest
+// batch) and redrawn through its two largest measurements, again while it leads to 4 times its
+// last measurement or more (so that the two stay at least twice apart). `at(b)`: the stage costs of b samples; `base`: the costs' static and
+// input parts and segment limit.
 BatchCosts lines_toward_budget(const std::function<std::vector<engine::StageCost>(int64_t)>& at,
                                const BatchCosts& base, int64_t budget_bytes, int64_t max_batch) {
   const auto through = [&](int64_t b1, const std::vector<engine::StageCost>& c1, int64_t b2,
@@ -378,23 +375,32 @@ BatchCosts lines_toward_budget(const std::function<std::vector<engine::StageCost
     costs.max_segment_stages = base.max_segment_stages;
     return costs;
   };
-  const auto one = at(1), two = at(2);
-  auto costs = through(1, one, 2, two);
+  const auto one = at(1);
+  auto high_costs = at(2);
+  auto costs = through(1, one, 2, high_costs);
   if (budget_bytes <= 0) return costs;
-  // A stage whose peak grew faster than the batch from 1 to 2 (oneDNN picking another algorithm,
-  // with a workspace, from batch 2 on) is drawn through zero and its batch-2 value; where that
-  // workspace then stays flat, the line overshoots several times (R3D-18 on 4 x 32 x 32 clips:
-  // 4,385 MiB predicted for batch 28, 843 measured). Then the lines start at batch 2.
-  const bool jump = grows_faster_than_batch(one, two);
-  const int64_t low = jump ? 2 : 1;
-  const auto& low_costs = jump ? two : one;
-  int64_t plain = plan_batch(costs, budget_bytes, Recompute::Nothing, max_batch).batch;
-  if (jump && plain >= 4 && plain < 8) {  // the overshooting model already fits batch 4
-    costs = through(2, two, 4, at(4));
-    plain = plan_batch(costs, budget_bytes, Recompute::Nothing, max_batch).batch;
+  const auto planned = [&] {
+    return plan_batch(costs, budget_bytes, Recompute::Nothing, max_batch).batch;
+  };
+  int64_t high = 2;
+  int64_t batch = planned();
+  for (int round = 0; round < 3 && batch > high && (high == 2 || batch >= 4 * high); ++round) {
+    const int64_t next = std::max(high + 1, std::min(batch / 2, 8 * high));
+    std::vector<engine::StageCost> next_costs;
+    try {
+      next_costs = at(next);
+    } catch (const std::exception& e) {
+      // A device that cannot hold `next` (the budget is near its whole memory): plan below it.
+      if (!memory::is_out_of_memory(e)) throw;
+      costs.failed_batch = next;
+      break;
+    }
+    costs = through(high, high_costs, next, next_costs);
+    costs.single = one;
+    high = next;
+    high_costs = std::move(next_costs);
+    batch = planned();
   }
-  // Measured again toward what the budget allows, the line through it holds there.
-  if (plain >= 8) costs = through(low, low_costs, plain / 2, at(plain / 2));
   return costs;
 }
 

@@ -346,6 +346,17 @@ std::vector<engine::StageCost> BatchCosts::at(int64_t batch) const {
     costs[i].held_gradient_bytes += fixed[i].held_gradient_bytes;
     costs[i].seconds += fixed[i].seconds;
   }
+  if (batch == 1 && single.size() == costs.size()) {
+    for (size_t i = 0; i < costs.size(); ++i) {
+      auto& c = costs[i];
+      const auto& s = single[i];
+      c.kept_bytes = std::max(c.kept_bytes, s.kept_bytes);
+      c.output_bytes = std::max(c.output_bytes, s.output_bytes);
+      c.peak_bytes = std::max(c.peak_bytes, s.peak_bytes);
+      c.held_gradient_bytes = std::max(c.held_gradient_bytes, s.held_gradient_bytes);
+      c.seconds = std::max(c.seconds, s.seconds);
+    }
+  }
   return costs;
 }
 
@@ -416,6 +427,7 @@ BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute re
                      int64_t max_batch) {
   TORCH_CHECK(!costs.per_sample.empty(), "plan_batch: no stage costs");
   TORCH_CHECK(budget_bytes > 0, "plan_batch: give a budget");
+  if (costs.failed_batch > 0) max_batch = std::min(max_batch, costs.failed_batch - 1);
   const auto fits = [&](int64_t batch) {
     return plan_batch_chain(costs, batch, budget_bytes, recompute).fits;
   };
@@ -423,7 +435,7 @@ BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute re
   result.minimum_bytes_one_sample =
       costs.static_bytes + costs.input_bytes_per_sample +
       engine::plan_chain(costs.at(1), 1, costs.max_segment_stages).minimum_bytes;
-  if (!fits(1)) return result;
+  if (max_batch < 1 || !fits(1)) return result;
   // Memory grows with the batch, so the largest batch that fits is found by bisection.
   int64_t low = 1, high = 2;
   while (high <= max_batch && fits(high)) low = high, high *= 2;

@@ -364,6 +364,50 @@ TEST(BatchPlanner, WorkspaceFromBatchTwoOnIsNotTakenAsGrowingWithTheBatch) {
       << predicted << " predicted, " << measured << " measured";
 }
 
+// A stage costing 1 MiB per sample, and 1.5 MiB more at batch 1 only, as oneDNN's weight
+// gradient takes a workspace while the batch has fewer samples than threads (seeds/001's clips).
+engine::ChainNetwork network_with_workspace_at_batch_one() {
+  torch::nn::Linear linear(64, 64);
+  return engine::chain_network(std::static_pointer_cast<torch::nn::Module>(linear.ptr()),
+                               [linear](const torch::Tensor& x) mutable {
+                                 if (x.size(0) == 1) torch::zeros({3 << 17}).add_(1);
+                                 torch::zeros({x.size(0), 1 << 18}).add_(1);
+                                 return linear(x).relu();
+                               });
+}
+
+TEST(BatchPlanner, WorkspaceAtBatchOneOnlyIsNotTakenAsFixed) {
+  // From batches 1 and 2 alone the stage's cost falls with the batch, so every batch seemed to
+  // fit. Calibrated for a budget, the line is measured again where it leads and drawn from there;
+  // batch 1 keeps its measured cost.
+  const auto network = network_with_workspace_at_batch_one();
+  const auto inputs = [](int64_t b) { return torch::randn({b, 64}); };
+  const int64_t budget = 12 << 20;
+  const auto costs =
+      plan::calibrate_batch(network, inputs, 0, 0, budget, torch::kCPU, Precision::FP32);
+  const auto plan = plan::plan_batch(costs, budget, plan::Recompute::Nothing);
+  const auto measured = [&](int64_t b) { return network.measure(inputs(b))[0].peak_bytes; };
+  ASSERT_GT(plan.batch, 1);
+  EXPECT_LE(measured(plan.batch), budget) << "batch " << plan.batch;
+  EXPECT_GT(measured(plan.batch + 1), budget) << "batch " << plan.batch;
+  EXPECT_GE(costs.at(1)[0].peak_bytes, measured(1));
+}
+
+TEST(BatchPlanner, BatchThatRunsOutOfMemoryWhileMeasuredIsNotPlanned) {
+  // A device smaller than the budget (the budget taken as a GPU's whole memory): measuring the
+  // line where it leads runs out of memory; the calibration does not fail, and plans stay below
+  // that batch.
+  const auto network = network_with_workspace_at_batch_one();
+  const auto inputs = [](int64_t b) { return torch::randn({b, 64}); };
+  plan::BatchCosts costs;
+  {
+    test_util::CpuBudget device(memory::Tracker::cpu().current_bytes() + (6 << 20));
+    costs = plan::calibrate_batch(network, inputs, 0, 0, 1 << 30, torch::kCPU, Precision::FP32);
+  }
+  ASSERT_GT(costs.failed_batch, 2);
+  EXPECT_LT(plan::plan_batch(costs, 1 << 30, plan::Recompute::Nothing).batch, costs.failed_batch);
+}
+
 TEST(BatchPlanner, EvaluationBatchIsPlannedFromItsOwnForwardPass) {
   // Validation runs in eval mode without grad: nothing is kept for a backward pass, so its batch
   // is planned from its own measured forward pass (several times training's here) and the

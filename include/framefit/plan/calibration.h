@@ -65,8 +65,10 @@ std::map<engine::Precision, ChunkCosts> calibrated_costs(
 int64_t training_static_bytes(const torch::nn::Module& module, const std::string& optimizer);
 
 // Calibrates a batch network (clip classifier, UNet) for plan_batch: each stage's cost measured
-// at batches 1 and 2 and, when the budget plainly fits 8 or more, again at half that batch
-// (per-sample costs from tiny batches are dominated by fixed overheads). `inputs(b)` makes b
+// at batches 1 and 2 and, wherever their line leads past batch 2 within the budget, again toward
+// half that batch, the lines then drawn from batch 2 (batch 1 alone can take a workspace or skip
+// one: oneDNN's algorithms depend on the batch and thread count). A batch that runs out of memory
+// while measured caps the plan below it. `inputs(b)` makes b
 // samples of input on the device. Runs forward passes with grad under `precision`, so BatchNorm
 // statistics move: calibrate a copy of the network, not the one being trained.
 BatchCosts calibrate_batch(const engine::ChainNetwork& network,

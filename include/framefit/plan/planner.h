@@ -111,6 +111,11 @@ struct BatchCosts {
   std::vector<engine::StageCost> fixed;
   std::vector<engine::StageCost> per_sample;
   int64_t max_segment_stages = 0;  // plan_chain's limit (1 for a UNet)
+  // Measured at batch 1 where the lines are drawn from larger batches: at(1) is never below it
+  // (oneDNN's weight gradient takes a workspace while the batch has fewer samples than threads).
+  std::vector<engine::StageCost> single;
+  // A batch that ran out of memory while being measured (0: none): plans stay below it.
+  int64_t failed_batch = 0;
   std::vector<engine::StageCost> at(int64_t batch) const;
   // Through measurements at batches b1 < b2, never below them: a cost that falls from b1 to b2
   // stays at its b1 value, one that grows faster than proportionally follows the line through
