@@ -86,6 +86,49 @@ bool relu_pools_next(const std::vector<LayerSpec>& layers, size_t i, bool lean_p
          layers[i + 1].type == "maxpool";
 }
 
+// oneDNN's blocked layouts hold channels in groups of 16: `elements` of a `channels`-channel
+// tensor, padded.
+int64_t blocked(int64_t elements, int64_t channels) {
+  return channels <= 0 ? elements : elements / channels * ((channels + 15) / 16 * 16);
+}
+
+// A convolution's backward (LibTorch 1.13 on the CPU, oneDNN): the output gradient flowing in,
+// its reordered copy, the input reordered (from 16 channels on; a first layer's 3 channels are
+// read as they are) and the input's gradient, computed in the blocked layout.
+int64_t conv_backward_elements(int64_t in, int64_t in_channels, int64_t out,
+                               int64_t out_channels, bool input_gradient) {
+  return out + blocked(out, out_channels) + (in_channels >= 16 ? blocked(in, in_channels) : 0) +
+         (input_gradient ? blocked(in, in_channels) : 0);
+}
+
+// Elements layer i's backward holds at once, per sample (LayerShape::backward_elements), as
+// measured on LibTorch 1.13's CPU kernels: a depthwise-separable convolution holds its pointwise
+// part's and then its depthwise part's; BatchNorm's input gradient takes a temporary of its size;
+// the other layers hold their output's gradient and produce their input's. `trains_before`: an
+// earlier layer has parameters, so the input needs a gradient.
+int64_t backward_elements(const std::vector<LayerSpec>& layers, size_t i, bool lean_pooling,
+                          const std::vector<int64_t>& in_shape, const std::vector<int64_t>& out_shape,
+                          int64_t depthwise_out, bool trains_before) {
+  const auto& type = layers[i].type;
+  if (type == "flatten" || relu_pools_next(layers, i, lean_pooling)) return 0;  // a view; the pool's
+  const int64_t in = product(in_shape), out = product(out_shape);
+  const int64_t in_gradient = trains_before ? in : 0;
+  if (is_sepconv(type)) {
+    // Below 16 channels the pointwise part also holds a plain copy of the depthwise output.
+    const int64_t pointwise =
+        conv_backward_elements(depthwise_out, in_shape[0], out, out_shape[0], true) +
+        (in_shape[0] < 16 ? depthwise_out : 0);
+    const int64_t depthwise = conv_backward_elements(in, in_shape[0], depthwise_out, in_shape[0],
+                                                     trains_before);
+    return std::max(pointwise, depthwise);
+  }
+  if (is_conv(type)) {
+    return conv_backward_elements(in, in_shape[0], out, out_shape[0], trains_before);
+  }
+  if (type == "bn") return out + 2 * in_gradient;
+  return out + in_gradient;
+}
+
 }  // namespace
 
 NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers, const std::vector<int64_t>& input,
@@ -102,8 +145,11 @@ NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers, const std::vect
   // Whether the current activation is already kept for backward by an earlier layer (a ReLU
   // keeps its output, which the next pool or conv keeps again as its input: one tensor).
   bool kept = false;
+  bool trains_before = false;  // whether an earlier layer has parameters: the input needs a gradient
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& spec = layers[i];
+    const std::vector<int64_t> in_shape = shape;
+    int64_t depthwise_elements = 0;  // a depthwise-separable convolution's intermediate
     LayerShape out;
     out.name = layer_name(spec, i);
     out.type = spec.type;
@@ -172,6 +218,7 @@ NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers, const std::vect
         std::vector<int64_t> depthwise_out = next;
         depthwise_out[0] = channels;
         out.saved_elements += product(depthwise_out);
+        depthwise_elements = product(depthwise_out);
         const int64_t depthwise = channels * kvol, pointwise = spec.out * channels;
         out.parameters = depthwise + pointwise + (spec.bias ? channels + spec.out : 0);
         out.largest_parameter = std::max(depthwise, pointwise);
@@ -205,7 +252,7 @@ NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers, const std::vect
              "set p to the fraction of activations to drop, e.g. 0.5");
         break;
       }
-      out.saved_index_bytes = product(shape);  // the mask
+      out.saved_elements = product(shape);  // the mask, in the activations' dtype
     } else if (is_pool(spec.type)) {
       if (spatial != 2 && spatial != 3) {
         fail(c10::str(spec.type, " needs a [C,H,W] or [C,T,H,W] input but gets ",
@@ -285,6 +332,9 @@ NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers, const std::vect
       shape = {spec.out};
     }
     out.output = shape;
+    out.backward_elements = backward_elements(layers, i, lean_pooling, in_shape, shape,
+                                              depthwise_elements, trains_before);
+    trains_before = trains_before || out.parameters > 0;
     if (spec.type == "relu") {
       kept = true;
     } else if (spec.type != "flatten" && spec.type != "maxpool") {

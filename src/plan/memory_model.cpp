@@ -256,15 +256,16 @@ NetworkMemory network_memory(const models::NetworkShapes& shapes, const std::vec
   int64_t input_elements = 1;
   for (int64_t d : input) input_elements *= d;
   m.input_bytes_per_sample = input_elements * training.input_element_bytes;
-  // The converted input is kept by the first layer; the rest is what each layer saves.
-  int64_t largest_output = input_elements;
+  // The converted input is kept by the first layer; the rest is what each layer saves. Backward
+  // runs last layer first: when it reaches a layer, what that layer and the earlier ones saved
+  // is still held, beside the gradients the layer's backward holds.
+  int64_t saved = 0, peak = 0;
   for (const auto& l : shapes.layers) {
-    m.activation_bytes_per_sample += l.saved_elements * element + l.saved_index_bytes;
-    int64_t elements = 1;
-    for (int64_t d : l.output) elements *= d;
-    largest_output = std::max(largest_output, elements);
+    saved += l.saved_elements * element + l.saved_index_bytes;
+    peak = std::max(peak, saved + l.backward_elements * element);
   }
-  m.backward_bytes_per_sample = 2 * largest_output * element;
+  m.activation_bytes_per_sample = saved;
+  m.backward_bytes_per_sample = std::max<int64_t>(0, peak - saved);
   return m;
 }
 

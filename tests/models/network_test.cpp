@@ -255,6 +255,65 @@ TEST(Network, LeanMaxPoolingKeepsLessAndIsEstimated) {
   }
 }
 
+TEST(Network, PeakEstimateMatchesTheMeasuredTrainingStep) {
+  // The doctor's per-sample estimate (saved activations and the backward's gradients, layer by
+  // layer) against a measured step's growth from batch 4 to 8, for each layer type, channel
+  // counts off oneDNN's blocks of 16, and with PyTorch's and the lean max pooling. The old
+  // estimate (twice the largest output on top of every saved activation) was 24% high on
+  // seeds/001's network and 21% low with BatchNorm before the ReLU.
+  using models::LayerSpec;
+  const std::vector<LayerSpec> with_bn = {
+      {"conv3d", "conv1", 0, 16, {3}, {}, {1}},  {"bn", "bn1"}, {"relu"},
+      {"maxpool", "", 0, 0, {2}},                 {"conv3d", "conv2", 0, 32, {3}, {}, {1}},
+      {"relu"},                                   {"global_avgpool"},
+      {"flatten"},                                {"linear", "fc", 0, 5}};
+  const std::vector<LayerSpec> image = {{"conv2d", "conv1", 0, 24, {3}, {}, {1}},
+                                        {"relu"},
+                                        {"conv2d", "conv2", 0, 40, {3}, {}, {1}},
+                                        {"gn", "gn2", 0, 0, {}, {}, {}, 8},
+                                        {"relu"},
+                                        {"dropout"},
+                                        {"sepconv2d", "conv3", 0, 64, {3}, {}, {1}},
+                                        {"bn", "bn3"},
+                                        {"relu"},
+                                        {"maxpool", "", 0, 0, {2}},
+                                        {"avgpool", "", 0, 0, {2}},
+                                        {"flatten"},
+                                        {"linear", "fc", 0, 5}};
+  struct Case {
+    std::string name;
+    std::vector<LayerSpec> layers;
+    std::vector<int64_t> input;
+  };
+  const std::vector<Case> cases = {{"clip3d", models::clip3d_layers(20), {3, 8, 48, 48}},
+                                   {"separable", models::clip3d_layers(20, true), {3, 8, 48, 48}},
+                                   {"with_bn", with_bn, {3, 8, 48, 48}},
+                                   {"image", image, {3, 48, 48}}};
+  auto& tracker = memory::Tracker::cpu();
+  const auto step_peak = [&](models::Network& net, int64_t batch, const std::vector<int64_t>& input) {
+    std::vector<int64_t> shape = {batch};
+    shape.insert(shape.end(), input.begin(), input.end());
+    auto window = tracker.mark();
+    auto out = net->forward(torch::randn(shape));
+    torch::nn::functional::cross_entropy(out, torch::zeros({batch}, torch::kLong)).backward();
+    out.reset();
+    return window.peak_bytes() - window.entry_bytes();
+  };
+  torch::manual_seed(0);
+  for (const auto& c : cases) {
+    for (bool lean : {true, false}) {
+      models::Network net(models::NetworkOptions(c.layers, c.input).lean_pooling(lean));
+      const auto m = plan::network_memory(net->shapes(), c.input, {});
+      const double predicted = m.activation_bytes_per_sample + m.backward_bytes_per_sample;
+      step_peak(net, 4, c.input);  // oneDNN's first calls
+      const double measured = (step_peak(net, 8, c.input) - step_peak(net, 4, c.input)) / 4.0;
+      // oneDNN's layouts here are AVX-512's; where they differ, the estimate errs high.
+      EXPECT_GE(predicted, 0.99 * measured) << c.name << ", lean pooling " << lean;
+      EXPECT_LE(predicted, 1.1 * measured) << c.name << ", lean pooling " << lean;
+    }
+  }
+}
+
 TEST(Network, LeanMaxPoolingGivesPyTorchsValuesAndGradients) {
   // float64; overlapping padded windows (the 2d net's 3/2/1 stem pool, BN before the ReLU,
   // dropout replayed by seed) and non-overlapping 3d ones (seeds/001's).

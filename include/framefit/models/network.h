@@ -56,6 +56,11 @@ struct LayerShape {
   // counted in the network's dtype, and bytes of integer indices (max pooling).
   int64_t saved_elements = 0;
   int64_t saved_index_bytes = 0;
+  // Elements the layer's backward holds at once per sample: its output's gradient, its input's
+  // (when an earlier layer has parameters to train) and its kernels' temporaries (a convolution:
+  // oneDNN's reordered output gradient and input). 0 for a ReLU fused into the lean max pooling
+  // after it, whose backward is the pool's.
+  int64_t backward_elements = 0;
 };
 
 // A problem found while inferring shapes, naming the layer and both sizes.

@@ -131,8 +131,9 @@ struct NetworkMemory {
   int64_t optimizer_state_bytes = 0;
   int64_t input_bytes_per_sample = 0;
   int64_t activation_bytes_per_sample = 0;
-  // Backward's transient: the gradient flowing into the largest activation and the one it
-  // produces, on top of the saved activations.
+  // Backward's transient on top of all the saved activations: at its peak layer, the gradients
+  // that layer's backward holds (models::LayerShape::backward_elements) beside what it and the
+  // earlier layers saved, less what all layers saved (the later layers' is freed by then).
   int64_t backward_bytes_per_sample = 0;
   int64_t static_bytes() const { return parameter_bytes + gradient_bytes + optimizer_state_bytes; }
   int64_t bytes_per_sample() const {
