@@ -95,8 +95,8 @@ int64_t blocked(int64_t elements, int64_t channels) {
 // A convolution's backward (LibTorch 1.13 on the CPU, oneDNN): the output gradient flowing in,
 // its reordered copy, the input reordered (from 16 channels on; a first layer's 3 channels are
 // read as they are) and the input's gradient, computed in the blocked layout.
-int64_t conv_backward_elements(int64_t in, int64_t in_channels, int64_t out,
-                               int64_t out_channels, bool input_gradient) {
+int64_t conv_backward_elements(int64_t in, int64_t in_channels, int64_t out, int64_t out_channels,
+                               bool input_gradient) {
   return out + blocked(out, out_channels) + (in_channels >= 16 ? blocked(in, in_channels) : 0) +
          (input_gradient ? blocked(in, in_channels) : 0);
 }
@@ -107,10 +107,12 @@ int64_t conv_backward_elements(int64_t in, int64_t in_channels, int64_t out,
 // the other layers hold their output's gradient and produce their input's. `trains_before`: an
 // earlier layer has parameters, so the input needs a gradient.
 int64_t backward_elements(const std::vector<LayerSpec>& layers, size_t i, bool lean_pooling,
-                          const std::vector<int64_t>& in_shape, const std::vector<int64_t>& out_shape,
-                          int64_t depthwise_out, bool trains_before) {
+                          const std::vector<int64_t>& in_shape,
+                          const std::vector<int64_t>& out_shape, int64_t depthwise_out,
+                          bool trains_before) {
   const auto& type = layers[i].type;
-  if (type == "flatten" || relu_pools_next(layers, i, lean_pooling)) return 0;  // a view; the pool's
+  // A view; a ReLU whose backward is the lean pool's after it.
+  if (type == "flatten" || relu_pools_next(layers, i, lean_pooling)) return 0;
   const int64_t in = product(in_shape), out = product(out_shape);
   const int64_t in_gradient = trains_before ? in : 0;
   if (is_sepconv(type)) {
@@ -118,8 +120,8 @@ int64_t backward_elements(const std::vector<LayerSpec>& layers, size_t i, bool l
     const int64_t pointwise =
         conv_backward_elements(depthwise_out, in_shape[0], out, out_shape[0], true) +
         (in_shape[0] < 16 ? depthwise_out : 0);
-    const int64_t depthwise = conv_backward_elements(in, in_shape[0], depthwise_out, in_shape[0],
-                                                     trains_before);
+    const int64_t depthwise =
+        conv_backward_elements(in, in_shape[0], depthwise_out, in_shape[0], trains_before);
     return std::max(pointwise, depthwise);
   }
   if (is_conv(type)) {
@@ -145,7 +147,8 @@ NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers, const std::vect
   // Whether the current activation is already kept for backward by an earlier layer (a ReLU
   // keeps its output, which the next pool or conv keeps again as its input: one tensor).
   bool kept = false;
-  bool trains_before = false;  // whether an earlier layer has parameters: the input needs a gradient
+  // Whether an earlier layer has parameters, so that the current activation needs a gradient.
+  bool trains_before = false;
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& spec = layers[i];
     const std::vector<int64_t> in_shape = shape;

@@ -363,8 +363,8 @@ namespace {
 // 306). So wherever the line leads past batch 2 it is measured there (at half the planned batch,
 // at least 3, at most 8 times the last measurement: a line that does not grow plans the largest
 // batch) and redrawn through its two largest measurements, again while it leads to 4 times its
-// last measurement or more (so that the two stay at least twice apart). `at(b)`: the stage costs of b samples; `base`: the costs' static and
-// input parts and segment limit.
+// last measurement or more (so that the two stay at least twice apart). `at(b)`: the stage costs of
+// b samples; `base`: the costs' static and input parts and segment limit.
 BatchCosts lines_toward_budget(const std::function<std::vector<engine::StageCost>(int64_t)>& at,
                                const BatchCosts& base, int64_t budget_bytes, int64_t max_batch) {
   const auto through = [&](int64_t b1, const std::vector<engine::StageCost>& c1, int64_t b2,

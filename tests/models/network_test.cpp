@@ -262,11 +262,15 @@ TEST(Network, PeakEstimateMatchesTheMeasuredTrainingStep) {
   // estimate (twice the largest output on top of every saved activation) was 24% high on
   // seeds/001's network and 21% low with BatchNorm before the ReLU.
   using models::LayerSpec;
-  const std::vector<LayerSpec> with_bn = {
-      {"conv3d", "conv1", 0, 16, {3}, {}, {1}},  {"bn", "bn1"}, {"relu"},
-      {"maxpool", "", 0, 0, {2}},                 {"conv3d", "conv2", 0, 32, {3}, {}, {1}},
-      {"relu"},                                   {"global_avgpool"},
-      {"flatten"},                                {"linear", "fc", 0, 5}};
+  const std::vector<LayerSpec> with_bn = {{"conv3d", "conv1", 0, 16, {3}, {}, {1}},
+                                          {"bn", "bn1"},
+                                          {"relu"},
+                                          {"maxpool", "", 0, 0, {2}},
+                                          {"conv3d", "conv2", 0, 32, {3}, {}, {1}},
+                                          {"relu"},
+                                          {"global_avgpool"},
+                                          {"flatten"},
+                                          {"linear", "fc", 0, 5}};
   const std::vector<LayerSpec> image = {{"conv2d", "conv1", 0, 24, {3}, {}, {1}},
                                         {"relu"},
                                         {"conv2d", "conv2", 0, 40, {3}, {}, {1}},
@@ -290,7 +294,8 @@ TEST(Network, PeakEstimateMatchesTheMeasuredTrainingStep) {
                                    {"with_bn", with_bn, {3, 8, 48, 48}},
                                    {"image", image, {3, 48, 48}}};
   auto& tracker = memory::Tracker::cpu();
-  const auto step_peak = [&](models::Network& net, int64_t batch, const std::vector<int64_t>& input) {
+  const auto step_peak = [&](models::Network& net, int64_t batch,
+                             const std::vector<int64_t>& input) {
     std::vector<int64_t> shape = {batch};
     shape.insert(shape.end(), input.begin(), input.end());
     auto window = tracker.mark();
