@@ -57,7 +57,7 @@ def main():
     repeat = "1" if opts.quick else "7"
     results = {"cost": [], "unet_batch": [], "seed001": []}
     machine = None
-    if sections != {"1", "2", "3"}:
+    if sections != {"1", "2", "3"} or opts.nets:
         with open(os.path.join(OUT, "layers.json")) as f:
             previous = json.load(f)
         for section, key in (("1", "cost"), ("2", "unet_batch"), ("3", "seed001")):
