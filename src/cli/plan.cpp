@@ -170,8 +170,10 @@ int print_findings(const Args& args, const std::vector<plan::Finding>& findings)
 }  // namespace
 
 // The doctor on a config's layer-list network: each layer's shape and parameters, the memory
-// per batch, then the findings. Nothing is allocated.
-int doctor_network(const Args& args, const train::Config& config, int64_t budget) {
+// per batch, then the findings. Nothing is allocated. `budget`: what a step may use, which for a
+// clips or segmentation config is `full_budget` less the data pipeline's prefetch reserve.
+int doctor_network(const Args& args, const train::Config& config, int64_t full_budget,
+                   int64_t budget) {
   plan::NetworkTraining training;
   training.batch = args.integer("batch");
   training.dtype = args.text("dtype") == "float64" ? torch::kFloat64 : torch::kFloat32;
@@ -189,7 +191,9 @@ int doctor_network(const Args& args, const train::Config& config, int64_t budget
   }
   const auto m = shapes ? plan::network_memory(*shapes, input, training) : plan::NetworkMemory{};
   if (args.on("json")) {
-    nlohmann::json out = {{"ok", !plan::has_errors(findings)}, {"budget_bytes", budget}};
+    nlohmann::json out = {{"ok", !plan::has_errors(findings)},
+                          {"budget_bytes", full_budget},
+                          {"step_budget_bytes", budget}};
     out["findings"] = findings_json(findings);
     nlohmann::json rows = nlohmann::json::array();
     if (shapes) {
@@ -232,11 +236,15 @@ int doctor_network(const Args& args, const train::Config& config, int64_t budget
     if (shapes->ok()) {
       fmt::print(
           "  per sample: input {}, activations {}, backward {}; batch {}: {} predicted; "
-          "budget {}: largest batch {}\n",
+          "{}: largest batch {}\n",
           memory::format_bytes(m.input_bytes_per_sample),
           memory::format_bytes(m.activation_bytes_per_sample),
           memory::format_bytes(m.backward_bytes_per_sample), training.batch,
-          memory::format_bytes(m.peak_bytes(training.batch)), memory::format_bytes(budget),
+          memory::format_bytes(m.peak_bytes(training.batch)),
+          budget == full_budget ? "budget " + memory::format_bytes(budget)
+                                : fmt::format("step budget {} (budget {} less the prefetch reserve)",
+                                              memory::format_bytes(budget),
+                                              memory::format_bytes(full_budget)),
           m.largest_batch(budget));
     }
   }
@@ -277,7 +285,10 @@ int run_doctor(const Args& args) {
                 ": `framefit doctor --config` checks a layer-list network; set model.layers and "
                 "model.input (per sample, e.g. [3, 60, 230, 230]), or for task clips data.crop "
                 "(segmentation: data.resize), from which the input follows");
-    return doctor_network(args, checked, budget);
+    // A clips or segmentation run steps within train.budget less the prefetch reserve.
+    const int64_t step_budget =
+        train::is_batch_task(config) ? train::step_budget_bytes(config, budget) : budget;
+    return doctor_network(args, checked, budget, step_budget);
   }
   return print_findings(args, plan::diagnose(plan_request(args), args.bytes("budget") > 0
                                                                      ? args.bytes("budget")

@@ -735,4 +735,8 @@ std::string to_yaml(const Config& config) {
   return std::string(out.c_str()) + "\n";
 }
 
+int64_t step_budget_bytes(const Config& config, int64_t budget) {
+  return budget - std::min(config.data.prefetch_bytes, budget / 4);
+}
+
 }  // namespace framefit::train

@@ -1032,7 +1032,7 @@ BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_even
   const torch::Device device(config.device);
   const int64_t budget =
       config.train.budget > 0 ? config.train.budget : memory::Tracker::of(device).available_bytes();
-  const int64_t step_budget = budget - std::min(config.data.prefetch_bytes, budget / 4);
+  const int64_t step_budget = step_budget_bytes(config, budget);
   return plan_for(config, data, data.sample_shape(), device, budget, step_budget);
 }
 
@@ -1069,7 +1069,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   const auto input = train_set.sample_shape();
   auto& tracker = memory::Tracker::of(device);
   const int64_t budget = tc.budget > 0 ? tc.budget : tracker.available_bytes();
-  const int64_t step_budget = budget - std::min(config.data.prefetch_bytes, budget / 4);
+  const int64_t step_budget = step_budget_bytes(config, budget);
 
   std::optional<torch::serialize::InputArchive> resumed;
   BatchProgress progress;

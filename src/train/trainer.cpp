@@ -756,7 +756,7 @@ StepPlan step_request(const Config& config, const data::VideoDataset& train_set)
   const torch::Device device(config.device);
   StepPlan result;
   result.budget = tc.budget > 0 ? tc.budget : memory::Tracker::of(device).available_bytes();
-  result.step_budget = result.budget - std::min(config.data.prefetch_bytes, result.budget / 4);
+  result.step_budget = step_budget_bytes(config, result.budget);
   int64_t longest = 0;
   for (int64_t i = 0; i < train_set.size(); ++i) longest = std::max(longest, train_set.frames(i));
   auto& request = result.request;

@@ -27,4 +27,10 @@ grep -q "use a batch of at most" big.txt
 out=$("$framefit" doctor --config "$source/configs/demo_clips.yaml")
 grep -q "on input 3 x 8 x 64 x 64 (per sample)" <<<"$out" || { echo "$out"; exit 1; }
 grep -q "no problems found" <<<"$out"
+# Its largest batch is for what a training step may use: train.budget less the prefetch reserve.
+grep -qF "step budget 192.00 MiB (budget 256.00 MiB less the prefetch reserve)" <<<"$out" ||
+  { echo "$out"; exit 1; }
+json=$("$framefit" doctor --config "$source/configs/demo_clips.yaml" --json)
+python3 -c "import json, sys; d = json.loads(sys.argv[1]); \
+assert d['step_budget_bytes'] == 192 << 20 and d['budget_bytes'] == 256 << 20, d" "$json"
 echo "doctor CLI: ok"
