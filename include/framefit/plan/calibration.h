@@ -68,9 +68,9 @@ int64_t training_static_bytes(const torch::nn::Module& module, const std::string
 // at batches 1 and 2 and, wherever their line leads past batch 2 within the budget, again toward
 // half that batch, the lines then drawn from batch 2 (batch 1 alone can take a workspace or skip
 // one: oneDNN's algorithms depend on the batch and thread count). A batch that runs out of memory
-// while measured caps the plan below it. `inputs(b)` makes b
-// samples of input on the device. Runs forward passes with grad under `precision`, so BatchNorm
-// statistics move: calibrate a copy of the network, not the one being trained.
+// while measured caps the plan below it. `inputs(b)` makes b samples of input on the device.
+// Runs forward passes with grad under `precision`, so BatchNorm statistics move: calibrate a copy
+// of the network, not the one being trained.
 BatchCosts calibrate_batch(const engine::ChainNetwork& network,
                            const std::function<torch::Tensor(int64_t)>& inputs,
                            int64_t static_bytes, int64_t input_bytes_per_sample,
