@@ -735,8 +735,12 @@ std::string to_yaml(const Config& config) {
   return std::string(out.c_str()) + "\n";
 }
 
+int64_t prefetch_reserve_bytes(const Config& config, int64_t budget) {
+  return std::min(config.data.prefetch_bytes, budget / 4);
+}
+
 int64_t step_budget_bytes(const Config& config, int64_t budget) {
-  return budget - std::min(config.data.prefetch_bytes, budget / 4);
+  return budget - prefetch_reserve_bytes(config, budget);
 }
 
 }  // namespace framefit::train

@@ -385,13 +385,14 @@ torch::Tensor evaluation_logits(BatchModel& model, const torch::Tensor& samples,
        evaluation_logits(model, samples.narrow(0, half, n - half), segments, on_event)});
 }
 
-PhaseMetrics evaluate_data(BatchModel& model, const TaskData& data, const EventCallback& on_event) {
+// `prefetch_bytes`: decoded samples held ahead (within a training budget, its prefetch reserve).
+PhaseMetrics evaluate_data(BatchModel& model, const TaskData& data, const EventCallback& on_event,
+                           int64_t prefetch_bytes) {
   ConfusionMatrix confusion(model.classes.size());
   torch::NoGradGuard no_grad;
   model.network.module->eval();
   SampleStream stream(data, data.order(0, 0, false), 0, 0, 0,
-                      static_cast<int>(model.config.data.workers),
-                      model.config.data.prefetch_bytes);
+                      static_cast<int>(model.config.data.workers), prefetch_bytes);
   const auto start = Clock::now();
   int64_t done = 0, samples = 0;
   const auto segments = engine::store_all(model.network.stage_count());
@@ -740,7 +741,7 @@ PhaseMetrics evaluate_batch(BatchModel& model, const std::string& split,
                             const EventCallback& on_event) {
   TaskData data(model.config, split, false, on_event);
   TORCH_CHECK(data.samples() > 0, "no samples in split \"", split, "\"");
-  return evaluate_data(model, data, on_event);
+  return evaluate_data(model, data, on_event, model.config.data.prefetch_bytes);
 }
 
 torch::Tensor predict_batch(BatchModel& model, const torch::Tensor& samples,
@@ -1070,6 +1071,8 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   auto& tracker = memory::Tracker::of(device);
   const int64_t budget = tc.budget > 0 ? tc.budget : tracker.available_bytes();
   const int64_t step_budget = step_budget_bytes(config, budget);
+  // Decoded samples held ahead stay within what the step budget leaves them.
+  const int64_t prefetch_bytes = prefetch_reserve_bytes(config, budget);
 
   std::optional<torch::serialize::InputArchive> resumed;
   BatchProgress progress;
@@ -1191,7 +1194,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   for (; progress.epoch < epochs && progress.step < total_steps; ++progress.epoch) {
     SampleStream stream(train_set, train_set.order(tc.seed, progress.epoch, true),
                         progress.position, tc.seed, progress.epoch,
-                        static_cast<int>(config.data.workers), config.data.prefetch_bytes);
+                        static_cast<int>(config.data.workers), prefetch_bytes);
     double loss_sum = 0;
     int64_t loss_count = 0;
     while (!stream.done() && progress.step < total_steps) {
@@ -1231,7 +1234,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
 
     EpochValidation validation;
     if (val_set) {
-      validation.validate = [&] { return evaluate_data(model, *val_set, {}); };
+      validation.validate = [&] { return evaluate_data(model, *val_set, {}, prefetch_bytes); };
       validation.best_by = best_metric(config);
       validation.save_best = save_best;
     }

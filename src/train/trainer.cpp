@@ -576,10 +576,12 @@ Prediction OnlinePredictor::push_features(const torch::Tensor& features) {
 }
 
 namespace {
-// evaluate(), taking and keeping the videos' features in `cache` where one is given.
+// evaluate(), taking and keeping the videos' features in `cache` where one is given, holding
+// `prefetch_bytes` of decoded videos ahead (within a training budget, its prefetch reserve).
 PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
                            const EventCallback& on_event, std::vector<VideoMetrics>* per_video,
-                           const PredictionCallback& on_prediction, const FeatureCache* cache) {
+                           const PredictionCallback& on_prediction, const FeatureCache* cache,
+                           int64_t prefetch_bytes) {
   ConfusionMatrix confusion(model.classes.size());
   std::vector<int64_t> background;
   for (const auto& name : model.config.data.background) {
@@ -597,7 +599,7 @@ PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
                          : data::Prefetcher::Job{load, dataset.frame_bytes(i)});
   }
   data::Prefetcher prefetcher(std::move(jobs), std::max<int64_t>(1, model.config.data.workers),
-                              model.config.data.prefetch_bytes);
+                              prefetch_bytes);
   const auto start = Clock::now();
   int64_t frames = 0;
   for (int64_t i = 0; i < dataset.size(); ++i) {
@@ -653,7 +655,8 @@ PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
 PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
                       const EventCallback& on_event, std::vector<VideoMetrics>* per_video,
                       const PredictionCallback& on_prediction) {
-  return evaluate_with(model, dataset, on_event, per_video, on_prediction, nullptr);
+  return evaluate_with(model, dataset, on_event, per_video, on_prediction, nullptr,
+                       model.config.data.prefetch_bytes);
 }
 
 std::string extract_features(Model& model, const std::string& out_dir,
@@ -1146,8 +1149,9 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
       info(c10::str("epoch ", progress.epoch + 1, ": ", from_cache, " of ", jobs.size(),
                     " videos' features from the feature cache"));
     }
+    // Decoded videos held ahead stay within what the step budget leaves them.
     data::Prefetcher prefetcher(std::move(jobs), static_cast<int>(config.data.workers),
-                                config.data.prefetch_bytes);
+                                budget - step_budget);
     double loss_sum = 0;
     int64_t loss_count = 0;
     while (progress.position < videos && progress.step < total_steps) {
@@ -1214,7 +1218,8 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
         if (device.is_cpu() && model.precision == engine::Precision::FP16)
           model.precision = engine::Precision::FP32;
         return evaluate_with(model, *val_set, {}, nullptr, {},
-                             val_feature_cache ? &*val_feature_cache : nullptr);
+                             val_feature_cache ? &*val_feature_cache : nullptr,
+                             budget - step_budget);
       };
       validation.best_by = best_metric(config);
       validation.save_best = save_best;

@@ -724,6 +724,35 @@ TEST(ClipTraining, RunEndedBeforeItsFirstValidationLeavesItsLastWeightsAsBest) {
   test_util::remove_tree(c.train.out_dir);
 }
 
+TEST(ClipTraining, DecodedVideosHeldAheadStayWithinTheBudgetsPrefetchReserve) {
+  // A budget whose quarter is below data.prefetch_bytes: the loader holds what the plan leaves it
+  // (the budget less the step budget), not data.prefetch_bytes. It held up to 256 MiB of decoded
+  // videos beside the planned step, and a 24 MiB run of configs/demo_clips.yaml ran out of memory.
+  const std::string dir = "/tmp/framefit_reserve_data_" + std::to_string(::getpid());
+  data::DemoOptions demo;
+  demo.train_videos = 8;  // about 2 MiB each decoded (64 x 64 crops): 16 MiB if all are ahead
+  demo.val_videos = 1;
+  demo.test_videos = 0;
+  demo.min_frames = 300;
+  demo.max_frames = 360;
+  demo.width = demo.height = 64;
+  demo.frame_folders = false;
+  data::make_demo(dir, demo);
+  auto c = clips_config("/tmp/framefit_clips_reserve");
+  c.data.manifest = dir + "/manifest.csv";
+  c.data.resize = 64;
+  c.data.crop = 64;
+  c.train.batch = "2";
+  c.train.max_steps = 40;
+  c.train.budget = 16 << 20;  // a 4 MiB prefetch reserve
+  ASSERT_GT(c.data.prefetch_bytes, c.train.budget);
+  const auto result = train::train(c, "");
+  EXPECT_EQ(result.steps, 40);
+  for (const auto peak : step_peaks(c.train.out_dir)) EXPECT_LE(peak, c.train.budget);
+  test_util::remove_tree(c.train.out_dir);
+  test_util::remove_tree(dir);
+}
+
 TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForTwiceTheBatch) {
   // R3D-18 on 4 x 32 x 32 clips: layer2 to layer4 have at most 2x4x4 output positions, where
   // oneDNN's backward holds weight-sized buffers (layer4's weights are 27 MiB each) and the lean

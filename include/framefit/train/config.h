@@ -151,8 +151,10 @@ struct ConfigKey {
 };
 const std::vector<ConfigKey>& config_keys();
 
-// What a training step may use of `budget` (train.budget, else the device's memory): the rest
-// is the data pipeline's prefetch reserve, data.prefetch_bytes but at most a quarter.
+// The data pipeline's share of `budget` (train.budget, else the device's memory): the decoded
+// frames it may hold ahead of training, data.prefetch_bytes but at most a quarter.
+int64_t prefetch_reserve_bytes(const Config& config, int64_t budget);
+// What a training step may use of `budget`: the rest.
 int64_t step_budget_bytes(const Config& config, int64_t budget);
 
 // `overrides` are "key=value" (value in YAML syntax: 0.001, bf16, [a, b]).
