@@ -241,10 +241,10 @@ int doctor_network(const Args& args, const train::Config& config, int64_t full_b
           memory::format_bytes(m.activation_bytes_per_sample),
           memory::format_bytes(m.backward_bytes_per_sample), training.batch,
           memory::format_bytes(m.peak_bytes(training.batch)),
-          budget == full_budget ? "budget " + memory::format_bytes(budget)
-                                : fmt::format("step budget {} (budget {} less the prefetch reserve)",
-                                              memory::format_bytes(budget),
-                                              memory::format_bytes(full_budget)),
+          budget == full_budget
+              ? "budget " + memory::format_bytes(budget)
+              : fmt::format("step budget {} (budget {} less the prefetch reserve)",
+                            memory::format_bytes(budget), memory::format_bytes(full_budget)),
           m.largest_batch(budget));
     }
   }
