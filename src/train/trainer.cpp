@@ -987,6 +987,8 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   const auto& chosen = step_plan.chosen;
   const bool planned = step_plan.planned;
   const int64_t budget = step_plan.budget, step_budget = step_plan.step_budget;
+  // Decoded videos held ahead (training and validation) stay within what the step budget leaves.
+  const int64_t prefetch_bytes = prefetch_reserve_bytes(config, budget);
   const int64_t longest = step_plan.request.frames;
   TORCH_CHECK(chosen.fits, "training does not fit in train.budget ", memory::format_bytes(budget),
               ": ", chosen.advice);
@@ -1149,9 +1151,8 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
       info(c10::str("epoch ", progress.epoch + 1, ": ", from_cache, " of ", jobs.size(),
                     " videos' features from the feature cache"));
     }
-    // Decoded videos held ahead stay within what the step budget leaves them.
     data::Prefetcher prefetcher(std::move(jobs), static_cast<int>(config.data.workers),
-                                budget - step_budget);
+                                prefetch_bytes);
     double loss_sum = 0;
     int64_t loss_count = 0;
     while (progress.position < videos && progress.step < total_steps) {
@@ -1218,8 +1219,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
         if (device.is_cpu() && model.precision == engine::Precision::FP16)
           model.precision = engine::Precision::FP32;
         return evaluate_with(model, *val_set, {}, nullptr, {},
-                             val_feature_cache ? &*val_feature_cache : nullptr,
-                             budget - step_budget);
+                             val_feature_cache ? &*val_feature_cache : nullptr, prefetch_bytes);
       };
       validation.best_by = best_metric(config);
       validation.save_best = save_best;
