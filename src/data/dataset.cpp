@@ -180,15 +180,18 @@ torch::Tensor shift_hue(const torch::Tensor& rgb8, double shift) {
   return out;
 }
 
-// `apply` to uint8 RGB frames [T,3,H,W] 16 at a time, which bounds its float temporaries,
-// into a new tensor; `what` names the transform in the error for other frames.
-torch::Tensor in_pieces(const torch::Tensor& frames, const char* what,
-                        const std::function<torch::Tensor(const torch::Tensor&)>& apply) {
+using FrameTransform = std::function<torch::Tensor(const torch::Tensor&)>;
+
+// `apply` to uint8 RGB frames [T,3,H,W] 16 at a time, which bounds its temporaries, into `out`
+// (a new tensor by default; `frames` itself transforms them in place); `what` names the
+// transform in the error for other frames.
+torch::Tensor in_pieces(const torch::Tensor& frames, const char* what, const FrameTransform& apply,
+                        torch::Tensor out = {}) {
   TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3 && frames.scalar_type() == torch::kUInt8,
               what, " expects uint8 RGB frames [T,3,H,W], got ", frames.sizes(), " ",
               frames.scalar_type());
   constexpr int64_t kFramesAtOnce = 16;
-  auto out = torch::empty_like(frames);
+  if (!out.defined()) out = torch::empty_like(frames);
   for (int64_t start = 0; start < frames.size(0); start += kFramesAtOnce) {
     const int64_t count = std::min(kFramesAtOnce, frames.size(0) - start);
     out.narrow(0, start, count).copy_(apply(frames.narrow(0, start, count)));
@@ -219,16 +222,21 @@ torch::Tensor sample_nearest(const torch::Tensor& images, const torch::Tensor& g
                              /*align_corners=*/false);
 }
 
-}  // namespace
-
-torch::Tensor rotate_frames(const torch::Tensor& frames, double degrees) {
+// A rotation of `frames`' pieces by `degrees`.
+FrameTransform rotation(const torch::Tensor& frames, double degrees) {
   const auto grid =
       frames.dim() == 4 ? rotation_grid(frames.size(2), frames.size(3), degrees) : torch::Tensor();
-  return in_pieces(frames, "rotation", [&](const torch::Tensor& x) {
+  return [grid](const torch::Tensor& x) {
     // Nearest sampling with zeros outside is torchvision's fill 0 (its mask channel, sampled
     // the same way, is 0 exactly where the zeros come from).
     return sample_nearest(x.to(torch::kFloat32), grid).round().to(torch::kUInt8);
-  });
+  };
+}
+
+}  // namespace
+
+torch::Tensor rotate_frames(const torch::Tensor& frames, double degrees) {
+  return in_pieces(frames, "rotation", rotation(frames, degrees));
 }
 
 torch::Tensor rotate_mask(const torch::Tensor& mask, double degrees, int64_t fill) {
@@ -265,11 +273,14 @@ std::pair<torch::Tensor, torch::Tensor> augment_image(torch::Tensor image, torch
   return {image, mask};
 }
 
-torch::Tensor adjust_colors(const torch::Tensor& frames, const Augmentation& a) {
+namespace {
+
+// Colour jitter of frames' pieces, as torchvision's ColorJitter in `a`'s order.
+FrameTransform color_jitter(const Augmentation& a) {
   TORCH_CHECK(
       a.brightness >= 0 && a.contrast >= 0 && a.saturation >= 0 && a.hue >= -0.5 && a.hue <= 0.5,
       "colour jitter factors must be >= 0 and the hue shift within [-0.5, 0.5]");
-  return in_pieces(frames, "colour jitter", [&](torch::Tensor x) {
+  return [a](torch::Tensor x) {
     for (const int step : a.jitter_order) {
       if (step == 0 && a.brightness != 1) {
         x = blend(x, torch::zeros_like(x), a.brightness);
@@ -282,7 +293,13 @@ torch::Tensor adjust_colors(const torch::Tensor& frames, const Augmentation& a) 
       }
     }
     return x;
-  });
+  };
+}
+
+}  // namespace
+
+torch::Tensor adjust_colors(const torch::Tensor& frames, const Augmentation& a) {
+  return in_pieces(frames, "colour jitter", color_jitter(a));
 }
 
 std::vector<int64_t> epoch_order(int64_t count, uint64_t seed, int64_t epoch, bool shuffle) {
@@ -417,29 +434,42 @@ std::vector<int64_t> labels_by_time(const VideoEntry& entry, const Source& sourc
   return labels_at_times(labels, labels_fps, seconds);
 }
 
-// Decodes `sampled` source frames at (height, width), then crops and flips.
+// Decodes `sampled` source frames at (height, width), cropped as they are converted, then flips,
+// jitters and rotates them in place: a video is held once, at its cropped size, while decoded.
 torch::Tensor decode_source(const Source& source, const std::vector<int64_t>& sampled,
                             int64_t height, int64_t width, const DataOptions& options,
                             const Augmentation& augmentation) {
   const int64_t t = static_cast<int64_t>(sampled.size());
-  auto frames = torch::empty({t, 3, height, width},
-                             torch::TensorOptions(torch::kUInt8).pinned_memory(options.pinned));
-  if (!source.frame_files.empty()) {
-    for (int64_t k = 0; k < t; ++k) read_image(source.frame_files[sampled[k]], frames[k]);
-  } else {
-    VideoReader reader(source.path, options.decoder_threads, options.skip_unsampled);
-    reader.read(sampled, frames);
-  }
+  FrameWindow window;
+  int64_t out_height = height, out_width = width;
   const int64_t crop = options.transform.crop;
   if (crop > 0 && (crop != height || crop != width)) {
-    const int64_t top = augmentation.top >= 0 ? augmentation.top : (height - crop) / 2;
-    const int64_t left = augmentation.left >= 0 ? augmentation.left : (width - crop) / 2;
-    TORCH_CHECK(top + crop <= height && left + crop <= width, "crop offset outside the frame");
-    frames = frames.narrow(2, top, crop).narrow(3, left, crop).contiguous();
+    window.height = height;
+    window.width = width;
+    window.top = augmentation.top >= 0 ? augmentation.top : (height - crop) / 2;
+    window.left = augmentation.left >= 0 ? augmentation.left : (width - crop) / 2;
+    TORCH_CHECK(window.top + crop <= height && window.left + crop <= width,
+                "crop offset outside the frame");
+    out_height = out_width = crop;
   }
-  if (augmentation.flip) frames = frames.flip({3});
-  if (augmentation.jitters()) frames = adjust_colors(frames, augmentation);
-  if (augmentation.degrees != 0) frames = rotate_frames(frames, augmentation.degrees);
+  auto frames = torch::empty({t, 3, out_height, out_width},
+                             torch::TensorOptions(torch::kUInt8).pinned_memory(options.pinned));
+  if (!source.frame_files.empty()) {
+    for (int64_t k = 0; k < t; ++k) read_image(source.frame_files[sampled[k]], frames[k], window);
+  } else {
+    VideoReader reader(source.path, options.decoder_threads, options.skip_unsampled);
+    reader.read(sampled, frames, window);
+  }
+  if (augmentation.flip) {
+    in_pieces(
+        frames, "flip", [](const torch::Tensor& x) { return x.flip({3}); }, frames);
+  }
+  if (augmentation.jitters()) {
+    in_pieces(frames, "colour jitter", color_jitter(augmentation), frames);
+  }
+  if (augmentation.degrees != 0) {
+    in_pieces(frames, "rotation", rotation(frames, augmentation.degrees), frames);
+  }
   return frames;
 }
 
@@ -599,7 +629,9 @@ std::pair<int64_t, int64_t> VideoDataset::frame_size(int64_t i) const {
 int64_t VideoDataset::frame_bytes(int64_t i) const {
   const auto& v = videos_.at(i);
   if (options_.features) return frames(i) * v.feature_dim * 4;  // float32
-  return frames(i) * 3 * v.height * v.width;                    // as decoded, before cropping
+  const int64_t crop = options_.transform.crop;                 // decoding crops as it converts
+  if (crop > 0) return frames(i) * 3 * std::min(crop, v.height) * std::min(crop, v.width);
+  return frames(i) * 3 * v.height * v.width;
 }
 
 std::pair<int64_t, int64_t> VideoDataset::locate(int64_t global_frame) const {

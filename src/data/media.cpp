@@ -206,7 +206,12 @@ bool is_yuv(AVPixelFormat format) {
 // a row's end, so never straight into the tensor) and the rows are then copied out in RGB order.
 class ToRgb {
  public:
-  void convert(const AVFrame* frame, uint8_t* out, int height, int width, const std::string& what) {
+  // `out` holds the window of `out_height` x `out_width` at (top, left) of the converted frame
+  // (by default all of it).
+  void convert(const AVFrame* frame, uint8_t* out, int height, int width, const std::string& what,
+               int top = 0, int left = 0, int out_height = 0, int out_width = 0) {
+    if (out_height == 0) out_height = height;
+    if (out_width == 0) out_width = width;
     bool full_range = frame->color_range == AVCOL_RANGE_JPEG;
     const auto format = without_jpeg_range(static_cast<AVPixelFormat>(frame->format), &full_range);
     Key key;
@@ -227,9 +232,11 @@ class ToRgb {
     TORCH_CHECK(rows == height, what, ": cannot convert a ", frame->width, "x", frame->height,
                 " frame to ", width, "x", height, " RGB");
     for (size_t c = 0; c < 3; ++c) {
-      for (int y = 0; y < height; ++y) {
-        std::memcpy(out + (c * static_cast<size_t>(height) + y) * static_cast<size_t>(width),
-                    r + c * plane + static_cast<size_t>(y) * stride_, static_cast<size_t>(width));
+      for (int y = 0; y < out_height; ++y) {
+        std::memcpy(
+            out + (c * static_cast<size_t>(out_height) + y) * static_cast<size_t>(out_width),
+            r + c * plane + static_cast<size_t>(top + y) * stride_ + left,
+            static_cast<size_t>(out_width));
       }
     }
   }
@@ -483,10 +490,16 @@ torch::Tensor oriented(const torch::Tensor& stored, int orientation) {
 // Converts `frame` to RGB into `out` [3,height,width] as EXIF `orientation` says to show it:
 // scaled as stored (its sides swapped for orientations 5-8), then turned or mirrored. `stored`
 // holds the picture as stored, kept between calls of the same size.
-void convert_oriented(ToRgb& to_rgb, const AVFrame* frame, uint8_t* out, int height, int width,
-                      int orientation, torch::Tensor& stored, const std::string& what) {
+// Converts `frame` upright at `size` (height x width) into `out`, which holds `window` of it
+// (out_height x out_width at its top and left; the whole frame when window.height is 0).
+void convert_oriented(ToRgb& to_rgb, const AVFrame* frame, uint8_t* out, int out_height,
+                      int out_width, const FrameWindow& window, int orientation,
+                      torch::Tensor& stored, const std::string& what) {
+  const int height = window.height > 0 ? static_cast<int>(window.height) : out_height;
+  const int width = window.height > 0 ? static_cast<int>(window.width) : out_width;
+  const int top = static_cast<int>(window.top), left = static_cast<int>(window.left);
   if (orientation == 1) {
-    to_rgb.convert(frame, out, height, width, what);
+    to_rgb.convert(frame, out, height, width, what, top, left, out_height, out_width);
     return;
   }
   const bool swapped = swaps_sides(orientation);
@@ -495,7 +508,18 @@ void convert_oriented(ToRgb& to_rgb, const AVFrame* frame, uint8_t* out, int hei
     stored = torch::empty({3, stored_height, stored_width}, torch::kUInt8);
   }
   to_rgb.convert(frame, stored.data_ptr<uint8_t>(), stored_height, stored_width, what);
-  torch::from_blob(out, {3, height, width}, torch::kUInt8).copy_(oriented(stored, orientation));
+  torch::from_blob(out, {3, out_height, out_width}, torch::kUInt8)
+      .copy_(oriented(stored, orientation).narrow(1, top, out_height).narrow(2, left, out_width));
+}
+
+void check_window(const FrameWindow& window, int64_t out_height, int64_t out_width,
+                  const std::string& what) {
+  if (window.height == 0) return;
+  TORCH_CHECK(
+      window.width > 0 && window.top >= 0 && window.left >= 0 &&
+          window.top + out_height <= window.height && window.left + out_width <= window.width,
+      what, ": a ", out_height, "x", out_width, " window at (", window.top, ", ", window.left,
+      ") does not fit in frames resized to ", window.height, "x", window.width);
 }
 
 }  // namespace
@@ -546,6 +570,7 @@ struct VideoReader::State {
   FramePtr frame = new_frame();
   ToRgb to_rgb;
   torch::Tensor stored;    // a rotated video's frame as stored, before turning it
+  FrameWindow window;      // the current read()'s
   int64_t next = 0;        // index of the next frame the decoder returns
   bool flushed = false;    // end of input reached and the decoder told so
   bool truncated = false;  // the input ended inside a packet
@@ -785,7 +810,7 @@ struct VideoReader::State {
   // display matrix's counterclockwise quarter turns are EXIF orientations 1, 8, 3 and 6.
   void convert(uint8_t* out, int height, int width) {
     constexpr int kOrientationOfQuarterTurns[4] = {1, 8, 3, 6};
-    convert_oriented(to_rgb, frame.get(), out, height, width,
+    convert_oriented(to_rgb, frame.get(), out, height, width, window,
                      kOrientationOfQuarterTurns[info.rotation / 90], stored, what);
   }
 
@@ -855,11 +880,14 @@ VideoReader::FrameTimes VideoReader::frame_times() {
   return times;
 }
 
-void VideoReader::read(const std::vector<int64_t>& indices, torch::Tensor out) {
+void VideoReader::read(const std::vector<int64_t>& indices, torch::Tensor out,
+                       const FrameWindow& window) {
   auto& s = *state_;
   const auto n = static_cast<int64_t>(indices.size());
   check_frames_tensor(out, {n, 3, -1, -1}, s.what,
                       "[" + std::to_string(n) + ",3,H,W] (one frame per index)");
+  check_window(window, out.size(2), out.size(3), s.what);
+  s.window = window;
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(indices[i] >= 0 && (i == 0 || indices[i] >= indices[i - 1]), s.what,
                 ": frame indices must be >= 0 and ascending; index ", i, " is ", indices[i],
@@ -934,9 +962,10 @@ std::pair<int64_t, int64_t> image_size(const std::string& path) {
   }
 }
 
-void read_image(const std::string& path, torch::Tensor out) {
+void read_image(const std::string& path, torch::Tensor out, const FrameWindow& window) {
   const std::string what = "image " + path;
   check_frames_tensor(out, {3, -1, -1}, what, "[3,H,W]");
+  check_window(window, out.size(1), out.size(2), what);
   quiet_ffmpeg();
   const auto bytes = read_file(path, what);
   const auto frame = decode_image(bytes, what);
@@ -945,7 +974,7 @@ void read_image(const std::string& path, torch::Tensor out) {
   ToRgb to_rgb;
   torch::Tensor stored;
   convert_oriented(to_rgb, frame.get(), out.data_ptr<uint8_t>(), static_cast<int>(out.size(1)),
-                   static_cast<int>(out.size(2)), orientation, stored, what);
+                   static_cast<int>(out.size(2)), window, orientation, stored, what);
 }
 
 torch::Tensor read_label_image(const std::string& path) {
@@ -1290,11 +1319,13 @@ VideoReader::~VideoReader() = default;
 const VideoInfo& VideoReader::info() const { return state_->info; }
 const std::string& VideoReader::path() const { return state_->path; }
 int64_t VideoReader::frames_decoded() const { no_ffmpeg(); }
-void VideoReader::read(const std::vector<int64_t>&, torch::Tensor) { no_ffmpeg(); }
+void VideoReader::read(const std::vector<int64_t>&, torch::Tensor, const FrameWindow&) {
+  no_ffmpeg();
+}
 VideoReader::FrameTimes VideoReader::frame_times() { no_ffmpeg(); }
 
 std::pair<int64_t, int64_t> image_size(const std::string&) { no_ffmpeg(); }
-void read_image(const std::string&, torch::Tensor) { no_ffmpeg(); }
+void read_image(const std::string&, torch::Tensor, const FrameWindow&) { no_ffmpeg(); }
 torch::Tensor read_label_image(const std::string&) { no_ffmpeg(); }
 void write_image(const std::string&, const torch::Tensor&, int) { no_ffmpeg(); }
 void write_label_image(const std::string&, const torch::Tensor&) { no_ffmpeg(); }

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 
@@ -437,6 +438,51 @@ TEST(VideoReader, ResizesIntoTheOutputSize) {
               3)
         << size;
   }
+}
+
+TEST(VideoReader, WindowIsTheCropOfTheResizedFrames) {
+  REQUIRE_FFMPEG();
+  // A crop taken while converting: the same pixels as resizing the whole frame and cropping it,
+  // for a plain video, one read skipping frames, a rotated one and a JPEG turned by its EXIF tag.
+  const auto check = [](const std::function<void(torch::Tensor, const data::FrameWindow&)>& read,
+                        int64_t frames, int64_t height, int64_t width, const std::string& what) {
+    auto whole = torch::empty({frames, 3, height, width}, torch::kUInt8);
+    read(whole, {});
+    data::FrameWindow window;
+    window.height = height;
+    window.width = width;
+    window.top = height / 4;
+    window.left = width / 3;
+    auto cropped = torch::empty({frames, 3, height / 2, width / 2}, torch::kUInt8);
+    read(cropped, window);
+    EXPECT_TRUE(
+        cropped.equal(whole.narrow(2, window.top, height / 2).narrow(3, window.left, width / 2)))
+        << what;
+  };
+  for (const auto* name : {"clip_25fps.mp4", "rotated_90.mp4"}) {
+    for (const auto& indices : {std::vector<int64_t>{0, 3, 3, 20}, std::vector<int64_t>{1, 2}}) {
+      check([&](torch::Tensor out,
+                const data::FrameWindow& w) { VideoReader(media(name)).read(indices, out, w); },
+            static_cast<int64_t>(indices.size()), 40, 30, name);
+    }
+  }
+  check(
+      [](torch::Tensor out, const data::FrameWindow& w) {
+        data::read_image(media("exif/orientation_6.jpg"), out[0], w);
+      },
+      1, 24, 32, "exif/orientation_6.jpg");
+  // A window outside the resized frame is an error naming the file.
+  data::FrameWindow outside;
+  outside.height = 40;
+  outside.width = 30;
+  outside.top = 30;
+  auto out = torch::empty({1, 3, 20, 15}, torch::kUInt8);
+  const auto message = test_util::error_message(
+      [&] { VideoReader(media("clip_25fps.mp4")).read({0}, out, outside); });
+  EXPECT_TRUE(contains(message,
+                       "clip_25fps.mp4: a 20x15 window at (30, 0) does not fit in "
+                       "frames resized to 40x30"))
+      << message;
 }
 
 TEST(VideoReader, TruncatedFileDecodesUpToTheCut) {

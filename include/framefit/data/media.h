@@ -56,6 +56,14 @@ std::pair<int64_t, int64_t> resized_hw(int64_t height, int64_t width, int64_t sh
 // FFmpeg choose. skip_unsampled: read() leaves out the frames it does not return that no other
 // frame refers to (most B-frames), which the frames it returns do not depend on; false decodes
 // every frame up to the last one asked for (for comparison).
+// A crop taken while frames are converted, so a cropped video is never held at full size:
+// frames are resized to height x width and the window of the output's size at (top, left) kept.
+// The default (height 0) resizes to the output's size and keeps all of it.
+struct FrameWindow {
+  int64_t height = 0, width = 0;
+  int64_t top = 0, left = 0;
+};
+
 class VideoReader {
  public:
   explicit VideoReader(const std::string& path, int decoder_threads = 1,
@@ -76,7 +84,8 @@ class VideoReader {
   FrameTimes frame_times();
 
   // Decodes the source frames at `indices` (ascending, repeats allowed) into out[i], resizing to
-  // out's H and W. `out` is uint8 [indices.size(),3,H,W], contiguous. A stream that ends before
+  // out's H and W (or to `window`'s size, keeping its window). `out` is uint8
+  // [indices.size(),3,H,W], contiguous. A stream that ends before
   // the last index is an error naming the file, the frames decoded and the frames expected
   // (truncated file; the frames before the cut still read); so is a packet the decoder rejects
   // (damage it can detect: some, such as zeroed bytes, decodes without a sign). A read whose
@@ -84,7 +93,7 @@ class VideoReader {
   // read skipped frames); otherwise decoding restarts from the first frame. When the indices
   // leave frames out, the container's packets are read once more first (without decoding), to
   // know which frame each packet holds.
-  void read(const std::vector<int64_t>& indices, torch::Tensor out);
+  void read(const std::vector<int64_t>& indices, torch::Tensor out, const FrameWindow& window = {});
 
   // Frames the decoder returned during the last read(): with skip_unsampled fewer than the
   // frames up to the last index when some were left out (a skipping attempt that had to decode
@@ -101,10 +110,10 @@ class VideoReader {
 std::pair<int64_t, int64_t> image_size(const std::string& path);
 
 // Decodes an image file (JPEG, PNG, BMP, WebP, TIFF or GIF, recognised by its first bytes; alpha is
-// dropped) into `out` (uint8 [3,H,W], contiguous), resizing to out's H and W.
-// A missing, empty, truncated or corrupt file (damage the decoder can detect) is an error naming
-// it.
-void read_image(const std::string& path, torch::Tensor out);
+// dropped) into `out` (uint8 [3,H,W], contiguous), resizing to out's H and W (or to `window`'s
+// size, keeping its window). A missing, empty, truncated or corrupt file (damage the decoder can
+// detect) is an error naming it.
+void read_image(const std::string& path, torch::Tensor out, const FrameWindow& window = {});
 
 // Reads a label image (a segmentation mask) as class ids [H,W] int64: the values of a gray PNG
 // (8 or 16 bits; 1 bit as 0 and 1), the indices of a palette PNG (as Pascal VOC and LabelMe store
