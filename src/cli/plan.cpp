@@ -285,9 +285,10 @@ int run_doctor(const Args& args) {
                 ": `framefit doctor --config` checks a layer-list network; set model.layers and "
                 "model.input (per sample, e.g. [3, 60, 230, 230]), or for task clips data.crop "
                 "(segmentation: data.resize), from which the input follows");
-    // A clips or segmentation run steps within train.budget less the prefetch reserve.
+    // A clips or segmentation run steps within train.budget less the prefetch reserve (and the
+    // largest decoded unit, which the doctor does not know: it reads no data).
     const int64_t step_budget =
-        train::is_batch_task(config) ? train::step_budget_bytes(config, budget) : budget;
+        train::is_batch_task(config) ? train::step_budget_bytes(config, budget, 0) : budget;
     return doctor_network(args, checked, budget, step_budget);
   }
   return print_findings(args, plan::diagnose(plan_request(args), args.bytes("budget") > 0

@@ -166,6 +166,11 @@ class TaskData {
     const auto& shape = sample_shape();
     return shape[1] * shape[2] * (3 + 8);
   }
+  int64_t largest_unit_bytes() const {
+    int64_t largest = 0;
+    for (int64_t unit = 0; unit < units(); ++unit) largest = std::max(largest, unit_bytes(unit));
+    return largest;
+  }
 
   // A unit with the epoch's augmentation (training): a video's crop, flip, colour jitter and
   // rotation; an image's the same but the crop.
@@ -237,13 +242,17 @@ class SampleStream {
     int64_t skipped_units = 0;
   };
   // Up to n samples. A unit that fails to load is an error, or (data.on_error skip) a warning
-  // and its samples are passed over.
+  // and its samples are passed over. Samples are copied into the batch as they are taken, and
+  // a unit is let go before the next is taken: only one loaded unit is held beside the batch
+  // (samples are views of their unit, so stacking views at the end held every unit in reach).
   Batch next(int64_t n) {
     Batch batch;
-    std::vector<torch::Tensor> samples, labels;
-    while (static_cast<int64_t>(samples.size()) < n && !done()) {
+    int64_t taken = 0;
+    while (taken < n && !done()) {
       const auto [unit, k] = order_[next_];
       if (unit != loaded_unit_) {
+        loaded_ = {};
+        loaded_unit_ = -1;
         try {
           loaded_ = prefetcher_->next();
           loaded_unit_ = unit;
@@ -255,19 +264,36 @@ class SampleStream {
           continue;
         }
       }
-      auto [sample, label] = data_.sample(loaded_, unit, k);
-      samples.push_back(sample);
-      labels.push_back(label);
+      const auto [sample, label] = data_.sample(loaded_, unit, k);
+      if (taken == 0) {
+        batch.samples = batch_of(n, sample);
+        batch.labels = batch_of(n, label);
+      }
+      batch.samples[taken].copy_(sample);
+      batch.labels[taken].copy_(label);
+      ++taken;
       ++next_;
     }
-    if (!samples.empty()) {
-      batch.samples = torch::stack(samples);
-      batch.labels = torch::stack(labels);
+    if (taken > 0 && taken < n) {
+      batch.samples = batch.samples.narrow(0, 0, taken);
+      batch.labels = batch.labels.narrow(0, 0, taken);
     }
     return batch;
   }
 
+  // Lets the loaded unit go (the epoch's stream is done with it).
+  void release() {
+    loaded_ = {};
+    loaded_unit_ = -1;
+  }
+
  private:
+  static torch::Tensor batch_of(int64_t n, const torch::Tensor& sample) {
+    std::vector<int64_t> shape = {n};
+    shape.insert(shape.end(), sample.sizes().begin(), sample.sizes().end());
+    return torch::empty(shape, sample.options());
+  }
+
   const TaskData& data_;
   std::vector<std::pair<int64_t, int64_t>> order_;
   size_t next_;
@@ -1020,10 +1046,29 @@ std::string BatchTaskPlan::describe() const {
       " stages recomputed, ", engine::to_string(precision),
       lean_backward ? ", lean convolution backward" : "", ", predicted peak ",
       memory::format_bytes(predicted_peak_bytes), " of ", memory::format_bytes(step_budget_bytes),
-      " (budget ", memory::format_bytes(budget_bytes), " less prefetch): static ",
+      " (budget ", memory::format_bytes(budget_bytes), " less decoded data): static ",
       memory::format_bytes(static_bytes), ", inputs ", memory::format_bytes(input_bytes),
       ", activations ", memory::format_bytes(activation_bytes), evaluation);
 }
+
+namespace {
+
+// The validation split's data, where validation runs and the split has samples.
+std::optional<TaskData> validation_data(const Config& config, const EventCallback& on_event) {
+  std::optional<TaskData> val_set;
+  if (config.train.validate) {
+    val_set.emplace(config, config.data.val_split, false, on_event);
+    if (val_set->samples() == 0) val_set.reset();
+  }
+  return val_set;
+}
+
+// The largest unit a run loads, in training or validation.
+int64_t largest_unit_bytes(const TaskData& train_set, const std::optional<TaskData>& val_set) {
+  return std::max(train_set.largest_unit_bytes(), val_set ? val_set->largest_unit_bytes() : 0);
+}
+
+}  // namespace
 
 BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_event) {
   TORCH_CHECK(is_batch_task(config), "plan_batch_task is for task clips or segmentation");
@@ -1033,7 +1078,8 @@ BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_even
   const torch::Device device(config.device);
   const int64_t budget =
       config.train.budget > 0 ? config.train.budget : memory::Tracker::of(device).available_bytes();
-  const int64_t step_budget = step_budget_bytes(config, budget);
+  const int64_t step_budget = step_budget_bytes(
+      config, budget, largest_unit_bytes(data, validation_data(config, on_event)));
   return plan_for(config, data, data.sample_shape(), device, budget, step_budget);
 }
 
@@ -1057,11 +1103,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
       train_set.samples() > 0, "no training samples in split \"", config.data.train_split, "\"",
       config.task == "clips" ? " (videos shorter than one clip give none: lower data.clip_length)"
                              : "");
-  std::optional<TaskData> val_set;
-  if (tc.validate) {
-    val_set.emplace(config, config.data.val_split, false, on_event);
-    if (val_set->samples() == 0) val_set.reset();
-  }
+  const auto val_set = validation_data(config, on_event);
   if (config.task == "clips") warn_unused_splits(config, on_event);
   info("data: " + train_set.describe() + " for training" +
        (val_set ? ", " + val_set->describe() + " for validation" : std::string()));
@@ -1070,8 +1112,9 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   const auto input = train_set.sample_shape();
   auto& tracker = memory::Tracker::of(device);
   const int64_t budget = tc.budget > 0 ? tc.budget : tracker.available_bytes();
-  const int64_t step_budget = step_budget_bytes(config, budget);
-  // Decoded samples held ahead stay within what the step budget leaves them.
+  const int64_t step_budget =
+      step_budget_bytes(config, budget, largest_unit_bytes(train_set, val_set));
+  // Decoded samples held ahead stay within the reserve the step budget leaves them.
   const int64_t prefetch_bytes = prefetch_reserve_bytes(config, budget);
 
   std::optional<torch::serialize::InputArchive> resumed;
@@ -1192,9 +1235,10 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   };
 
   for (; progress.epoch < epochs && progress.step < total_steps; ++progress.epoch) {
-    SampleStream stream(train_set, train_set.order(tc.seed, progress.epoch, true),
-                        progress.position, tc.seed, progress.epoch,
-                        static_cast<int>(config.data.workers), prefetch_bytes);
+    std::optional<SampleStream> training_stream;
+    auto& stream = training_stream.emplace(
+        train_set, train_set.order(tc.seed, progress.epoch, true), progress.position, tc.seed,
+        progress.epoch, static_cast<int>(config.data.workers), prefetch_bytes);
     double loss_sum = 0;
     int64_t loss_count = 0;
     while (!stream.done() && progress.step < total_steps) {
@@ -1231,6 +1275,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
       if (!stream.done() && stop_now()) break;
     }
     if (!stream.done()) break;  // max_steps reached or stopped mid-epoch
+    training_stream.reset();    // its last video is not held beside validation's
 
     EpochValidation validation;
     if (val_set) {

@@ -759,9 +759,12 @@ StepPlan step_request(const Config& config, const data::VideoDataset& train_set)
   const torch::Device device(config.device);
   StepPlan result;
   result.budget = tc.budget > 0 ? tc.budget : memory::Tracker::of(device).available_bytes();
-  result.step_budget = step_budget_bytes(config, result.budget);
-  int64_t longest = 0;
-  for (int64_t i = 0; i < train_set.size(); ++i) longest = std::max(longest, train_set.frames(i));
+  int64_t longest = 0, largest_bytes = 0;
+  for (int64_t i = 0; i < train_set.size(); ++i) {
+    longest = std::max(longest, train_set.frames(i));
+    largest_bytes = std::max(largest_bytes, train_set.frame_bytes(i));
+  }
+  result.step_budget = step_budget_bytes(config, result.budget, largest_bytes);
   auto& request = result.request;
   request.model = model_spec(config, frame_size_for_planning(train_set), device);
   request.frames = longest;

@@ -753,6 +753,42 @@ TEST(ClipTraining, DecodedVideosHeldAheadStayWithinTheBudgetsPrefetchReserve) {
   test_util::remove_tree(dir);
 }
 
+TEST(ClipTraining, DecodedVideosBesideThePlannedStepStayWithinTheBudget) {
+  // Videos larger than the prefetch reserve: one is decoded ahead alone while training cuts
+  // clips from another, and a batch may span two. The plan leaves room for both; the planned
+  // step filled the budget less the reserve, and the videos beside it ran out of memory.
+  const std::string dir = "/tmp/framefit_unit_reserve_data_" + std::to_string(::getpid());
+  data::DemoOptions demo;
+  demo.train_videos = 3;
+  demo.val_videos = 1;
+  demo.test_videos = 0;
+  demo.min_frames = 1500;  // about 4.4 MiB each decoded at 32 x 32: more than the 4 MiB reserve
+  demo.max_frames = 1600;
+  demo.width = demo.height = 32;
+  demo.frame_folders = false;
+  data::make_demo(dir, demo);
+  auto c = clips_config("/tmp/framefit_clips_unit_reserve");
+  c.data.manifest = dir + "/manifest.csv";
+  c.data.fps = 0;
+  c.data.resize = 32;
+  c.data.crop = 32;
+  c.data.clip_length = 8;
+  c.data.clip_stride = 8;
+  c.train.batch = "auto";
+  c.train.epochs = 1;
+  c.train.budget = 16 << 20;
+  std::vector<std::string> warnings;
+  const auto result = train::train(c, "", [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Warning) warnings.push_back(e.message);
+  });
+  EXPECT_GT(result.steps, 20);
+  EXPECT_TRUE(warnings.empty()) << warnings.front();
+  EXPECT_EQ(result.skipped_videos, 0);
+  for (const auto peak : step_peaks(c.train.out_dir)) EXPECT_LE(peak, c.train.budget);
+  test_util::remove_tree(c.train.out_dir);
+  test_util::remove_tree(dir);
+}
+
 TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForTwiceTheBatch) {
   // R3D-18 on 4 x 32 x 32 clips: layer2 to layer4 have at most 2x4x4 output positions, where
   // oneDNN's backward holds weight-sized buffers (layer4's weights are 27 MiB each) and the lean
