@@ -1235,10 +1235,9 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   };
 
   for (; progress.epoch < epochs && progress.step < total_steps; ++progress.epoch) {
-    std::optional<SampleStream> training_stream;
-    auto& stream = training_stream.emplace(
-        train_set, train_set.order(tc.seed, progress.epoch, true), progress.position, tc.seed,
-        progress.epoch, static_cast<int>(config.data.workers), prefetch_bytes);
+    SampleStream stream(train_set, train_set.order(tc.seed, progress.epoch, true),
+                        progress.position, tc.seed, progress.epoch,
+                        static_cast<int>(config.data.workers), prefetch_bytes);
     double loss_sum = 0;
     int64_t loss_count = 0;
     while (!stream.done() && progress.step < total_steps) {
@@ -1275,7 +1274,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
       if (!stream.done() && stop_now()) break;
     }
     if (!stream.done()) break;  // max_steps reached or stopped mid-epoch
-    training_stream.reset();    // its last video is not held beside validation's
+    stream.release();           // its last video is not held beside validation's
 
     EpochValidation validation;
     if (val_set) {
