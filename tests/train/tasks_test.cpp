@@ -724,20 +724,33 @@ TEST(ClipTraining, RunEndedBeforeItsFirstValidationLeavesItsLastWeightsAsBest) {
   test_util::remove_tree(c.train.out_dir);
 }
 
+namespace {
+
+// Demo videos (MP4 only) of size x size pixels, `train` for training and one for validation,
+// in a new folder named after `prefix`.
+std::string square_videos(const std::string& prefix, int64_t train, int64_t min_frames,
+                          int64_t max_frames, int64_t size) {
+  const std::string dir = prefix + "_" + std::to_string(::getpid());
+  data::DemoOptions demo;
+  demo.train_videos = train;
+  demo.val_videos = 1;
+  demo.test_videos = 0;
+  demo.min_frames = min_frames;
+  demo.max_frames = max_frames;
+  demo.width = demo.height = size;
+  demo.frame_folders = false;
+  data::make_demo(dir, demo);
+  return dir;
+}
+
+}  // namespace
+
 TEST(ClipTraining, DecodedVideosHeldAheadStayWithinTheBudgetsPrefetchReserve) {
   // A budget whose quarter is below data.prefetch_bytes: the loader holds what the plan leaves it
   // (the budget less the step budget), not data.prefetch_bytes. It held up to 256 MiB of decoded
   // videos beside the planned step, and a 24 MiB run of configs/demo_clips.yaml ran out of memory.
-  const std::string dir = "/tmp/framefit_reserve_data_" + std::to_string(::getpid());
-  data::DemoOptions demo;
-  demo.train_videos = 8;  // about 2 MiB each decoded (64 x 64 crops): 16 MiB if all are ahead
-  demo.val_videos = 1;
-  demo.test_videos = 0;
-  demo.min_frames = 300;
-  demo.max_frames = 360;
-  demo.width = demo.height = 64;
-  demo.frame_folders = false;
-  data::make_demo(dir, demo);
+  // 8 videos of about 2 MiB each decoded (64 x 64): 16 MiB if all are ahead.
+  const auto dir = square_videos("/tmp/framefit_reserve_data", 8, 300, 360, 64);
   auto c = clips_config("/tmp/framefit_clips_reserve");
   c.data.manifest = dir + "/manifest.csv";
   c.data.resize = 64;
@@ -757,16 +770,8 @@ TEST(ClipTraining, DecodedVideosBesideThePlannedStepStayWithinTheBudget) {
   // Videos larger than the prefetch reserve: one is decoded ahead alone while training cuts
   // clips from another, and a batch may span two. The plan leaves room for both; the planned
   // step filled the budget less the reserve, and the videos beside it ran out of memory.
-  const std::string dir = "/tmp/framefit_unit_reserve_data_" + std::to_string(::getpid());
-  data::DemoOptions demo;
-  demo.train_videos = 3;
-  demo.val_videos = 1;
-  demo.test_videos = 0;
-  demo.min_frames = 1500;  // about 4.4 MiB each decoded at 32 x 32: more than the 4 MiB reserve
-  demo.max_frames = 1600;
-  demo.width = demo.height = 32;
-  demo.frame_folders = false;
-  data::make_demo(dir, demo);
+  // About 4.4 MiB each decoded at 32 x 32: more than the 4 MiB reserve.
+  const auto dir = square_videos("/tmp/framefit_unit_reserve_data", 3, 1500, 1600, 32);
   auto c = clips_config("/tmp/framefit_clips_unit_reserve");
   c.data.manifest = dir + "/manifest.csv";
   c.data.fps = 0;
