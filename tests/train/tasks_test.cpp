@@ -727,9 +727,9 @@ TEST(ClipTraining, RunEndedBeforeItsFirstValidationLeavesItsLastWeightsAsBest) {
 namespace {
 
 // Demo videos (MP4 only) of size x size pixels, `train` for training and one for validation,
-// in a new folder named after `prefix`.
-std::string square_videos(const std::string& prefix, int64_t train, int64_t min_frames,
-                          int64_t max_frames, int64_t size) {
+// in a new folder named after `prefix`, as `c`'s data (resized and cropped to their size).
+std::string use_square_videos(train::Config& c, const std::string& prefix, int64_t train,
+                              int64_t min_frames, int64_t max_frames, int64_t size) {
   const std::string dir = prefix + "_" + std::to_string(::getpid());
   data::DemoOptions demo;
   demo.train_videos = train;
@@ -740,6 +740,9 @@ std::string square_videos(const std::string& prefix, int64_t train, int64_t min_
   demo.width = demo.height = size;
   demo.frame_folders = false;
   data::make_demo(dir, demo);
+  c.data.manifest = dir + "/manifest.csv";
+  c.data.resize = size;
+  c.data.crop = size;
   return dir;
 }
 
@@ -750,11 +753,8 @@ TEST(ClipTraining, DecodedVideosHeldAheadStayWithinTheBudgetsPrefetchReserve) {
   // (the budget less the step budget), not data.prefetch_bytes. It held up to 256 MiB of decoded
   // videos beside the planned step, and a 24 MiB run of configs/demo_clips.yaml ran out of memory.
   // 8 videos of about 2 MiB each decoded (64 x 64): 16 MiB if all are ahead.
-  const auto dir = square_videos("/tmp/framefit_reserve_data", 8, 300, 360, 64);
   auto c = clips_config("/tmp/framefit_clips_reserve");
-  c.data.manifest = dir + "/manifest.csv";
-  c.data.resize = 64;
-  c.data.crop = 64;
+  const auto dir = use_square_videos(c, "/tmp/framefit_reserve_data", 8, 300, 360, 64);
   c.train.batch = "2";
   c.train.max_steps = 40;
   c.train.budget = 16 << 20;  // a 4 MiB prefetch reserve
@@ -771,12 +771,9 @@ TEST(ClipTraining, DecodedVideosBesideThePlannedStepStayWithinTheBudget) {
   // clips from another, and a batch may span two. The plan leaves room for both; the planned
   // step filled the budget less the reserve, and the videos beside it ran out of memory.
   // About 4.4 MiB each decoded at 32 x 32: more than the 4 MiB reserve.
-  const auto dir = square_videos("/tmp/framefit_unit_reserve_data", 3, 1500, 1600, 32);
   auto c = clips_config("/tmp/framefit_clips_unit_reserve");
-  c.data.manifest = dir + "/manifest.csv";
+  const auto dir = use_square_videos(c, "/tmp/framefit_unit_reserve_data", 3, 1500, 1600, 32);
   c.data.fps = 0;
-  c.data.resize = 32;
-  c.data.crop = 32;
   c.data.clip_length = 8;
   c.data.clip_stride = 8;
   c.train.batch = "auto";
