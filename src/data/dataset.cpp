@@ -11,6 +11,7 @@
 #include <random>
 
 #include "framefit/data/media.h"
+#include "framefit/memory/tracker.h"
 
 namespace framefit::data {
 
@@ -746,11 +747,21 @@ engine::Video Prefetcher::next() {
   changed_.wait(lock, [&] { return !slots_.empty() && slots_.front().ready; });
   Slot slot = std::move(slots_.front());
   slots_.pop_front();
-  held_bytes_ -= jobs_[consumed_].bytes;
-  ++consumed_;
+  const size_t job = consumed_++;
+  held_bytes_ -= jobs_[job].bytes;
   lock.unlock();
   changed_.notify_all();
-  if (slot.error) std::rethrow_exception(slot.error);
+  if (slot.error) {
+    try {
+      std::rethrow_exception(slot.error);
+    } catch (const std::exception& e) {
+      if (!memory::is_out_of_memory(e)) throw;
+    }
+    // A worker ran out of memory (its video decoded beside the consumer's at their peak): not
+    // bad data. Decoded again here, when the consumer asks, having let its last video go; an
+    // error now, out of memory included, is the caller's.
+    return jobs_[job].load();
+  }
   return std::move(slot.video);
 }
 

@@ -257,7 +257,7 @@ class SampleStream {
           loaded_ = prefetcher_->next();
           loaded_unit_ = unit;
         } catch (const c10::Error& e) {
-          if (!data_.skip_bad()) throw;
+          if (!data_.skip_bad() || memory::is_out_of_memory(e)) throw;  // not bad data
           batch.warnings.push_back(std::string("skipping ") + e.what_without_backtrace());
           ++batch.skipped_units;
           while (!done() && order_[next_].first == unit) ++next_;

@@ -18,6 +18,7 @@
 #include "framefit/data/labels.h"
 #include "framefit/data/media.h"
 #include "framefit/data/segmentation.h"
+#include "framefit/memory/tracker.h"
 #include "framefit/models/weights.h"
 
 using namespace framefit;
@@ -646,6 +647,32 @@ TEST(Prefetch, DeliversInOrderWithinTheMemoryBoundAndRethrows) {
   }
   EXPECT_TRUE(prefetcher.done());
   EXPECT_LE(most.load(), 300) << "decoded ahead beyond the bound (+1 being consumed)";
+}
+
+TEST(Prefetch, VideoThatRanOutOfMemoryInAWorkerIsDecodedAgainNotCalledBad) {
+  // A worker decoding beside the consumer's video can meet the budget where the consumer, having
+  // let its video go, would not: the job runs again in next(). Out of memory there too is
+  // rethrown as it is, for the caller to treat as memory, not as a damaged file.
+  std::atomic<int> attempts{0};
+  const auto out_of_memory = [] {
+    throw memory::OutOfMemoryError(torch::kCPU, 100, 150, 120, "decode");
+  };
+  std::vector<data::Prefetcher::Job> jobs;
+  jobs.push_back({[&] {
+                    if (attempts++ == 0) out_of_memory();
+                    return engine::Video{torch::full({1}, 0), torch::zeros({1}, torch::kLong), "0"};
+                  },
+                  100});
+  jobs.push_back({[&]() -> engine::Video { out_of_memory(); return {}; }, 100});
+  data::Prefetcher prefetcher(std::move(jobs), 1, 100);
+  EXPECT_EQ(prefetcher.next().name, "0");
+  EXPECT_EQ(attempts.load(), 2);
+  try {
+    prefetcher.next();
+    ADD_FAILURE() << "the second job always runs out of memory";
+  } catch (const memory::OutOfMemoryError& e) {
+    EXPECT_EQ(e.phase(), "decode");
+  }
 }
 
 TEST(Clips, StartsLabelsAndLayout) {

@@ -191,7 +191,8 @@ class Prefetcher {
   Prefetcher& operator=(const Prefetcher&) = delete;
 
   bool done() const;
-  // The next video in job order; a job's error is rethrown here, in order.
+  // The next video in job order; a job's error is rethrown here, in order, except running out
+  // of memory (memory::is_out_of_memory) in a worker: that job is run again here, once.
   engine::Video next();
 
  private:
