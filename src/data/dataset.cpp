@@ -630,7 +630,8 @@ std::pair<int64_t, int64_t> VideoDataset::frame_size(int64_t i) const {
 int64_t VideoDataset::frame_bytes(int64_t i) const {
   const auto& v = videos_.at(i);
   if (options_.features) return frames(i) * v.feature_dim * 4;  // float32
-  const int64_t crop = options_.transform.crop;                 // decoding crops as it converts
+  // Decoding crops as it converts: the cropped frames are all it holds.
+  const int64_t crop = options_.transform.crop;
   if (crop > 0) return frames(i) * 3 * std::min(crop, v.height) * std::min(crop, v.width);
   return frames(i) * 3 * v.height * v.width;
 }
@@ -685,8 +686,10 @@ engine::Video VideoDataset::load(int64_t i, const Augmentation& augmentation) co
   Source source;
   source.path = v.entry.video;
   source.frame_files = v.frame_files;
-  engine::Video video{decode_source(source, v.sampled, v.height, v.width, options_, augmentation),
-                      labels(i), v.entry.name};
+  engine::Video video;
+  video.frames = decode_source(source, v.sampled, v.height, v.width, options_, augmentation);
+  video.labels = labels(i);
+  video.name = v.entry.name;
   video.tools = tools(i);
   return video;
 }
