@@ -487,11 +487,10 @@ torch::Tensor oriented(const torch::Tensor& stored, int orientation) {
   }
 }
 
-// Converts `frame` to RGB into `out` [3,height,width] as EXIF `orientation` says to show it:
-// scaled as stored (its sides swapped for orientations 5-8), then turned or mirrored. `stored`
-// holds the picture as stored, kept between calls of the same size.
-// Converts `frame` upright at `size` (height x width) into `out`, which holds `window` of it
-// (out_height x out_width at its top and left; the whole frame when window.height is 0).
+// Converts `frame` to RGB as EXIF `orientation` says to show it, at `window`'s size (else out's):
+// scaled as stored (its sides swapped for orientations 5-8), then turned or mirrored; `out`
+// [3,out_height,out_width] receives the window at its top and left (all of it by default).
+// `stored` holds the picture as stored, kept between calls of the same size.
 void convert_oriented(ToRgb& to_rgb, const AVFrame* frame, uint8_t* out, int out_height,
                       int out_width, const FrameWindow& window, int orientation,
                       torch::Tensor& stored, const std::string& what) {

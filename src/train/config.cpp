@@ -740,14 +740,10 @@ int64_t prefetch_reserve_bytes(const Config& config, int64_t budget) {
   return std::min(config.data.prefetch_bytes, budget / 4);
 }
 
-int64_t decoded_bytes_beside_step(const Config& config, int64_t budget,
-                                  int64_t largest_unit_bytes) {
-  const int64_t ahead = std::max(prefetch_reserve_bytes(config, budget), largest_unit_bytes);
-  return ahead + (is_batch_task(config) ? largest_unit_bytes : 0);
-}
-
 int64_t step_budget_bytes(const Config& config, int64_t budget, int64_t largest_unit_bytes) {
-  return budget - decoded_bytes_beside_step(config, budget, largest_unit_bytes);
+  const int64_t ahead = std::max(prefetch_reserve_bytes(config, budget), largest_unit_bytes);
+  const int64_t batched = is_batch_task(config) ? largest_unit_bytes : 0;
+  return budget - ahead - batched;
 }
 
 }  // namespace framefit::train

@@ -52,10 +52,6 @@ std::vector<int64_t> sample_times(const std::vector<double>& times, double end_s
 // up, e.g. 48x64 -> 112x149); a square stays square. shorter_side <= 0 keeps the source size.
 std::pair<int64_t, int64_t> resized_hw(int64_t height, int64_t width, int64_t shorter_side);
 
-// Decodes one video file. Not thread-safe; use one reader per thread. decoder_threads 0 lets
-// FFmpeg choose. skip_unsampled: read() leaves out the frames it does not return that no other
-// frame refers to (most B-frames), which the frames it returns do not depend on; false decodes
-// every frame up to the last one asked for (for comparison).
 // A crop taken while frames are converted, so a cropped video is never held at full size:
 // frames are resized to height x width and the window of the output's size at (top, left) kept.
 // The default (height 0) resizes to the output's size and keeps all of it.
@@ -64,6 +60,10 @@ struct FrameWindow {
   int64_t top = 0, left = 0;
 };
 
+// Decodes one video file. Not thread-safe; use one reader per thread. decoder_threads 0 lets
+// FFmpeg choose. skip_unsampled: read() leaves out the frames it does not return that no other
+// frame refers to (most B-frames), which the frames it returns do not depend on; false decodes
+// every frame up to the last one asked for (for comparison).
 class VideoReader {
  public:
   explicit VideoReader(const std::string& path, int decoder_threads = 1,
