@@ -343,7 +343,7 @@ VideoDataset::VideoDataset(std::vector<VideoEntry> entries, ClassList classes, D
       if (feature_dim_ == 0) feature_dim_ = item.feature_dim;
       videos_.push_back(std::move(item));
     } catch (const c10::Error& e) {
-      if (!options_.skip_bad) throw;
+      if (!skips_error(options_.skip_bad, e)) throw;
       ++skipped_;
       if (on_warning)
         on_warning(std::string("skipping video ") + entry.name + ": " + e.what_without_backtrace());
@@ -742,6 +742,10 @@ void Prefetcher::work() {
     slot.ready = true;
     changed_.notify_all();
   }
+}
+
+bool skips_error(bool skip_bad, const std::exception& error) {
+  return skip_bad && !memory::is_out_of_memory(error);
 }
 
 engine::Video Prefetcher::next() {

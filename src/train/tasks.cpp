@@ -154,8 +154,8 @@ class TaskData {
         const auto ids = images_->mask(i).flatten();
         counts += torch::bincount(ignore_id_ >= 0 ? ids.masked_select(ids.ne(ignore_id_)) : ids, {},
                                   classes);
-      } catch (const c10::Error&) {
-        if (!skip_bad_) throw;
+      } catch (const c10::Error& e) {
+        if (!data::skips_error(skip_bad_, e)) throw;
       }
     }
     return counts;
@@ -257,7 +257,7 @@ class SampleStream {
           loaded_ = prefetcher_->next();
           loaded_unit_ = unit;
         } catch (const c10::Error& e) {
-          if (!data_.skip_bad() || memory::is_out_of_memory(e)) throw;  // not bad data
+          if (!data::skips_error(data_.skip_bad(), e)) throw;
           batch.warnings.push_back(std::string("skipping ") + e.what_without_backtrace());
           ++batch.skipped_units;
           while (!done() && order_[next_].first == unit) ++next_;

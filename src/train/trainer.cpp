@@ -607,7 +607,7 @@ PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
     try {
       video = prefetcher.next();
     } catch (const c10::Error& e) {
-      if (!dataset.options().skip_bad || memory::is_out_of_memory(e)) throw;  // not bad data
+      if (!data::skips_error(dataset.options().skip_bad, e)) throw;
       if (on_event)
         on_event(Event::note(Event::Kind::Warning,
                              std::string("skipping ") + e.what_without_backtrace()));
@@ -1168,7 +1168,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
           batch.push_back(prefetcher.next());
           batch_videos.push_back(v);
         } catch (const c10::Error& e) {
-          if (!train_set.options().skip_bad || memory::is_out_of_memory(e)) throw;  // not bad data
+          if (!data::skips_error(train_set.options().skip_bad, e)) throw;
           ++progress.skipped;
           emit(Event::note(Event::Kind::Warning,
                            std::string("skipping a video: ") + e.what_without_backtrace()));

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -176,6 +177,10 @@ class VideoDataset {
   int64_t skipped_ = 0;
   int64_t feature_dim_ = 0;
 };
+
+// Whether data.on_error skip (`skip_bad`) passes over `error`, raised loading a video or image:
+// a bad file, yes; running out of memory, never (it is no fault of the file).
+bool skips_error(bool skip_bad, const std::exception& error);
 
 // Decodes videos ahead of the consumer in worker threads, in order, holding at most
 // `max_bytes` of decoded frames (a video larger than that is decoded alone).
