@@ -266,9 +266,9 @@ class ProgressPrinter {
           const auto& segments = e.metrics.segments;
           fmt::print(
               stderr,
-              "framefit {}: epoch {}/{} done at {}: train loss {:.4f}, validation accuracy "
-              "{:.2f}%, macro F1 {:.2f}%, macro Jaccard (IoU) {:.2f}%{}{}{}\n",
-              command_, e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss,
+              "framefit {}: epoch {}/{} done at {}: train loss {:.4f}, {}, validation "
+              "accuracy {:.2f}%, macro F1 {:.2f}%, macro Jaccard (IoU) {:.2f}%{}{}{}\n",
+              command_, e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss, data_text(e),
               100 * e.metrics.accuracy, 100 * e.metrics.macro_f1, 100 * e.metrics.macro_jaccard,
               segments ? fmt::format(", edit {:.2f}%", 100 * segments->edit) : "",
               e.metrics.tools
@@ -276,14 +276,19 @@ class ProgressPrinter {
                   : "",
               e.best ? " (best so far)" : "");
         } else {
-          fmt::print(stderr, "framefit {}: epoch {}/{} done at {}: train loss {:.4f}\n", command_,
-                     e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss);
+          fmt::print(stderr, "framefit {}: epoch {}/{} done at {}: train loss {:.4f}, {}\n",
+                     command_, e.epoch, e.epochs, clock_text(e.elapsed_seconds), e.loss,
+                     data_text(e));
         }
         break;
     }
   }
 
  private:
+  // The epoch's time getting data, as a share of its training time.
+  static std::string data_text(const train::Event& e) {
+    return fmt::format("{:.0f}% of the time getting data", 100 * e.data_fraction);
+  }
   static std::string bar(int64_t done, int64_t total) {
     const int width = 20;
     const int filled = total > 0 ? static_cast<int>(width * done / total) : 0;

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include "framefit/models/torchscript.h"
 #include "framefit/models/weights.h"
@@ -269,7 +270,18 @@ RunLength run_length(const TrainConfig& train, int64_t steps_per_epoch) {
   return run;
 }
 
-void report_step(Event& e, const StepOutcome& step, double seconds_per_step, JsonlLog& log) {
+double EpochTotals::data_fraction() const {
+  const double total = data_seconds + step_seconds;
+  return total > 0 ? data_seconds / total : 0;
+}
+
+void report_step(Event& e, const StepOutcome& step, double seconds_per_step, JsonlLog& log,
+                 EpochTotals& epoch) {
+  epoch.loss_sum += step.loss;
+  ++epoch.steps;
+  epoch.data_seconds += step.data_seconds;
+  epoch.step_seconds += step.seconds;
+  e.data_seconds = step.data_seconds;
   e.loss = step.loss;
   e.lr = step.lr;
   e.frames_per_second = step.count / std::max(1e-9, step.seconds);
@@ -283,18 +295,25 @@ void report_step(Event& e, const StepOutcome& step, double seconds_per_step, Jso
              {"lr", e.lr},
              {step.counted, step.count},
              {"seconds", step.seconds},
+             {"data_seconds", step.data_seconds},
              {"peak_bytes", step.peak_bytes},
              {"rss_bytes", e.rss_bytes},
              {"skipped_optimizer_step", step.overflow_skipped}});
 }
 
-void end_epoch(Event e, double loss_sum, int64_t loss_count, const EpochValidation& validation,
+void end_epoch(Event e, const EpochTotals& totals, const EpochValidation& validation,
                const std::vector<std::string>& class_names, double& best_score,
                int64_t& stale_epochs, TrainResult& result, const EventCallback& emit,
                JsonlLog& log) {
-  e.loss = loss_count ? loss_sum / static_cast<double>(loss_count) : 0;
-  nlohmann::json record = {
-      {"type", "epoch"}, {"step", e.step}, {"epoch", e.epoch}, {"loss", e.loss}};
+  e.loss = totals.steps ? totals.loss_sum / static_cast<double>(totals.steps) : 0;
+  e.data_seconds = totals.data_seconds;
+  e.data_fraction = totals.data_fraction();
+  nlohmann::json record = {{"type", "epoch"},
+                           {"step", e.step},
+                           {"epoch", e.epoch},
+                           {"loss", e.loss},
+                           {"data_seconds", totals.data_seconds},
+                           {"step_seconds", totals.step_seconds}};
   if (validation.validate) {
     e.metrics = validation.validate();
     e.validated = true;
@@ -313,6 +332,45 @@ void end_epoch(Event e, double loss_sum, int64_t loss_count, const EpochValidati
   }
   emit(e);
   log.write(record);
+}
+
+namespace {
+std::string seconds_text(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f s", seconds);
+  return text;
+}
+
+// A fifth of the time or more, and a second at least: an epoch always waits for its first video.
+bool data_bound(const EpochTotals& epoch) {
+  return epoch.data_seconds >= 1 && epoch.data_fraction() >= 0.2;
+}
+}  // namespace
+
+void warn_if_data_bound(const EpochTotals& epoch, int64_t epoch_number, const Config& config,
+                        bool& warned, const EventCallback& emit) {
+  if (warned || !data_bound(epoch)) return;
+  warned = true;
+  const auto& d = config.data;
+  std::string text = c10::str(
+      "epoch ", epoch_number, ": ", static_cast<int>(100 * epoch.data_fraction() + 0.5),
+      "% of the training time went to getting data (", seconds_text(epoch.data_seconds), " of ",
+      seconds_text(epoch.data_seconds + epoch.step_seconds),
+      "), not to training steps: the input pipeline sets the speed. Try more data.workers (now ",
+      d.workers, "; this machine has ", std::max(1u, std::thread::hardware_concurrency()),
+      " cores, shared with training)");
+  const bool jitter = d.brightness > 0 || d.contrast > 0 || d.saturation > 0 || d.hue > 0;
+  if (config.model.encoder == "features") {
+    text += "; the features files are read from disk";
+  } else if (d.augment && (jitter || d.rotation > 0)) {
+    text += "; colour jitter and rotation run in the workers too";
+  }
+  if (config.task != "segmentation" && config.model.encoder != "features") {
+    text +=
+        "; a video file is decoded from its start to its last sampled frame, a frame folder "
+        "reads only the sampled frames";
+  }
+  emit(Event::note(Event::Kind::Warning, text));
 }
 
 bool patience_exhausted(const Config& config, int64_t stale_epochs, TrainResult& result,

@@ -113,8 +113,18 @@ struct StepOutcome {
   int64_t count = 0;         // frames or samples the step trained on
   const char* counted = "";  // "frames" | "samples": the log's name for count
   double seconds = 0;
+  double data_seconds = 0;  // getting the step's data, before it ran
   int64_t peak_bytes = 0;
   bool overflow_skipped = false;
+};
+
+// One epoch's steps so far: their mean loss, and how the loop's time split between getting
+// data and running steps.
+struct EpochTotals {
+  double loss_sum = 0;
+  int64_t steps = 0;
+  double data_seconds = 0, step_seconds = 0;
+  double data_fraction() const;
 };
 
 // The log of steps and epochs; on resume, records after the checkpoint are dropped first, so
@@ -147,13 +157,14 @@ class JsonlLog {
   std::ofstream out_;
 };
 
-// Fills the Step event `e` (rate, ETA from `seconds_per_step`, memory now) and writes the
-// step's log record.
-void report_step(Event& e, const StepOutcome& step, double seconds_per_step, JsonlLog& log);
+// Fills the Step event `e` (rate, ETA from `seconds_per_step`, memory now), writes the step's
+// log record and adds the step to its epoch's totals.
+void report_step(Event& e, const StepOutcome& step, double seconds_per_step, JsonlLog& log,
+                 EpochTotals& epoch);
 
-// The end of an epoch: the Epoch event `e` gets the epoch's mean loss and, where `validate` is
-// given, the validation metrics; metrics that beat `best_score` in `best_by` become the run's best
-// (`save_best` writes them). Emits the event and writes the epoch's log record.
+// The end of an epoch: the Epoch event `e` gets the epoch's mean loss and data time and, where
+// `validate` is given, the validation metrics; metrics that beat `best_score` in `best_by` become
+// the run's best (`save_best` writes them). Emits the event and writes the epoch's log record.
 struct EpochValidation {
   std::function<PhaseMetrics()> validate;  // empty: the run has no validation split
   std::string best_by;                     // metric_value's name
@@ -161,10 +172,14 @@ struct EpochValidation {
   std::vector<std::string> tool_names;  // data.tools: names the tool metrics in the log
 };
 // `stale_epochs` counts the validated epochs since the best one.
-void end_epoch(Event e, double loss_sum, int64_t loss_count, const EpochValidation& validation,
+void end_epoch(Event e, const EpochTotals& totals, const EpochValidation& validation,
                const std::vector<std::string>& class_names, double& best_score,
                int64_t& stale_epochs, TrainResult& result, const EventCallback& emit,
                JsonlLog& log);
+// Says once per run (`warned`) that getting data took a large share of an epoch's training
+// time, and what to change: decoding, not the model, limits the speed.
+void warn_if_data_bound(const EpochTotals& epoch, int64_t epoch_number, const Config& config,
+                        bool& warned, const EventCallback& emit);
 // Whether train.patience ends the run after this epoch (`stale_epochs` validated epochs without
 // a better train.best_by); if so, says why and marks the result.
 bool patience_exhausted(const Config& config, int64_t stale_epochs, TrainResult& result,

@@ -1234,14 +1234,17 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     return e;
   };
 
+  bool data_bound_warned = false;
   for (; progress.epoch < epochs && progress.step < total_steps; ++progress.epoch) {
     SampleStream stream(train_set, train_set.order(tc.seed, progress.epoch, true),
                         progress.position, tc.seed, progress.epoch,
                         static_cast<int>(config.data.workers), prefetch_bytes);
-    double loss_sum = 0;
-    int64_t loss_count = 0;
+    EpochTotals totals;
+    double data_seconds = 0;  // getting the next step's batch
     while (!stream.done() && progress.step < total_steps) {
+      const auto asked = Clock::now();
       auto batch = stream.next(step_samples);
+      data_seconds += seconds_since(asked);
       progress.position = stream.position();
       progress.skipped += batch.skipped_units;
       for (const auto& w : batch.warnings) emit(Event::note(Event::Kind::Warning, w));
@@ -1256,16 +1259,15 @@ TrainResult train_batch(const Config& config, const std::string& resume,
       progress.segments = step.options().segments;
       progress.micro_batches = (step.options().micro_batches + tc.accumulate - 1) / tc.accumulate;
       for (const auto& r : report.replans) emit(Event::note(Event::Kind::Warning, r));
-      loss_sum += report.loss;
-      ++loss_count;
 
       Event e = progress_event(Event::Kind::Step);
       const double per_step =
           seconds_since(start) / static_cast<double>(progress.step - first_step);
       report_step(e,
-                  {report.loss, lr, report.samples, "samples", report.seconds, report.peak_bytes,
-                   report.overflow_skipped},
-                  per_step, log);
+                  {report.loss, lr, report.samples, "samples", report.seconds, data_seconds,
+                   report.peak_bytes, report.overflow_skipped},
+                  per_step, log, totals);
+      data_seconds = 0;
       emit(e);
       if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 && !stream.done()) {
         checkpoint(progress);
@@ -1282,8 +1284,9 @@ TrainResult train_batch(const Config& config, const std::string& resume,
       validation.best_by = best_metric(config);
       validation.save_best = save_best;
     }
-    end_epoch(progress_event(Event::Kind::Epoch), loss_sum, loss_count, validation,
-              model.classes.names(), progress.best_score, progress.stale_epochs, result, emit, log);
+    end_epoch(progress_event(Event::Kind::Epoch), totals, validation, model.classes.names(),
+              progress.best_score, progress.stale_epochs, result, emit, log);
+    warn_if_data_bound(totals, progress.epoch + 1, config, data_bound_warned, on_event);
     progress.position = 0;
     if (tc.checkpoint_every == 0 || progress.step % tc.checkpoint_every == 0) {
       BatchProgress next = progress;

@@ -1135,6 +1135,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
     return e;
   };
 
+  bool data_bound_warned = false;
   for (; progress.epoch < epochs && progress.step < total_steps; ++progress.epoch) {
     const auto order = data::epoch_order(videos, tc.seed, progress.epoch, true);
     std::vector<data::Prefetcher::Job> jobs;
@@ -1156,9 +1157,10 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
     }
     data::Prefetcher prefetcher(std::move(jobs), static_cast<int>(config.data.workers),
                                 prefetch_bytes);
-    double loss_sum = 0;
-    int64_t loss_count = 0;
+    EpochTotals totals;
+    double data_seconds = 0;  // getting the next step's videos (skipped ones included)
     while (progress.position < videos && progress.step < total_steps) {
+      const auto asked = Clock::now();
       std::vector<engine::Video> batch;
       std::vector<int64_t> batch_videos;  // their indices in train_set
       while (static_cast<int64_t>(batch.size()) < tc.accumulate && progress.position < videos) {
@@ -1174,6 +1176,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
                            std::string("skipping a video: ") + e.what_without_backtrace()));
         }
       }
+      data_seconds += seconds_since(asked);
       if (batch.empty()) continue;
       const double lr = learning_rate(schedule, progress.step, total_steps);
       for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
@@ -1193,17 +1196,16 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
       progress.settings.chunk = step.options().chunked.chunk;
       progress.settings.keep = step.options().chunked.keep;
       progress.settings.cache_frozen = step.options().chunked.cache_frozen;
-      loss_sum += report.loss;
-      ++loss_count;
       for (const auto& r : report.replans) emit(Event::note(Event::Kind::Warning, r));
 
       Event e = progress_event(Event::Kind::Step);
       const double per_step =
           seconds_since(start) / static_cast<double>(progress.step - first_step);
       report_step(e,
-                  {report.loss, lr, report.frames, "frames", report.seconds, report.peak_bytes,
-                   report.overflow_skipped},
-                  per_step, log);
+                  {report.loss, lr, report.frames, "frames", report.seconds, data_seconds,
+                   report.peak_bytes, report.overflow_skipped},
+                  per_step, log, totals);
+      data_seconds = 0;
       emit(e);
       // A checkpoint that completes the epoch is written after its validation, below.
       if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 &&
@@ -1228,8 +1230,9 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
       validation.save_best = save_best;
       validation.tool_names = config.data.tools;
     }
-    end_epoch(progress_event(Event::Kind::Epoch), loss_sum, loss_count, validation,
-              model.classes.names(), progress.best_score, progress.stale_epochs, result, emit, log);
+    end_epoch(progress_event(Event::Kind::Epoch), totals, validation, model.classes.names(),
+              progress.best_score, progress.stale_epochs, result, emit, log);
+    warn_if_data_bound(totals, progress.epoch + 1, config, data_bound_warned, on_event);
     progress.position = 0;
     if (tc.checkpoint_every == 0 || progress.step % tc.checkpoint_every == 0) {
       Progress next = progress;

@@ -415,15 +415,27 @@ train::Config segmentation_config(const std::string& name) {
   return c;
 }
 
-// The tracked peaks of a run's steps, from its log.jsonl.
-std::vector<int64_t> step_peaks(const std::string& out_dir) {
+// A number of each record of `type` in a run's log.jsonl, in order (read without a JSON
+// library: GPU machines' test builds have none).
+std::vector<double> log_values(const std::string& out_dir, const std::string& type,
+                               const std::string& key) {
   std::ifstream log(out_dir + "/log.jsonl");
-  std::vector<int64_t> peaks;
+  std::vector<double> values;
+  const std::string field = "\"" + key + "\":";
   for (std::string line; std::getline(log, line);) {
-    const auto at = line.find("\"peak_bytes\":");
-    if (line.find("\"type\":\"step\"") == std::string::npos || at == std::string::npos) continue;
-    peaks.push_back(std::stoll(line.substr(at + 13)));
+    const auto at = line.find(field);
+    if (line.find("\"type\":\"" + type + "\"") == std::string::npos || at == std::string::npos)
+      continue;
+    values.push_back(std::stod(line.substr(at + field.size())));
   }
+  return values;
+}
+
+// The tracked peaks of a run's steps.
+std::vector<int64_t> step_peaks(const std::string& out_dir) {
+  std::vector<int64_t> peaks;
+  for (const double peak : log_values(out_dir, "step", "peak_bytes"))
+    peaks.push_back(static_cast<int64_t>(peak));
   return peaks;
 }
 
@@ -787,6 +799,54 @@ TEST(ClipTraining, DecodedVideosBesideThePlannedStepStayWithinTheBudget) {
   EXPECT_TRUE(warnings.empty()) << warnings.front();
   EXPECT_EQ(result.skipped_videos, 0);
   for (const auto peak : step_peaks(c.train.out_dir)) EXPECT_LE(peak, c.train.budget);
+  test_util::remove_tree(c.train.out_dir);
+  test_util::remove_tree(dir);
+}
+
+TEST(ClipTraining, TimeSpentGettingDataIsLoggedAndADataBoundRunIsToldWhatToChange) {
+  // Pooling and a linear layer (nothing to compute) on clips of every frame of 192 x 192 videos
+  // through one decoding worker: nearly all of the loop's time goes to decoding.
+  auto c = clips_config("/tmp/framefit_clips_data_bound");
+  const auto dir = use_square_videos(c, "/tmp/framefit_data_bound_data", 3, 400, 450, 192);
+  c.model.layers.erase(c.model.layers.begin(), c.model.layers.begin() + 5);
+  c.data.fps = 0;
+  c.data.workers = 1;
+  c.data.augment = true;  // and slow augmentations, done by the worker
+  c.data.rotation = 10;
+  c.data.hue = 0.1;
+  c.data.clip_length = 8;
+  c.data.clip_stride = 8;
+  c.train.batch = "16";
+  c.train.validate = false;
+  std::vector<double> fractions;
+  std::vector<std::string> warnings;
+  const auto result = train::train(c, "", [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Epoch) fractions.push_back(e.data_fraction);
+    if (e.kind == train::Event::Kind::Warning) warnings.push_back(e.message);
+  });
+  ASSERT_EQ(fractions.size(), 2u);
+  for (const double f : fractions) EXPECT_GT(f, 0.5);
+  // Said once, naming what to change.
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("epoch 1: "), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[0].find("went to getting data"), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[0].find("data.workers (now 1;"), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[0].find("colour jitter and rotation"), std::string::npos) << warnings[0];
+  // The log: each step's time getting its batch, summed in its epoch's record.
+  const auto step_data = log_values(c.train.out_dir, "step", "data_seconds");
+  const auto step_epochs = log_values(c.train.out_dir, "step", "epoch");
+  const auto epoch_data = log_values(c.train.out_dir, "epoch", "data_seconds");
+  ASSERT_EQ(epoch_data.size(), 2u);
+  ASSERT_EQ(step_data.size(), static_cast<size_t>(result.steps));
+  double sums[2] = {0, 0};
+  for (size_t i = 0; i < step_data.size(); ++i) {
+    EXPECT_GE(step_data[i], 0);
+    sums[static_cast<int>(step_epochs[i]) - 1] += step_data[i];
+  }
+  for (int e = 0; e < 2; ++e) {
+    EXPECT_NEAR(sums[e], epoch_data[e], 1e-6 * epoch_data[e]);
+    EXPECT_GE(epoch_data[e], 1.0);
+  }
   test_util::remove_tree(c.train.out_dir);
   test_util::remove_tree(dir);
 }

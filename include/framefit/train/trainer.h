@@ -40,6 +40,11 @@ struct Event {
   std::string rate_unit = "frames";  // what frames_per_second counts (clips and images: samples)
   int64_t peak_bytes = 0;            // tracked tensor peak of the step
   int64_t rss_bytes = 0;             // resident set size now
+  // Time spent getting data (waiting for the decoding workers, assembling the batch) instead
+  // of training: Step, that step's seconds; Epoch, the epoch's seconds and their fraction of its
+  // training time (data and steps, without validation). A large fraction means the input
+  // pipeline, not the model, sets the speed (and, on a GPU, that the device sits idle).
+  double data_seconds = 0, data_fraction = 0;
   // Epoch: the epoch's mean training loss and, when validated, the metrics.
   bool validated = false;
   bool best = false;  // this epoch's validation is the best so far (best.pt written)
