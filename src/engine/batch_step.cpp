@@ -7,6 +7,7 @@
 
 #include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
+#include "replay.h"
 
 namespace framefit::engine {
 
@@ -24,6 +25,7 @@ BatchTrainingStep::BatchTrainingStep(ChainNetwork network,
   for (const auto& p : network_.module->parameters()) {
     if (p.requires_grad()) parameters_.push_back(p);
   }
+  buffers_ = network_.module->buffers();
   if (options_.class_weights.defined()) {
     TORCH_CHECK(options_.class_weights.dim() == 1 && options_.class_weights.size(0) >= 2,
                 "class_weights must be [C], one weight per class, got ",
@@ -98,13 +100,17 @@ BatchStepReport BatchTrainingStep::step(const torch::Tensor& samples, const torc
   BatchStepReport report;
   report.samples = samples.size(0);
   optimizer_->zero_grad();
+  // Undoes a failed attempt (out of memory) or a step whose loss is not finite.
+  const detail::StepStart start_state(buffers_, options_.device);
   while (true) {
     try {
       report.loss = accumulate_gradients(samples, labels);
       break;
     } catch (const c10::Error& e) {
       if (!options_.retry_on_out_of_memory || !memory::is_out_of_memory(e)) throw;
-      optimizer_->zero_grad();  // the partial step's gradients; its graph went with the error
+      // The partial step's gradients, statistics and random draws; its graph went with the error.
+      optimizer_->zero_grad();
+      start_state.restore();
       const auto everything = recompute_every(network_.stage_count(), 1);
       const auto flags = recomputed(options_.segments);
       const bool all_recomputed = std::all_of(flags.begin(), flags.end(), [](bool f) { return f; });
@@ -129,6 +135,11 @@ BatchStepReport BatchTrainingStep::step(const torch::Tensor& samples, const torc
                                        on_gradients_ready);
   report.optimizer_stepped = applied.optimizer_stepped;
   report.overflow_skipped = applied.overflow_skipped;
+  report.not_finite_skipped = applied.not_finite_skipped;
+  if (applied.not_finite_skipped) {
+    optimizer_->zero_grad();
+    start_state.restore_buffers();
+  }
   window.close();
   report.peak_bytes = window.peak_bytes();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

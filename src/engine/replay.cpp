@@ -29,24 +29,30 @@ RngState RngState::capture(torch::Device device) {
   return state;
 }
 
+void RngState::make_current() const {
+  set_generator_state(torch::kCPU, cpu);
+  if (device.is_cuda()) set_generator_state(device, cuda);
+}
+
 RngReplay::RngReplay(const RngState& state) : saved_(RngState::capture(state.device)) {
-  set_generator_state(torch::kCPU, state.cpu);
-  if (state.device.is_cuda()) set_generator_state(state.device, state.cuda);
+  state.make_current();
 }
 
-RngReplay::~RngReplay() {
-  set_generator_state(torch::kCPU, saved_.cpu);
-  if (saved_.device.is_cuda()) set_generator_state(saved_.device, saved_.cuda);
-}
+RngReplay::~RngReplay() { saved_.make_current(); }
 
-BufferSnapshot::BufferSnapshot(const std::vector<torch::Tensor>& buffers) : buffers_(buffers) {
+BufferCopies::BufferCopies(const std::vector<torch::Tensor>& buffers) : buffers_(buffers) {
   torch::NoGradGuard no_grad;
   for (const auto& b : buffers_) copies_.push_back(b.clone());
 }
 
-BufferSnapshot::~BufferSnapshot() {
+void BufferCopies::restore() const {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(copies_[i]);
+}
+
+void StepStart::restore() const {
+  buffers_.restore();
+  if (rng_.cpu.defined()) rng_.make_current();
 }
 
 }  // namespace framefit::engine::detail

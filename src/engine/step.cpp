@@ -4,6 +4,8 @@
 
 #include <chrono>
 
+#include "replay.h"
+
 namespace framefit::engine {
 
 std::shared_ptr<torch::optim::Optimizer> make_optimizer(
@@ -31,12 +33,29 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(
   TORCH_CHECK(false, "unknown optimizer '", options.kind, "': use sgd, adam or adamw");
 }
 
+namespace {
+// A sum is finite unless an element is not (or the sum overflows, which finite gradients of
+// training that has not diverged do not): one pass and no gradient-sized temporary.
+bool finite_gradients(const std::vector<torch::Tensor>& parameters) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> sums;
+  for (const auto& p : parameters) {
+    if (p.grad().defined()) sums.push_back(p.grad().sum().to(torch::kFloat64));
+  }
+  return sums.empty() || torch::isfinite(torch::stack(sums).sum()).item<bool>();
+}
+}  // namespace
+
 AppliedGradients apply_gradients(
     const std::vector<torch::Tensor>& parameters, LossScaler& scaler,
     torch::optim::Optimizer& optimizer, double clip_grad_norm,
     const std::function<void(const std::vector<torch::Tensor>&)>& on_gradients_ready) {
   if (on_gradients_ready) on_gradients_ready(parameters);
   AppliedGradients applied;
+  if (!scaler.enabled() && !finite_gradients(parameters)) {
+    applied.not_finite_skipped = true;
+    return applied;
+  }
   const bool finite = scaler.unscale(parameters);
   if (finite && clip_grad_norm > 0) {
     applied.grad_norm = torch::nn::utils::clip_grad_norm_(parameters, clip_grad_norm);
@@ -77,9 +96,11 @@ TrainingStep::TrainingStep(FrameEncoder encoder, std::shared_ptr<models::Tempora
   TORCH_CHECK(options_.clip_grad_norm >= 0, "clip_grad_norm must be >= 0; got ",
               options_.clip_grad_norm);
   parameters_ = encoder_.parameters;
+  buffers_ = encoder_.buffers;
   for (const auto& p : head_->parameters()) {
     if (p.requires_grad()) parameters_.push_back(p);
   }
+  for (const auto& b : head_->buffers()) buffers_.push_back(b);
   if (tool_head_) {
     TORCH_CHECK(options_.tool_weight >= 0, "tool_weight must be >= 0; got ", options_.tool_weight);
     for (const auto& p : tool_head_->parameters()) {
@@ -154,7 +175,12 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
   tracker.clear_phase_stats();
   auto window = tracker.mark();
   StepReport report;
-  if (pending_ == 0) optimizer_->zero_grad();
+  // Undoes a failed attempt (out of memory); the first call's, a step whose loss is not finite.
+  const auto call_start = std::make_shared<detail::StepStart>(buffers_, options_.chunked.device);
+  if (pending_ == 0) {
+    optimizer_->zero_grad();
+    first_call_start_ = call_start;
+  }
 
   // Gradients accumulated by earlier calls must survive a failed attempt; without accumulation
   // there are none to keep.
@@ -170,7 +196,9 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
       break;
     } catch (const c10::Error& e) {
       if (!options_.retry_on_out_of_memory || !memory::is_out_of_memory(e)) throw;
-      // Undo the partial step: the graph is gone with the exception; restore the gradients.
+      // Undo the partial step: the graph is gone with the exception; restore the gradients,
+      // the statistics its layers updated and the random numbers it drew.
+      call_start->restore();
       torch::NoGradGuard no_grad;
       for (size_t i = 0; i < parameters_.size(); ++i) {
         auto& grad = parameters_[i].mutable_grad();
@@ -226,7 +254,13 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
                                          on_gradients_ready);
     report.optimizer_stepped = applied.optimizer_stepped;
     report.overflow_skipped = applied.overflow_skipped;
+    report.not_finite_skipped = applied.not_finite_skipped;
     report.grad_norm = applied.grad_norm;
+    if (applied.not_finite_skipped) {
+      optimizer_->zero_grad();
+      first_call_start_->restore_buffers();
+    }
+    first_call_start_.reset();
   }
   window.close();
   report.peak_bytes = window.peak_bytes();

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
@@ -277,8 +278,10 @@ double EpochTotals::data_fraction() const {
 
 void report_step(Event& e, const StepOutcome& step, double seconds_per_step, JsonlLog& log,
                  EpochTotals& epoch) {
-  epoch.loss_sum += step.loss;
-  ++epoch.steps;
+  if (std::isfinite(step.loss)) {  // a skipped step (LossWatch) does not make the mean NaN
+    epoch.loss_sum += step.loss;
+    ++epoch.steps;
+  }
   epoch.data_seconds += step.data_seconds;
   epoch.step_seconds += step.seconds;
   e.data_seconds = step.data_seconds;
@@ -371,6 +374,35 @@ void warn_if_data_bound(const EpochTotals& epoch, int64_t epoch_number, const Co
         "reads only the sampled frames";
   }
   emit(Event::note(Event::Kind::Warning, text));
+}
+
+bool LossWatch::diverging(double loss, int64_t step, const EventCallback& emit) {
+  if (std::isfinite(loss)) {
+    in_a_row_ = 0;
+    return false;
+  }
+  ++in_a_row_;
+  if (emit) {
+    emit(
+        Event::note(Event::Kind::Warning,
+                    c10::str("step ", step, ": the loss is ", std::isnan(loss) ? "NaN" : "infinite",
+                             ": the update was skipped (the weights and BatchNorm statistics are "
+                             "those before the step)")));
+  }
+  return in_a_row_ >= kInARow;
+}
+
+void LossWatch::diverged(const std::string& checkpoint, const Config& config,
+                         engine::Precision precision) const {
+  const auto& tc = config.train;
+  TORCH_CHECK(false, "training diverged: the loss was not finite (NaN or infinite) in ", in_a_row_,
+              " steps in a row; their updates were skipped. ", checkpoint,
+              " holds the weights the last finite step left, which may already be far off: lower "
+              "train.lr (now ",
+              tc.lr, ")", tc.clip_grad_norm > 0 ? "" : ", set train.clip_grad_norm (e.g. 1)",
+              precision == engine::Precision::FP16 ? ", train in bf16 or fp32 instead of fp16" : "",
+              ", and resume from it or an earlier checkpoint (--resume PATH, --set for the changed "
+              "keys), or start again");
 }
 
 bool patience_exhausted(const Config& config, int64_t stale_epochs, TrainResult& result,

@@ -122,7 +122,7 @@ struct StepOutcome {
 // data and running steps.
 struct EpochTotals {
   double loss_sum = 0;
-  int64_t steps = 0;
+  int64_t steps = 0;  // with a finite loss
   double data_seconds = 0, step_seconds = 0;
   double data_fraction() const;
 };
@@ -180,6 +180,21 @@ void end_epoch(Event e, const EpochTotals& totals, const EpochValidation& valida
 // time, and what to change: decoding, not the model, limits the speed.
 void warn_if_data_bound(const EpochTotals& epoch, int64_t epoch_number, const Config& config,
                         bool& warned, const EventCallback& emit);
+// Diverging training: a step whose loss is not finite (NaN or infinite) leaves the weights as
+// they were (the engine drops its gradients) with a warning; kInARow such steps in a row end the
+// run with an error naming the checkpoint of the weights before them and what to change.
+class LossWatch {
+ public:
+  static constexpr int64_t kInARow = 3;
+  // After each optimizer step: true when the run must end (the caller writes a checkpoint, then
+  // calls diverged).
+  bool diverging(double loss, int64_t step, const EventCallback& emit);
+  [[noreturn]] void diverged(const std::string& checkpoint, const Config& config,
+                             engine::Precision precision) const;
+
+ private:
+  int64_t in_a_row_ = 0;
+};
 // Whether train.patience ends the run after this epoch (`stale_epochs` validated epochs without
 // a better train.best_by); if so, says why and marks the result.
 bool patience_exhausted(const Config& config, int64_t stale_epochs, TrainResult& result,

@@ -1235,6 +1235,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   };
 
   bool data_bound_warned = false;
+  LossWatch loss_watch;
   for (; progress.epoch < epochs && progress.step < total_steps; ++progress.epoch) {
     SampleStream stream(train_set, train_set.order(tc.seed, progress.epoch, true),
                         progress.position, tc.seed, progress.epoch,
@@ -1269,6 +1270,10 @@ TrainResult train_batch(const Config& config, const std::string& resume,
                   per_step, log, totals);
       data_seconds = 0;
       emit(e);
+      if (loss_watch.diverging(report.loss, progress.step, on_event)) {
+        checkpoint(progress);
+        loss_watch.diverged(result.last_checkpoint, config, progress.precision);
+      }
       if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 && !stream.done()) {
         checkpoint(progress);
       }

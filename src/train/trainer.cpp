@@ -1136,6 +1136,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   };
 
   bool data_bound_warned = false;
+  LossWatch loss_watch;
   for (; progress.epoch < epochs && progress.step < total_steps; ++progress.epoch) {
     const auto order = data::epoch_order(videos, tc.seed, progress.epoch, true);
     std::vector<data::Prefetcher::Job> jobs;
@@ -1207,6 +1208,10 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
                   per_step, log, totals);
       data_seconds = 0;
       emit(e);
+      if (loss_watch.diverging(report.loss, progress.step, on_event)) {
+        checkpoint(progress);
+        loss_watch.diverged(result.last_checkpoint, config, progress.settings.precision);
+      }
       // A checkpoint that completes the epoch is written after its validation, below.
       if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 &&
           progress.position < videos) {

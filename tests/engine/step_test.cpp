@@ -1,6 +1,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <limits>
+
 #include "test_util.h"
 
 #include "framefit/engine/amp.h"
@@ -24,10 +27,11 @@ struct Setup {
 };
 
 Setup make_setup(engine::StepOptions options, torch::ScalarType dtype = torch::kFloat32,
-                 const std::string& optimizer = "sgd", double lr = 0.01) {
+                 const std::string& optimizer = "sgd", double lr = 0.01,
+                 models::NormKind norm = models::NormKind::GroupNorm) {
   torch::manual_seed(7);
   Setup s;
-  s.encoder = models::ResNet(models::ResNetOptions(18).num_classes(0).norm(models::NormKind::GroupNorm).groups(8));
+  s.encoder = models::ResNet(models::ResNetOptions(18).num_classes(0).norm(norm).groups(8));
   s.head = models::make_head("lstm", 512, 3);
   s.encoder->to(dtype);
   s.head->to(dtype);
@@ -47,6 +51,21 @@ std::vector<torch::Tensor> snapshot(const std::vector<torch::Tensor>& params) {
   std::vector<torch::Tensor> out;
   for (const auto& p : params) out.push_back(p.detach().clone());
   return out;
+}
+
+// Weights and BatchNorm statistics (running mean, variance, batches tracked).
+std::vector<torch::Tensor> state_of(const Setup& s) {
+  auto out = snapshot(s.step->parameters());
+  for (const auto& b : s.encoder->buffers()) out.push_back(b.clone());
+  return out;
+}
+
+bool all_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!torch::equal(a[i], b[i])) return false;
+  }
+  return true;
 }
 }  // namespace
 
@@ -212,6 +231,78 @@ TEST(TrainingStep, OutOfMemoryReplansAndRetriesTheSameStep) {
   const auto updated = snapshot(forced.step->parameters());
   for (size_t i = 0; i < updated.size(); ++i) {
     EXPECT_TRUE(torch::allclose(updated[i], reference[i], 1e-4, 1e-6)) << i;
+  }
+}
+
+TEST(TrainingStep, LossThatIsNotFiniteLeavesWeightsAndStatisticsAsTheyWere) {
+  // BatchNorm in train mode and a frame with a NaN pixel: the loss and the gradients are NaN
+  // and the forward pass spoiled the running statistics. The update is skipped and the
+  // statistics put back; the next step trains as usual.
+  engine::StepOptions options;
+  options.chunked.chunk = 4;
+  auto s = make_setup(options, torch::kFloat32, "sgd", 0.01, models::NormKind::BatchNorm);
+  const auto good = make_video(8, 3);
+  auto bad = make_video(8, 4);
+  bad.frames = bad.frames.to(torch::kFloat32).div(255);
+  bad.frames[5][1][7][9] = std::numeric_limits<float>::quiet_NaN();
+  const auto before = state_of(s);
+  const auto skipped = s.step->step({bad});
+  EXPECT_TRUE(std::isnan(skipped.loss));
+  EXPECT_TRUE(skipped.not_finite_skipped);
+  EXPECT_FALSE(skipped.optimizer_stepped);
+  EXPECT_TRUE(all_equal(state_of(s), before));
+  const auto trained = s.step->step({good});
+  EXPECT_TRUE(std::isfinite(trained.loss));
+  EXPECT_FALSE(trained.not_finite_skipped);
+  EXPECT_TRUE(trained.optimizer_stepped);
+  EXPECT_FALSE(all_equal(state_of(s), before));
+
+  // Accumulated over two calls, a NaN in the first spoils the step the second completes.
+  options.accumulate = 2;
+  auto accumulated = make_setup(options, torch::kFloat32, "sgd", 0.01, models::NormKind::BatchNorm);
+  const auto start = state_of(accumulated);
+  EXPECT_FALSE(accumulated.step->step({bad}).optimizer_stepped);
+  const auto completed = accumulated.step->step({good});
+  EXPECT_TRUE(completed.not_finite_skipped);
+  EXPECT_FALSE(completed.optimizer_stepped);
+  EXPECT_TRUE(all_equal(state_of(accumulated), start));
+}
+
+TEST(TrainingStep, RetryAfterOutOfMemoryLeavesTheStatisticsOfOneStep) {
+  // Naive training runs out of memory partway through the encoder's forward pass, after its first
+  // BatchNorm layers updated their running statistics; the retry must not update them again: the
+  // step ends as a step run with the retry's settings from the start.
+  auto& tracker = memory::Tracker::cpu();
+  const auto video = make_video(48, 9, 3, 112);
+  engine::StepOptions naive;
+  naive.chunked.chunk = 0;
+  int64_t naive_increase = 0;  // above what is in use before a first step
+  {
+    auto probe = make_setup(naive, torch::kFloat32, "sgd", 0.01, models::NormKind::BatchNorm);
+    auto window = tracker.mark();
+    probe.step->step({video});
+    naive_increase = window.peak_bytes() - window.entry_bytes();
+  }
+  auto forced = make_setup(naive, torch::kFloat32, "sgd", 0.01, models::NormKind::BatchNorm);
+  tracker.set_budget(tracker.current_bytes() + naive_increase / 2);
+  engine::StepReport report;
+  try {
+    report = forced.step->step({video});
+  } catch (...) {
+    tracker.set_budget(0);
+    throw;
+  }
+  tracker.set_budget(0);
+  ASSERT_FALSE(report.replans.empty());
+  engine::StepOptions retried;
+  retried.chunked.chunk = report.chunk;
+  retried.chunked.keep = forced.step->options().chunked.keep;
+  auto direct = make_setup(retried, torch::kFloat32, "sgd", 0.01, models::NormKind::BatchNorm);
+  direct.step->step({video});
+  const auto a = state_of(forced), b = state_of(direct);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-4, 1e-6)) << i;
   }
 }
 

@@ -5,8 +5,10 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "test_util.h"
 
@@ -30,14 +32,15 @@ using namespace framefit;
 
 namespace {
 
-// A small 2D classifier without BatchNorm (so micro-batches are exact), float64.
-models::Network small_network() {
+// A small 2D classifier without BatchNorm (so micro-batches are exact), float64; with
+// `batch_norm`, a BatchNorm layer in place of its first ReLU.
+models::Network small_network(bool batch_norm = false) {
   std::vector<models::LayerSpec> layers(7);
   layers[0].type = "conv2d";
   layers[0].out = 6;
   layers[0].kernel = {3};
   layers[0].padding = {1};
-  layers[1].type = "relu";
+  layers[1].type = batch_norm ? "bn" : "relu";
   layers[2].type = "conv2d";
   layers[2].out = 8;
   layers[2].kernel = {3};
@@ -56,6 +59,7 @@ models::Network small_network() {
 
 struct StepResult {
   std::vector<torch::Tensor> gradients;
+  std::vector<torch::Tensor> buffers;  // BatchNorm statistics after the step
   std::vector<std::string> replans;
   int64_t peak_bytes = 0;
 };
@@ -63,8 +67,8 @@ struct StepResult {
 // One step of `options` under a tracker budget (0: none); SGD with lr 0 keeps the weights.
 // `labels`, when given, replace the random ones (drawn all the same, so dropout draws alike).
 StepResult run_step(engine::BatchStepOptions options, int64_t budget = 0,
-                    const torch::Tensor& labels = {}) {
-  auto network = small_network();
+                    const torch::Tensor& labels = {}, bool batch_norm = false) {
+  auto network = small_network(batch_norm);
   auto optimizer =
       std::make_shared<torch::optim::SGD>(network->parameters(), torch::optim::SGDOptions(0.0));
   engine::BatchTrainingStep step(engine::chain_network(network.ptr()), optimizer, options);
@@ -85,6 +89,7 @@ StepResult run_step(engine::BatchStepOptions options, int64_t budget = 0,
   EXPECT_TRUE(report.optimizer_stepped);
   StepResult result;
   for (const auto& p : step.parameters()) result.gradients.push_back(p.grad().clone());
+  for (const auto& b : network->buffers()) result.buffers.push_back(b.clone());
   result.replans = report.replans;
   result.peak_bytes = report.peak_bytes;
   return result;
@@ -126,6 +131,51 @@ TEST(BatchStep, OutOfMemoryRetriesWithRecomputeThenMicroBatches) {
   EXPECT_LT(largest_difference(reference.gradients, retried.gradients), 1e-12);
   // Too small for even one sample with everything recomputed: the error comes through.
   EXPECT_THROW(run_step(plain, 4 * 1024), c10::Error);
+}
+
+TEST(BatchStep, RetryAfterOutOfMemoryLeavesTheStatisticsOfOneStep) {
+  // The failed attempt's BatchNorm layer updated its running statistics before memory ran out;
+  // the retried step ends as one run with every stage recomputed from the start.
+  engine::BatchStepOptions plain;
+  engine::BatchStepOptions recomputed = plain;
+  recomputed.segments =
+      engine::recompute_every(engine::chain_network(small_network(true).ptr()).stage_count(), 1);
+  const auto direct = run_step(recomputed, 0, {}, true);
+  const auto reference = run_step(plain, 0, {}, true);
+  ASSERT_LT(direct.peak_bytes, reference.peak_bytes);
+  const auto retried = run_step(plain, (direct.peak_bytes + reference.peak_bytes) / 2, {}, true);
+  ASSERT_EQ(retried.replans.size(), 1u);
+  ASSERT_NE(retried.replans[0].find("every stage recomputed"), std::string::npos);
+  ASSERT_EQ(retried.buffers.size(), 3u);  // running mean, variance, batches tracked
+  EXPECT_LT(largest_difference(direct.buffers, retried.buffers), 1e-12);
+  EXPECT_LT(largest_difference(direct.gradients, retried.gradients), 1e-12);
+}
+
+TEST(BatchStep, LossThatIsNotFiniteLeavesWeightsAndStatisticsAsTheyWere) {
+  auto network = small_network(true);
+  auto optimizer =
+      std::make_shared<torch::optim::SGD>(network->parameters(), torch::optim::SGDOptions(0.1));
+  engine::BatchTrainingStep step(engine::chain_network(network.ptr()), optimizer, {});
+  auto state = [&] {
+    std::vector<torch::Tensor> out;
+    for (const auto& t : network->parameters()) out.push_back(t.detach().clone());
+    for (const auto& t : network->buffers()) out.push_back(t.clone());
+    return out;
+  };
+  const auto before = state();
+  auto x = torch::randn({4, 3, 12, 12}, torch::kDouble);
+  const auto y = torch::tensor({0, 1, 2, 3}, torch::kLong);
+  x[2][1][5][5] = std::numeric_limits<double>::infinity();
+  const auto skipped = step.step(x, y);
+  EXPECT_FALSE(std::isfinite(skipped.loss));
+  EXPECT_TRUE(skipped.not_finite_skipped);
+  EXPECT_FALSE(skipped.optimizer_stepped);
+  EXPECT_EQ(largest_difference(state(), before), 0);
+  x[2][1][5][5] = 0;
+  const auto trained = step.step(x, y);
+  EXPECT_TRUE(std::isfinite(trained.loss));
+  EXPECT_TRUE(trained.optimizer_stepped);
+  EXPECT_GT(largest_difference(state(), before), 0);
 }
 
 TEST(BatchStep, ClassWeightsGiveTheWeightedMeanWhateverTheMicroBatches) {
@@ -849,6 +899,43 @@ TEST(ClipTraining, TimeSpentGettingDataIsLoggedAndADataBoundRunIsToldWhatToChang
   }
   test_util::remove_tree(c.train.out_dir);
   test_util::remove_tree(dir);
+}
+
+TEST(ClipTraining, DivergedRunStopsAndCheckpointsTheWeightsBeforeItsNaNSteps) {
+  // AdamW moves every weight by about lr: at 1e37 the first step's weights make the second
+  // step's activations overflow, and the loss is NaN from then on. Three such steps in a row end
+  // the run; their updates were skipped, so the checkpoint it writes has the first step's
+  // weights and BatchNorm statistics (already far off: the message says so).
+  auto c = clips_config("/tmp/framefit_clips_diverged");
+  c.train.lr = 1e37;
+  c.train.checkpoint_every = 1;
+  c.train.keep_last = 10;
+  c.train.validate = false;
+  std::vector<std::string> warnings;
+  const auto message = test_util::error_message([&] {
+    train::train(c, "", [&](const train::Event& e) {
+      if (e.kind == train::Event::Kind::Warning) warnings.push_back(e.message);
+    });
+  });
+  EXPECT_NE(message.find("training diverged: the loss was not finite (NaN or infinite) in 3 steps "
+                         "in a row"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("lower train.lr (now 1e+37), set train.clip_grad_norm"), std::string::npos)
+      << message;
+  const auto last = c.train.out_dir + "/checkpoints/step_00000004.pt";
+  EXPECT_NE(message.find(last + " holds the weights the last finite step left"), std::string::npos)
+      << message;
+  ASSERT_EQ(warnings.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(warnings[i].rfind("step " + std::to_string(i + 2) + ": the loss is ", 0), 0)
+        << warnings[i];
+  }
+  const auto after_first = checkpoint_weights(c.train.out_dir + "/checkpoints/step_00000001.pt");
+  const auto kept = checkpoint_weights(last);
+  ASSERT_EQ(kept.size(), after_first.size());
+  for (size_t i = 0; i < kept.size(); ++i) EXPECT_TRUE(torch::equal(kept[i], after_first[i])) << i;
+  test_util::remove_tree(c.train.out_dir);
 }
 
 TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForTwiceTheBatch) {

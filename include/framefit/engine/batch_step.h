@@ -2,7 +2,8 @@
 // One training step of a batch network (clip classifier, UNet): micro-batches through the
 // network with its checkpointed stages, cross-entropy (one label per sample, or per pixel),
 // loss scaling, clipping, optimizer. On out-of-memory the step is undone and retried with every
-// stage recomputed, then with the batch split into twice as many micro-batches.
+// stage recomputed, then with the batch split into twice as many micro-batches (BatchNorm
+// statistics and random numbers as before the failed attempt).
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
@@ -47,6 +48,9 @@ struct BatchStepReport {
   int64_t samples = 0;
   bool optimizer_stepped = false;
   bool overflow_skipped = false;
+  // Without loss scaling: the gradients were not finite (a NaN or infinite loss): they were
+  // dropped, the optimizer did not run and BatchNorm statistics are as before the step.
+  bool not_finite_skipped = false;
   double seconds = 0;
   int64_t peak_bytes = 0;            // tracked tensor peak during the step
   std::vector<std::string> replans;  // what changed to make the step fit
@@ -71,7 +75,8 @@ class BatchTrainingStep {
   BatchStepOptions options_;
   LossScaler scaler_;
   std::vector<torch::Tensor> parameters_;
-  torch::Tensor weights_;  // class_weights on the device
+  std::vector<torch::Tensor> buffers_;  // BatchNorm statistics
+  torch::Tensor weights_;               // class_weights on the device
   double accumulate_gradients(const torch::Tensor& samples, const torch::Tensor& labels);
   // The labels the loss counts, flattened on the CPU: all but ignore_label.
   torch::Tensor counted_labels(const torch::Tensor& labels) const;

@@ -20,6 +20,10 @@
 
 namespace framefit::engine {
 
+namespace detail {
+class StepStart;
+}
+
 // One video: frames [T,3,H,W] (uint8 on the host) and one int64 label per frame [T].
 struct Video {
   torch::Tensor frames;
@@ -45,11 +49,14 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(
 
 // The end of every training step, once the gradients are complete: `on_gradients_ready` (where
 // data-parallel training will all-reduce), unscaling with an inf/NaN check, clipping (clip > 0),
-// the scaler's update, and the optimizer step unless the gradients overflowed.
+// the scaler's update, and the optimizer step unless the gradients overflowed (fp16) or, without
+// loss scaling, are not finite: a NaN or infinite loss (diverging training) does not reach the
+// weights. Deciding on the synchronised gradients, every rank decides alike.
 struct AppliedGradients {
   bool optimizer_stepped = false;
-  bool overflow_skipped = false;
-  double grad_norm = 0;  // before clipping, when clipping is on
+  bool overflow_skipped = false;    // fp16: the scaler backs off
+  bool not_finite_skipped = false;  // fp32, bf16: the caller restores what the step changed
+  double grad_norm = 0;             // before clipping, when clipping is on
 };
 AppliedGradients apply_gradients(
     const std::vector<torch::Tensor>& parameters, LossScaler& scaler,
@@ -102,8 +109,13 @@ std::optional<RetrySettings> halve_chunk(const OutOfMemoryEvent& event);
 struct StepReport {
   double loss = 0;  // mean over this call's videos
   int64_t frames = 0;
-  bool optimizer_stepped = false;  // false while accumulating or when fp16 overflowed
+  bool optimizer_stepped = false;  // false while accumulating, when fp16 overflowed, or below
   bool overflow_skipped = false;
+  // Without loss scaling: the gradients (of every call of an accumulated step) were not finite
+  // (a NaN or infinite loss): they were dropped, the optimizer did not run, and BatchNorm
+  // statistics are as before the step's first call. Diverging training keeps its last good
+  // weights so.
+  bool not_finite_skipped = false;
   double grad_norm = 0;  // before clipping, when clipping is on
   double seconds = 0;
   int64_t peak_bytes = 0;  // tracked tensor peak during the step (device of the encoder)
@@ -144,7 +156,9 @@ class TrainingStep {
   StepOptions options_;
   LossScaler scaler_;
   std::vector<torch::Tensor> parameters_;  // encoder's, head's, tool head's
+  std::vector<torch::Tensor> buffers_;     // their BatchNorm statistics
   int64_t pending_ = 0;                    // step() calls accumulated so far
+  std::shared_ptr<detail::StepStart> first_call_start_;  // of the accumulated step
 
   // Forward and backward of every video; gradients accumulate into .grad.
   void accumulate_gradients(const std::vector<Video>& videos, StepReport& report);
