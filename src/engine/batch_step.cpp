@@ -136,7 +136,7 @@ BatchStepReport BatchTrainingStep::step(const torch::Tensor& samples, const torc
   report.optimizer_stepped = applied.optimizer_stepped;
   report.overflow_skipped = applied.overflow_skipped;
   report.not_finite_skipped = applied.not_finite_skipped;
-  if (applied.not_finite_skipped) {
+  if (applied.not_finite_skipped || applied.overflow_skipped) {
     optimizer_->zero_grad();
     start_state.restore_buffers();
   }

@@ -256,7 +256,7 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
     report.overflow_skipped = applied.overflow_skipped;
     report.not_finite_skipped = applied.not_finite_skipped;
     report.grad_norm = applied.grad_norm;
-    if (applied.not_finite_skipped) {
+    if (applied.not_finite_skipped || applied.overflow_skipped) {
       optimizer_->zero_grad();
       first_call_start_->restore_buffers();
     }

@@ -47,7 +47,7 @@ struct BatchStepReport {
   double loss = 0;  // mean over the batch's samples (or pixels), weighted by class_weights
   int64_t samples = 0;
   bool optimizer_stepped = false;
-  bool overflow_skipped = false;
+  bool overflow_skipped = false;  // BatchNorm statistics are as before the step then, too
   // Without loss scaling: the gradients were not finite (a NaN or infinite loss): they were
   // dropped, the optimizer did not run and BatchNorm statistics are as before the step.
   bool not_finite_skipped = false;

@@ -55,7 +55,8 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(
 struct AppliedGradients {
   bool optimizer_stepped = false;
   bool overflow_skipped = false;    // fp16: the scaler backs off
-  bool not_finite_skipped = false;  // fp32, bf16: the caller restores what the step changed
+  bool not_finite_skipped = false;  // fp32, bf16
+  // Either way the caller puts back what the step changed (BatchNorm statistics).
   double grad_norm = 0;             // before clipping, when clipping is on
 };
 AppliedGradients apply_gradients(
@@ -110,7 +111,7 @@ struct StepReport {
   double loss = 0;  // mean over this call's videos
   int64_t frames = 0;
   bool optimizer_stepped = false;  // false while accumulating, when fp16 overflowed, or below
-  bool overflow_skipped = false;
+  bool overflow_skipped = false;   // BatchNorm statistics are as before the step then, too
   // Without loss scaling: the gradients (of every call of an accumulated step) were not finite
   // (a NaN or infinite loss): they were dropped, the optimizer did not run, and BatchNorm
   // statistics are as before the step's first call. Diverging training keeps its last good
