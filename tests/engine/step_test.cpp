@@ -60,6 +60,20 @@ std::vector<torch::Tensor> state_of(const Setup& s) {
   return out;
 }
 
+// One step under a tracker budget, lifted however the step ends.
+engine::StepReport step_within_budget(Setup& s, const engine::Video& video, int64_t budget) {
+  auto& tracker = memory::Tracker::cpu();
+  tracker.set_budget(budget);
+  try {
+    auto report = s.step->step({video});
+    tracker.set_budget(0);
+    return report;
+  } catch (...) {
+    tracker.set_budget(0);
+    throw;
+  }
+}
+
 bool all_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -212,15 +226,8 @@ TEST(TrainingStep, OutOfMemoryReplansAndRetriesTheSameStep) {
   engine::StepOptions naive;
   naive.chunked.chunk = 0;
   auto forced = make_setup(naive);
-  tracker.set_budget(tracker.current_bytes() + (naive_increase + chunked_increase) / 2);
-  engine::StepReport report;
-  try {
-    report = forced.step->step({video});
-  } catch (...) {
-    tracker.set_budget(0);
-    throw;
-  }
-  tracker.set_budget(0);
+  const auto report = step_within_budget(
+      forced, video, tracker.current_bytes() + (naive_increase + chunked_increase) / 2);
   ASSERT_FALSE(report.replans.empty());
   EXPECT_NE(report.replans.front().find("with chunk 0 (naive)"), std::string::npos)
       << report.replans.front();
@@ -284,15 +291,8 @@ TEST(TrainingStep, RetryAfterOutOfMemoryLeavesTheStatisticsOfOneStep) {
     naive_increase = window.peak_bytes() - window.entry_bytes();
   }
   auto forced = make_setup(naive, torch::kFloat32, "sgd", 0.01, models::NormKind::BatchNorm);
-  tracker.set_budget(tracker.current_bytes() + naive_increase / 2);
-  engine::StepReport report;
-  try {
-    report = forced.step->step({video});
-  } catch (...) {
-    tracker.set_budget(0);
-    throw;
-  }
-  tracker.set_budget(0);
+  const auto report =
+      step_within_budget(forced, video, tracker.current_bytes() + naive_increase / 2);
   ASSERT_FALSE(report.replans.empty());
   engine::StepOptions retried;
   retried.chunked.chunk = report.chunk;
