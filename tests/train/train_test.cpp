@@ -640,6 +640,29 @@ TEST(Training, AccumulationBeyondTheVideosIsPlannedForTheVideosThereAre) {
   EXPECT_EQ(train::plan_phases(c).settings.videos_per_call, 1);
 }
 
+TEST(Training, DivergedRunStopsWithACheckpointAndSaysWhatToChange) {
+  // AdamW moves every weight by about lr: at 1e37 the second step's activations overflow and its
+  // loss is NaN, as are the two after it (their updates skipped): the run ends there.
+  auto c = tiny_config("/tmp/framefit_diverged");
+  c.train.lr = 1e37;
+  c.train.validate = false;
+  int64_t warnings = 0;
+  const auto message = test_util::error_message([&] {
+    train::train(c, "", [&](const train::Event& e) {
+      warnings += e.kind == train::Event::Kind::Warning &&
+                  e.message.find(": the loss is NaN: the update was skipped") != std::string::npos;
+    });
+  });
+  EXPECT_EQ(warnings, 3);
+  const auto checkpoint = c.train.out_dir + "/checkpoints/step_00000004.pt";
+  EXPECT_NE(message.find("training diverged"), std::string::npos) << message;
+  EXPECT_NE(message.find(checkpoint + " holds the weights the last finite step left"),
+            std::string::npos)
+      << message;
+  EXPECT_TRUE(std::filesystem::exists(checkpoint));
+  test_util::remove_tree(c.train.out_dir);
+}
+
 TEST(Training, DoctorReportsEveryBadVideoOfEverySplitWithoutTraining) {
   auto config = tiny_config("/tmp/framefit_doctor");
   std::string summary;
