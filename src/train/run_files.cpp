@@ -301,7 +301,7 @@ void report_step(Event& e, const StepOutcome& step, double seconds_per_step, Jso
              {"data_seconds", step.data_seconds},
              {"peak_bytes", step.peak_bytes},
              {"rss_bytes", e.rss_bytes},
-             {"skipped_optimizer_step", step.overflow_skipped}});
+             {"skipped_optimizer_step", step.update_skipped}});
 }
 
 void end_epoch(Event e, const EpochTotals& totals, const EpochValidation& validation,

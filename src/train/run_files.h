@@ -115,7 +115,7 @@ struct StepOutcome {
   double seconds = 0;
   double data_seconds = 0;  // getting the step's data, before it ran
   int64_t peak_bytes = 0;
-  bool overflow_skipped = false;
+  bool update_skipped = false;  // fp16 overflow, or gradients that are not finite
 };
 
 // One epoch's steps so far: their mean loss, and how the loop's time split between getting

@@ -1266,7 +1266,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
           seconds_since(start) / static_cast<double>(progress.step - first_step);
       report_step(e,
                   {report.loss, lr, report.samples, "samples", report.seconds, data_seconds,
-                   report.peak_bytes, report.overflow_skipped},
+                   report.peak_bytes, report.overflow_skipped || report.not_finite_skipped},
                   per_step, log, totals);
       data_seconds = 0;
       emit(e);

@@ -1204,7 +1204,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
           seconds_since(start) / static_cast<double>(progress.step - first_step);
       report_step(e,
                   {report.loss, lr, report.frames, "frames", report.seconds, data_seconds,
-                   report.peak_bytes, report.overflow_skipped},
+                   report.peak_bytes, report.overflow_skipped || report.not_finite_skipped},
                   per_step, log, totals);
       data_seconds = 0;
       emit(e);

@@ -931,6 +931,14 @@ TEST(ClipTraining, DivergedRunStopsAndCheckpointsTheWeightsBeforeItsNaNSteps) {
     EXPECT_EQ(warnings[i].rfind("step " + std::to_string(i + 2) + ": the loss is ", 0), 0)
         << warnings[i];
   }
+  // The log marks the skipped updates (the loss is null: JSON has no NaN).
+  std::ifstream log(c.train.out_dir + "/log.jsonl");
+  int skipped = 0;
+  for (std::string line; std::getline(log, line);) {
+    skipped += line.find("\"loss\":null") != std::string::npos &&
+               line.find("\"skipped_optimizer_step\":true") != std::string::npos;
+  }
+  EXPECT_EQ(skipped, 3);
   const auto after_first = checkpoint_weights(c.train.out_dir + "/checkpoints/step_00000001.pt");
   const auto kept = checkpoint_weights(last);
   ASSERT_EQ(kept.size(), after_first.size());
