@@ -237,7 +237,9 @@ const std::vector<Flag>& flag_table() {
       {"table",
        {"plan"},
        FlagType::Switch,
-       "Print predicted peak and time across chunk sizes and precisions.",
+       "Print predicted peak and time across chunk sizes and precisions; with --config on a "
+       "clips or segmentation config, predicted peak per batch size with and without "
+       "checkpointing.",
        ""},
       {"find",
        {"plan"},

@@ -379,12 +379,33 @@ int plan_config(const Args& args) {
                           {"eval_batch", plan.eval_batch},
                           {"eval_predicted_peak_bytes", plan.eval_peak_bytes},
                           {"machine", machine_info().describe()}};
+    for (const auto& row : plan.table) {
+      out["table"].push_back({{"batch", row.batch},
+                              {"plain_peak_bytes", row.plain_peak_bytes},
+                              {"planned_peak_bytes", row.planned_peak_bytes},
+                              {"recomputed_stages", row.recomputed_stages},
+                              {"fits", row.fits}});
+    }
     fmt::print("{}\n", out.dump(2));
   } else {
     fmt::print("{}\n", plan.describe());
     if (plan.largest_batch > plan.batch && plan.planned) {
       fmt::print("  the budget fits a batch of {}; the {} training samples cap it\n",
                  plan.largest_batch, plan.samples);
+    }
+    if (args.on("table") && !plan.table.empty()) {
+      fmt::print("  predicted peak per batch, {} (step budget {}, train.checkpointing {}):\n",
+                 engine::to_string(plan.precision), memory::format_bytes(plan.step_budget_bytes),
+                 plan.checkpointing);
+      fmt::print("  {:>7} {:>18} {:>14} {:>12} {:>5}\n", "batch", "no checkpointing", "planned",
+                 "recomputed", "fits");
+      for (const auto& row : plan.table) {
+        fmt::print("  {:>7} {:>18} {:>14} {:>12} {:>5}\n", row.batch,
+                   memory::format_bytes(row.plain_peak_bytes),
+                   memory::format_bytes(row.planned_peak_bytes),
+                   fmt::format("{} of {}", row.recomputed_stages, flags.size()),
+                   row.fits ? "yes" : "no");
+      }
     }
     fmt::print("  {}\n", machine_info().describe());
   }

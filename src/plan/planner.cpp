@@ -450,4 +450,27 @@ BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute re
   return result;
 }
 
+std::vector<BatchRow> batch_table(const BatchCosts& costs, int64_t budget_bytes,
+                                  Recompute recompute, int64_t largest) {
+  std::vector<int64_t> batches;
+  for (int64_t b = 1; b <= std::max<int64_t>(2, 2 * largest); b *= 2) batches.push_back(b);
+  if (largest > 0) batches.insert(batches.end(), {largest, largest + 1});
+  std::sort(batches.begin(), batches.end());
+  batches.erase(std::unique(batches.begin(), batches.end()), batches.end());
+  const auto stages = static_cast<int64_t>(costs.per_sample.size());
+  std::vector<BatchRow> rows;
+  for (const int64_t b : batches) {
+    BatchRow row;
+    row.batch = b;
+    row.plain_peak_bytes =
+        batch_peak_bytes(costs, b, engine::evaluate_chain(costs.at(b), engine::store_all(stages)));
+    const auto chain = plan_batch_chain(costs, b, budget_bytes, recompute);
+    row.planned_peak_bytes = batch_peak_bytes(costs, b, chain);
+    row.recomputed_stages = chain.recomputed_stages();
+    row.fits = chain.fits && (costs.failed_batch == 0 || b < costs.failed_batch);
+    rows.push_back(row);
+  }
+  return rows;
+}
+
 }  // namespace framefit::plan

@@ -540,6 +540,8 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
         probe.network, random_samples(input, device), p.static_bytes,
         stored_sample_bytes(config, input) * p.accumulate + 4 * elements(input), step_budget,
         device, p.precision);
+    p.table = plan::batch_table(costs, step_budget, recompute,
+                                plan::plan_batch(costs, step_budget, recompute).batch);
     if (fixed_batch) {
       // More than the samples would only be an epoch's worth of them.
       p.batch = p.largest_batch = std::min(*fixed_batch, p.samples);

@@ -29,7 +29,16 @@ assert p['predicted_peak_bytes'] <= p['step_budget_bytes'] <= p['budget_bytes'],
 # Evaluation (no grad) planned on its own: at least the training batch, within the same budget.
 assert p['eval_batch'] >= p['batch'], p
 assert p['static_bytes'] < p['eval_predicted_peak_bytes'] <= p['step_budget_bytes'], p
+# The table of peaks per batch: the planned batch's row is the plan, the next batch does not fit.
+rows = {r['batch']: r for r in p['table']}
+b = p['largest_batch']
+assert rows[b]['fits'] and not rows[b + 1]['fits'], rows
+assert rows[p['batch']]['planned_peak_bytes'] == p['predicted_peak_bytes'], (rows, p)
+assert all(r['planned_peak_bytes'] <= r['plain_peak_bytes'] for r in p['table']), rows
 "
+"$framefit" plan --config "$source/configs/demo_segmentation.yaml" --table > table.txt
+cat table.txt
+grep -q "predicted peak per batch" table.txt
 "$framefit" train --config "$source/configs/demo_segmentation.yaml" --set train.epochs=2 \
   --set train.out_dir=seg > seg.txt 2> seg.log
 cat seg.log seg.txt

@@ -342,6 +342,45 @@ TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
   EXPECT_THROW(plan::parse_recompute("some"), c10::Error);
 }
 
+TEST(BatchPlanner, TableGivesThePeakOfEachBatchAroundTheLargest) {
+  plan::BatchCosts costs;
+  costs.static_bytes = 1000;
+  costs.input_bytes_per_sample = 10;
+  for (int i = 0; i < 6; ++i) {
+    engine::StageCost c;
+    c.kept_bytes = 100;
+    c.output_bytes = 20;
+    c.peak_bytes = 150;
+    costs.per_sample.push_back(c);
+    costs.fixed.push_back(engine::StageCost{});
+  }
+  const int64_t budget = 10'000;
+  const auto largest = plan::plan_batch(costs, budget, plan::Recompute::AsNeeded).batch;
+  ASSERT_GT(largest, 4);
+  const auto rows = plan::batch_table(costs, budget, plan::Recompute::AsNeeded, largest);
+  std::vector<int64_t> batches;
+  for (const auto& r : rows) batches.push_back(r.batch);
+  EXPECT_EQ(batches.front(), 1);
+  EXPECT_TRUE(std::is_sorted(batches.begin(), batches.end()));
+  EXPECT_NE(std::find(batches.begin(), batches.end(), largest), batches.end());
+  EXPECT_NE(std::find(batches.begin(), batches.end(), largest + 1), batches.end());
+  EXPECT_LE(batches.back(), 2 * largest);
+  for (const auto& r : rows) {
+    SCOPED_TRACE(r.batch);
+    const auto plain = engine::evaluate_chain(costs.at(r.batch), engine::store_all(6));
+    EXPECT_EQ(r.plain_peak_bytes, plan::batch_peak_bytes(costs, r.batch, plain));
+    EXPECT_LE(r.planned_peak_bytes, r.plain_peak_bytes);
+    EXPECT_EQ(r.fits, r.batch <= largest);
+    // Checkpointing only where nothing recomputed would not fit.
+    EXPECT_EQ(r.recomputed_stages > 0, r.plain_peak_bytes > budget);
+  }
+  // Without checkpointing the two columns agree.
+  for (const auto& r : plan::batch_table(costs, budget, plan::Recompute::Nothing, 3)) {
+    EXPECT_EQ(r.planned_peak_bytes, r.plain_peak_bytes);
+    EXPECT_EQ(r.recomputed_stages, 0);
+  }
+}
+
 TEST(BatchPlanner, WorkspaceFromBatchTwoOnIsNotTakenAsGrowingWithTheBatch) {
   // A stage that, like an oneDNN convolution switching algorithm, takes a 32 MiB workspace from
   // batch 2 on and then the same at any batch: from batches 1 and 2 alone its line would run

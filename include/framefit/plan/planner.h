@@ -145,4 +145,17 @@ BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute re
 engine::ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
                                    Recompute recompute, int64_t micro_batches = 1);
 
+// Predicted peak memory per batch size (seeds/003's table), without checkpointing and with the
+// chain plan `recompute` allows for the budget, at batches 1, 2, 4, ... up to twice `largest`
+// (the largest batch that fits) and at `largest` and the batch after it.
+struct BatchRow {
+  int64_t batch = 0;
+  int64_t plain_peak_bytes = 0;    // nothing recomputed
+  int64_t planned_peak_bytes = 0;  // the chain plan for the budget (the least memory if none fits)
+  int64_t recomputed_stages = 0;
+  bool fits = false;
+};
+std::vector<BatchRow> batch_table(const BatchCosts& costs, int64_t budget_bytes,
+                                  Recompute recompute, int64_t largest);
+
 }  // namespace framefit::plan

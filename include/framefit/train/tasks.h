@@ -13,6 +13,7 @@
 #include "framefit/engine/amp.h"
 #include "framefit/engine/checkpoint.h"
 #include "framefit/plan/doctor.h"
+#include "framefit/plan/planner.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
 #include "framefit/train/trainer.h"
@@ -110,6 +111,8 @@ struct BatchTaskPlan {
   // Validation's batch (eval mode, no grad: plan::calibrate_inference) and its predicted peak
   // (0 when train.eval_batch is a count).
   int64_t eval_batch = 0, eval_peak_bytes = 0;
+  // Predicted peaks per batch size for the step budget (`framefit plan --config --table`).
+  std::vector<plan::BatchRow> table;
   std::string describe() const;  // one line, as `framefit train` logs it
 };
 BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_event = {});
