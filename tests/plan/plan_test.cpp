@@ -281,7 +281,9 @@ TEST(BatchPlanner, CostLinesGiveTheMeasurementsAndNeverFallBelowThem) {
   EXPECT_EQ(costs.at(2)[1].peak_bytes, 500);
 }
 
-TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
+namespace {
+// Six stages, each keeping 100 bytes per sample and handing on 20: checkpointing pays.
+plan::BatchCosts six_stage_costs() {
   plan::BatchCosts costs;
   costs.static_bytes = 1000;
   costs.input_bytes_per_sample = 10;
@@ -294,6 +296,12 @@ TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
     costs.per_sample.push_back(c);
     costs.fixed.push_back(engine::StageCost{});
   }
+  return costs;
+}
+}  // namespace
+
+TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
+  const auto costs = six_stage_costs();
   const int64_t budget = 10'000;
   const auto plain = plan::plan_batch(costs, budget, plan::Recompute::Nothing);
   ASSERT_GT(plain.batch, 0);
@@ -343,17 +351,7 @@ TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
 }
 
 TEST(BatchPlanner, TableGivesThePeakOfEachBatchAroundTheLargest) {
-  plan::BatchCosts costs;
-  costs.static_bytes = 1000;
-  costs.input_bytes_per_sample = 10;
-  for (int i = 0; i < 6; ++i) {
-    engine::StageCost c;
-    c.kept_bytes = 100;
-    c.output_bytes = 20;
-    c.peak_bytes = 150;
-    costs.per_sample.push_back(c);
-    costs.fixed.push_back(engine::StageCost{});
-  }
+  const auto costs = six_stage_costs();
   const int64_t budget = 10'000;
   const auto largest = plan::plan_batch(costs, budget, plan::Recompute::AsNeeded).batch;
   ASSERT_GT(largest, 4);
