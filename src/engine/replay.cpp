@@ -52,7 +52,7 @@ void BufferCopies::restore() const {
 
 void StepStart::restore() const {
   buffers_.restore();
-  if (rng_.cpu.defined()) rng_.make_current();
+  rng_.make_current();
 }
 
 }  // namespace framefit::engine::detail

@@ -36,7 +36,6 @@ class RngReplay {
 // Copies of buffers (BatchNorm statistics) that restore() writes back.
 class BufferCopies {
  public:
-  BufferCopies() = default;
   explicit BufferCopies(const std::vector<torch::Tensor>& buffers);
   void restore() const;
 
@@ -63,7 +62,6 @@ class BufferSnapshot {
 // trace, where LibTorch would have updated the statistics of a failed attempt's layers again.
 class StepStart {
  public:
-  StepStart() = default;
   StepStart(const std::vector<torch::Tensor>& buffers, torch::Device device)
       : buffers_(buffers), rng_(RngState::capture(device)) {}
   void restore_buffers() const { buffers_.restore(); }

@@ -540,13 +540,13 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
         probe.network, random_samples(input, device), p.static_bytes,
         stored_sample_bytes(config, input) * p.accumulate + 4 * elements(input), step_budget,
         device, p.precision);
-    p.table = plan::batch_table(costs, step_budget, recompute,
-                                plan::plan_batch(costs, step_budget, recompute).batch);
+    // The largest batch that fits: the plan's unless train.batch fixes it; the table's either way.
+    const auto planned = plan::plan_batch(costs, step_budget, recompute);
+    p.table = plan::batch_table(costs, step_budget, recompute, planned.batch);
     if (fixed_batch) {
       // More than the samples would only be an epoch's worth of them.
       p.batch = p.largest_batch = std::min(*fixed_batch, p.samples);
     } else {
-      const auto planned = plan::plan_batch(costs, step_budget, recompute);
       p.minimum_bytes_one_sample = planned.minimum_bytes_one_sample;
       p.largest_batch = planned.batch;
       p.batch = std::min(planned.batch, p.samples);
