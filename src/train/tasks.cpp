@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <optional>
+#include <utility>
 
 #include "framefit/data/clips.h"
 #include "framefit/data/dataset.h"
@@ -27,6 +29,7 @@
 #include "framefit/plan/calibration.h"
 #include "framefit/plan/planner.h"
 #include "run_files.h"
+#include "run_loop.h"
 
 namespace framefit::train {
 
@@ -309,20 +312,13 @@ engine::Precision batch_precision(const Config& config) {
 }
 
 // What a batch-task checkpoint records about the run.
-struct BatchProgress {
-  int64_t step = 0;
-  int64_t epoch = 0;
-  int64_t position = 0;  // samples of the epoch's order used
-  int64_t skipped = 0;   // units passed over (data.on_error skip)
+struct BatchProgress : RunPosition {  // position: samples of the epoch's order used
   int64_t batch = 0;
   int64_t micro_batches = 1;
   engine::Precision precision = engine::Precision::FP32;
   std::vector<engine::ChainSegment> segments;  // the recomputation the step runs with
   bool lean_backward = false;                  // models/conv3d.h, as planned
   int64_t eval_batch = 0;                      // validation's batch, as planned
-  double best_score = -1;
-  int64_t stale_epochs = 0;  // validated epochs since the best
-  double seconds = 0;
 };
 
 void write_network(torch::serialize::OutputArchive& archive, const BatchModel& model) {
@@ -1191,127 +1187,59 @@ TrainResult train_batch(const Config& config, const std::string& resume,
 
   const int64_t step_samples = progress.batch * tc.accumulate;
   const auto run = run_length(tc, (train_set.samples() + step_samples - 1) / step_samples);
-  const int64_t total_steps = run.total_steps;
-  const int64_t epochs = run.epochs;
-  const auto& schedule = run.schedule;
-
-  JsonlLog log(out_dir + "/log.jsonl", progress.step, resumed.has_value());
-  TrainResult result;
-  // A stop request ends the run at a step boundary; the checkpoint written below resumes it.
-  auto stop_now = [&] { return stop_requested(stop, progress.step, result, on_event); };
-  result.best_checkpoint = out_dir + "/best.pt";
-  const auto start = Clock::now();
-  const int64_t first_step = progress.step;
   BudgetScope budget_scope(tracker, budget);
 
-  int64_t last_saved_step = resumed ? progress.step : -1;
-  auto checkpoint = [&](BatchProgress saved) {
-    result.last_checkpoint = step_checkpoint_path(checkpoint_dir, saved.step);
-    saved.seconds += seconds_since(start);
-    torch::serialize::OutputArchive archive;
-    write_network(archive, model);
-    write_progress(archive, saved);
-    write_resume_state(archive, *optimizer, step.scaler());
-    save_atomically(archive, result.last_checkpoint);
-    prune_checkpoints(checkpoint_dir, tc.keep_last);
-    last_saved_step = saved.step;
-  };
-  auto save_best = [&] {
-    BatchProgress best = progress;
-    best.seconds += seconds_since(start);
-    torch::serialize::OutputArchive archive;
-    write_network(archive, model);
-    write_progress(archive, best);
-    save_atomically(archive, result.best_checkpoint);
-  };
-  auto progress_event = [&](Event::Kind kind) {
-    Event e;
-    e.kind = kind;
-    e.step = progress.step;
-    e.total_steps = total_steps;
-    e.epoch = progress.epoch + 1;
-    e.epochs = epochs;
-    e.elapsed_seconds = progress.seconds + seconds_since(start);
-    e.rate_unit = "samples";
-    return e;
-  };
-
-  bool data_bound_warned = false;
-  LossWatch loss_watch;
-  for (; progress.epoch < epochs && progress.step < total_steps; ++progress.epoch) {
-    SampleStream stream(train_set, train_set.order(tc.seed, progress.epoch, true),
-                        progress.position, tc.seed, progress.epoch,
-                        static_cast<int>(config.data.workers), prefetch_bytes);
-    EpochTotals totals;
-    double data_seconds = 0;  // getting the next step's batch
-    while (!stream.done() && progress.step < total_steps) {
-      const auto asked = Clock::now();
-      auto batch = stream.next(step_samples);
-      data_seconds += seconds_since(asked);
-      progress.position = stream.position();
-      progress.skipped += batch.skipped_units;
-      for (const auto& w : batch.warnings) emit(Event::note(Event::Kind::Warning, w));
-      if (!batch.samples.defined()) continue;
-      const double lr = learning_rate(schedule, progress.step, total_steps);
+  RunHooks hooks;
+  hooks.start_epoch = [&] {
+    struct Epoch {
+      std::optional<SampleStream> stream;
+      SampleStream::Batch batch;  // the next step's
+    };
+    auto epoch = std::make_shared<Epoch>();
+    epoch->stream.emplace(train_set, train_set.order(tc.seed, progress.epoch, true),
+                          progress.position, tc.seed, progress.epoch,
+                          static_cast<int>(config.data.workers), prefetch_bytes);
+    EpochSteps steps;
+    steps.done = [epoch] { return epoch->stream->done(); };
+    steps.fetch = [&, epoch] {
+      epoch->batch = epoch->stream->next(step_samples);
+      progress.position = epoch->stream->position();
+      progress.skipped += epoch->batch.skipped_units;
+      for (const auto& w : epoch->batch.warnings) emit(Event::note(Event::Kind::Warning, w));
+      return epoch->batch.samples.defined();
+    };
+    steps.step = [&, epoch](double lr) {
+      const auto batch = std::exchange(epoch->batch, {});  // let go when the step ends
       for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
       module.train();  // validation leaves the model in eval mode
       const auto report = step.step(batch.samples, batch.labels);
-      ++progress.step;
       // A step that ran out of memory was retried with more recomputation or micro-batches:
       // later steps and checkpoints (so a resumed run) keep them.
       progress.segments = step.options().segments;
       progress.micro_batches = (step.options().micro_batches + tc.accumulate - 1) / tc.accumulate;
       for (const auto& r : report.replans) emit(Event::note(Event::Kind::Warning, r));
-
-      Event e = progress_event(Event::Kind::Step);
-      const double per_step =
-          seconds_since(start) / static_cast<double>(progress.step - first_step);
-      report_step(e,
-                  {report.loss, lr, report.samples, "samples", report.seconds, data_seconds,
-                   report.peak_bytes, report.overflow_skipped || report.not_finite_skipped},
-                  per_step, log, totals);
-      data_seconds = 0;
-      emit(e);
-      if (loss_watch.diverging(report.loss, progress.step, on_event)) {
-        checkpoint(progress);
-        loss_watch.diverged(result.last_checkpoint, config, progress.precision);
-      }
-      if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 && !stream.done()) {
-        checkpoint(progress);
-      }
-      // At the epoch's end the stop waits for its validation and checkpoint, below.
-      if (!stream.done() && stop_now()) break;
-    }
-    if (!stream.done()) break;  // max_steps reached or stopped mid-epoch
-    stream.release();           // its last video is not held beside validation's
-
-    EpochValidation validation;
-    if (val_set) {
-      validation.validate = [&] { return evaluate_data(model, *val_set, {}, prefetch_bytes); };
-      validation.best_by = best_metric(config);
-      validation.save_best = save_best;
-    }
-    end_epoch(progress_event(Event::Kind::Epoch), totals, validation, model.classes.names(),
-              progress.best_score, progress.stale_epochs, result, emit, log);
-    warn_if_data_bound(totals, progress.epoch + 1, config, data_bound_warned, on_event);
-    progress.position = 0;
-    if (tc.checkpoint_every == 0 || progress.step % tc.checkpoint_every == 0) {
-      BatchProgress next = progress;
-      ++next.epoch;
-      checkpoint(next);
-    }
-    if (progress.step < total_steps && progress.epoch + 1 < epochs &&
-        (patience_exhausted(config, progress.stale_epochs, result, emit) || stop_now())) {
-      ++progress.epoch;  // a checkpoint written below starts the next epoch
-      break;
-    }
+      return StepOutcome{report.loss,       report.samples,
+                         "samples",         report.seconds,
+                         report.peak_bytes, report.overflow_skipped || report.not_finite_skipped};
+    };
+    // Its last unit is not held beside validation's.
+    steps.release = [epoch] { epoch->stream->release(); };
+    return steps;
+  };
+  hooks.write = [&](const RunPosition& at, torch::serialize::OutputArchive& archive) {
+    write_network(archive, model);
+    write_progress(archive, at_position(progress, at));
+  };
+  hooks.optimizer = optimizer.get();
+  hooks.scaler = &step.scaler();
+  if (val_set) {
+    hooks.validate = [&] { return evaluate_data(model, *val_set, {}, prefetch_bytes); };
   }
-  if (last_saved_step != progress.step) checkpoint(progress);
-  if (last_weights_are_best(val_set.has_value(), progress.best_score, result, emit)) {
-    save_best();
-  }
-  result.steps = progress.step;
-  result.seconds = seconds_since(start);
+  hooks.class_names = model.classes.names();
+  hooks.rate_unit = "samples";
+  hooks.precision = progress.precision;
+
+  auto result = run_epochs(progress, run, config, resumed.has_value(), hooks, stop, on_event);
   result.skipped_videos = progress.skipped + train_set.skipped_at_start();
   return result;
 }

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <optional>
 
 #include "framefit/engine/chunked.h"
@@ -20,6 +21,7 @@
 #include "framefit/plan/planner.h"
 #include "framefit/train/tasks.h"
 #include "run_files.h"
+#include "run_loop.h"
 
 namespace framefit::train {
 
@@ -84,14 +86,7 @@ void read_tool_head(torch::serialize::InputArchive& archive, Model& model,
 }
 
 // What a checkpoint records about the run's position and settings.
-struct Progress {
-  int64_t step = 0;
-  int64_t epoch = 0;     // 0-based epoch in progress
-  int64_t position = 0;  // videos of that epoch's order already used
-  int64_t skipped = 0;
-  double best_score = -1;
-  int64_t stale_epochs = 0;  // validated epochs since the best
-  double seconds = 0;
+struct Progress : RunPosition {  // position: videos of the epoch's order used
   plan::StepSettings settings;
 };
 
@@ -122,25 +117,6 @@ void write_progress(torch::serialize::OutputArchive& archive, const Progress& pr
   archive.write("progress", settings_tensor(progress));
   archive.write("progress_real",
                 torch::tensor({progress.best_score, progress.seconds}, torch::kDouble));
-}
-
-// best.pt: what eval, predict and export need.
-void save_model(const std::string& path, const Model& model, const Progress& progress) {
-  torch::serialize::OutputArchive archive;
-  write_model(archive, model);
-  write_progress(archive, progress);
-  save_atomically(archive, path);
-}
-
-// A step checkpoint: the model and everything resuming needs.
-void save_checkpoint(const std::string& path, const Model& model,
-                     torch::optim::Optimizer& optimizer, engine::TrainingStep& step,
-                     const Progress& progress) {
-  torch::serialize::OutputArchive archive;
-  write_model(archive, model);
-  write_progress(archive, progress);
-  write_resume_state(archive, optimizer, step.scaler());
-  save_atomically(archive, path);
 }
 
 Progress read_progress(torch::serialize::InputArchive& archive) {
@@ -1097,52 +1073,22 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
 
   const int64_t videos = train_set.size();
   const auto run = run_length(tc, (videos + tc.accumulate - 1) / tc.accumulate);
-  const int64_t total_steps = run.total_steps;
-  const int64_t epochs = run.epochs;
-  const auto& schedule = run.schedule;
-
-  JsonlLog log(out_dir + "/log.jsonl", progress.step, resumed.has_value());
-  TrainResult result;
-  // A stop request ends the run at a step boundary; the checkpoint written below resumes it.
-  auto stop_now = [&] { return stop_requested(stop, progress.step, result, on_event); };
-  result.best_checkpoint = out_dir + "/best.pt";
-  const auto start = Clock::now();
-  const int64_t first_step = progress.step;
   BudgetScope budget_scope(tracker, budget);
 
-  int64_t last_saved_step = resumed ? progress.step : -1;
-  auto checkpoint = [&](Progress saved) {
-    result.last_checkpoint = step_checkpoint_path(checkpoint_dir, saved.step);
-    saved.seconds += seconds_since(start);
-    save_checkpoint(result.last_checkpoint, model, *optimizer, step, saved);
-    prune_checkpoints(checkpoint_dir, tc.keep_last);
-    last_saved_step = saved.step;
-  };
-
-  auto save_best = [&] {
-    Progress best = progress;
-    best.seconds += seconds_since(start);
-    save_model(result.best_checkpoint, model, best);
-  };
-  auto progress_event = [&](Event::Kind kind) {
-    Event e;
-    e.kind = kind;
-    e.step = progress.step;
-    e.total_steps = total_steps;
-    e.epoch = progress.epoch + 1;
-    e.epochs = epochs;
-    e.elapsed_seconds = progress.seconds + seconds_since(start);
-    return e;
-  };
-
-  bool data_bound_warned = false;
-  LossWatch loss_watch;
-  for (; progress.epoch < epochs && progress.step < total_steps; ++progress.epoch) {
-    const auto order = data::epoch_order(videos, tc.seed, progress.epoch, true);
+  RunHooks hooks;
+  hooks.start_epoch = [&] {
+    struct Epoch {
+      std::vector<int64_t> order;
+      std::optional<data::Prefetcher> prefetcher;
+      std::vector<engine::Video> batch;   // the next step's videos
+      std::vector<int64_t> batch_videos;  // their indices in train_set
+    };
+    auto epoch = std::make_shared<Epoch>();
+    epoch->order = data::epoch_order(videos, tc.seed, progress.epoch, true);
     std::vector<data::Prefetcher::Job> jobs;
     int64_t from_cache = 0;
     for (int64_t k = progress.position; k < videos; ++k) {
-      const int64_t v = order[k];
+      const int64_t v = epoch->order[k];
       const auto augmentation = train_set.augmentation(v, tc.seed, progress.epoch);
       auto load = [&train_set, v, augmentation] { return train_set.load(v, augmentation); };
       if (feature_cache) {
@@ -1156,20 +1102,18 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
       info(c10::str("epoch ", progress.epoch + 1, ": ", from_cache, " of ", jobs.size(),
                     " videos' features from the feature cache"));
     }
-    data::Prefetcher prefetcher(std::move(jobs), static_cast<int>(config.data.workers),
-                                prefetch_bytes);
-    EpochTotals totals;
-    double data_seconds = 0;  // getting the next step's videos (skipped ones included)
-    while (progress.position < videos && progress.step < total_steps) {
-      const auto asked = Clock::now();
-      std::vector<engine::Video> batch;
-      std::vector<int64_t> batch_videos;  // their indices in train_set
-      while (static_cast<int64_t>(batch.size()) < tc.accumulate && progress.position < videos) {
-        const int64_t v = order[progress.position];
+    epoch->prefetcher.emplace(std::move(jobs), static_cast<int>(config.data.workers),
+                              prefetch_bytes);
+    EpochSteps steps;
+    steps.done = [&] { return progress.position >= videos; };
+    steps.fetch = [&, epoch] {
+      while (static_cast<int64_t>(epoch->batch.size()) < tc.accumulate &&
+             progress.position < videos) {
+        const int64_t v = epoch->order[progress.position];
         ++progress.position;
         try {
-          batch.push_back(prefetcher.next());
-          batch_videos.push_back(v);
+          epoch->batch.push_back(epoch->prefetcher->next());
+          epoch->batch_videos.push_back(v);
         } catch (const c10::Error& e) {
           if (!data::skips_error(train_set.options().skip_bad, e)) throw;
           ++progress.skipped;
@@ -1177,9 +1121,14 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
                            std::string("skipping a video: ") + e.what_without_backtrace()));
         }
       }
-      data_seconds += seconds_since(asked);
-      if (batch.empty()) continue;
-      const double lr = learning_rate(schedule, progress.step, total_steps);
+      return !epoch->batch.empty();
+    };
+    steps.step = [&, epoch](double lr) {
+      // Taken out of the epoch, so that they are let go when the step ends.
+      const auto batch = std::move(epoch->batch);
+      const auto batch_videos = std::move(epoch->batch_videos);
+      epoch->batch.clear();
+      epoch->batch_videos.clear();
       for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
       model.encoder_module().train();  // validation and prediction leave it in eval mode
       model.head->train();
@@ -1191,71 +1140,39 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
             feature_cache->write(batch_videos[i], report.features[i]);
         }
       }
-      ++progress.step;
       // A step that ran out of memory was retried with new settings: later steps and
       // checkpoints (so a resumed run) use them.
       progress.settings.chunk = step.options().chunked.chunk;
       progress.settings.keep = step.options().chunked.keep;
       progress.settings.cache_frozen = step.options().chunked.cache_frozen;
       for (const auto& r : report.replans) emit(Event::note(Event::Kind::Warning, r));
-
-      Event e = progress_event(Event::Kind::Step);
-      const double per_step =
-          seconds_since(start) / static_cast<double>(progress.step - first_step);
-      report_step(e,
-                  {report.loss, lr, report.frames, "frames", report.seconds, data_seconds,
-                   report.peak_bytes, report.overflow_skipped || report.not_finite_skipped},
-                  per_step, log, totals);
-      data_seconds = 0;
-      emit(e);
-      if (loss_watch.diverging(report.loss, progress.step, on_event)) {
-        checkpoint(progress);
-        loss_watch.diverged(result.last_checkpoint, config, progress.settings.precision);
-      }
-      // A checkpoint that completes the epoch is written after its validation, below.
-      if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 &&
-          progress.position < videos) {
-        checkpoint(progress);
-      }
-      // At the epoch's end the stop waits for its validation and checkpoint, below.
-      if (progress.position < videos && stop_now()) break;
-    }
-    if (progress.position < videos) break;  // max_steps reached or stopped mid-epoch
-
-    EpochValidation validation;
-    if (val_set) {
-      validation.validate = [&] {
-        model.precision = progress.settings.precision;  // validate as `framefit eval` will
-        if (device.is_cpu() && model.precision == engine::Precision::FP16)
-          model.precision = engine::Precision::FP32;
-        return evaluate_with(model, *val_set, {}, nullptr, {},
-                             val_feature_cache ? &*val_feature_cache : nullptr, prefetch_bytes);
-      };
-      validation.best_by = best_metric(config);
-      validation.save_best = save_best;
-      validation.tool_names = config.data.tools;
-    }
-    end_epoch(progress_event(Event::Kind::Epoch), totals, validation, model.classes.names(),
-              progress.best_score, progress.stale_epochs, result, emit, log);
-    warn_if_data_bound(totals, progress.epoch + 1, config, data_bound_warned, on_event);
-    progress.position = 0;
-    if (tc.checkpoint_every == 0 || progress.step % tc.checkpoint_every == 0) {
-      Progress next = progress;
-      ++next.epoch;
-      checkpoint(next);
-    }
-    if (progress.step < total_steps && progress.epoch + 1 < epochs &&
-        (patience_exhausted(config, progress.stale_epochs, result, emit) || stop_now())) {
-      ++progress.epoch;  // a checkpoint written below starts the next epoch
-      break;
-    }
+      return StepOutcome{report.loss,       report.frames,
+                         "frames",          report.seconds,
+                         report.peak_bytes, report.overflow_skipped || report.not_finite_skipped};
+    };
+    steps.release = [epoch] { epoch->prefetcher.reset(); };
+    return steps;
+  };
+  hooks.write = [&](const RunPosition& at, torch::serialize::OutputArchive& archive) {
+    write_model(archive, model);
+    write_progress(archive, at_position(progress, at));
+  };
+  hooks.optimizer = optimizer.get();
+  hooks.scaler = &step.scaler();
+  if (val_set) {
+    hooks.validate = [&] {
+      model.precision = progress.settings.precision;  // validate as `framefit eval` will
+      if (device.is_cpu() && model.precision == engine::Precision::FP16)
+        model.precision = engine::Precision::FP32;
+      return evaluate_with(model, *val_set, {}, nullptr, {},
+                           val_feature_cache ? &*val_feature_cache : nullptr, prefetch_bytes);
+    };
   }
-  if (last_saved_step != progress.step) checkpoint(progress);
-  if (last_weights_are_best(val_set.has_value(), progress.best_score, result, emit)) {
-    save_best();
-  }
-  result.steps = progress.step;
-  result.seconds = seconds_since(start);
+  hooks.class_names = model.classes.names();
+  hooks.tool_names = config.data.tools;
+  hooks.precision = progress.settings.precision;
+
+  auto result = run_epochs(progress, run, config, resumed.has_value(), hooks, stop, on_event);
   result.skipped_videos = progress.skipped + train_set.skipped();
   return result;
 }
