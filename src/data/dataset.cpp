@@ -718,6 +718,8 @@ bool Prefetcher::done() const {
 }
 
 void Prefetcher::work() {
+  // What the jobs decode is counted as the data pipeline's, not as what training keeps.
+  memory::PipelineThreadScope pipeline_thread;
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     changed_.wait(lock, [&] {

@@ -6,6 +6,9 @@ namespace framefit::memory::detail {
 
 // The process-wide CPU backend over framefit's tracking allocator.
 std::unique_ptr<Backend> make_cpu_backend();
+// Whether the calling thread's CPU allocations count as the data pipeline's; returns the
+// previous setting.
+bool set_pipeline_thread(bool on);
 
 // A backend over LibTorch's CUDA caching allocator; throws if this build has no CUDA.
 std::unique_ptr<Backend> make_cuda_backend(c10::DeviceIndex index);

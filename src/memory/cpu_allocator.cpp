@@ -53,10 +53,13 @@ struct alignas(kHeaderBytes) BlockHeader {
   uint64_t block;      // bytes held from the system, header included
   uint32_t magic;
   BlockKind kind;
+  uint32_t pipeline;  // allocated on a data-loading thread (PipelineThreadScope)
 };
 static_assert(sizeof(BlockHeader) == kHeaderBytes, "header must keep 64-byte alignment");
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+thread_local bool t_pipeline_thread = false;
 
 class TrackingCpuAllocator final : public c10::Allocator {
  public:
@@ -83,6 +86,8 @@ class TrackingCpuAllocator final : public c10::Allocator {
     }
     raise_peak(in_use);
     count_.fetch_add(1);
+    header_of(data)->pipeline = t_pipeline_thread;
+    if (t_pipeline_thread) pipeline_.fetch_add(bytes);
     return {data, data, &release, c10::Device(c10::kCPU)};
   }
 
@@ -100,6 +105,7 @@ class TrackingCpuAllocator final : public c10::Allocator {
   }
 
   int64_t current() const { return current_.load(); }
+  int64_t pipeline() const { return pipeline_.load(); }
   int64_t peak() const { return peak_.load(); }
   void reset_peak() { peak_.store(current_.load()); }
   int64_t reserved() const { return reserved_.load(); }
@@ -120,9 +126,13 @@ class TrackingCpuAllocator final : public c10::Allocator {
   }
 
  private:
+  static BlockHeader* header_of(void* data) {
+    return reinterpret_cast<BlockHeader*>(static_cast<char*>(data) - kHeaderBytes);
+  }
+
   static void release(void* data) {
     if (data == nullptr) return;
-    auto* header = reinterpret_cast<BlockHeader*>(static_cast<char*>(data) - kHeaderBytes);
+    auto* header = header_of(data);
     TORCH_INTERNAL_ASSERT(header->magic == kMagic,
                           "framefit: freeing memory the tracking allocator did not allocate");
     instance().free_block(header);
@@ -130,6 +140,7 @@ class TrackingCpuAllocator final : public c10::Allocator {
 
   void free_block(BlockHeader* header) {
     current_.fetch_sub(static_cast<int64_t>(header->requested));
+    if (header->pipeline) pipeline_.fetch_sub(static_cast<int64_t>(header->requested));
     if (header->kind == BlockKind::Heap) {
       reserved_.fetch_sub(static_cast<int64_t>(header->block));
       header->magic = 0;
@@ -232,6 +243,7 @@ class TrackingCpuAllocator final : public c10::Allocator {
   }
 
   std::atomic<int64_t> current_{0};
+  std::atomic<int64_t> pipeline_{0};  // of current_: allocated on data-loading threads
   std::atomic<int64_t> peak_{0};
   std::atomic<int64_t> reserved_{0};
   std::atomic<int64_t> count_{0};
@@ -253,6 +265,7 @@ class CpuBackend final : public Backend {
  public:
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   int64_t current_bytes() const override { return alloc().current(); }
+  int64_t pipeline_bytes() const override { return alloc().pipeline(); }
   int64_t peak_bytes() const override { return alloc().peak(); }
   void reset_peak() override { alloc().reset_peak(); }
   int64_t reserved_bytes() const override { return alloc().reserved(); }
@@ -285,6 +298,12 @@ bool tracking_allocator_installed() {
 }
 
 namespace detail {
+bool set_pipeline_thread(bool on) {
+  const bool previous = t_pipeline_thread;
+  t_pipeline_thread = on;
+  return previous;
+}
+
 std::unique_ptr<Backend> make_cpu_backend() {
   TORCH_CHECK(tracking_allocator_installed(),
               "framefit's CPU tracking allocator was replaced by another allocator "

@@ -112,7 +112,7 @@ std::optional<std::string> LeakDetector::record(int64_t in_use_bytes,
   }
   const int64_t first = in_use_.front(), last = in_use_.back();
   const double growth = first > 0 ? static_cast<double>(last - first) / static_cast<double>(first) : 0;
-  if (growth <= options_.threshold) return std::nullopt;
+  if (growth <= options_.threshold || last - first < options_.min_growth_bytes) return std::nullopt;
   std::map<std::string, int64_t> left_behind;
   for (const auto& step : retained_) {
     for (const auto& [name, bytes] : step) left_behind[name] += bytes;
@@ -129,8 +129,11 @@ std::optional<std::string> LeakDetector::record(int64_t in_use_bytes,
   std::ostringstream out;
   out << "possible memory leak: bytes in use after a step grew " << static_cast<int>(growth * 100)
       << "% over the last " << options_.window << " steps (" << format_bytes(first) << " -> "
-      << format_bytes(last) << "); most growth in " << phase
-      << ". Tensors kept across steps (losses with their graph, lists of outputs) are the usual cause.";
+      << format_bytes(last) << ")";
+  // Without the steps' phases there is nothing to say where: "between steps" could mislead.
+  if (!left_behind.empty()) out << "; most growth in " << phase;
+  out << ". Tensors kept across steps (losses with their graph, lists of outputs) are the usual "
+         "cause.";
   return out.str();
 }
 

@@ -95,6 +95,9 @@ int64_t parse_bytes(const std::string& text) {
 // ---------------------------------------------------------------------------------------------
 // Tracker
 
+PipelineThreadScope::PipelineThreadScope() : previous_(detail::set_pipeline_thread(true)) {}
+PipelineThreadScope::~PipelineThreadScope() { detail::set_pipeline_thread(previous_); }
+
 Tracker::Tracker(std::unique_ptr<Backend> backend) : backend_(std::move(backend)) {}
 
 Tracker& Tracker::of(c10::Device device) {

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <thread>
 
+#include "framefit/memory/monitor.h"
 #include "framefit/memory/tracker.h"
 #include "run_files.h"
 
@@ -317,6 +318,10 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
 
   bool data_bound_warned = false;
   LossWatch loss_watch;
+  auto& tracker = memory::Tracker::of(torch::Device(config.device));
+  memory::LeakDetectorOptions leak_options;
+  leak_options.min_growth_bytes = int64_t(1) << 20;
+  memory::LeakDetector leaks(leak_options);
   for (; progress.epoch < run.epochs && progress.step < run.total_steps; ++progress.epoch) {
     auto epoch = hooks.start_epoch();
     EpochTotals totals;
@@ -336,6 +341,11 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
       report_step(e, outcome, lr, data_seconds, per_step, log, totals);
       data_seconds = 0;
       emit(e);
+      // After the Step event: a callback that keeps tensors across steps leaks as well.
+      if (auto leak =
+              leaks.record(tracker.current_bytes() - tracker.pipeline_bytes(), outcome.phases)) {
+        emit(Event::note(Event::Kind::Warning, c10::str("step ", progress.step, ": ", *leak)));
+      }
       if (loss_watch.diverging(outcome.loss, progress.step, on_event)) {
         checkpoint(progress);
         loss_watch.diverged(result.last_checkpoint, config, hooks.precision);

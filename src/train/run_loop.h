@@ -5,6 +5,7 @@
 // trainers supply the data and the step (EpochSteps) and how their checkpoints are written.
 // Private to src/train.
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include "framefit/engine/amp.h"
+#include "framefit/memory/tracker.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
 #include "framefit/train/trainer.h"
@@ -46,6 +48,7 @@ struct StepOutcome {
   double seconds = 0;
   int64_t peak_bytes = 0;
   bool update_skipped = false;  // fp16 overflow, or gradients that are not finite
+  std::map<std::string, memory::PhaseStats> phases;  // where the step has named phases
 };
 
 // One epoch of a trainer's data and steps, from the run's position in that epoch.
@@ -87,7 +90,8 @@ Record at_position(Record record, const RunPosition& at) {
 // loss that stays not finite (an error after a checkpoint). Writes log.jsonl (a resumed run
 // drops the records after its checkpoint first, so the log reads as if it had never stopped),
 // checkpoints every train.checkpoint_every steps and at the end of each epoch (after its
-// validation), and best.pt. Fills the result but for skipped_videos.
+// validation), and best.pt. Warns when the bytes training keeps between steps (the data
+// pipeline's left out) grow: memory::LeakDetector. Fills the result but for skipped_videos.
 TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config& config,
                        bool resumed, const RunHooks& hooks, const StopRequest& stop,
                        const EventCallback& on_event);

@@ -1218,9 +1218,13 @@ TrainResult train_batch(const Config& config, const std::string& resume,
       progress.segments = step.options().segments;
       progress.micro_batches = (step.options().micro_batches + tc.accumulate - 1) / tc.accumulate;
       for (const auto& r : report.replans) emit(Event::note(Event::Kind::Warning, r));
-      return StepOutcome{report.loss,       report.samples,
-                         "samples",         report.seconds,
-                         report.peak_bytes, report.overflow_skipped || report.not_finite_skipped};
+      return StepOutcome{report.loss,
+                         report.samples,
+                         "samples",
+                         report.seconds,
+                         report.peak_bytes,
+                         report.overflow_skipped || report.not_finite_skipped,
+                         {}};
     };
     // Its last unit is not held beside validation's.
     steps.release = [epoch] { epoch->stream->release(); };

@@ -1148,7 +1148,8 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
       for (const auto& r : report.replans) emit(Event::note(Event::Kind::Warning, r));
       return StepOutcome{report.loss,       report.frames,
                          "frames",          report.seconds,
-                         report.peak_bytes, report.overflow_skipped || report.not_finite_skipped};
+                         report.peak_bytes, report.overflow_skipped || report.not_finite_skipped,
+                         report.phases};
     };
     steps.release = [epoch] { epoch->prefetcher.reset(); };
     return steps;

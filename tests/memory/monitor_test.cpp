@@ -73,6 +73,24 @@ TEST(LeakDetector, FiresOnAPlantedLeakAndNamesThePhase) {
   EXPECT_NE(warning->find("phase 'encode'"), std::string::npos) << *warning;
 }
 
+TEST(LeakDetector, GrowthBelowTheFloorIsQuietAndNoPhasesNameNone) {
+  LeakDetectorOptions options;
+  options.warmup_steps = 0;
+  options.window = 3;
+  options.min_growth_bytes = 1 << 20;
+  LeakDetector detector(options);
+  // A tiny model: 50% growth, but 500 KiB.
+  EXPECT_FALSE(detector.record(1000 << 10).has_value());
+  EXPECT_FALSE(detector.record(1250 << 10).has_value());
+  EXPECT_FALSE(detector.record(1500 << 10).has_value());
+  // 1.2 MiB over the window (1250 -> 2500 KiB): a leak; the steps gave no phases, so none is
+  // named.
+  const auto warning = detector.record(2500 << 10);
+  ASSERT_TRUE(warning.has_value());
+  EXPECT_NE(warning->find("grew"), std::string::npos) << *warning;
+  EXPECT_EQ(warning->find("most growth in"), std::string::npos) << *warning;
+}
+
 TEST(LeakDetector, QuietOnASteadyRun) {
   auto& tracker = Tracker::cpu();
   LeakDetector detector({1, 5, 0.10});

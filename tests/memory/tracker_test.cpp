@@ -2,9 +2,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <thread>
+
 #include "framefit/memory/tracker.h"
 
 using framefit::memory::OutOfMemoryError;
+using framefit::memory::PipelineThreadScope;
 using framefit::memory::Tracker;
 
 namespace {
@@ -47,6 +50,30 @@ TEST(Tracker, CountsAllocationsFromWorkerThreads) {
   EXPECT_EQ(tracker.current_bytes() - before, 8 * 1024);
   made.clear();
   EXPECT_EQ(tracker.current_bytes(), before);
+}
+
+TEST(Tracker, PipelineThreadsTensorsCountAsThePipelinesUntilFreedByAnyThread) {
+  auto& tracker = Tracker::cpu();
+  const int64_t before = tracker.current_bytes(), pipeline_before = tracker.pipeline_bytes();
+  torch::Tensor decoded, after_scope;
+  std::thread worker([&] {
+    {
+      PipelineThreadScope pipeline_thread;
+      decoded = torch::empty({3 << 20}, torch::kUInt8);   // a large (cached) block
+      auto small = torch::empty({100}, torch::kFloat32);  // a heap block, freed here
+    }
+    after_scope = torch::empty({1000}, torch::kUInt8);  // the scope ended: training's
+  });
+  worker.join();
+  EXPECT_EQ(tracker.pipeline_bytes() - pipeline_before, 3 << 20);
+  EXPECT_EQ(tracker.current_bytes() - before, (3 << 20) + 1000);
+  auto converted = decoded.to(torch::kFloat32);  // made from it on this thread: training's
+  EXPECT_EQ(tracker.pipeline_bytes() - pipeline_before, 3 << 20);
+  decoded = torch::Tensor();  // freed on another thread than the one that allocated it
+  EXPECT_EQ(tracker.pipeline_bytes(), pipeline_before);
+  // A block the cache hands out again to this thread is training's now.
+  auto reused = torch::empty({3 << 20}, torch::kUInt8);
+  EXPECT_EQ(tracker.pipeline_bytes(), pipeline_before);
 }
 
 TEST(Tracker, PeakSinceMark) {

@@ -51,11 +51,12 @@ struct LeakDetectorOptions {
   int64_t warmup_steps = 2;  // the first steps fill caches and optimizer state: not counted
   int64_t window = 10;       // steps compared
   double threshold = 0.10;   // growth of the steady-state bytes in use that triggers a warning
+  int64_t min_growth_bytes = 0;  // ... and at least this much (tiny models: a few KiB is noise)
 };
 
 // Fed the bytes in use at the end of each step (and the step's phase statistics), it warns once
 // the steady-state use has grown by more than the threshold across the window, naming the phase
-// that left the most bytes allocated behind it over the window.
+// that left the most bytes allocated behind it over the window (where phases are given).
 class LeakDetector {
  public:
   explicit LeakDetector(LeakDetectorOptions options = {});

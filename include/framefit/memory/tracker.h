@@ -66,6 +66,24 @@ class Backend {
   // What tensors could use at most without a budget: the device's memory (CUDA), or the bytes
   // in use plus what the system has available (CPU).
   virtual int64_t capacity_bytes() const = 0;
+  // Of current_bytes, those allocated on data-loading threads (PipelineThreadScope).
+  virtual int64_t pipeline_bytes() const { return 0; }
+};
+
+// Marks the calling thread as a data-loading thread while alive (the prefetching workers): the
+// CPU tensors it allocates count as the data pipeline's until they are freed, by whichever
+// thread (Tracker::pipeline_bytes). What training keeps between steps can then be told apart
+// from the videos decoded ahead of it, whose size varies from step to step. On CUDA the
+// pipeline's tensors are on the host and the device's bytes are training's alone.
+class PipelineThreadScope {
+ public:
+  PipelineThreadScope();
+  ~PipelineThreadScope();
+  PipelineThreadScope(const PipelineThreadScope&) = delete;
+  PipelineThreadScope& operator=(const PipelineThreadScope&) = delete;
+
+ private:
+  bool previous_;
 };
 
 struct PhaseStats {
@@ -133,6 +151,8 @@ class Tracker {
   int64_t current_bytes() const { return backend_->current_bytes(); }
   int64_t reserved_bytes() const { return backend_->reserved_bytes(); }
   int64_t allocation_count() const { return backend_->allocation_count(); }
+  // Of current_bytes, the data pipeline's (PipelineThreadScope).
+  int64_t pipeline_bytes() const { return backend_->pipeline_bytes(); }
   int64_t peak_bytes() const;  // since construction or reset_peak()
   void reset_peak();           // only when no window is open
   Snapshot snapshot() const;
