@@ -4,6 +4,9 @@
 #include <torch/script.h>
 
 #include <ftw.h>
+#include <sys/resource.h>
+
+#include <csignal>
 
 #include <cstdio>
 #include <functional>
@@ -24,6 +27,29 @@ class CpuBudget {
   ~CpuBudget() { memory::Tracker::cpu().set_budget(0); }
   CpuBudget(const CpuBudget&) = delete;
   CpuBudget& operator=(const CpuBudget&) = delete;
+};
+
+// Files larger than `bytes` cannot be written while alive, as on a full disk (RLIMIT_FSIZE;
+// SIGXFSZ ignored, so the write fails with EFBIG instead of killing the process).
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    getrlimit(RLIMIT_FSIZE, &saved_);
+    handler_ = std::signal(SIGXFSZ, SIG_IGN);
+    rlimit limit = saved_;
+    limit.rlim_cur = bytes;
+    setrlimit(RLIMIT_FSIZE, &limit);
+  }
+  ~FileSizeLimit() {
+    setrlimit(RLIMIT_FSIZE, &saved_);
+    std::signal(SIGXFSZ, handler_);
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  rlimit saved_{};
+  void (*handler_)(int) = nullptr;
 };
 
 // The message of the c10::Error that `f` throws (without backtrace), or "" if it throws none.

@@ -406,29 +406,53 @@ ValuePtr unpickle_file(const std::string& path) {
 }
 
 void write_atomically(const std::vector<char>& bytes, const std::string& path) {
-  // Written beside the target, synced and renamed: a crash leaves the old file or the new one.
+  write_file_atomically(path, [&](const ByteSink& sink) { sink(bytes.data(), bytes.size()); });
+}
+}  // namespace
+
+void write_file_atomically(const std::string& path,
+                           const std::function<void(const ByteSink& sink)>& produce) {
   const std::string temp = path + ".tmp";
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   TORCH_CHECK(fd >= 0, "cannot write '", temp, "': ", std::strerror(errno));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string reason = std::strerror(errno);
-      ::close(fd);
-      std::remove(temp.c_str());
-      TORCH_CHECK(false, "writing '", temp, "' failed: ", reason);
+  int error = 0;  // the first write's error; the bytes after it are dropped
+  const ByteSink sink = [&](const void* data, size_t size) {
+    const char* bytes = static_cast<const char*>(data);
+    while (size > 0 && error == 0) {
+      const ssize_t n = ::write(fd, bytes, size);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        error = n < 0 ? errno : EIO;
+        break;
+      }
+      bytes += n;
+      size -= static_cast<size_t>(n);
     }
-    done += static_cast<size_t>(n);
+  };
+  try {
+    produce(sink);
+  } catch (...) {
+    ::close(fd);
+    std::remove(temp.c_str());
+    throw;
   }
-  const bool synced = ::fsync(fd) == 0;
-  ::close(fd);
-  TORCH_CHECK(synced, "fsync of '", temp, "' failed: ", std::strerror(errno));
+  if (error == 0 && ::fsync(fd) != 0) error = errno;
+  if (::close(fd) != 0 && error == 0) error = errno;
+  if (error != 0) {
+    std::remove(temp.c_str());
+    TORCH_CHECK(false, "writing '", path, "' failed: ", std::strerror(error),
+                " (nothing was written: an earlier file of that name is as it was)");
+  }
   TORCH_CHECK(std::rename(temp.c_str(), path.c_str()) == 0, "cannot rename '", temp, "' to '",
               path, "': ", std::strerror(errno));
+  const auto slash = path.rfind('/');
+  const std::string folder = slash == std::string::npos ? "." : path.substr(0, slash);
+  const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dir >= 0) {
+    ::fsync(dir);  // the rename itself
+    ::close(dir);
+  }
 }
-}  // namespace
 
 StateDict read_state_dict(const std::string& path) {
   return to_state_dict(*unpickle_file(path), path);

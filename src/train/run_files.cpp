@@ -74,19 +74,16 @@ std::vector<std::string> list_files(const std::string& folder, const std::string
 }
 
 void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path) {
-  const std::string temp = path + ".tmp";
-  archive.save_to(temp);
-  const int fd = ::open(temp.c_str(), O_RDONLY);
-  TORCH_CHECK(fd >= 0 && ::fsync(fd) == 0, "checkpoint ", temp, ": cannot flush to disk");
-  ::close(fd);
-  TORCH_CHECK(std::rename(temp.c_str(), path.c_str()) == 0, "checkpoint ", path,
-              ": cannot rename the temporary file into place: ", std::strerror(errno));
-  const auto slash = path.rfind('/');
-  const std::string folder = slash == std::string::npos ? "." : path.substr(0, slash);
-  const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dir >= 0) {
-    ::fsync(dir);  // the rename itself
-    ::close(dir);
+  try {
+    models::write_file_atomically(path, [&](const models::ByteSink& sink) {
+      archive.save_to([&](const void* data, size_t size) {
+        sink(data, size);
+        return size;
+      });
+    });
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, e.what_without_backtrace(),
+                ". Checkpoints written before are kept: make room and resume with --resume auto");
   }
 }
 
@@ -183,6 +180,7 @@ std::optional<int64_t> fixed_count(const std::string& text) {
 void write_config(const Config& config, const std::string& out_dir) {
   std::ofstream out(out_dir + "/config.yaml");
   out << to_yaml(config);
+  out.flush();  // so that a full disk shows here
   TORCH_CHECK(out.good(), "cannot write ", out_dir, "/config.yaml");
 }
 

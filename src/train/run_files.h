@@ -38,7 +38,8 @@ models::LoadReport load_model_weights(torch::nn::Module& module, const Config& c
 std::vector<std::string> list_files(const std::string& folder, const std::string& prefix,
                                     const std::string& suffix);
 // Written to a temporary file, flushed to disk, then renamed over the target: a crash at any
-// point leaves either the old file or the new one, never a partial checkpoint.
+// point leaves either the old file or the new one, never a partial checkpoint. A failed write
+// (a full disk) is an error that says so and that the checkpoints before are kept.
 void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path);
 torch::serialize::InputArchive open_archive(const std::string& path);
 // The config stored in a checkpoint (which must be a framefit checkpoint).

@@ -50,6 +50,9 @@ class JsonlLog {
   void write(const nlohmann::json& record) {
     out_ << record.dump() << '\n';
     out_.flush();
+    TORCH_CHECK(out_.good(), "cannot write the training log ", path_,
+                " (is the disk full?). Checkpoints written before are kept: make room and resume "
+                "with --resume auto");
   }
 
  private:

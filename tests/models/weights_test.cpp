@@ -52,6 +52,25 @@ TEST(Weights, TensorFilesRoundTrip) {
   std::remove(path.c_str());
 }
 
+TEST(Weights, FailedWriteIsAnErrorAndLeavesTheEarlierFile) {
+  // A disk that fills up while a file is written: the error names the file and why, the file
+  // written before is as it was, and no temporary file is left to fill the disk further.
+  const auto path = temp_path("full_disk.pt");
+  const auto earlier = torch::arange(10);
+  write_tensor(earlier, path);
+  std::string message;
+  {
+    framefit::test_util::FileSizeLimit limit(64 << 10);
+    message = framefit::test_util::error_message(
+        [&] { write_tensor(torch::zeros({1 << 18}), path); });  // 1 MiB
+  }
+  EXPECT_NE(message.find("writing '" + path + "' failed: File too large"), std::string::npos)
+      << message;
+  EXPECT_TRUE(torch::equal(read_tensor(path), earlier));
+  EXPECT_FALSE(std::ifstream(path + ".tmp").good());
+  std::remove(path.c_str());
+}
+
 TEST(Weights, StrictLoadNamesEveryProblemAndCopiesNothing) {
   ResNet model(ResNetOptions(18).num_classes(3));
   auto state = state_dict(*ResNet(ResNetOptions(18).num_classes(5)));  // fc shape differs

@@ -902,6 +902,27 @@ TEST(ClipTraining, TimeSpentGettingDataIsLoggedAndADataBoundRunIsToldWhatToChang
   test_util::remove_tree(dir);
 }
 
+TEST(ClipTraining, CheckpointThatCannotBeWrittenIsAnErrorNotACrash) {
+  // A disk full when a checkpoint is written: LibTorch's archive writer used to abort the
+  // process ("terminate called", exit 134) and leave a partial temporary file behind.
+  auto c = clips_config("/tmp/framefit_clips_full_disk");
+  c.train.max_steps = 2;
+  c.train.checkpoint_every = 1;
+  c.train.validate = false;
+  std::string message;
+  {
+    test_util::FileSizeLimit limit(4 << 10);  // config.yaml and log.jsonl fit, checkpoints do not
+    message = test_util::error_message([&] { train::train(c, "", {}); });
+  }
+  const auto checkpoint = c.train.out_dir + "/checkpoints/step_00000001.pt";
+  EXPECT_NE(message.find("writing '" + checkpoint + "' failed: File too large"), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("resume with --resume auto"), std::string::npos) << message;
+  EXPECT_FALSE(std::ifstream(checkpoint + ".tmp").good());
+  EXPECT_FALSE(std::ifstream(checkpoint).good());
+  test_util::remove_tree(c.train.out_dir);
+}
+
 TEST(ClipTraining, TensorsKeptAcrossStepsAreReportedAsALeak) {
   // A progress callback that keeps 2 MiB per step (as code keeping each step's loss with its
   // graph would): the bytes training keeps between steps grow, and the run says so, once per

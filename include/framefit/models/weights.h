@@ -8,6 +8,7 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,6 +21,15 @@ using StateDict = std::vector<std::pair<std::string, torch::Tensor>>;
 StateDict read_state_dict(const std::string& path);
 // Written to a temporary file and renamed into place: never left half-written.
 void write_state_dict(const StateDict& state, const std::string& path);
+
+// Writes `path` so that a crash leaves the old file or the new one: `produce` is handed a sink
+// for the file's bytes, which go to a temporary file beside it, flushed to disk and renamed over
+// `path`. A failed write (a full disk) is an error naming the file and why, and removes the
+// temporary file. The sink never fails the producer: LibTorch's archive writer aborts the
+// process when its sink comes up short in its destructor.
+using ByteSink = std::function<void(const void* data, size_t size)>;
+void write_file_atomically(const std::string& path,
+                           const std::function<void(const ByteSink& sink)>& produce);
 
 // A single tensor saved with torch.save(tensor, path), and the reverse.
 torch::Tensor read_tensor(const std::string& path);
