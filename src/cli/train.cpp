@@ -424,6 +424,12 @@ int run_eval(const Args& args) {
   std::vector<train::VideoMetrics> per_video;  // phases: each video's own metrics
   std::vector<train::RelaxedVideoMetrics> relaxed;  // phases with --relaxed
   const std::string relaxed_rules = args.has("relaxed") ? args.text("relaxed") : "";
+  // Opened before evaluating, so that a path that cannot be written fails at once.
+  std::ofstream out_file;
+  if (args.has("out")) {
+    out_file.open(args.text("out"));
+    TORCH_CHECK(out_file.good(), "cannot write ", args.text("out"), " (does its folder exist?)");
+  }
   data::ClassList classes;
   std::string split, what;
   if (train::is_batch_task(stored)) {
@@ -497,7 +503,11 @@ int run_eval(const Args& args) {
   if (!relaxed_rules.empty()) {
     json["relaxed"] = relaxed_json(relaxed_summary, relaxed_rules, relaxed, classes);
   }
-  if (args.has("out")) std::ofstream(args.text("out")) << json.dump(2) << "\n";
+  if (args.has("out")) {
+    out_file << json.dump(2) << "\n";
+    out_file.flush();
+    TORCH_CHECK(out_file.good(), "cannot write ", args.text("out"));
+  }
   if (args.on("json")) {
     fmt::print("{}\n", json.dump(2));
     return 0;

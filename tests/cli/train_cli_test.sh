@@ -126,6 +126,12 @@ test -f run/best.pt && test -f run/config.yaml && test -s run/log.jsonl
 # Eval on the test split (MP4) and on the same videos as JPEG frame folders.
 "$framefit" eval --checkpoint run/best.pt --json --out metrics.json --predictions preds \
   --relaxed general > eval.json
+# A metrics file that cannot be written fails at once (it used to exit 0 without the file).
+if "$framefit" eval --checkpoint run/best.pt --out missing/metrics.json > /dev/null 2> out.err; then
+  fail "eval --out into a missing folder succeeded"
+fi
+grep -q "cannot write missing/metrics.json (does its folder exist?)" out.err \
+  || { cat out.err; fail "eval --out message"; }
 # Cholec80's own relaxed rules need its 7 phases; the demo has 5.
 if "$framefit" eval --checkpoint run/best.pt --relaxed cholec80 > /dev/null 2> relaxed.err; then
   fail "eval --relaxed cholec80 scored a 5-phase data set"
