@@ -2,6 +2,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <sstream>
 
@@ -119,7 +122,7 @@ const std::vector<Flag>& flag_table() {
        "0"},
       {"output",
        {"extract"},
-       FlagType::Path,
+       FlagType::OutputFile,
        "Where to write the [T,D] float32 features (torch.save format; torch.load reads it).",
        "",
        true},
@@ -254,7 +257,7 @@ const std::vector<Flag>& flag_table() {
        "0.1"},
       {"export-grads",
        {"bench-step"},
-       FlagType::Path,
+       FlagType::OutputFile,
        "Write the measured step's parameter gradients (torchvision names for the encoder, head.* "
        "for the head) to this file; torch.load reads it.",
        ""},
@@ -265,13 +268,13 @@ const std::vector<Flag>& flag_table() {
        ""},
       {"trace",
        {"bench-step"},
-       FlagType::Path,
+       FlagType::OutputFile,
        "Write a Chrome trace (phases as slices, bytes in use as a counter) of the measured steps; "
        "open it in Perfetto or chrome://tracing.",
        ""},
       {"profile",
        {"bench-step"},
-       FlagType::Path,
+       FlagType::OutputFile,
        "Write LibTorch's operator profile of the measured steps (Chrome trace: one slice per "
        "operator and autograd node; bench/step_profile.py sums it per operator). Profiling slows "
        "the step a little.",
@@ -558,11 +561,11 @@ const std::vector<Flag>& flag_table() {
        ""},
       {"out",
        {"eval", "predict"},
-       FlagType::Path,
+       FlagType::OutputFile,
        "eval: also write the metrics as JSON here; predict: the CSV (default: standard output), "
        "or for segmentation the mask PNG (one image) or a folder for the masks (a folder).",
        ""},
-      {"out", {"export"}, FlagType::Path, "The state_dict file to write (.pt).", "", true},
+      {"out", {"export"}, FlagType::OutputFile, "The state_dict file to write (.pt).", "", true},
       {"predictions",
        {"eval"},
        FlagType::Path,
@@ -582,13 +585,13 @@ const std::vector<Flag>& flag_table() {
        {"general", "cholec80", "m2cai16"}},
       {"segments",
        {"predict"},
-       FlagType::Path,
+       FlagType::OutputFile,
        "Phases: also write the predicted phase segments (runs of frames with one phase) as CSV: "
        "segment, phase, first and last frame and time, frames, mean confidence.",
        ""},
       {"timeline",
        {"predict"},
-       FlagType::Path,
+       FlagType::OutputFile,
        "Phases: also write the predicted phases as a timeline picture (PNG): a colour per phase "
        "(matplotlib's tab20 order), time left to right, one column per frame up to 2,000; with "
        "data.tools a ribbon per tool below, coloured where it is predicted present (p >= 0.5).",
@@ -664,6 +667,25 @@ CLI::Validator integer_at_least(int64_t min, bool or_auto = false) {
         return "";
       },
       (or_auto ? "auto|INT>=" : "INT>=") + std::to_string(min));
+}
+
+// Checked before the command runs, so that hours of work do not end in "cannot write".
+CLI::Validator output_file() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        const auto slash = value.rfind('/');
+        const std::string folder =
+            slash == std::string::npos ? "." : value.substr(0, std::max<size_t>(slash, 1));
+        struct stat info {};
+        if (::stat(folder.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) {
+          return "cannot write '" + value + "': the folder " + folder + " does not exist";
+        }
+        if (::access(folder.c_str(), W_OK) != 0) {
+          return "cannot write '" + value + "': the folder " + folder + " is not writable";
+        }
+        return "";
+      },
+      "FILE");
 }
 
 CLI::Validator fraction() {
@@ -743,6 +765,7 @@ void add_flag(CLI::App& app, const Flag& flag, std::map<std::string, std::string
     case FlagType::Fraction: option->check(fraction()); break;
     case FlagType::Choice: option->check(CLI::IsMember(flag.choices)); break;
     case FlagType::Path: option->type_name("PATH"); break;
+    case FlagType::OutputFile: option->check(output_file()); break;
     default: break;
   }
 }

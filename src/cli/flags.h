@@ -11,7 +11,8 @@ namespace framefit::cli {
 
 enum class FlagType {
   Text,          // any string
-  Path,          // an output path
+  Path,          // an output folder, or a file whose folder is created if missing
+  OutputFile,    // an output file, in a folder that must exist
   ExistingFile,  // an input file that must exist
   Int,           // an integer >= min_value
   IntOrAuto,     // "auto" or an integer >= min_value

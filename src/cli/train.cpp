@@ -424,11 +424,12 @@ int run_eval(const Args& args) {
   std::vector<train::VideoMetrics> per_video;  // phases: each video's own metrics
   std::vector<train::RelaxedVideoMetrics> relaxed;  // phases with --relaxed
   const std::string relaxed_rules = args.has("relaxed") ? args.text("relaxed") : "";
-  // Opened before evaluating, so that a path that cannot be written fails at once.
+  // Opened before evaluating, so that a file that cannot be written (a folder of that name, no
+  // permission) fails at once.
   std::ofstream out_file;
   if (args.has("out")) {
     out_file.open(args.text("out"));
-    TORCH_CHECK(out_file.good(), "cannot write ", args.text("out"), " (does its folder exist?)");
+    TORCH_CHECK(out_file.good(), "cannot write ", args.text("out"));
   }
   data::ClassList classes;
   std::string split, what;

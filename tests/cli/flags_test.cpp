@@ -50,6 +50,14 @@ TEST(Flags, RejectsUnknownDuplicateAndBadValues) {
       {"extract", "--model", "resnet18", "--input", "/no/such/file.pt", "--output", "o.pt"},
       "/no/such/file.pt");
   expect_error({"extract", "--model", "resnet18", "--input", __FILE__}, "--output");
+  // An output file's folder must exist before any work is done.
+  expect_error(
+      {"extract", "--model", "resnet18", "--input", __FILE__, "--output", "/no/such/folder/f.pt"},
+      "cannot write '/no/such/folder/f.pt': the folder /no/such/folder does not exist");
+  expect_error({"export", "--checkpoint", __FILE__, "--out", "missing/w.pt"},
+               "the folder missing does not exist");
+  EXPECT_TRUE(parse_command_line({"export", "--checkpoint", __FILE__, "--out", "here.pt"})
+                  .args.has_value());
   expect_error({"launch"}, "launch");
   expect_error({}, "subcommand");
 }

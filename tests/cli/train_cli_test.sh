@@ -130,7 +130,7 @@ test -f run/best.pt && test -f run/config.yaml && test -s run/log.jsonl
 if "$framefit" eval --checkpoint run/best.pt --out missing/metrics.json > /dev/null 2> out.err; then
   fail "eval --out into a missing folder succeeded"
 fi
-grep -q "cannot write missing/metrics.json (does its folder exist?)" out.err \
+grep -q "cannot write 'missing/metrics.json': the folder missing does not exist" out.err \
   || { cat out.err; fail "eval --out message"; }
 # Cholec80's own relaxed rules need its 7 phases; the demo has 5.
 if "$framefit" eval --checkpoint run/best.pt --relaxed cholec80 > /dev/null 2> relaxed.err; then
