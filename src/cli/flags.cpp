@@ -673,7 +673,9 @@ CLI::Validator integer_at_least(int64_t min, bool or_auto = false) {
 CLI::Validator output_file() {
   return CLI::Validator(
       [](std::string& value) -> std::string {
-        const auto slash = value.rfind('/');
+        // "masks/" (predict's folder of masks, created if missing) is in the folder ".".
+        const auto end = value.find_last_not_of('/');
+        const auto slash = end == std::string::npos ? 0 : value.rfind('/', end);
         const std::string folder =
             slash == std::string::npos ? "." : value.substr(0, std::max<size_t>(slash, 1));
         struct stat info {};

@@ -58,6 +58,11 @@ TEST(Flags, RejectsUnknownDuplicateAndBadValues) {
                "the folder missing does not exist");
   EXPECT_TRUE(parse_command_line({"export", "--checkpoint", __FILE__, "--out", "here.pt"})
                   .args.has_value());
+  EXPECT_TRUE(parse_command_line(
+                  {"predict", "--checkpoint", __FILE__, "--image", __FILE__, "--out", "new_masks/"})
+                  .args.has_value());  // a folder predict creates, in "."
+  expect_error({"predict", "--checkpoint", __FILE__, "--image", __FILE__, "--out", "a/masks/"},
+               "the folder a does not exist");
   expect_error({"launch"}, "launch");
   expect_error({}, "subcommand");
 }
