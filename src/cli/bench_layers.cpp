@@ -190,6 +190,9 @@ int run_bench_layers(const Args& args) {
   const auto recompute = plan::parse_recompute(mode);
   const int64_t budget = args.bytes("budget");
   TORCH_CHECK(mode != "auto" || budget > 0, "--checkpoint auto plans for a budget: give --budget");
+  // Plans leave the allocator's margin of a CUDA budget; the steps run under all of it.
+  const int64_t plan_budget =
+      budget - plan::allocator_margin_bytes(budget, torch::Device(args.text("device")));
   const int64_t n = bench.stage_count();
   const auto costs = bench.costs();
   nlohmann::json out = {{"net", args.text("net")},
@@ -197,6 +200,7 @@ int run_bench_layers(const Args& args) {
                         {"precision", args.text("precision")},
                         {"checkpoint", mode},
                         {"budget_bytes", budget},
+                        {"plan_budget_bytes", plan_budget},
                         {"stages", n},
                         {"static_bytes", costs.static_bytes},
                         {"machine", machine_info().describe()}};
@@ -204,12 +208,12 @@ int run_bench_layers(const Args& args) {
   int64_t predicted = 0;
   // What the mode recomputes at a batch: nothing, what the budget needs, or every stage.
   const auto plan_for = [&](int64_t b) {
-    return plan::plan_batch_chain(costs, b, budget, recompute).segments;
+    return plan::plan_batch_chain(costs, b, plan_budget, recompute).segments;
   };
   if (batch == 0) {
     // The largest batch: the planner's answer, then checked by real steps under the budget.
     TORCH_CHECK(budget > 0, "--batch 0 finds the largest batch for --budget: give one");
-    const auto planned = plan::plan_batch(costs, budget, recompute);
+    const auto planned = plan::plan_batch(costs, plan_budget, recompute);
     out["planned_batch"] = planned.batch;
     if (planned.batch == 0) {
       out["fits"] = false;

@@ -171,7 +171,8 @@ int print_findings(const Args& args, const std::vector<plan::Finding>& findings)
 
 // The doctor on a config's layer-list network: each layer's shape and parameters, the memory
 // per batch, then the findings. Nothing is allocated. `budget`: what a step may use, which for a
-// clips or segmentation config is `full_budget` less the data pipeline's prefetch reserve.
+// clips or segmentation config is `full_budget` less the data pipeline's prefetch reserve (on
+// CUDA: less the allocator's margin).
 int doctor_network(const Args& args, const train::Config& config, int64_t full_budget,
                    int64_t budget) {
   plan::NetworkTraining training;
@@ -243,8 +244,10 @@ int doctor_network(const Args& args, const train::Config& config, int64_t full_b
           memory::format_bytes(m.peak_bytes(training.batch)),
           budget == full_budget
               ? "budget " + memory::format_bytes(budget)
-              : fmt::format("step budget {} (budget {} less the prefetch reserve)",
-                            memory::format_bytes(budget), memory::format_bytes(full_budget)),
+              : fmt::format("step budget {} (budget {} less {})", memory::format_bytes(budget),
+                            memory::format_bytes(full_budget),
+                            torch::Device(config.device).is_cuda() ? "the CUDA allocator's margin"
+                                                                   : "the prefetch reserve"),
           m.largest_batch(budget));
     }
   }
@@ -330,10 +333,12 @@ int plan_phases_config(const Args& args, const train::Config& config) {
   }
   fmt::print(
       "framefit plan: {} + {} head, {} training videos, the longest {} frames of {}x{}, "
-      "budget {} ({} less prefetch)\n",
+      "budget {}{}\n",
       config.model.encoder, config.model.head, plan.videos, plan.longest_frames, plan.frame_size,
       plan.frame_size, memory::format_bytes(plan.budget_bytes),
-      memory::format_bytes(plan.step_budget_bytes));
+      plan.step_budget_bytes < plan.budget_bytes
+          ? fmt::format(" ({} less prefetch)", memory::format_bytes(plan.step_budget_bytes))
+          : std::string());
   if (!plan.planned) {
     fmt::print("  {} (fixed by the config; not planned)\n", plan::describe(plan.settings));
   } else if (plan.fits) {

@@ -132,6 +132,11 @@ std::string describe(const StepSettings& s, int64_t accumulate) {
   return text;
 }
 
+int64_t allocator_margin_bytes(int64_t budget_bytes, torch::Device device) {
+  constexpr double kCudaMargin = 0.1;
+  return device.is_cuda() ? budget_bytes - usable(budget_bytes, kCudaMargin) : 0;
+}
+
 int64_t static_minimum_bytes(const StaticSizes& sizes, int64_t frames) {
   return sizes.parameter_bytes + sizes.trained_bytes() + sizes.optimizer_state_bytes +
          frames * (sizes.frame_bytes + 8) + 2 * frames * sizes.feature_bytes;

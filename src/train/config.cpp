@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "framefit/memory/tracker.h"
+#include "framefit/plan/planner.h"
 #include "framefit/train/tasks.h"
 
 namespace framefit::train {
@@ -741,6 +742,12 @@ int64_t prefetch_reserve_bytes(const Config& config, int64_t budget) {
 }
 
 int64_t step_budget_bytes(const Config& config, int64_t budget, int64_t largest_unit_bytes) {
+  const torch::Device device(config.device);
+  if (!device.is_cpu()) {
+    // The decoded data waits in host memory, outside the device's budget. A phases plan keeps
+    // the chunk planner's margin; batch plans leave the allocator's here.
+    return is_batch_task(config) ? budget - plan::allocator_margin_bytes(budget, device) : budget;
+  }
   const int64_t ahead = std::max(prefetch_reserve_bytes(config, budget), largest_unit_bytes);
   const int64_t batched = is_batch_task(config) ? largest_unit_bytes : 0;
   return budget - ahead - batched;

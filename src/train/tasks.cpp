@@ -514,6 +514,7 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
   plan.precision = batch_precision(config);
   plan.budget_bytes = budget;
   plan.step_budget_bytes = step_budget;
+  plan.cuda_budget = device.is_cuda();
   plan.checkpointing = tc.checkpointing;
   const int64_t stages = probe.network.stage_count();
   plan.static_bytes = plan::training_static_bytes(*probe.network.module, tc.optimizer);
@@ -1044,9 +1045,13 @@ std::string BatchTaskPlan::describe() const {
       " stages recomputed, ", engine::to_string(precision),
       lean_backward ? ", lean convolution backward" : "", ", predicted peak ",
       memory::format_bytes(predicted_peak_bytes), " of ", memory::format_bytes(step_budget_bytes),
-      " (budget ", memory::format_bytes(budget_bytes), " less decoded data): static ",
-      memory::format_bytes(static_bytes), ", inputs ", memory::format_bytes(input_bytes),
-      ", activations ", memory::format_bytes(activation_bytes), evaluation);
+      " (budget ", memory::format_bytes(budget_bytes),
+      cuda_budget ? c10::str(" less ", memory::format_bytes(budget_bytes - step_budget_bytes),
+                             " for CUDA's caching allocator")
+                  : std::string(" less decoded data"),
+      "): static ", memory::format_bytes(static_bytes), ", inputs ",
+      memory::format_bytes(input_bytes), ", activations ", memory::format_bytes(activation_bytes),
+      evaluation);
 }
 
 namespace {

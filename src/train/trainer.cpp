@@ -983,8 +983,10 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   if (planned) {
     info("plan: " + plan::describe(progress.settings) + ", predicted peak " +
          memory::format_bytes(chosen.breakdown.peak_bytes) + " of " +
-         memory::format_bytes(step_budget) + " (budget " + memory::format_bytes(budget) +
-         " less prefetch)");
+         memory::format_bytes(step_budget) +
+         // On CUDA the prefetched frames are in host memory: the step has the whole budget.
+         (step_budget < budget ? " (budget " + memory::format_bytes(budget) + " less prefetch)"
+                               : std::string()));
   } else if (reads_features(config)) {
     info(c10::str("settings: the head alone on precomputed features (", model.feature_dim,
                   " per frame), float32, whole videos"));

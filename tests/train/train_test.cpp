@@ -17,6 +17,7 @@
 #include "framefit/memory/tracker.h"
 #include "framefit/models/heads.h"
 #include "framefit/models/weights.h"
+#include "framefit/plan/planner.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
 #include "framefit/train/tasks.h"
@@ -99,6 +100,27 @@ TEST(Config, PathsStartingWithTildeAreInTheHomeFolder) {
   EXPECT_EQ(c.data.images, "~user/images");  // another user's folder: left as written
   EXPECT_EQ(c.data.masks, home);
   EXPECT_EQ(c.train.out_dir, "runs/~x");
+}
+
+TEST(Config, StepBudgetLeavesTheDecodedDataOnTheCpuAndTheAllocatorsMarginOnCuda) {
+  const int64_t budget = int64_t{1} << 30, video = int64_t{300} << 20;
+  const auto config = [](const std::string& task, const std::string& device) {
+    return train::parse_config("task: " + task + "\ndevice: " + device + "\n", "test");
+  };
+  // CPU: the frames decoded ahead (here one video larger than the prefetch reserve), and for a
+  // batch task the video being cut into samples, share the budget with the step.
+  EXPECT_EQ(train::step_budget_bytes(config("phases", "cpu"), budget, video), budget - video);
+  EXPECT_EQ(train::step_budget_bytes(config("clips", "cpu"), budget, video), budget - 2 * video);
+  EXPECT_EQ(train::step_budget_bytes(config("clips", "cpu"), budget, 0),
+            budget - train::prefetch_reserve_bytes(config("clips", "cpu"), budget));
+  // CUDA: decoded data is in host memory. A phases plan keeps the chunk planner's own margin; a
+  // batch plan leaves a tenth of the budget to the caching allocator's fragmentation.
+  EXPECT_EQ(train::step_budget_bytes(config("phases", "cuda"), budget, video), budget);
+  const int64_t margin = plan::allocator_margin_bytes(budget, torch::Device("cuda:1"));
+  EXPECT_NEAR(static_cast<double>(margin), 0.1 * static_cast<double>(budget), 1.0);
+  EXPECT_EQ(train::step_budget_bytes(config("segmentation", "cuda:1"), budget, video),
+            budget - margin);
+  EXPECT_EQ(plan::allocator_margin_bytes(budget, torch::kCPU), 0);
 }
 
 TEST(Config, BackgroundNamesClassesOfAPhasesTask) {

@@ -154,11 +154,12 @@ const std::vector<ConfigKey>& config_keys();
 // The data pipeline's share of `budget` (train.budget, else the device's memory): the decoded
 // frames it may hold ahead of training, data.prefetch_bytes but at most a quarter.
 int64_t prefetch_reserve_bytes(const Config& config, int64_t budget);
-// What a training step may use of `budget`: the rest beside the decoded data, which is the
-// frames decoded ahead (the prefetch reserve, or one unit larger than that, which is decoded
-// alone) and, for clips and segmentation, the unit whose samples are being batched (a phases
-// step's plan counts its video itself). `largest_unit_bytes`: the largest decoded unit (video,
-// or image and mask); 0 where unknown.
+// What a training step may use of `budget`. On the CPU: the rest beside the decoded data, which
+// is the frames decoded ahead (the prefetch reserve, or one unit larger than that, which is
+// decoded alone) and, for clips and segmentation, the unit whose samples are being batched (a
+// phases step's plan counts its video itself). `largest_unit_bytes`: the largest decoded unit
+// (video, or image and mask); 0 where unknown. On CUDA the decoded data is in host memory: all
+// of it, less plan::allocator_margin_bytes for clips and segmentation.
 int64_t step_budget_bytes(const Config& config, int64_t budget, int64_t largest_unit_bytes);
 
 // `overrides` are "key=value" (value in YAML syntax: 0.001, bf16, [a, b]).

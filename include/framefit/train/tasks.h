@@ -103,6 +103,9 @@ struct BatchTaskPlan {
   // The video ResNets' lean convolution backward (models/conv3d.h, model.lean_backward).
   bool lean_backward = false;
   int64_t budget_bytes = 0, step_budget_bytes = 0;
+  // The budget is a CUDA device's: the decoded data is in host memory, and the step budget is
+  // the budget less plan::allocator_margin_bytes.
+  bool cuda_budget = false;
   // Predicted peak = static (parameters, buffers, gradients, optimizer state) + inputs (stored
   // samples and labels of the accumulated batches, the float input of one) + activations (the
   // chain plan's); 0 when not planned.
