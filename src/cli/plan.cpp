@@ -102,7 +102,7 @@ void print_breakdown(const plan::Breakdown& b, int64_t margin) {
   line("parameters and buffers", b.parameters);
   line("gradients", b.gradients);
   line("optimizer state", b.optimizer_state);
-  line("input frames (uint8)", b.input_frames);
+  line("input frames and labels", b.input_frames);
   line("features (+ gradient)", b.features);
   line("activations", b.activations);
   line("workspace", b.workspace);

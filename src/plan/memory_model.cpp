@@ -49,6 +49,7 @@ StaticSizes with_head(StaticSizes sizes, const ModelSpec& spec, int64_t feature_
   // SGD keeps one momentum buffer per parameter, Adam(W) two moments.
   sizes.optimizer_state_bytes = (spec.optimizer == "sgd" ? 1 : 2) * sizes.trained_bytes();
   sizes.frame_bytes = 3 * spec.size * spec.size;
+  sizes.frames_in_host_memory = !spec.device.is_cpu();
   sizes.feature_dim = feature_dim;
   sizes.feature_bytes = feature_dim * (spec.dtype == torch::kFloat64 ? 8 : 4);
   return sizes;
@@ -215,7 +216,7 @@ Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepS
   optimizer.extra_workspace = 2 * sizes.largest_trained_bytes;
   moments.push_back(optimizer);
 
-  const int64_t frames_in = s.videos_per_call * T * (sizes.frame_bytes + 8);
+  const int64_t frames_in = s.videos_per_call * T * sizes.resident_bytes_per_frame();
   for (const auto& m : moments) {
     const int64_t activations = std::max<int64_t>(0, std::llround(m.activations));
     const int64_t workspace = std::max<int64_t>(0, std::llround(m.workspace)) + m.extra_workspace;

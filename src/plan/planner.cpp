@@ -139,7 +139,7 @@ int64_t allocator_margin_bytes(int64_t budget_bytes, torch::Device device) {
 
 int64_t static_minimum_bytes(const StaticSizes& sizes, int64_t frames) {
   return sizes.parameter_bytes + sizes.trained_bytes() + sizes.optimizer_state_bytes +
-         frames * (sizes.frame_bytes + 8) + 2 * frames * sizes.feature_bytes;
+         frames * sizes.resident_bytes_per_frame() + 2 * frames * sizes.feature_bytes;
 }
 
 Plan fit(const PlanRequest& request, const StaticSizes& sizes,

@@ -211,6 +211,28 @@ TEST(MemoryModel, StaticSizesAndShapeOfPrediction) {
   EXPECT_GT(keep0, naive.seconds);
 }
 
+TEST(MemoryModel, VideoFramesOnCudaAreInHostMemoryAndOutsideThePrediction) {
+  // Nothing here touches a GPU: sizes and predictions are arithmetic on the description.
+  auto spec = tiny_spec();
+  const auto on_cpu = plan::static_sizes(spec);
+  spec.device = torch::Device("cuda");
+  const auto on_cuda = plan::static_sizes(spec);
+  EXPECT_FALSE(on_cpu.frames_in_host_memory);
+  EXPECT_TRUE(on_cuda.frames_in_host_memory);
+  plan::StepSettings s;
+  s.frames = 1000;
+  s.chunk = 64;
+  s.videos_per_call = 2;
+  const auto costs = synthetic_costs();
+  const auto cpu = plan::predict(on_cpu, costs, s);
+  const auto cuda = plan::predict(on_cuda, costs, s);
+  EXPECT_EQ(cpu.input_frames, 2 * 1000 * (on_cpu.frame_bytes + 8));  // frames and labels
+  EXPECT_EQ(cuda.input_frames, 2 * 1000 * 8);                        // labels only
+  EXPECT_EQ(cpu.peak_bytes - cuda.peak_bytes, 2 * 1000 * on_cpu.frame_bytes);
+  EXPECT_EQ(plan::static_minimum_bytes(on_cpu, 1000) - plan::static_minimum_bytes(on_cuda, 1000),
+            1000 * on_cpu.frame_bytes);
+}
+
 TEST(Planner, ChoosesTheFastestThatFitsAndRespectsFixedSettings) {
   plan::PlanRequest request;
   request.model = tiny_spec();

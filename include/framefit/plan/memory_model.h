@@ -54,6 +54,10 @@ struct StaticSizes {
   int64_t largest_trained_bytes = 0;
   int64_t optimizer_state_bytes = 0;  // after the first step (Adam: two moments per parameter)
   int64_t frame_bytes = 0;            // one uint8 frame, 3 x size x size
+  // CUDA: a video's uint8 frames stay in host memory, outside the device's budget; each chunk is
+  // copied over when it runs (counted in its probes). Only the labels are on the device.
+  bool frames_in_host_memory = false;
+  int64_t resident_bytes_per_frame() const { return (frames_in_host_memory ? 0 : frame_bytes) + 8; }
   int64_t feature_bytes = 0;          // one frame's features
   int64_t feature_dim = 0;
   int64_t min_input_size = 0;
@@ -105,7 +109,7 @@ struct Breakdown {
   int64_t parameters = 0;  // parameters and norm buffers
   int64_t gradients = 0;   // .grad of trained parameters, plus partial sums in recompute
   int64_t optimizer_state = 0;
-  int64_t input_frames = 0;  // uint8 frames and labels of the videos in memory
+  int64_t input_frames = 0;  // uint8 frames (CPU) and labels of the videos in memory
   int64_t features = 0;      // per-frame features and their gradient
   int64_t activations = 0;   // per-frame terms: the chunks' saved activations
   int64_t workspace = 0;     // per-chunk constant terms: kernels' buffers, head
