@@ -505,6 +505,15 @@ const std::vector<Entry>& entries() {
                               FRAMEFIT_MEMBER(double, train.gamma), "a number", non_negative()));
     t.push_back(field<double>("train.min_lr", "cosine schedule: final learning rate",
                               FRAMEFIT_MEMBER(double, train.min_lr), "a number", non_negative()));
+    t.push_back(field<int64_t>(
+        "train.lr_batch",
+        "samples per optimizer step train.lr and train.min_lr are for; the run scales them to its "
+        "own (train.lr_scaling); 0: used as they are",
+        FRAMEFIT_MEMBER(int64_t, train.lr_batch), "an integer", at_least(0)));
+    t.push_back(choice("train.lr_scaling",
+                       "with train.lr_batch: learning rate proportional to the samples per step "
+                       "(linear, for SGD) or to its square root (sqrt, often better for Adam)",
+                       FRAMEFIT_MEMBER(std::string, train.lr_scaling), {"linear", "sqrt"}));
     t.push_back(choice("train.precision", "autocast precision; auto lets the planner choose",
                        FRAMEFIT_MEMBER(std::string, train.precision),
                        {"auto", "fp32", "bf16", "fp16"}));

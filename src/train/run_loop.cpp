@@ -209,7 +209,7 @@ class LossWatch {
   // calls diverged).
   bool diverging(double loss, int64_t step, const EventCallback& emit);
   [[noreturn]] void diverged(const std::string& checkpoint, const Config& config,
-                             engine::Precision precision) const;
+                             const RunLength& run, engine::Precision precision) const;
 
  private:
   int64_t in_a_row_ = 0;
@@ -231,14 +231,15 @@ bool LossWatch::diverging(double loss, int64_t step, const EventCallback& emit) 
   return in_a_row_ >= kInARow;
 }
 
-void LossWatch::diverged(const std::string& checkpoint, const Config& config,
+void LossWatch::diverged(const std::string& checkpoint, const Config& config, const RunLength& run,
                          engine::Precision precision) const {
   const auto& tc = config.train;
   TORCH_CHECK(false, "training diverged: the loss was not finite (NaN or infinite) in ", in_a_row_,
               " steps in a row; their updates were skipped. ", checkpoint,
               " holds the weights the last finite step left, which may already be far off: lower "
               "train.lr (now ",
-              tc.lr, ")", tc.clip_grad_norm > 0 ? "" : ", set train.clip_grad_norm (e.g. 1)",
+              tc.lr, run.lr_factor != 1 ? c10::str(", scaled to ", run.schedule.lr) : std::string(),
+              ")", tc.clip_grad_norm > 0 ? "" : ", set train.clip_grad_norm (e.g. 1)",
               precision == engine::Precision::FP16 ? ", train in bf16 or fp32 instead of fp16" : "",
               ", and resume from it or an earlier checkpoint (--resume PATH, --set for the changed "
               "keys), or start again");
@@ -259,17 +260,26 @@ bool patience_exhausted(const Config& config, int64_t stale_epochs, TrainResult&
 
 }  // namespace
 
-RunLength run_length(const TrainConfig& train, int64_t steps_per_epoch) {
+RunLength run_length(const TrainConfig& train, int64_t steps_per_epoch, int64_t samples_per_step) {
   RunLength run;
+  if (train.lr_batch > 0) {
+    // Goyal et al.'s linear scaling rule; the square root keeps Adam's update variance.
+    const double ratio =
+        static_cast<double>(samples_per_step) / static_cast<double>(train.lr_batch);
+    run.lr_factor = train.lr_scaling == "sqrt" ? std::sqrt(ratio) : ratio;
+    run.lr_note = c10::str("learning rate ", train.lr * run.lr_factor, " (train.lr ", train.lr,
+                           " is for ", train.lr_batch, " samples per step, train.lr_batch; ",
+                           samples_per_step, " per step here, scaled ", train.lr_scaling, ")");
+  }
   run.steps_per_epoch = std::max<int64_t>(1, steps_per_epoch);
   run.total_steps = train.max_steps > 0 ? train.max_steps : train.epochs * run.steps_per_epoch;
   run.epochs = (run.total_steps + run.steps_per_epoch - 1) / run.steps_per_epoch;
   run.schedule.kind = train.schedule;
-  run.schedule.lr = train.lr;
+  run.schedule.lr = train.lr * run.lr_factor;
   run.schedule.warmup = train.warmup_steps;
   run.schedule.step_size = train.step_size > 0 ? train.step_size : run.steps_per_epoch;
   run.schedule.gamma = train.gamma;
-  run.schedule.min_lr = train.min_lr;
+  run.schedule.min_lr = train.min_lr * run.lr_factor;
   return run;
 }
 
@@ -293,6 +303,7 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
     return at;
   };
   int64_t last_saved_step = resumed ? progress.step : -1;
+  if (!run.lr_note.empty() && on_event) on_event(Event::note(Event::Kind::Info, run.lr_note));
   auto save = [&](const RunPosition& at, const std::string& path, bool resumable) {
     torch::serialize::OutputArchive archive;
     hooks.write(with_time(at), archive);
@@ -351,7 +362,7 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
       }
       if (loss_watch.diverging(outcome.loss, progress.step, on_event)) {
         checkpoint(progress);
-        loss_watch.diverged(result.last_checkpoint, config, hooks.precision);
+        loss_watch.diverged(result.last_checkpoint, config, run, hooks.precision);
       }
       // A checkpoint that completes the epoch is written after its validation, below.
       if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 && !epoch.done()) {

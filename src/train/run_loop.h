@@ -31,14 +31,17 @@ struct RunPosition {
   double seconds = 0;        // training time up to this position, over every resumed run
 };
 
-// A run's length and learning-rate schedule for `steps_per_epoch` optimizer steps per epoch.
+// A run's length and learning-rate schedule for `steps_per_epoch` optimizer steps of
+// `samples_per_step` samples (videos, clips or images) each.
 struct RunLength {
   int64_t steps_per_epoch = 1;
   int64_t total_steps = 0;  // train.max_steps, else epochs x steps_per_epoch
   int64_t epochs = 0;       // epochs those steps reach into
-  Schedule schedule;
+  Schedule schedule;        // train.lr and train.min_lr times lr_factor
+  double lr_factor = 1;     // train.lr_batch's scaling to samples_per_step
+  std::string lr_note;      // what the scaling did, for the run's start; empty without one
 };
-RunLength run_length(const TrainConfig& train, int64_t steps_per_epoch);
+RunLength run_length(const TrainConfig& train, int64_t steps_per_epoch, int64_t samples_per_step);
 
 // What one optimizer step did, for its Step event and its log.jsonl record.
 struct StepOutcome {

@@ -1191,7 +1191,8 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   }
 
   const int64_t step_samples = progress.batch * tc.accumulate;
-  const auto run = run_length(tc, (train_set.samples() + step_samples - 1) / step_samples);
+  const auto run =
+      run_length(tc, (train_set.samples() + step_samples - 1) / step_samples, step_samples);
   BudgetScope budget_scope(tracker, budget);
 
   RunHooks hooks;

@@ -1074,7 +1074,8 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   }
 
   const int64_t videos = train_set.size();
-  const auto run = run_length(tc, (videos + tc.accumulate - 1) / tc.accumulate);
+  const auto run = run_length(tc, (videos + tc.accumulate - 1) / tc.accumulate,
+                              std::min<int64_t>(tc.accumulate, videos));
   BudgetScope budget_scope(tracker, budget);
 
   RunHooks hooks;

@@ -736,6 +736,44 @@ TEST(ClipTraining, AccumulatedBatchesTrainAsOneBatchOfTheirSamples) {
     test_util::remove_tree(c->train.out_dir);
 }
 
+TEST(ClipTraining, LearningRateFollowsTheSamplesPerStepWhenLrBatchIsSet) {
+  // seeds/004: a batch that changes (planned for another budget, or with accumulation) without
+  // rescaling the learning rate changes what training does. train.lr_batch names the samples per
+  // step train.lr was set for; here 3 x 2 accumulated = 6 samples per step against 4.
+  for (const std::string scaling : {"linear", "sqrt"}) {
+    auto c = clips_config("/tmp/framefit_clips_lr_batch");
+    c.train.batch = "3";
+    c.train.accumulate = 2;
+    c.train.max_steps = 2;
+    c.train.lr = 0.02;
+    c.train.lr_batch = 4;
+    c.train.lr_scaling = scaling;
+    std::vector<std::string> infos;
+    train::train(c, "", [&](const train::Event& e) {
+      if (e.kind == train::Event::Kind::Info) infos.push_back(e.message);
+    });
+    const double expected = scaling == "linear" ? 0.02 * 6 / 4 : 0.02 * std::sqrt(6.0 / 4);
+    const auto lrs = log_values(c.train.out_dir, "step", "lr");
+    ASSERT_EQ(lrs.size(), 2u);
+    for (const double lr : lrs) EXPECT_NEAR(lr, expected, 1e-12) << scaling;
+    bool told = false;
+    for (const auto& m : infos)
+      told = told || m.find(
+                         "train.lr 0.02 is for 4 samples per step, train.lr_batch; 6 per step "
+                         "here, scaled " +
+                         scaling) != std::string::npos;
+    EXPECT_TRUE(told) << scaling;
+    test_util::remove_tree(c.train.out_dir);
+  }
+  // Without it the rate is train.lr whatever the batch.
+  auto plain = clips_config("/tmp/framefit_clips_lr_plain");
+  plain.train.max_steps = 1;
+  plain.train.lr = 0.02;
+  train::train(plain);
+  EXPECT_EQ(log_values(plain.train.out_dir, "step", "lr"), std::vector<double>{0.02});
+  test_util::remove_tree(plain.train.out_dir);
+}
+
 TEST(ClipTraining, Bfloat16RunsThroughEveryLayerType) {
   // bf16 autocast hands pooling and norms the convolutions' bf16 outputs. LibTorch 1.13 has no
   // CPU bf16 kernel for 3d max pooling, and its GroupNorm wants the parameters' dtype: a clip

@@ -100,6 +100,10 @@ struct TrainConfig {
   int64_t step_size = 0;  // step schedule: steps between decays (0: one epoch)
   double gamma = 0.1;
   double min_lr = 0;               // cosine floor
+  // Samples per optimizer step that lr and min_lr were set for; > 0: both are scaled to the
+  // run's samples per step (a planned batch), linearly or by the square root (lr_scaling).
+  int64_t lr_batch = 0;
+  std::string lr_scaling = "linear";  // linear | sqrt
   std::string precision = "auto";  // auto | fp32 | bf16 | fp16
   int64_t budget = 0;              // bytes; 0: the device's free memory
   std::string chunk = "auto";      // auto | 0 (naive) | frames
