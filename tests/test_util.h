@@ -9,6 +9,7 @@
 #include <csignal>
 
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <utility>
@@ -60,6 +61,14 @@ inline std::string error_message(const std::function<void()>& f) {
     return e.what_without_backtrace();
   }
   return "";
+}
+
+// The lines of a text file (a reference's parameter names, one per line); none if it is missing.
+inline std::vector<std::string> read_lines(const std::string& path) {
+  std::ifstream file(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(file, line);) lines.push_back(line);
+  return lines;
 }
 
 // Removes a directory tree. Not std::filesystem::remove_all: with pip's LibTorch 2.11 (GPU check)

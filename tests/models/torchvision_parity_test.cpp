@@ -9,6 +9,7 @@
 #include "framefit/data/dataset.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/weights.h"
+#include "test_util.h"
 
 using namespace framefit::models;
 
@@ -32,9 +33,7 @@ class TorchvisionParity : public ::testing::TestWithParam<int64_t> {
 }  // namespace
 
 TEST_P(TorchvisionParity, SameParameterNamesInTheSameOrder) {
-  std::ifstream keys(kData + "/" + arch() + "_keys.txt");
-  std::vector<std::string> expected;
-  for (std::string line; std::getline(keys, line);) expected.push_back(line);
+  const auto expected = framefit::test_util::read_lines(kData + "/" + arch() + "_keys.txt");
   std::vector<std::string> ours;
   for (const auto& entry : state_dict(*ResNet(ResNetOptions(GetParam())))) {
     ours.push_back(entry.first);

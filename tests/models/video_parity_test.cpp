@@ -9,6 +9,7 @@
 
 #include "framefit/models/video_resnet.h"
 #include "framefit/models/weights.h"
+#include "test_util.h"
 
 using namespace framefit::models;
 
@@ -33,9 +34,7 @@ class VideoParity : public ::testing::TestWithParam<std::string> {
 }  // namespace
 
 TEST_P(VideoParity, SameParameterNamesInTheSameOrder) {
-  std::ifstream keys(file("_keys.txt"));
-  std::vector<std::string> expected;
-  for (std::string line; std::getline(keys, line);) expected.push_back(line);
+  const auto expected = framefit::test_util::read_lines(file("_keys.txt"));
   std::vector<std::string> ours;
   for (const auto& entry : state_dict(*VideoResNet(VideoResNetOptions(arch())))) {
     ours.push_back(entry.first);
