@@ -172,7 +172,13 @@ def layer_checkpointing(a, run, device):
     for mode, runs in modes.items():
         ok = [r for r in runs if "error" not in r]
         if not ok:
-            result["modes"][mode] = {"error": runs[0].get("error")}
+            first = runs[0]
+            error = first.get("error")
+            if first.get("plan_fits") is False:  # the budget is below the least plan
+                error = f"no plan fits (least predicted peak {mib(first.get('predicted_peak_bytes'))} MiB)"
+            elif first.get("plan_fits"):  # the model or the allocator's margin was wrong
+                error = f"out of memory with a plan predicted to fit: {first.get('error')}"
+            result["modes"][mode] = {"error": error}
             continue
         ratios = [r["step_seconds"] / p["step_seconds"] for r, p in zip(runs, modes["off"])
                   if "error" not in r]
@@ -180,6 +186,23 @@ def layer_checkpointing(a, run, device):
                                  "step_seconds": statistics.median(r["step_seconds"] for r in ok),
                                  "time_ratio": statistics.median(ratios),
                                  "recomputed": ok[0].get("recomputed")}
+    # The planner's CUDA margin (plan::allocator_margin_bytes): the largest batch it plans within a
+    # budget must run there, with and without expandable segments. The budget caps the caching
+    # allocator's reserved bytes; plans count allocated bytes.
+    budget = "256MiB" if a.quick else "8GiB"
+    result["largest"] = []
+    for label, alloc_env in (("default allocator", {}), ("expandable segments", env)):
+        out = run(common[:common.index("--batch")] + ["--batch", "0", "--budget", budget,
+                                                      "--checkpoint", "auto", "--repeat", "1",
+                                                      "--device", device], env=alloc_env)
+        tries = out.get("tries") or [{}]
+        result["largest"].append({"allocator": label, "budget": budget,
+                                  "error": out.get("error"),
+                                  "plan_budget_bytes": out.get("plan_budget_bytes"),
+                                  "planned_batch": out.get("planned_batch"),
+                                  "planned_batch_ran": tries[0].get("fits"),
+                                  "peak_bytes_at_planned": tries[0].get("peak_bytes"),
+                                  "largest_batch": out.get("largest_batch")})
     print("unet:", json.dumps(result), flush=True)
     return result
 
@@ -236,6 +259,20 @@ def write_markdown(out, basename, machine_line, rows, layers, model, size, chunk
             less = base["activation_bytes"] / m["activation_bytes"] if m["activation_bytes"] else 0
             lines.append(f"| {label} | {mib(m['activation_bytes'])} | {less:.2f}x | "
                          f"{m['step_seconds']:.3f} | {m['time_ratio']:.2f}x |")
+    if layers.get("largest"):
+        lines += ["", "### Largest batch within a budget (the batch planner's CUDA margin: 10%)", "",
+                  f"Input {layers['input']}, `bench-layers --batch 0 --checkpoint auto`: the planner's "
+                  "batch for the budget less the margin, run under the whole budget, then larger "
+                  "batches (or bisection below it).", "",
+                  "| allocator | budget | planned within (MiB) | planner's batch | it ran | its peak (MiB) "
+                  "| largest batch that ran |", "|---|---|---:|---:|---|---:|---:|"]
+        for r in layers["largest"]:
+            if r.get("error") and not r.get("planned_batch"):
+                lines.append(f"| {r['allocator']} | {r['budget']} | {r['error']} | | | | |")
+                continue
+            lines.append(f"| {r['allocator']} | {r['budget']} | {mib(r['plan_budget_bytes'])} | "
+                         f"{r['planned_batch']} | {'yes' if r['planned_batch_ran'] else 'no'} | "
+                         f"{mib(r['peak_bytes_at_planned'])} | {r['largest_batch']} |")
     with open(os.path.join(out, basename + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

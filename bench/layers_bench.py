@@ -116,7 +116,7 @@ def main():
             entry = {"net": net, "input": shape, "batch": int(batch), "mode": mode,
                      **{k: row.get(k) for k in ("activation_bytes", "peak_bytes",
                                                 "predicted_peak_bytes", "rss_peak_bytes",
-                                                "recomputed", "stages", "fits")}}
+                                                "recomputed", "stages", "fits", "plan_fits")}}
             if row.get("step_seconds") is not None:
                 times = [r["step_seconds"] for r in runs[mode]]
                 entry["step_seconds_rounds"] = times
@@ -191,8 +191,10 @@ def main():
             base[key] = r
         b = base[key]
         if not r.get("fits", True) or r.get("activation_bytes") is None:
+            # A step that ran out of memory with a plan predicted to fit is the model's error.
+            why = "no plan fits" if not r.get("plan_fits", False) else "out of memory, planned to fit"
             lines.append(f"| {r['net']} | {r['input']} | {r['batch']} | {r['mode']} | "
-                         f"no plan fits | | | | | no | | | |")
+                         f"{why} | | | | | no | | | |")
             continue
         recomputed = sum(e - s for s, e in r["recomputed"] or [])
         less = b["activation_bytes"] / max(1, r["activation_bytes"])

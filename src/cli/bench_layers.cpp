@@ -126,7 +126,9 @@ class Bench {
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
         result.peak_bytes = std::max(result.peak_bytes, tracker_.peak_bytes());
       }
-    } catch (const memory::OutOfMemoryError& e) {
+    } catch (const c10::Error& e) {
+      // framefit's budget error, CUDA's, or either passed on by the autograd engine.
+      if (!memory::is_out_of_memory(e)) throw;
       result.fits = false;
       result.error = e.what_without_backtrace();
     }
@@ -182,6 +184,8 @@ nlohmann::json segments_json(const std::vector<engine::ChainSegment>& segments) 
 }
 
 }  // namespace
+
+bool result_fits(const nlohmann::json& out) { return out.value("fits", true); }
 
 int run_bench_layers(const Args& args) {
   torch::manual_seed(static_cast<uint64_t>(args.integer("seed")));
@@ -261,6 +265,9 @@ int run_bench_layers(const Args& args) {
     const auto result = bench.step(batch, segments, static_cast<int>(args.integer("repeat")));
     const auto rss = memory::process_memory();
     out["batch"] = batch;
+    // Whether the plan fits by the model: a step that ran out of memory with a plan that did not
+    // is the budget being too small, one with a plan that did is the model being wrong.
+    out["plan_fits"] = budget <= 0 || predicted <= plan_budget;
     out["fits"] = result.fits;
     out["recomputed"] = segments_json(segments);
     out["predicted_peak_bytes"] = predicted;
@@ -291,10 +298,15 @@ int run_bench_layers(const Args& args) {
           memory::format_bytes(predicted),
           memory::format_bytes(out["rss_peak_bytes"].get<int64_t>()),
           out["step_seconds"].get<double>(), recomputed_stages, n);
+      if (!out["plan_fits"].get<bool>()) {
+        fmt::print("  no plan fits {} (the least predicted peak at batch {}): run anyway\n",
+                   memory::format_bytes(plan_budget), batch);
+      }
+      if (!result_fits(out)) fmt::print("  out of memory: {}\n", out.value("error", ""));
     }
     fmt::print("  {}\n", machine_info().describe());
   }
-  return out.value("fits", true) ? 0 : 2;
+  return result_fits(out) ? 0 : 2;
 }
 
 }  // namespace framefit::cli

@@ -24,6 +24,18 @@ assert auto["recomputed"], auto
 assert every["fits"] and sum(e - s for s, e in every["recomputed"]) == every["stages"], every
 print(f"bench-layers: largest batch {off['largest_batch']} -> {auto['largest_batch']} with checkpointing")
 PY
+# A fixed batch no plan fits runs its least-memory plan, says so and exits 2 (not 3: the
+# out-of-memory error comes out of autograd's backward).
+status=0
+"$framefit" bench-layers --net unet --input 3,32,32 --width 8 --depth 2 --classes 3 --batch 240 \
+  --budget 40MiB --checkpoint auto --repeat 1 --threads 1 --json > tight.json || status=$?
+[ "$status" = 2 ] || { echo "bench-layers over its budget exited $status, not 2"; exit 1; }
+"$python" - <<'PY'
+import json
+r = json.load(open("tight.json"))
+assert not r["plan_fits"] and not r["fits"] and "out of memory" in r["error"], r
+assert r["predicted_peak_bytes"] > r["plan_budget_bytes"] == r["budget_bytes"], r
+PY
 # Bad input is named.
 if "$framefit" bench-layers --net unet --input 3,30,30 --depth 2 --batch 1 2> err.txt; then
   echo "a 30x30 UNet input was accepted"; exit 1

@@ -48,10 +48,9 @@ std::vector<engine::Precision> candidate_precisions(torch::Device device);
 
 // What a batch plan leaves of a budget on `device` beyond the memory it counts. On CUDA a
 // budget caps the caching allocator's *reserved* bytes, which exceed the *allocated* bytes
-// plans count by the fragmentation of its cached segments (a UNet plan at its budget ran out of
-// memory so on an H200: bench/results/gpu.md), so batch plans leave 10% of a CUDA budget, as
-// fit()'s margin does for every chunk plan. framefit's CPU allocator enforces the budget on
-// allocated bytes: 0 there.
+// plans count by the fragmentation of its cached segments, so batch plans leave 10% of a CUDA
+// budget (the usual advice; not yet measured), as fit()'s margin does for every chunk plan.
+// framefit's CPU allocator enforces the budget on allocated bytes: 0 there.
 int64_t allocator_margin_bytes(int64_t budget_bytes, torch::Device device);
 
 // margin: the fraction of the budget kept free (0.1 = plan for 90% of it).
