@@ -183,9 +183,9 @@ nlohmann::json segments_json(const std::vector<engine::ChainSegment>& segments) 
   return out;
 }
 
-}  // namespace
-
 bool result_fits(const nlohmann::json& out) { return out.value("fits", true); }
+
+}  // namespace
 
 int run_bench_layers(const Args& args) {
   torch::manual_seed(static_cast<uint64_t>(args.integer("seed")));
