@@ -532,10 +532,12 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
   // The batch and recomputation for the probe's measured costs; `fits`: whether that batch fits.
   const auto plan_measured = [&](BatchTaskPlan p, bool& fits) {
     // Per sample of a batch: the stored samples and labels of the optimizer step's
-    // train.accumulate batches, and the float input of the batch being run.
+    // train.accumulate batches, and the float input of the batch being run. On CUDA the stored
+    // batches stay in host memory: the device holds the running batch's copy of them.
+    const int64_t stored_batches = device.is_cpu() ? p.accumulate : 1;
     const auto costs = plan::calibrate_batch(
         probe.network, random_samples(input, device), p.static_bytes,
-        stored_sample_bytes(config, input) * p.accumulate + 4 * elements(input), step_budget,
+        stored_sample_bytes(config, input) * stored_batches + 4 * elements(input), step_budget,
         device, p.precision);
     // The largest batch that fits: the plan's unless train.batch fixes it; the table's either way.
     const auto planned = plan::plan_batch(costs, step_budget, recompute);

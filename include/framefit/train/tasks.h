@@ -107,8 +107,8 @@ struct BatchTaskPlan {
   // the budget less plan::allocator_margin_bytes.
   bool cuda_budget = false;
   // Predicted peak = static (parameters, buffers, gradients, optimizer state) + inputs (stored
-  // samples and labels of the accumulated batches, the float input of one) + activations (the
-  // chain plan's); 0 when not planned.
+  // samples and labels of the accumulated batches, on CUDA only the running batch's copy of
+  // them, and the float input of one) + activations (the chain plan's); 0 when not planned.
   int64_t static_bytes = 0, input_bytes = 0, activation_bytes = 0, predicted_peak_bytes = 0;
   int64_t minimum_bytes_one_sample = 0;  // with everything recomputed
   // Validation's batch (eval mode, no grad: plan::calibrate_inference) and its predicted peak
