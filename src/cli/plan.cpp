@@ -362,28 +362,32 @@ int plan_config(const Args& args) {
   });
   const auto flags = engine::recomputed(plan.segments);
   if (args.on("json")) {
-    nlohmann::json out = {{"fits", plan.batch > 0},
-                          {"planned", plan.planned},
-                          {"batch", plan.batch},
-                          {"largest_batch", plan.largest_batch},
-                          {"samples", plan.samples},
-                          {"accumulate", plan.accumulate},
-                          {"micro_batches", plan.micro_batches},
-                          {"input", plan.input},
-                          {"precision", engine::to_string(plan.precision)},
-                          {"lean_backward", plan.lean_backward},
-                          {"recomputed_stages", std::count(flags.begin(), flags.end(), true)},
-                          {"stages", flags.size()},
-                          {"budget_bytes", plan.budget_bytes},
-                          {"step_budget_bytes", plan.step_budget_bytes},
-                          {"static_bytes", plan.static_bytes},
-                          {"input_bytes", plan.input_bytes},
-                          {"activation_bytes", plan.activation_bytes},
-                          {"predicted_peak_bytes", plan.predicted_peak_bytes},
-                          {"minimum_bytes_one_sample", plan.minimum_bytes_one_sample},
-                          {"eval_batch", plan.eval_batch},
-                          {"eval_predicted_peak_bytes", plan.eval_peak_bytes},
-                          {"machine", machine_info().describe()}};
+    nlohmann::json out = {
+        {"fits", plan.batch > 0},
+        {"planned", plan.planned},
+        {"batch", plan.batch},
+        {"largest_batch", plan.largest_batch},
+        {"samples", plan.samples},
+        {"accumulate", plan.accumulate},
+        {"micro_batches", plan.micro_batches},
+        {"input", plan.input},
+        {"precision", engine::to_string(plan.precision)},
+        {"lean_backward", plan.lean_backward},
+        {"recomputed_stages", std::count(flags.begin(), flags.end(), true)},
+        {"stages", flags.size()},
+        {"budget_bytes", plan.budget_bytes},
+        {"step_budget_bytes", plan.step_budget_bytes},
+        {"static_bytes", plan.static_bytes},
+        {"input_bytes", plan.input_bytes},
+        {"activation_bytes", plan.activation_bytes},
+        {"predicted_peak_bytes", plan.predicted_peak_bytes},
+        {"minimum_bytes_one_sample", plan.minimum_bytes_one_sample},
+        {"eval_batch", plan.eval_batch},
+        {"eval_predicted_peak_bytes", plan.eval_peak_bytes},
+        // train.lr scaled by train.lr_batch for the planned batch
+        {"learning_rate",
+         config.train.lr * train::learning_rate_factor(config.train, plan.batch * plan.accumulate)},
+        {"machine", machine_info().describe()}};
     for (const auto& row : plan.table) {
       out["table"].push_back({{"batch", row.batch},
                               {"plain_peak_bytes", row.plain_peak_bytes},
@@ -394,6 +398,8 @@ int plan_config(const Args& args) {
     fmt::print("{}\n", out.dump(2));
   } else {
     fmt::print("{}\n", plan.describe());
+    const auto rate = train::describe_learning_rate(config.train, plan.batch * plan.accumulate);
+    if (!rate.empty() && plan.batch > 0) fmt::print("  {}\n", rate);
     if (plan.largest_batch > plan.batch && plan.planned) {
       fmt::print("  the budget fits a batch of {}; the {} training samples cap it\n",
                  plan.largest_batch, plan.samples);

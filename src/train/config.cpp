@@ -4,6 +4,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -748,6 +749,21 @@ std::string to_yaml(const Config& config) {
 
 int64_t prefetch_reserve_bytes(const Config& config, int64_t budget) {
   return std::min(config.data.prefetch_bytes, budget / 4);
+}
+
+double learning_rate_factor(const TrainConfig& train, int64_t samples_per_step) {
+  if (train.lr_batch <= 0) return 1;
+  // Goyal et al.'s linear scaling rule; the square root keeps Adam's update variance.
+  const double ratio = static_cast<double>(samples_per_step) / static_cast<double>(train.lr_batch);
+  return train.lr_scaling == "sqrt" ? std::sqrt(ratio) : ratio;
+}
+
+std::string describe_learning_rate(const TrainConfig& train, int64_t samples_per_step) {
+  if (train.lr_batch <= 0) return "";
+  return c10::str("learning rate ", train.lr * learning_rate_factor(train, samples_per_step),
+                  " (train.lr ", train.lr, " is for ", train.lr_batch,
+                  " samples per step, train.lr_batch; ", samples_per_step,
+                  " per step here, scaled ", train.lr_scaling, ")");
 }
 
 int64_t step_budget_bytes(const Config& config, int64_t budget, int64_t largest_unit_bytes) {

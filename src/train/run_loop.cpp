@@ -262,15 +262,8 @@ bool patience_exhausted(const Config& config, int64_t stale_epochs, TrainResult&
 
 RunLength run_length(const TrainConfig& train, int64_t steps_per_epoch, int64_t samples_per_step) {
   RunLength run;
-  if (train.lr_batch > 0) {
-    // Goyal et al.'s linear scaling rule; the square root keeps Adam's update variance.
-    const double ratio =
-        static_cast<double>(samples_per_step) / static_cast<double>(train.lr_batch);
-    run.lr_factor = train.lr_scaling == "sqrt" ? std::sqrt(ratio) : ratio;
-    run.lr_note = c10::str("learning rate ", train.lr * run.lr_factor, " (train.lr ", train.lr,
-                           " is for ", train.lr_batch, " samples per step, train.lr_batch; ",
-                           samples_per_step, " per step here, scaled ", train.lr_scaling, ")");
-  }
+  run.lr_factor = learning_rate_factor(train, samples_per_step);
+  run.lr_note = describe_learning_rate(train, samples_per_step);
   run.steps_per_epoch = std::max<int64_t>(1, steps_per_epoch);
   run.total_steps = train.max_steps > 0 ? train.max_steps : train.epochs * run.steps_per_epoch;
   run.epochs = (run.total_steps + run.steps_per_epoch - 1) / run.steps_per_epoch;

@@ -18,7 +18,8 @@ if "$framefit" doctor --config "$source/configs/demo_segmentation.yaml" --set da
 fi
 grep -q "set data.resize to 64" doctor.txt
 # The plan train will use, before training: planned batch within the budget, in parts.
-"$framefit" plan --config "$source/configs/demo_segmentation.yaml" --json > plan.json
+"$framefit" plan --config "$source/configs/demo_segmentation.yaml" --set train.lr_batch=4 \
+  --set train.lr_scaling=sqrt --json > plan.json
 cat plan.json
 "$python" -c "
 import json
@@ -35,6 +36,9 @@ b = p['largest_batch']
 assert rows[b]['fits'] and not rows[b + 1]['fits'], rows
 assert rows[p['batch']]['planned_peak_bytes'] == p['predicted_peak_bytes'], (rows, p)
 assert all(r['planned_peak_bytes'] <= r['plain_peak_bytes'] for r in p['table']), rows
+# train.lr_batch: the rate the planned batch will train at.
+lr = 0.003 * (p['batch'] * p['accumulate'] / 4) ** 0.5
+assert abs(p['learning_rate'] - lr) < 1e-12 * lr, (p['learning_rate'], lr)
 "
 "$framefit" plan --config "$source/configs/demo_segmentation.yaml" --table > table.txt
 cat table.txt

@@ -166,6 +166,11 @@ int64_t prefetch_reserve_bytes(const Config& config, int64_t budget);
 // of it, less plan::allocator_margin_bytes for clips and segmentation.
 int64_t step_budget_bytes(const Config& config, int64_t budget, int64_t largest_unit_bytes);
 
+// The factor train.lr_batch scales train.lr and train.min_lr by for `samples_per_step` (1 when
+// it is 0), and a line saying so (empty when it is 0).
+double learning_rate_factor(const TrainConfig& train, int64_t samples_per_step);
+std::string describe_learning_rate(const TrainConfig& train, int64_t samples_per_step);
+
 // `overrides` are "key=value" (value in YAML syntax: 0.001, bf16, [a, b]).
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
 Config parse_config(const std::string& yaml_text, const std::string& source,
