@@ -851,7 +851,7 @@ std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t bud
     add(Severity::Error, "data.classes lists " + std::to_string(classes) + " classes",
         "list at least two class names in label order");
   }
-  int64_t parameters = 0, buffer_bytes = 0;
+  int64_t parameters = 0, parameter_bytes = 0, buffer_bytes = 0;
   const int64_t side = config.data.crop > 0 ? config.data.crop : config.data.resize;
   if (kind == "r3d_18" || kind == "r2plus1d_18") {
     if (!clips) {
@@ -896,14 +896,29 @@ std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t bud
                    (config.data.resize / size.size_multiple + 1) * size.size_multiple,
                    " or lower model.depth"));
     }
+  } else if (kind == "torchscript") {
+    // Its tensors as the file holds them, read into host memory: nothing runs, nothing is
+    // allocated on the device.
+    try {
+      const models::TorchScriptEncoder script(config.model.script, torch::kCPU);
+      for (const auto& p : script->parameters()) {
+        parameters += p.numel();
+        parameter_bytes += static_cast<int64_t>(p.nbytes());
+      }
+      for (const auto& b : script->buffers()) buffer_bytes += static_cast<int64_t>(b.nbytes());
+    } catch (const c10::Error& e) {
+      add(Severity::Error, e.what_without_backtrace(),
+          "set model.script to a module saved with torch.jit.save");
+      return findings;
+    }
   } else {
     add(Severity::Warning, "model.network " + kind + ": no static sizes without building it",
-        kind == "layers" ? "set model.input and run framefit doctor --config for the layer list"
-                         : "framefit plan --config measures it");
+        "set model.input and run framefit doctor --config for the layer list");
     return findings;
   }
+  if (parameter_bytes == 0) parameter_bytes = 4 * parameters;  // framefit's networks: float32
   const int64_t copies = 1 + 1 + (config.train.optimizer == "sgd" ? 1 : 2);
-  const int64_t bytes = 4 * parameters * copies + buffer_bytes;
+  const int64_t bytes = parameter_bytes * copies + buffer_bytes;
   if (static_bytes) *static_bytes = bytes;
   if (budget_bytes > 0 && bytes >= budget_bytes) {
     add(Severity::Error,

@@ -390,6 +390,30 @@ TEST(TaskConfig, DoctorChecksNamedNetworksWithoutAllocating) {
   EXPECT_EQ(tracker.allocation_count(), allocations) << "the doctor must not allocate tensors";
 }
 
+TEST(TaskConfig, DoctorReadsATorchScriptNetworksTensorsAndNamesAFileThatDoesNotLoad) {
+  auto c = train::parse_config(
+      "task: segmentation\nmodel:\n  network: torchscript\ndata:\n  classes: [bg, fg]\n"
+      "  resize: 32\ntrain:\n  optimizer: sgd\n",
+      "test");
+  const std::string path = "/tmp/framefit_doctor_script_" + std::to_string(::getpid()) + ".pt";
+  // 1,000,000 float32 weights.
+  c.model.script = test_util::write_script_module(path, {{"w", torch::zeros({1000, 1000})}},
+                                                  "def forward(self, x):\n    return x\n");
+  int64_t static_bytes = 0;
+  auto findings = train::diagnose_batch_task(c, int64_t{64} << 20, &static_bytes);
+  // Weights, gradients and SGD momentum: three copies.
+  EXPECT_EQ(static_bytes, 3 * 4'000'000);
+  EXPECT_FALSE(plan::has_errors(findings));
+  findings = train::diagnose_batch_task(c, int64_t{8} << 20);
+  ASSERT_TRUE(plan::has_errors(findings));
+  EXPECT_NE(findings.back().problem.find("1,000,000 parameters"), std::string::npos)
+      << findings.back().problem;
+  std::remove(path.c_str());
+  findings = train::diagnose_batch_task(c, 0);
+  ASSERT_TRUE(plan::has_errors(findings));
+  EXPECT_NE(findings.back().problem.find(path), std::string::npos) << findings.back().problem;
+}
+
 #ifdef FRAMEFIT_WITH_FFMPEG
 namespace {
 

@@ -131,11 +131,12 @@ std::vector<plan::Finding> diagnose_label_settings(const Config& config);
 std::vector<plan::Finding> diagnose_task_settings(const Config& config);
 
 // The doctor for a clips or segmentation config whose network is named (r3d_18, r2plus1d_18,
-// unet; layer lists have plan::diagnose_network): sizes from the options alone, nothing
-// allocated, no data read. Errors: a network that does not fit the task, a UNet whose depth does
-// not divide data.resize, frames smaller than a video ResNet's stride, static memory
-// (parameters, buffers, gradients, optimizer state) above the budget. `static_bytes` receives
-// that static memory.
+// unet, torchscript; layer lists have plan::diagnose_network): sizes from the options alone (a
+// TorchScript file's tensors read into host memory), nothing allocated on the device, no data
+// read. Errors: a network that does not fit the task, a UNet whose depth does not divide
+// data.resize, frames smaller than a video ResNet's stride, a TorchScript file that does not
+// load, static memory (parameters, buffers, gradients, optimizer state) above the budget.
+// `static_bytes` receives that static memory.
 std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t budget_bytes,
                                                int64_t* static_bytes = nullptr);
 
