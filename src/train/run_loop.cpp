@@ -238,7 +238,8 @@ void LossWatch::diverged(const std::string& checkpoint, const Config& config, co
               " steps in a row; their updates were skipped. ", checkpoint,
               " holds the weights the last finite step left, which may already be far off: lower "
               "train.lr (now ",
-              tc.lr, run.lr_factor != 1 ? c10::str(", scaled to ", run.schedule.lr) : std::string(),
+              tc.lr,
+              run.schedule.lr != tc.lr ? c10::str(", scaled to ", run.schedule.lr) : std::string(),
               ")", tc.clip_grad_norm > 0 ? "" : ", set train.clip_grad_norm (e.g. 1)",
               precision == engine::Precision::FP16 ? ", train in bf16 or fp32 instead of fp16" : "",
               ", and resume from it or an earlier checkpoint (--resume PATH, --set for the changed "
@@ -262,17 +263,17 @@ bool patience_exhausted(const Config& config, int64_t stale_epochs, TrainResult&
 
 RunLength run_length(const TrainConfig& train, int64_t steps_per_epoch, int64_t samples_per_step) {
   RunLength run;
-  run.lr_factor = learning_rate_factor(train, samples_per_step);
+  const double lr_factor = learning_rate_factor(train, samples_per_step);
   run.lr_note = describe_learning_rate(train, samples_per_step);
   run.steps_per_epoch = std::max<int64_t>(1, steps_per_epoch);
   run.total_steps = train.max_steps > 0 ? train.max_steps : train.epochs * run.steps_per_epoch;
   run.epochs = (run.total_steps + run.steps_per_epoch - 1) / run.steps_per_epoch;
   run.schedule.kind = train.schedule;
-  run.schedule.lr = train.lr * run.lr_factor;
+  run.schedule.lr = train.lr * lr_factor;
   run.schedule.warmup = train.warmup_steps;
   run.schedule.step_size = train.step_size > 0 ? train.step_size : run.steps_per_epoch;
   run.schedule.gamma = train.gamma;
-  run.schedule.min_lr = train.min_lr * run.lr_factor;
+  run.schedule.min_lr = train.min_lr * lr_factor;
   return run;
 }
 

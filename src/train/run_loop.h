@@ -37,8 +37,7 @@ struct RunLength {
   int64_t steps_per_epoch = 1;
   int64_t total_steps = 0;  // train.max_steps, else epochs x steps_per_epoch
   int64_t epochs = 0;       // epochs those steps reach into
-  Schedule schedule;        // train.lr and train.min_lr times lr_factor
-  double lr_factor = 1;     // train.lr_batch's scaling to samples_per_step
+  Schedule schedule;        // train.lr and train.min_lr, scaled for train.lr_batch
   std::string lr_note;      // what the scaling did, for the run's start; empty without one
 };
 RunLength run_length(const TrainConfig& train, int64_t steps_per_epoch, int64_t samples_per_step);
