@@ -1,15 +1,18 @@
 """The chunked step's time against framefit's naive step, measured alone and over more rounds
 than bench/step_bench.py gives it (the issue's target: <= 1.35x where naive fits). ResNet-18 +
-LSTM(512) + Linear(7), 112x112 frames, chunk 32, keep 1, fp32, framefit's default layout: the
-step benchmark's rows. Writes bench/results/step_ratio.{md,json}.
+LSTM(512) + Linear(7), 112x112 frames, chunk 32 (or the chunks given), keep 1, fp32, framefit's
+default layout: the step benchmark's rows. Writes bench/results/<name>.{md,json} (step_ratio).
 
   /usr/bin/python3 bench/step_ratio.py                       # T = 256 (7 rounds), 1024 (5)
   /usr/bin/python3 bench/step_ratio.py --lengths 256 --rounds 3
+  /usr/bin/python3 bench/step_ratio.py --lengths 1024,2048 --chunks 32,64 --name step_ratio_chunks
+  /usr/bin/python3 bench/step_ratio.py --pool   # every recorded round, no new runs
 
 Each run is its own process (`framefit bench-step`, one warm-up step, then the median of 3
-measured steps at T <= 256, 1 beyond). Within a round naive and chunked run back to back, in
-alternating order from round to round, and the round's ratio is chunked / naive; the median of
-the rounds' ratios is reported, so that drift of a shared machine between rounds cancels.
+measured steps at T <= 256, 1 beyond). Within a round naive and each chunk size run back to
+back, in alternating order from round to round, and the round's ratio is chunked / naive; the
+median of the rounds' ratios is reported, so that drift of a shared machine between rounds
+cancels.
 """
 import argparse
 import json
@@ -20,72 +23,135 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_bench import ROOT, framefit, machine, mib  # noqa: E402
 
-CHUNK = 32
+
+def recorded_rounds(out):
+    """Every recorded round's chunked / naive ratio, by (T, chunk): the step_ratio*.json files
+    and the step benchmark's framefit rows (its rounds pair by index; a naive run measured once
+    pairs with every chunked round)."""
+    pooled = {}
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name)
+        if name.startswith("step_ratio") and name.endswith(".json") and "pooled" not in name:
+            data = json.load(open(path))
+            for row in data["rows"]:
+                key = (row["T"], row.get("chunk", data.get("chunk")))
+                pooled.setdefault(key, []).extend((x, name) for x in row["ratios"])
+    for bench in sorted(n for n in os.listdir(out) if n.startswith("step_bench") and n.endswith(".json")):
+        rows = json.load(open(os.path.join(out, bench)))["rows"]
+        by_name = {(r["T"], r["name"]): r for r in rows if r.get("precision") == "fp32"}
+        for (T, name), chunked in sorted(by_name.items()):
+            naive = by_name.get((T, "framefit naive"))
+            if name != "framefit chunked" or naive is None:
+                continue
+            n, c = naive["round_seconds"], chunked["round_seconds"]
+            pairs = zip(n, c) if len(n) == len(c) else ((n[0], x) for x in c) if len(n) == 1 else []
+            pooled.setdefault((T, chunked["chunk"]), []).extend(
+                (y / x, bench) for x, y in pairs)
+    return pooled
+
+
+def pool(out):
+    pooled = recorded_rounds(out)
+    lines = [
+        "# Chunked step vs naive step: every recorded round", "",
+        "Pooled by `bench/step_ratio.py --pool` from the rounds in `bench/results/step_ratio*.json` "
+        "and `step_bench*.json` (framefit's rows; each file names its machine and its run): "
+        "ResNet-18 + LSTM(512) + Linear(7), 112x112, fp32, keep 1. Each round's ratio is chunked / "
+        "naive measured back to back; the runs are from different sessions on the same shared 2-core "
+        "machine, so the median over all of them is less at the mercy of one noisy run.", "",
+        "| T | chunk | rounds | median | range | rounds <= 1.35x | target <= 1.35x (median) | files |",
+        "|---:|---:|---:|---:|---|---:|---|---|",
+    ]
+    result = []
+    for (T, chunk), items in sorted(pooled.items()):
+        ratios = [x for x, _ in items]
+        median = statistics.median(ratios)
+        files = sorted({f for _, f in items})
+        result.append({"T": T, "chunk": chunk, "ratios": ratios, "median_ratio": median,
+                       "files": files})
+        lines.append(f"| {T} | {chunk} | {len(ratios)} | {median:.2f}x | {min(ratios):.2f}-"
+                     f"{max(ratios):.2f}x | {sum(x <= 1.35 for x in ratios)} of {len(ratios)} | "
+                     f"{'met' if median <= 1.35 else 'not met'} | {', '.join(files)} |")
+    with open(os.path.join(out, "step_ratio_pooled.json"), "w") as f:
+        json.dump({"rows": result}, f, indent=1)
+    with open(os.path.join(out, "step_ratio_pooled.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="256,1024", help="comma-separated T values")
     ap.add_argument("--rounds", type=int, help="rounds per T (default: 7 at T <= 256, else 5)")
+    ap.add_argument("--chunks", default="32", help="comma-separated chunk sizes (32: the step "
+                    "benchmark's, where the PyTorch peers are measured)")
+    ap.add_argument("--name", default="step_ratio", help="output file name, without extension")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--pool", action="store_true",
+                    help="pool every recorded round from --out (no new runs) into step_ratio_pooled")
     a = ap.parse_args()
+    if a.pool:
+        return pool(a.out)
     machine_line = machine()
     print(machine_line, flush=True)
+    chunks = [int(x) for x in a.chunks.split(",")]
     rows = []
     for T in [int(x) for x in a.lengths.split(",")]:
         steps = 3 if T <= 256 else 1
         rounds = a.rounds or (7 if T <= 256 else 5)
-        runs = {"naive": [], "chunked": []}
+        runs = {c: [] for c in [0] + chunks}  # chunk 0: naive
         for r in range(rounds):
-            order = ["naive", "chunked"] if r % 2 == 0 else ["chunked", "naive"]
-            for name in order:
-                result = framefit(T, 0 if name == "naive" else CHUNK, steps)
+            order = [0] + chunks if r % 2 == 0 else chunks[::-1] + [0]
+            for chunk in order:
+                result = framefit(T, chunk, steps)
                 if "error" in result:
-                    sys.exit(f"T={T} {name}: {result['error']}")
-                runs[name].append(result)
-            ratio = runs["chunked"][-1]["step_seconds"] / runs["naive"][-1]["step_seconds"]
-            print(f"T={T} round {r + 1}: naive {runs['naive'][-1]['step_seconds']:.2f} s, "
-                  f"chunked {runs['chunked'][-1]['step_seconds']:.2f} s, {ratio:.3f}x", flush=True)
-        ratios = [c["step_seconds"] / n["step_seconds"] for n, c in zip(runs["naive"], runs["chunked"])]
-        rows.append({
-            "T": T, "rounds": rounds, "steps": steps, "ratios": ratios,
-            "median_ratio": statistics.median(ratios),
-            "naive_seconds": [n["step_seconds"] for n in runs["naive"]],
-            "chunked_seconds": [c["step_seconds"] for c in runs["chunked"]],
-            "naive_peak_bytes": runs["naive"][0]["peak_bytes"],
-            "chunked_peak_bytes": runs["chunked"][0]["peak_bytes"],
-            "naive_rss_bytes": max(n["rss_peak_bytes"] for n in runs["naive"]),
-            "chunked_rss_bytes": max(c["rss_peak_bytes"] for c in runs["chunked"]),
-        })
+                    sys.exit(f"T={T} chunk {chunk}: {result['error']}")
+                runs[chunk].append(result)
+            naive_s = runs[0][-1]["step_seconds"]
+            print(f"T={T} round {r + 1}: naive {naive_s:.2f} s, " + ", ".join(
+                f"chunk {c} {runs[c][-1]['step_seconds']:.2f} s "
+                f"({runs[c][-1]['step_seconds'] / naive_s:.3f}x)" for c in chunks), flush=True)
+        for chunk in chunks:
+            ratios = [c["step_seconds"] / n["step_seconds"] for n, c in zip(runs[0], runs[chunk])]
+            rows.append({
+                "T": T, "chunk": chunk, "rounds": rounds, "steps": steps, "ratios": ratios,
+                "median_ratio": statistics.median(ratios),
+                "naive_seconds": [n["step_seconds"] for n in runs[0]],
+                "chunked_seconds": [c["step_seconds"] for c in runs[chunk]],
+                "naive_peak_bytes": runs[0][0]["peak_bytes"],
+                "chunked_peak_bytes": runs[chunk][0]["peak_bytes"],
+                "naive_rss_bytes": max(n["rss_peak_bytes"] for n in runs[0]),
+                "chunked_rss_bytes": max(c["rss_peak_bytes"] for c in runs[chunk]),
+            })
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "step_ratio.json"), "w") as f:
-        json.dump({"machine": machine_line, "chunk": CHUNK, "rows": rows}, f, indent=1)
+    with open(os.path.join(a.out, a.name + ".json"), "w") as f:
+        json.dump({"machine": machine_line, "chunks": chunks, "rows": rows}, f, indent=1)
     lines = [
         "# Chunked step vs naive step (framefit alone)", "",
         f"Machine: {machine_line}", "",
         "ResNet-18 + LSTM(512) + Linear(7), 112x112 frames, fp32, AdamW, BatchNorm in train mode, "
-        f"framefit's default layout; chunked: chunk {CHUNK}, keep 1 (the last chunk's graph kept, "
-        "the others recomputed). Generated by `bench/step_ratio.py`: every run its own process "
+        f"framefit's default layout; chunked: chunk {a.chunks}, keep 1 (the last chunk's graph "
+        "kept, the others recomputed). Generated by `bench/step_ratio.py`: every run its own process "
         "(one warm-up step, then the median of the measured steps); within a round naive and "
         "chunked back to back, order alternating between rounds; ratio = chunked / naive within "
         "the round, reported as the median over rounds. Peak tensor memory from the tracking "
         "allocator, peak RSS the highest of the runs.", "",
-        "| T | rounds | naive step (s), median | chunked step (s), median | chunked / naive: median "
+        "| T | chunk | rounds | naive step (s), median | chunked step (s), median | chunked / naive: median "
         "(range) | target <= 1.35x | peak tensors naive / chunked (MiB) | peak RSS naive / chunked "
         "(MiB) |",
-        "|---:|---:|---:|---:|---|---|---:|---:|",
+        "|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['T']} | {r['rounds']} | {statistics.median(r['naive_seconds']):.2f} | "
+            f"| {r['T']} | {r['chunk']} | {r['rounds']} | {statistics.median(r['naive_seconds']):.2f} | "
             f"{statistics.median(r['chunked_seconds']):.2f} | {r['median_ratio']:.2f}x "
             f"({min(r['ratios']):.2f}-{max(r['ratios']):.2f}) | "
             f"{'met' if r['median_ratio'] <= 1.35 else 'not met'} | "
             f"{mib(r['naive_peak_bytes'])} / {mib(r['chunked_peak_bytes'])} | "
             f"{mib(r['naive_rss_bytes'])} / {mib(r['chunked_rss_bytes'])} |")
     lines += ["", "Per round (chunked / naive): " + "; ".join(
-        f"T={r['T']}: " + ", ".join(f"{x:.2f}" for x in r["ratios"]) for r in rows), ""]
-    with open(os.path.join(a.out, "step_ratio.md"), "w") as f:
+        f"T={r['T']}, chunk {r['chunk']}: " + ", ".join(f"{x:.2f}" for x in r["ratios"]) for r in rows), ""]
+    with open(os.path.join(a.out, a.name + ".md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))
 
