@@ -6,13 +6,16 @@ default layout: the step benchmark's rows. Writes bench/results/<name>.{md,json}
   /usr/bin/python3 bench/step_ratio.py                       # T = 256 (7 rounds), 1024 (5)
   /usr/bin/python3 bench/step_ratio.py --lengths 256 --rounds 3
   /usr/bin/python3 bench/step_ratio.py --lengths 1024,2048 --chunks 32,64 --name step_ratio_chunks
+  /usr/bin/python3 bench/step_ratio.py --in-process --lengths 1024,2048 --name step_ratio_inprocess
   /usr/bin/python3 bench/step_ratio.py --pool   # every recorded round, no new runs
 
 Each run is its own process (`framefit bench-step`, one warm-up step, then the median of 3
 measured steps at T <= 256, 1 beyond). Within a round naive and each chunk size run back to
 back, in alternating order from round to round, and the round's ratio is chunked / naive; the
 median of the rounds' ratios is reported, so that drift of a shared machine between rounds
-cancels.
+cancels. With --in-process, one process per T and chunk runs both (`bench-step --versus-naive`:
+after a warm-up of each, naive and chunked steps alternate, order swapped every pair), so a
+round's two steps are seconds apart rather than a process apart.
 """
 import argparse
 import json
@@ -34,7 +37,7 @@ def recorded_rounds(out):
         if name.startswith("step_ratio") and name.endswith(".json") and "pooled" not in name:
             data = json.load(open(path))
             for row in data["rows"]:
-                key = (row["T"], row.get("chunk", data.get("chunk")))
+                key = (row["T"], row.get("chunk", data.get("chunk")), row.get("method", "processes"))
                 pooled.setdefault(key, []).extend((x, name) for x in row["ratios"])
     for bench in sorted(n for n in os.listdir(out) if n.startswith("step_bench") and n.endswith(".json")):
         rows = json.load(open(os.path.join(out, bench)))["rows"]
@@ -45,7 +48,7 @@ def recorded_rounds(out):
                 continue
             n, c = naive["round_seconds"], chunked["round_seconds"]
             pairs = zip(n, c) if len(n) == len(c) else ((n[0], x) for x in c) if len(n) == 1 else []
-            pooled.setdefault((T, chunked["chunk"]), []).extend(
+            pooled.setdefault((T, chunked["chunk"], "processes"), []).extend(
                 (y / x, bench) for x, y in pairs)
     return pooled
 
@@ -57,19 +60,21 @@ def pool(out):
         "Pooled by `bench/step_ratio.py --pool` from the rounds in `bench/results/step_ratio*.json` "
         "and `step_bench*.json` (framefit's rows; each file names its machine and its run): "
         "ResNet-18 + LSTM(512) + Linear(7), 112x112, fp32, keep 1. Each round's ratio is chunked / "
-        "naive measured back to back; the runs are from different sessions on the same shared 2-core "
+        "naive measured back to back, in two processes (method \"processes\") or alternating in one "
+        "(\"in-process\", `bench-step --versus-naive`); the runs are from different sessions on the same shared 2-core "
         "machine, so the median over all of them is less at the mercy of one noisy run.", "",
-        "| T | chunk | rounds | median | range | rounds <= 1.35x | target <= 1.35x (median) | files |",
-        "|---:|---:|---:|---:|---|---:|---|---|",
+        "| T | chunk | method | rounds | median | range | rounds <= 1.35x | target <= 1.35x (median) "
+        "| files |",
+        "|---:|---:|---|---:|---:|---|---:|---|---|",
     ]
     result = []
-    for (T, chunk), items in sorted(pooled.items()):
+    for (T, chunk, method), items in sorted(pooled.items()):
         ratios = [x for x, _ in items]
         median = statistics.median(ratios)
         files = sorted({f for _, f in items})
-        result.append({"T": T, "chunk": chunk, "ratios": ratios, "median_ratio": median,
+        result.append({"T": T, "chunk": chunk, "method": method, "ratios": ratios, "median_ratio": median,
                        "files": files})
-        lines.append(f"| {T} | {chunk} | {len(ratios)} | {median:.2f}x | {min(ratios):.2f}-"
+        lines.append(f"| {T} | {chunk} | {method} | {len(ratios)} | {median:.2f}x | {min(ratios):.2f}-"
                      f"{max(ratios):.2f}x | {sum(x <= 1.35 for x in ratios)} of {len(ratios)} | "
                      f"{'met' if median <= 1.35 else 'not met'} | {', '.join(files)} |")
     with open(os.path.join(out, "step_ratio_pooled.json"), "w") as f:
@@ -87,6 +92,8 @@ def main():
                     "benchmark's, where the PyTorch peers are measured)")
     ap.add_argument("--name", default="step_ratio", help="output file name, without extension")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--in-process", action="store_true",
+                    help="naive and chunked steps alternating in one process per T and chunk")
     ap.add_argument("--pool", action="store_true",
                     help="pool every recorded round from --out (no new runs) into step_ratio_pooled")
     a = ap.parse_args()
@@ -99,6 +106,24 @@ def main():
     for T in [int(x) for x in a.lengths.split(",")]:
         steps = 3 if T <= 256 else 1
         rounds = a.rounds or (7 if T <= 256 else 5)
+        if a.in_process:
+            for chunk in chunks:
+                result = framefit(T, chunk, rounds, extra=("--versus-naive",))
+                if "error" in result:
+                    sys.exit(f"T={T} chunk {chunk}: {result['error']}")
+                pairs = result["pairs"]
+                ratios = [p["chunked_seconds"] / p["naive_seconds"] for p in pairs]
+                print(f"T={T} chunk {chunk}: " + ", ".join(f"{x:.3f}x" for x in ratios), flush=True)
+                rows.append({
+                    "T": T, "chunk": chunk, "method": "in-process", "rounds": rounds, "steps": 1,
+                    "ratios": ratios, "median_ratio": statistics.median(ratios),
+                    "naive_seconds": [p["naive_seconds"] for p in pairs],
+                    "chunked_seconds": [p["chunked_seconds"] for p in pairs],
+                    # Tracked peak: the chunked steps'; RSS: the process's, naive included.
+                    "naive_peak_bytes": 0, "chunked_peak_bytes": result["peak_bytes"],
+                    "naive_rss_bytes": 0, "chunked_rss_bytes": result["rss_peak_bytes"],
+                })
+            continue
         runs = {c: [] for c in [0] + chunks}  # chunk 0: naive
         for r in range(rounds):
             order = [0] + chunks if r % 2 == 0 else chunks[::-1] + [0]

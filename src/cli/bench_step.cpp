@@ -156,13 +156,25 @@ int run_bench_step(const Args& args) {
   if (planned.replan) model.step->replan = planned.replan;
   std::vector<std::string> retries = planned.notes;
   const bool warmup = !args.on("no-warmup");
+  // --versus-naive: naive training of the same model, its steps interleaved with the chunked ones.
+  std::optional<BenchModel> naive;
+  if (args.on("versus-naive")) {
+    TORCH_CHECK(planned.settings.chunk > 0 && args.bytes("budget") == 0,
+                "--versus-naive compares a chunked step with naive training: give --chunk > 0 "
+                "and no --budget (naive training would not keep to it)");
+    Settings naive_settings = planned.settings;
+    naive_settings.chunk = 0;
+    naive.emplace(build(args, naive_settings));
+  }
   if (warmup) {
     const auto first = model.step->step({video});  // oneDNN primitives, allocator cache
     retries.insert(retries.end(), first.replans.begin(), first.replans.end());
+    if (naive) naive->step->step({video});
   }
   memory::reset_rss_peak();
   tracker.reset_peak();
   std::vector<engine::StepReport> reports;
+  std::vector<double> naive_seconds;  // --versus-naive: pair i is reports[i], naive_seconds[i]
   {
     std::optional<memory::TraceRecorder> trace;
     if (args.has("trace")) trace.emplace(tracker);
@@ -176,7 +188,10 @@ int run_bench_step(const Args& args) {
     memory::LeakDetector leaks;
     for (int64_t i = 0; i < args.integer("steps"); ++i) {
       if (trace) trace->mark("step " + std::to_string(i + 1));
+      const bool naive_first = naive && i % 2 == 1;
+      if (naive_first) naive_seconds.push_back(naive->step->step({video}).seconds);
       reports.push_back(model.step->step({video}));
+      if (naive && !naive_first) naive_seconds.push_back(naive->step->step({video}).seconds);
       if (!args.on("json")) {
         fmt::print("  step {}: {:.2f} s, {}\n", i + 1, reports.back().seconds,
                    memory::memory_line(tracker, reports.back().peak_bytes));
@@ -187,6 +202,16 @@ int run_bench_step(const Args& args) {
     }
     if (trace) trace->write(args.text("trace"));
   }
+  nlohmann::json pairs = nlohmann::json::array();
+  std::vector<double> ratios;
+  for (size_t i = 0; i < naive_seconds.size(); ++i) {
+    pairs.push_back({{"chunked_seconds", reports[i].seconds}, {"naive_seconds", naive_seconds[i]}});
+    ratios.push_back(reports[i].seconds / naive_seconds[i]);
+  }
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
   std::sort(reports.begin(), reports.end(),
             [](const auto& a, const auto& b) { return a.seconds < b.seconds; });
   auto report = reports[reports.size() / 2];  // median time
@@ -216,6 +241,11 @@ int run_bench_step(const Args& args) {
         {"loss", report.loss}, {"phases", phases}, {"retries", retries},
         {"steps", args.integer("steps")}, {"warmup", warmup},
         {"machine", machine_info().describe()}};
+    if (naive) {
+      out["naive_step_seconds"] = median(naive_seconds);
+      out["pairs"] = pairs;
+      out["ratio_median"] = median(ratios);
+    }
     fmt::print("{}\n", out.dump());
     return 0;
   }
@@ -225,6 +255,10 @@ int run_bench_step(const Args& args) {
              args.integer("size"), chunk, chunk == 0 ? "naive" : "recompute",
              args.text("precision"));
   fmt::print("  step {:.2f} s, {:.1f} frames/s, loss {:.4f}\n", report.seconds, fps, report.loss);
+  if (naive) {
+    fmt::print("  naive step {:.2f} s; chunked / naive {:.2f}x (median of {} interleaved pairs)\n",
+               median(naive_seconds), median(ratios), ratios.size());
+  }
   fmt::print("  peak tensor memory {} (tracked), peak RSS {}\n",
              memory::format_bytes(report.peak_bytes), memory::format_bytes(rss.rss_peak_bytes));
   for (const auto& [name, stats] : report.phases) {

@@ -284,6 +284,15 @@ const std::vector<Flag>& flag_table() {
        FlagType::Switch,
        "Measure the first step (for runs too long to repeat; includes one-time set-up costs).",
        ""},
+      {"versus-naive",
+       {"bench-step"},
+       FlagType::Switch,
+       "Also build the same model for naive training and alternate its steps with the chunked "
+       "ones in this process, the order swapped every pair, so that both meet the same machine "
+       "state; the result adds the naive step's time and each pair's chunked / naive ratio. Peak "
+       "tensor memory stays the chunked steps'; peak RSS covers both. Needs a chunk and no "
+       "budget.",
+       ""},
       {"no-retry",
        {"bench-step"},
        FlagType::Switch,

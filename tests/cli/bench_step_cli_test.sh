@@ -40,6 +40,23 @@ PY
     echo "ran bf16 on a float64 model"; exit 1
   fi
   grep -q "use --precision fp32 with it" err.txt
+  # --versus-naive: naive steps interleaved with the chunked ones, one pair per measured step.
+  out=$("$framefit" bench-step --model resnet18 --head lstm --frames 8 --size 32 --chunk 2 \
+    --steps 2 --versus-naive --json)
+  "$python" - "$out" <<'PY'
+import json, sys
+r = json.loads(sys.argv[1])
+assert len(r["pairs"]) == 2 and all(p["chunked_seconds"] > 0 and p["naive_seconds"] > 0
+                                    for p in r["pairs"]), r["pairs"]
+ratios = sorted(p["chunked_seconds"] / p["naive_seconds"] for p in r["pairs"])
+assert abs(r["ratio_median"] - ratios[1]) < 1e-9 and r["naive_step_seconds"] > 0, r
+print("bench-step --versus-naive: ok")
+PY
+  if "$framefit" bench-step --model resnet18 --head lstm --frames 8 --size 32 --chunk 0 \
+      --versus-naive 2>err.txt; then
+    echo "compared naive training with itself"; exit 1
+  fi
+  grep -q "give --chunk > 0" err.txt
   ;;
 exact)
   work=$4
