@@ -37,6 +37,8 @@ def recorded_rounds(out):
         if name.startswith("step_ratio") and name.endswith(".json") and "pooled" not in name:
             data = json.load(open(path))
             for row in data["rows"]:
+                if "cold switch" in row.get("method", ""):
+                    continue  # step_ratio_inprocess_cold: measures the order effect, not the ratio
                 key = (row["T"], row.get("chunk", data.get("chunk")), row.get("method", "processes"))
                 pooled.setdefault(key, []).extend((x, name) for x in row["ratios"])
     for bench in sorted(n for n in os.listdir(out) if n.startswith("step_bench") and n.endswith(".json")):
