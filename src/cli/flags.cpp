@@ -290,9 +290,8 @@ const std::vector<Flag>& flag_table() {
        "Also build the same model for naive training and alternate its steps with the chunked "
        "ones in this process, the order swapped every pair and each timed step preceded by one "
        "of its own mode, so that both meet the same machine state; the result adds the naive "
-       "step's time and each pair's chunked / naive ratio. Peak "
-       "tensor memory stays the chunked steps'; peak RSS covers both. Needs a chunk and no "
-       "budget.",
+       "step's time and each pair's chunked / naive ratio. Peak tensor memory stays the chunked "
+       "steps'; peak RSS, --trace and --profile cover both. Needs a chunk and no budget.",
        ""},
       {"no-retry",
        {"bench-step"},
