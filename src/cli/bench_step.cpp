@@ -222,10 +222,6 @@ int run_bench_step(const Args& args) {
     pairs.push_back({{"chunked_seconds", reports[i].seconds}, {"naive_seconds", naive_seconds[i]}});
     ratios.push_back(reports[i].seconds / naive_seconds[i]);
   }
-  const auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-  };
   std::sort(reports.begin(), reports.end(),
             [](const auto& a, const auto& b) { return a.seconds < b.seconds; });
   auto report = reports[reports.size() / 2];  // median time
@@ -256,9 +252,9 @@ int run_bench_step(const Args& args) {
         {"steps", args.integer("steps")}, {"warmup", warmup},
         {"machine", machine_info().describe()}};
     if (naive) {
-      out["naive_step_seconds"] = median(naive_seconds);
+      out["naive_step_seconds"] = median_of(naive_seconds);
       out["pairs"] = pairs;
-      out["ratio_median"] = median(ratios);
+      out["ratio_median"] = median_of(ratios);
     }
     fmt::print("{}\n", out.dump());
     return 0;
@@ -271,7 +267,7 @@ int run_bench_step(const Args& args) {
   fmt::print("  step {:.2f} s, {:.1f} frames/s, loss {:.4f}\n", report.seconds, fps, report.loss);
   if (naive) {
     fmt::print("  naive step {:.2f} s; chunked / naive {:.2f}x (median of {} interleaved pairs)\n",
-               median(naive_seconds), median(ratios), ratios.size());
+               median_of(naive_seconds), median_of(ratios), ratios.size());
   }
   fmt::print("  peak tensor memory {} (tracked), peak RSS {}\n",
              memory::format_bytes(report.peak_bytes), memory::format_bytes(rss.rss_peak_bytes));
@@ -281,6 +277,11 @@ int run_bench_step(const Args& args) {
   }
   fmt::print("  {}\n", machine_info().describe());
   return 0;
+}
+
+double median_of(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values.empty() ? 0.0 : values[values.size() / 2];
 }
 
 plan::ChunkTrial measure_step(const Args& args, int64_t chunk) {

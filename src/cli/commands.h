@@ -1,6 +1,7 @@
 #pragma once
 // One function per command; each returns the process exit code. Only src/cli prints.
 #include <map>
+#include <vector>
 
 #include "flags.h"
 #include "framefit/plan/planner.h"
@@ -34,5 +35,8 @@ Calibrated calibrate_for(const Args& args, const plan::PlanRequest& request);
 // One real training step (after a warm-up) with this chunk under the tracker's budget, for the
 // largest-chunk finder (bench_step.cpp).
 plan::ChunkTrial measure_step(const Args& args, int64_t chunk);
+
+// The median of timings: the upper middle one of an even count; 0 for none.
+double median_of(std::vector<double> values);
 
 }  // namespace framefit::cli

@@ -570,18 +570,14 @@ train::Prediction predict_online(train::Model& model, const torch::Tensor& frame
     probabilities.push_back(p.probabilities);
     if (p.tool_probabilities.defined()) tool_probabilities.push_back(p.tool_probabilities);
   }
-  const auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-  };
   const auto tenth = std::max<size_t>(1, seconds.size() / 10);
   const double total = std::accumulate(seconds.begin(), seconds.end(), 0.0);
   fmt::print(stderr,
              "framefit predict: online, {} pieces of {} {}: per piece median {:.3f} ms (first "
              "tenth {:.3f} ms, last tenth {:.3f} ms), {:.0f} frames/s\n",
-             seconds.size(), piece, features.defined() ? "rows" : "frames", 1e3 * median(seconds),
-             1e3 * median({seconds.begin(), seconds.begin() + tenth}),
-             1e3 * median({seconds.end() - tenth, seconds.end()}),
+             seconds.size(), piece, features.defined() ? "rows" : "frames",
+             1e3 * median_of(seconds), 1e3 * median_of({seconds.begin(), seconds.begin() + tenth}),
+             1e3 * median_of({seconds.end() - tenth, seconds.end()}),
              static_cast<double>(input.size(0)) / std::max(1e-9, total));
   train::Prediction prediction;
   prediction.labels = torch::cat(labels);
