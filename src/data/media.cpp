@@ -16,6 +16,7 @@ extern "C" {
 #include <libavformat/avformat.h>
 #include <libavutil/display.h>
 #include <libavutil/mem.h>
+#include <libavutil/opt.h>
 #include <libavutil/pixdesc.h>
 #include <libswscale/swscale.h>
 }
@@ -1223,14 +1224,22 @@ VideoWriter::VideoWriter(const std::string& path, int64_t width, int64_t height,
   // BT.601 limited range, which readers (and ours) assume for unlabelled video.
   enc->color_range = AVCOL_RANGE_MPEG;
   enc->colorspace = AVCOL_SPC_SMPTE170M;
-  // One encoder thread: with x264's automatic threading the same frames encoded to different
-  // bytes from run to run (measured: 14 of 19 demo videos), so the demo data, and what is
-  // trained on them, were not reproducible.
+  // One encoder thread: x264's automatic thread count follows the machine's cores, and the
+  // bytes follow the thread count.
   enc->thread_count = 1;
   if (codec->id == AV_CODEC_ID_MPEG4) {
     // MPEG-4's default is a low constant bitrate; a fixed quantiser keeps quality like x264's CRF.
     enc->flags |= AV_CODEC_FLAG_QSCALE;
     enc->global_quality = 3 * FF_QP2LAMBDA;
+  } else {
+    // x264's macroblock tree reads memory it never wrote when frames are small: the same frames
+    // encoded to different bytes depending on what the heap held (80x64 and 320x256 frames under
+    // glibc's MALLOC_PERTURB_, with the ffmpeg CLI too; 14 of 19 demo videos differed from run
+    // to run, decoded pixels by up to 22 levels). Without it the video is reproducible, at
+    // about 3.5x the demo's bitrate for the same quality setting.
+    err = av_opt_set(enc->priv_data, "mbtree", "0", 0);
+    TORCH_CHECK(err >= 0, s.what, ": cannot switch off ", codec->name,
+                "'s macroblock tree: ", av_error(err));
   }
   if (format->flags & AVFMT_GLOBALHEADER) enc->flags |= AV_CODEC_FLAG_GLOBAL_HEADER;
   err = avcodec_open2(enc, codec, nullptr);

@@ -5,6 +5,7 @@
 #include <array>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -610,6 +611,40 @@ TEST(VideoWriter, SolidColorsSurviveTheRoundTrip) {
           << name << " frame " << i << " color " << colors[i][0] << "," << colors[i][1] << ","
           << colors[i][2];
     }
+  }
+}
+
+// The same frames must give the same file whatever memory the writer's buffers reuse: x264 reads
+// a row's padding, which held leftovers of earlier allocations (demo videos differed run to run).
+TEST(VideoWriter, SameFramesGiveTheSameFileWhateverTheHeapHeld) {
+  REQUIRE_FFMPEG();
+  TempDir dir("video_writer_deterministic");
+  torch::manual_seed(7);
+  // Textured, moving frames, so that the encoder has decisions to make; 80 wide as the demo's.
+  const auto frames = torch::randint(0, 256, {40, 3, 64, 80}, torch::kUInt8);
+  std::vector<std::string> bytes;
+  for (const int leftover : {0x00, 0xFF, 0x5A}) {
+    // Leave freed blocks of about a frame buffer's size filled with `leftover`.
+    std::vector<void*> blocks;
+    for (size_t size = 1024; size <= (size_t{1} << 17); size += 1024) {
+      void* block = nullptr;
+      ASSERT_EQ(posix_memalign(&block, 64, size), 0);
+      std::memset(block, leftover, size);
+      blocks.push_back(block);
+    }
+    for (void* block : blocks) std::free(block);
+    const auto path = dir.file("same" + std::to_string(leftover) + ".mp4");
+    {
+      VideoWriter writer(path, 80, 64, 25);
+      for (int64_t i = 0; i < frames.size(0); ++i) writer.write(frames[i]);
+    }
+    std::ifstream file(path, std::ios::binary);
+    bytes.emplace_back(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+    ASSERT_FALSE(bytes.back().empty());
+  }
+  for (size_t i = 1; i < bytes.size(); ++i) {
+    EXPECT_TRUE(bytes[i] == bytes[0]) << "the video written after leaving other leftovers differs ("
+                                      << bytes[i].size() << " vs " << bytes[0].size() << " bytes)";
   }
 }
 
