@@ -614,8 +614,9 @@ TEST(VideoWriter, SolidColorsSurviveTheRoundTrip) {
   }
 }
 
-// The same frames must give the same file whatever memory the writer's buffers reuse: x264 reads
-// a row's padding, which held leftovers of earlier allocations (demo videos differed run to run).
+// The same frames must give the same file whatever the heap held before: x264's macroblock tree
+// read memory it never wrote, so demo videos differed from run to run. With it on, the video
+// written after the 0x5A leftovers differed here.
 TEST(VideoWriter, SameFramesGiveTheSameFileWhateverTheHeapHeld) {
   REQUIRE_FFMPEG();
   TempDir dir("video_writer_deterministic");
