@@ -639,8 +639,7 @@ TEST(VideoWriter, SameFramesGiveTheSameFileWhateverTheHeapHeld) {
       VideoWriter writer(path, 80, 64, 25);
       for (int64_t i = 0; i < frames.size(0); ++i) writer.write(frames[i]);
     }
-    std::ifstream file(path, std::ios::binary);
-    bytes.emplace_back(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+    bytes.push_back(read_bytes(path));
     ASSERT_FALSE(bytes.back().empty());
   }
   for (size_t i = 1; i < bytes.size(); ++i) {
