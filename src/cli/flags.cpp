@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <stdexcept>
 
 #include "framefit/memory/tracker.h"
 
@@ -664,6 +665,8 @@ CLI::Validator integer_at_least(int64_t min, bool or_auto = false) {
         long long v = 0;
         try {
           v = std::stoll(value, &used);
+        } catch (const std::out_of_range&) {
+          return "'" + value + "' is out of range";
         } catch (const std::exception&) {
           used = 0;
         }

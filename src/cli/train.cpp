@@ -446,8 +446,7 @@ int run_eval(const Args& args) {
     auto model = train::load_model(checkpoint, overrides);
     split = args.has("split") ? args.text("split") : model.config.data.test_split;
     const auto dataset = train::make_dataset(model.config, split, false, on_event);
-    TORCH_CHECK(dataset.size() > 0, "no videos in split \"", split, "\" of ",
-                model.config.data.manifest);
+    TORCH_CHECK(dataset.size() > 0, train::no_videos_in_split(model.config, split));
     const std::string folder = args.has("predictions") ? args.text("predictions") : "";
     if (!folder.empty()) std::filesystem::create_directories(folder);
     const auto rules = relaxed_rules.empty() ? train::RelaxedRules::General
@@ -741,7 +740,7 @@ int run_bench_data(const Args& args) {
   ProgressPrinter printer("bench-data");
   const auto dataset = train::make_dataset(config, args.text("split"), true,
                                            [&](const train::Event& e) { printer(e); });
-  TORCH_CHECK(dataset.size() > 0, "no videos in split \"", args.text("split"), "\"");
+  TORCH_CHECK(dataset.size() > 0, train::no_videos_in_split(config, args.text("split")));
   auto& tracker = memory::Tracker::cpu();
   tracker.reset_peak();
   memory::reset_rss_peak();

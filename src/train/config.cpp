@@ -4,6 +4,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -130,8 +131,9 @@ std::function<void(const std::string&, const std::string&)> auto_or_count() {
   return [](const std::string& v, const std::string& where) {
     if (v == "auto") return;
     char* end = nullptr;
+    errno = 0;  // strtoll saturates out-of-range numbers and says so only here
     const long long n = std::strtoll(v.c_str(), &end, 10);
-    TORCH_CHECK(!v.empty() && *end == '\0' && n >= 0, where,
+    TORCH_CHECK(!v.empty() && *end == '\0' && n >= 0 && errno != ERANGE, where,
                 ": expected auto or a count >= 0, got \"", v, "\"");
   };
 }

@@ -607,6 +607,15 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
   return plan;
 }
 
+// The error for a split that gave no samples.
+std::string no_samples_in_split(const Config& config, const std::string& split) {
+  if (config.task != "clips") return c10::str("no samples in split \"", split, "\"");
+  if (data::select_split(data::read_manifest(config.data.manifest), split).empty())
+    return no_videos_in_split(config, split);
+  return c10::str("no clips in split \"", split, "\" of ", config.data.manifest,
+                  ": videos shorter than one clip give none; lower data.clip_length");
+}
+
 }  // namespace
 
 bool is_batch_task(const Config& config) {
@@ -767,7 +776,7 @@ BatchModel load_batch_model(const std::string& checkpoint,
 PhaseMetrics evaluate_batch(BatchModel& model, const std::string& split,
                             const EventCallback& on_event) {
   TaskData data(model.config, split, false, on_event);
-  TORCH_CHECK(data.samples() > 0, "no samples in split \"", split, "\"");
+  TORCH_CHECK(data.samples() > 0, no_samples_in_split(model.config, split));
   return evaluate_data(model, data, on_event, model.config.data.prefetch_bytes);
 }
 
@@ -1094,7 +1103,7 @@ BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_even
   TORCH_CHECK(is_batch_task(config), "plan_batch_task is for task clips or segmentation");
   check_train_settings(config);
   TaskData data(config, config.data.train_split, true, on_event);
-  TORCH_CHECK(data.samples() > 0, "no training samples in split \"", config.data.train_split, "\"");
+  TORCH_CHECK(data.samples() > 0, no_samples_in_split(config, config.data.train_split));
   const torch::Device device(config.device);
   const int64_t budget =
       config.train.budget > 0 ? config.train.budget : memory::Tracker::of(device).available_bytes();
@@ -1119,10 +1128,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
 
   const torch::Device device(config.device);
   TaskData train_set(config, config.data.train_split, true, on_event);
-  TORCH_CHECK(
-      train_set.samples() > 0, "no training samples in split \"", config.data.train_split, "\"",
-      config.task == "clips" ? " (videos shorter than one clip give none: lower data.clip_length)"
-                             : "");
+  TORCH_CHECK(train_set.samples() > 0, no_samples_in_split(config, config.data.train_split));
   const auto val_set = validation_data(config, on_event);
   if (config.task == "clips") warn_unused_splits(config, on_event);
   info("data: " + train_set.describe() + " for training" +

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -187,6 +188,22 @@ void warn_unused_splits(const Config& config, const EventCallback& on_event) {
                                         {d.train_split, d.val_split, d.test_split});
   if (!note.empty() && on_event)
     on_event(Event::note(Event::Kind::Warning, "manifest " + d.manifest + ": " + note));
+}
+
+std::string no_videos_in_split(const Config& config, const std::string& split) {
+  const auto entries = data::read_manifest(config.data.manifest);
+  const std::string what = c10::str("split \"", split, "\" of ", config.data.manifest);
+  if (!data::select_split(entries, split).empty()) {
+    return "no usable videos in " + what + ": every one was skipped (see the warnings above)";
+  }
+  std::map<std::string, int64_t> counts;  // split -> videos
+  for (const auto& e : entries) ++counts[e.split];
+  std::vector<std::string> listed;
+  for (const auto& [name, n] : counts) {
+    listed.push_back(c10::str("\"", name, "\" (", n, n == 1 ? " video)" : " videos)"));
+  }
+  return c10::str("no videos in ", what, "; its splits are ",
+                  listed.empty() ? "none" : c10::Join(", ", listed));
 }
 
 namespace {
@@ -821,8 +838,7 @@ PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
   TORCH_CHECK(!is_batch_task(config), "plan_phases is for task phases; task ", config.task,
               " is planned by plan_batch_task");
   const auto train_set = make_dataset(config, config.data.train_split, true, on_event);
-  TORCH_CHECK(train_set.size() > 0, "no videos in split \"", config.data.train_split, "\" of ",
-              config.data.manifest);
+  TORCH_CHECK(train_set.size() > 0, no_videos_in_split(config, config.data.train_split));
   const auto step = plan_step(config, train_set, std::nullopt, [&](const std::string& message) {
     if (on_event) on_event(Event::note(Event::Kind::Info, message));
   });
@@ -877,9 +893,8 @@ std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* su
   }
   if (!train_set || train_set->size() == 0) {
     if (train_set) {
-      error(c10::str("no usable videos in split \"", config.data.train_split, "\" of ",
-                     config.data.manifest),
-            "list training videos in the manifest");
+      error(no_videos_in_split(config, config.data.train_split),
+            "set data.train_split to a split of the manifest, or list training videos in it");
     }
     return findings;
   }
@@ -922,8 +937,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
 
   const torch::Device device(config.device);
   auto train_set = make_dataset(config, config.data.train_split, true, on_event);
-  TORCH_CHECK(train_set.size() > 0, "no videos in split \"", config.data.train_split, "\" of ",
-              config.data.manifest);
+  TORCH_CHECK(train_set.size() > 0, no_videos_in_split(config, config.data.train_split));
   std::optional<data::VideoDataset> val_set;
   if (tc.validate) {
     auto candidate = make_dataset(config, config.data.val_split, false, on_event);

@@ -42,6 +42,7 @@ TEST(Flags, RejectsUnknownDuplicateAndBadValues) {
   expect_error(extract_with({"--chunk", "abc"}), "not an integer");
   expect_error(extract_with({"--chunk", "0"}), "at least 1");
   expect_error(extract_with({"--chunk", "4x"}), "not an integer");
+  expect_error(extract_with({"--chunk", "99999999999999999999"}), "out of range");
   expect_error(extract_with({"--budget", "12XB"}), "12XB");
   expect_error(extract_with({"--norm", "layer_norm"}), "layer_norm");
   expect_error(extract_with({"--model", "resnet18"}), "model");

@@ -75,6 +75,10 @@ TEST(Config, BadKeysAndValuesAreNamed) {
                 .find("train.label_smoothing: must be within [0, 1), got 1"),
             std::string::npos);
   EXPECT_NE(error("train:\n  chunk: big\n").find("train.chunk"), std::string::npos);
+  // Out of range for int64 (strtoll saturates): refused here, not later as a bare "stoll".
+  EXPECT_NE(error("", {"train.keep=99999999999999999999"})
+                .find("train.keep: expected auto or a count >= 0"),
+            std::string::npos);
   EXPECT_NE(error("train:\n  budget: 12XB\n").find("train.budget"), std::string::npos);
   EXPECT_NE(error("data:\n  classes: a\n").find("data.classes: expected a list"),
             std::string::npos);
@@ -690,6 +694,17 @@ TEST(Training, DoctorReportsEveryBadVideoOfEverySplitWithoutTraining) {
   std::string summary;
   EXPECT_FALSE(plan::has_errors(train::diagnose_phases(config, &summary)));
   EXPECT_NE(summary.find("3 training videos, the longest "), std::string::npos) << summary;
+
+  // A misspelt split: the error lists the splits the manifest has.
+  auto misspelt = config;
+  misspelt.data.train_split = "trian";
+  const auto typo = train::diagnose_phases(misspelt);
+  ASSERT_EQ(typo.size(), 1u);
+  EXPECT_NE(typo[0].problem.find("no videos in split \"trian\" of " + config.data.manifest +
+                                 "; its splits are \"test\" (1 video), \"train\" (3 videos), "
+                                 "\"val\" (1 video)"),
+            std::string::npos)
+      << typo[0].problem;
 
   // A copy of the manifest where a training video's annotation lacks its last line and the
   // validation video is missing: both reported, where training stops at the first.

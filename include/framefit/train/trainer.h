@@ -202,6 +202,10 @@ data::DataOptions data_options(const Config& config, bool training);
 data::VideoDataset make_dataset(const Config& config, const std::string& split, bool training,
                                 const EventCallback& on_event = {});
 
+// The error for a split that gave no videos: names the manifest and, when the manifest has no
+// video in that split at all (a typo), the splits it has, with their video counts.
+std::string no_videos_in_split(const Config& config, const std::string& split);
+
 // A Warning event when the manifest has videos in splits that none of data.train_split,
 // val_split and test_split names (data::unused_splits).
 void warn_unused_splits(const Config& config, const EventCallback& on_event);
