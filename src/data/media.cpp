@@ -115,6 +115,15 @@ std::string av_error(int err) {
   return buf;
 }
 
+// An error reading a file's packets, with what it means there: a packet of absurd size is what
+// a damaged header makes, and FFmpeg reports it as out of memory.
+std::string read_error(int err) {
+  if (err == AVERROR(ENOMEM)) {
+    return av_error(err) + " (a damaged packet header can ask for more memory than there is)";
+  }
+  return av_error(err);
+}
+
 struct InputDeleter {
   void operator()(AVFormatContext* p) const { avformat_close_input(&p); }
 };
@@ -596,7 +605,9 @@ struct VideoReader::State {
     int err = avformat_open_input(&raw, path.c_str(), nullptr, nullptr);
     // An MP4 cut short before its index (at the end unless written with +faststart) lands here.
     TORCH_CHECK(err >= 0, what, ": cannot open: ", av_error(err),
-                err == AVERROR_INVALIDDATA ? " (not a video, or a damaged or truncated file)" : "");
+                err == AVERROR_INVALIDDATA ? " (not a video, or a damaged or truncated file)"
+                : err == AVERROR_EOF       ? " (the file ends before its index: truncated?)"
+                                           : "");
     input.reset(raw);
     err = avformat_find_stream_info(input.get(), nullptr);
     TORCH_CHECK(err >= 0, what,
@@ -604,9 +615,18 @@ struct VideoReader::State {
     const AVCodec* codec = nullptr;
     stream = av_find_best_stream(input.get(), AVMEDIA_TYPE_VIDEO, -1, -1, &codec, 0);
     TORCH_CHECK(stream != AVERROR_STREAM_NOT_FOUND, what, ": the file has no video stream");
+    if (stream < 0 || !codec) {
+      // No decoder for any video stream (a damaged header can also name an unknown codec).
+      AVCodecID id = AV_CODEC_ID_NONE;
+      for (unsigned i = 0; i < input->nb_streams && id == AV_CODEC_ID_NONE; ++i) {
+        const AVCodecParameters* par = input->streams[i]->codecpar;
+        if (par->codec_type == AVMEDIA_TYPE_VIDEO) id = par->codec_id;
+      }
+      TORCH_CHECK(false, what, ": this FFmpeg has no decoder for its ",
+                  id == AV_CODEC_ID_NONE ? "unknown (damaged file?)" : avcodec_get_name(id),
+                  " video");
+    }
     AVStream* s = input->streams[stream];
-    TORCH_CHECK(stream >= 0 && codec, what, ": this FFmpeg has no decoder for its ",
-                avcodec_get_name(s->codecpar->codec_id), " video");
     decoder = new_codec_context(codec);
     err = avcodec_parameters_to_context(decoder.get(), s->codecpar);
     TORCH_CHECK(err >= 0, what, ": bad codec parameters: ", av_error(err));
@@ -693,7 +713,7 @@ struct VideoReader::State {
         continue;
       }
       TORCH_CHECK(err >= 0, what, ": cannot read the packet after frame ", next, ": ",
-                  av_error(err));
+                  read_error(err));
       const bool ours = packet->stream_index == stream;
       // A packet cut short by the end of the file is what a truncated file ends with; it is not
       // decoded, the frames before it are.
@@ -731,7 +751,7 @@ struct VideoReader::State {
       const int err = av_read_frame(input.get(), pkt.get());
       if (err == AVERROR_EOF) break;
       TORCH_CHECK(err >= 0, what, ": cannot read the packet after ", packets.size(),
-                  " frame packets: ", av_error(err));
+                  " frame packets: ", read_error(err));
       if (pkt->stream_index == stream) {
         const int64_t pts = pkt->pts != AV_NOPTS_VALUE ? pkt->pts : pkt->dts;
         packets.push_back({pts, pkt->duration, (pkt->flags & AV_PKT_FLAG_KEY) != 0,
@@ -819,7 +839,12 @@ struct VideoReader::State {
     if (packet->pts == AV_NOPTS_VALUE || start_pts == AV_NOPTS_VALUE || pts_step <= 0) {
       return "the data after frame " + std::to_string(next);
     }
-    return "frame " + std::to_string(std::llround((packet->pts - start_pts) / pts_step));
+    const int64_t index = std::llround((packet->pts - start_pts) / pts_step);
+    // A damaged timestamp can lie outside the stream.
+    if (index < 0 || (!info.frames_estimated && index >= info.frames)) {
+      return "the data after frame " + std::to_string(next);
+    }
+    return "frame " + std::to_string(index);
   }
 };
 

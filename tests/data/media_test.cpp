@@ -550,6 +550,39 @@ TEST(VideoReader, BadFilesAndArgumentsAreErrorsNamingTheFile) {
             "video " + cut +
                 ": cannot open: Invalid data found when processing input (not a video, or a "
                 "damaged or truncated file)");
+  // Cut inside the index (90%): FFmpeg reaches the end of the file while reading it.
+  write_bytes(cut, clip.substr(0, clip.size() * 9 / 10));
+  EXPECT_EQ(
+      test_util::error_message([&] { VideoReader reader(cut); }),
+      "video " + cut + ": cannot open: End of file (the file ends before its index: truncated?)");
+  // Damaged headers, found by fuzzing: the byte offsets are the clip's (tests/media/README.md).
+  const auto patched = [&](size_t offset, const std::string& bytes) {
+    const auto file = dir.file("patched.mp4");
+    auto damaged = clip;
+    ASSERT_LE(offset + bytes.size(), damaged.size());
+    damaged.replace(offset, bytes.size(), bytes);
+    write_bytes(file, damaged);
+  };
+  // The sample description's codec tag "avc1" at 4564 made unknown: the reader crashed (it read
+  // the stream list at the negative index FFmpeg returns when it has no decoder).
+  ASSERT_EQ(clip.substr(4564, 4), "avc1");
+  patched(4564, "zzzz");
+  EXPECT_EQ(test_util::error_message([&] { VideoReader reader(dir.file("patched.mp4")); }),
+            "video " + dir.file("patched.mp4") +
+                ": this FFmpeg has no decoder for its unknown (damaged file?) video");
+  // The first packet's size in the sample size table (at 5227) made 1 GiB: FFmpeg says out of
+  // memory, which the message explains.
+  ASSERT_EQ(clip.substr(5211, 4), "stsz");
+  patched(5227, std::string("\x3f\xff\xff\xff", 4));
+  {
+    VideoReader huge(dir.file("patched.mp4"));
+    auto frames = torch::empty({1, 3, 48, 64}, torch::kUInt8);
+    const auto message = test_util::error_message([&] { huge.read({0}, frames); });
+    EXPECT_TRUE(contains(message,
+                         ": Cannot allocate memory (a damaged packet header can ask for "
+                         "more memory than there is)"))
+        << message;
+  }
 
   const auto path = media("clip_25fps.mp4");
   VideoReader reader(path);
