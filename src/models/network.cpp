@@ -62,6 +62,12 @@ int64_t conv_dims(const std::string& t) { return t[t.size() - 2] == '3' ? 3 : 2;
 // A spatial field with one value for every dimension or one per dimension.
 std::vector<int64_t> expand(const std::vector<int64_t>& field, int64_t dims, int64_t fallback,
                             const std::string& layer, const char* what) {
+  // A stride of 0 would divide by zero in the shape inference below.
+  const int64_t minimum = std::string(what) == "padding" ? 0 : 1;
+  for (const int64_t v : field) {
+    TORCH_CHECK(v >= minimum, "layer ", layer, ": ", what, " must be at least ", minimum, ", got [",
+                c10::Join(", ", field), "]");
+  }
   if (field.empty()) return std::vector<int64_t>(dims, fallback);
   if (field.size() == 1) return std::vector<int64_t>(dims, field[0]);
   TORCH_CHECK(static_cast<int64_t>(field.size()) == dims, "layer ", layer, ": ", what, " has ",

@@ -12,6 +12,7 @@
 #include "framefit/models/weights.h"
 #include "framefit/plan/doctor.h"
 #include "framefit/train/config.h"
+#include "test_util.h"
 
 using namespace framefit;
 using models::LayerSpec;
@@ -488,6 +489,27 @@ TEST(Network, BadLayerListsAreNamed) {
 
   EXPECT_THROW(models::infer_shapes({{"softmax"}}, {3, 5, 5}), c10::Error);
   EXPECT_THROW(models::infer_shapes({{"relu", "a"}, {"relu", "a"}}, {3, 5, 5}), c10::Error);
+
+  // A stride of 0 divided by zero (SIGFPE) before it was checked; found by fuzzing configs.
+  layers = {{"conv2d", "c"}};
+  layers[0].out = 4;
+  layers[0].stride = {0};
+  EXPECT_EQ(test_util::error_message([&] {
+              models::infer_shapes(layers, {3, 5, 5});
+            }),
+            "layer c: stride must be at least 1, got [0]");
+  LayerSpec pool{"maxpool", "p"};
+  pool.kernel = {2, 0};
+  EXPECT_EQ(test_util::error_message([&] {
+              models::infer_shapes({pool}, {3, 5, 5});
+            }),
+            "layer p: kernel must be at least 1, got [2, 0]");
+  layers[0].stride = {};
+  layers[0].padding = {-1};
+  EXPECT_EQ(test_util::error_message([&] {
+              models::infer_shapes(layers, {3, 5, 5});
+            }),
+            "layer c: padding must be at least 0, got [-1]");
 }
 
 TEST(Network, WindowsFollowPyTorchIncludingWhereTheyDoNotFit) {
