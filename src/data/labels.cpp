@@ -41,6 +41,12 @@ std::ifstream open_for_reading(const std::string& path, const char* what) {
   return in;
 }
 
+// A NUL byte means a binary or damaged file, and would cut every message quoting the line short.
+void check_text(const std::string& line, const std::string& where) {
+  TORCH_CHECK(line.find('\0') == std::string::npos, where,
+              ": holds a NUL byte: not a text file, or a damaged one");
+}
+
 std::string trim(const std::string& s) {
   const auto begin = s.find_first_not_of(" \t\r\n");
   if (begin == std::string::npos) return "";
@@ -113,6 +119,7 @@ std::vector<int64_t> read_phase_annotations(const std::string& path, const Class
       fields >> frame_text >> phase >> extra;
     }
     const std::string where = path + ":" + std::to_string(line_number);
+    check_text(line, where);
     if (layout == Layout::Unknown) {
       layout = phase.empty() ? Layout::LabelPerLine : Layout::Numbered;
       if (frame_text == "Frame") continue;  // Cholec80's header
@@ -198,6 +205,7 @@ ToolAnnotations read_tool_annotations(const std::string& path,
     std::vector<std::string> fields;
     for (std::string f; stream >> f;) fields.push_back(f);
     const std::string where = path + ":" + std::to_string(line_number);
+    check_text(line, where);
     if (columns.empty()) {
       TORCH_CHECK(fields.size() >= 2 && fields[0] == "Frame", where,
                   ": expected a header `Frame<TAB><tool><TAB>...` naming the tools, got \"", text,
@@ -277,10 +285,12 @@ std::vector<VideoEntry> read_manifest(const std::string& path) {
   std::map<std::string, size_t> column;
   size_t columns = 0;
   std::vector<VideoEntry> entries;
+  std::map<std::string, int64_t> first_line;  // video name -> its line
   while (std::getline(in, line)) {
     ++line_number;
     if (trim(line).empty() || trim(line)[0] == '#') continue;
     const std::string where = path + ":" + std::to_string(line_number);
+    check_text(line, where);
     const auto fields = split_csv(line, where);
     if (column.empty()) {
       for (size_t i = 0; i < fields.size(); ++i) {
@@ -327,6 +337,12 @@ std::vector<VideoEntry> read_manifest(const std::string& path) {
     };
     entry.fps = rate("fps");
     entry.labels_fps = rate("labels_fps");
+    // Outputs (predictions, features, metrics) are named by video; a line given twice would also
+    // train its video twice as often.
+    const auto first = first_line.emplace(entry.name, line_number);
+    TORCH_CHECK(first.second, where, ": a second video named \"", entry.name,
+                "\" (the first is on line ", first.first->second,
+                "); give each video its own `name`");
     entries.push_back(std::move(entry));
   }
   TORCH_CHECK(!column.empty(), "manifest ", path,

@@ -163,6 +163,21 @@ TEST_F(DataTest, ManifestResolvesPathsAndNamesBadLines) {
   EXPECT_NE(error("video,labels,labels_fps\na,b,x\n").find("bad.csv:2: labels_fps \"x\""),
             std::string::npos);
   EXPECT_NE(error("").find("empty"), std::string::npos);
+  // Found by fuzzing: a repeated line trained its video twice as often without a word, and a NUL
+  // byte cut the path (and every message quoting it) short.
+  EXPECT_EQ(error("video,labels\na/v.mp4,l1\nb.mp4,l2\nb/v.mp4,l3\n"),
+            dir_ +
+                "/bad.csv:4: a second video named \"v\" (the first is on line 2); give each "
+                "video its own `name`");
+  EXPECT_EQ(error(std::string("video,labels\nv.mp\0"
+                              "4,l1\n",
+                              23)),
+            dir_ + "/bad.csv:2: holds a NUL byte: not a text file, or a damaged one");
+  const auto nul = write("nul.txt", std::string("0\ta\n1\t\0\n", 8));
+  EXPECT_EQ(test_util::error_message([&] {
+              data::read_phase_annotations(nul, data::ClassList({"a", "b"}));
+            }),
+            nul + ":2: holds a NUL byte: not a text file, or a damaged one");
 
   // A UTF-8 byte-order mark (spreadsheet exports, Windows editors) and CRLF line ends are read
   // as plain text, in manifests and annotation files alike.
