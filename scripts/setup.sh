@@ -10,7 +10,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libtorch-dev libopenblas0-pthread libgloo-dev
   libavformat-dev libavcodec-dev libswscale-dev libavutil-dev ffmpeg
-  libcli11-dev libyaml-cpp-dev nlohmann-json3-dev libfmt-dev libspdlog-dev
+  libcli11-dev libyaml-cpp-dev nlohmann-json3-dev libfmt-dev libspdlog-dev libzip-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-torch python3-torchvision python3-matplotlib python3-pil python3-numpy
 )

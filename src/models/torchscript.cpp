@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "framefit/core/errors.h"
+
 namespace framefit::models {
 
 namespace {
@@ -17,9 +19,8 @@ TorchScriptEncoderImpl::TorchScriptEncoderImpl(const std::string& path, torch::D
     : path_(path) {
   try {
     module_ = torch::jit::load(path, device);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "TorchScript encoder ", path, ": cannot load it (",
-                e.what_without_backtrace(),
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "TorchScript encoder ", path, ": cannot load it (", error_text(e),
                 "). Save it in Python with torch.jit.save(torch.jit.script(model), path)");
   }
   register_state();
@@ -30,9 +31,8 @@ TorchScriptEncoderImpl::TorchScriptEncoderImpl(std::istream& in, const std::stri
     : path_(name) {
   try {
     module_ = torch::jit::load(in, device);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "TorchScript encoder ", name, ": cannot load it (",
-                e.what_without_backtrace(), ")");
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "TorchScript encoder ", name, ": cannot load it (", error_text(e), ")");
   }
   register_state();
 }

@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 #include <unistd.h>
+#include <zip.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -399,6 +400,7 @@ ValuePtr unpickle_file(const std::string& path) {
     TORCH_CHECK(false, "'", path, "' is not a torch.save zip archive (", e.what_without_backtrace(),
                 "). Save weights with torch.save(model.state_dict(), path) from PyTorch >= 1.6.");
   }
+  check_archive(path, "'" + path + "'");
   TORCH_CHECK(archive->hasRecord("data.pkl"), "'", path, "' is a zip archive without data.pkl: "
               "a TorchScript module? Save its state_dict() with torch.save instead.");
   StateUnpickler unpickler(*archive, path);
@@ -451,6 +453,39 @@ void write_file_atomically(const std::string& path,
   if (dir >= 0) {
     ::fsync(dir);  // the rename itself
     ::close(dir);
+  }
+}
+
+void check_archive(const std::string& path, const std::string& what) {
+  {
+    char magic[4] = {};
+    std::ifstream(path, std::ios::binary).read(magic, sizeof magic);
+    if (std::memcmp(magic, "PK\x03\x04", sizeof magic) != 0) return;
+  }
+  int code = 0;
+  std::unique_ptr<zip_t, decltype(&zip_discard)> archive(zip_open(path.c_str(), ZIP_RDONLY, &code),
+                                                         &zip_discard);
+  if (!archive) {
+    zip_error_t error;
+    zip_error_init_with_code(&error, code);
+    const std::string text = zip_error_strerror(&error);
+    zip_error_fini(&error);
+    TORCH_CHECK(false, what, " is damaged: ", text);
+  }
+  std::vector<char> buffer(1 << 20);
+  const zip_int64_t entries = zip_get_num_entries(archive.get(), 0);
+  for (zip_int64_t i = 0; i < entries; ++i) {
+    const char* name = zip_get_name(archive.get(), i, 0);
+    const std::string entry = name ? name : "#" + std::to_string(i);
+    std::unique_ptr<zip_file_t, decltype(&zip_fclose)> file(zip_fopen_index(archive.get(), i, 0),
+                                                            &zip_fclose);
+    TORCH_CHECK(file, what, " is damaged: its entry ", entry, ": ", zip_strerror(archive.get()));
+    // Reading to the end is what compares the CRC-32.
+    zip_int64_t n = 0;
+    while ((n = zip_fread(file.get(), buffer.data(), buffer.size())) > 0) {
+    }
+    TORCH_CHECK(n == 0, what, " is damaged: its entry ", entry, ": ",
+                zip_file_strerror(file.get()));
   }
 }
 

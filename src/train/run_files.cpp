@@ -16,6 +16,7 @@
 #include <sstream>
 #include <thread>
 
+#include "framefit/core/errors.h"
 #include "framefit/models/torchscript.h"
 #include "framefit/models/weights.h"
 
@@ -125,12 +126,13 @@ Config read_config(torch::serialize::InputArchive& archive, const std::string& p
 torch::serialize::InputArchive open_archive(const std::string& path) {
   struct stat info {};
   TORCH_CHECK(::stat(path.c_str(), &info) == 0, "checkpoint ", path, ": no such file");
+  models::check_archive(path, "checkpoint " + path);
   torch::serialize::InputArchive archive;
   try {
     archive.load_from(path);
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     TORCH_CHECK(false, "checkpoint ", path,
-                " cannot be read (damaged or not a checkpoint): ", e.what_without_backtrace());
+                " cannot be read (damaged or not a checkpoint): ", error_text(e));
   }
   return archive;
 }

@@ -416,13 +416,28 @@ class FeatureCache {
 
 // What the cached features depend on: the model, the data and how frames are sampled and
 // transformed, the precision they were computed in - not the optimizer or the schedule.
-std::string feature_fingerprint(const Config& config, engine::Precision precision) {
+// The files too, by size and modification time: the cache is kept by position in the data set,
+// so a manifest edited or a video replaced under the same config would otherwise be given the
+// features of what was there before.
+std::string feature_fingerprint(const Config& config, engine::Precision precision,
+                                const std::vector<const data::VideoDataset*>& sets) {
   Config key = config;
   key.train = TrainConfig{};
   key.data.workers = 0;
   key.data.prefetch_bytes = 0;
   key.data.on_error.clear();
-  return to_yaml(key) + "# precision " + engine::to_string(precision) + "\n";
+  std::string files;
+  const auto stamp = [&](const std::string& path) {
+    std::error_code no_size, no_time;  // a frame folder has no size; a missing file neither
+    const auto size = std::filesystem::file_size(path, no_size);
+    const auto time = std::filesystem::last_write_time(path, no_time).time_since_epoch().count();
+    files += c10::str("# ", path, " ", no_size ? 0 : size, " ", no_time ? 0 : time, "\n");
+  };
+  for (const auto* set : sets) {
+    for (int64_t v = 0; set && v < set->size(); ++v) stamp(set->entry(v).video);
+  }
+  if (!config.model.weights.empty()) stamp(config.model.weights);
+  return to_yaml(key) + "# precision " + engine::to_string(precision) + "\n" + files;
 }
 
 // Frames' features for inference: the encoder in eval mode, model.chunk frames at a time, in the
@@ -1051,7 +1066,8 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
           "the encoder trains nothing: with data.augment false its features would be computed "
           "once and the head trained on them in later epochs");
     } else {
-      const auto fingerprint = feature_fingerprint(config, progress.settings.precision);
+      const auto fingerprint = feature_fingerprint(config, progress.settings.precision,
+                                                   {&train_set, val_set ? &*val_set : nullptr});
       feature_cache.emplace(out_dir + "/feature_cache", fingerprint);
       if (val_set) val_feature_cache.emplace(out_dir + "/feature_cache/validation", fingerprint);
       options.return_features = true;

@@ -175,6 +175,38 @@ TEST(Weights, BadFilesGetClearErrors) {
   std::remove(garbage.c_str());
 }
 
+// A copy of `from` at `to` with the byte at `offset` (from the end where negative) changed.
+void write_damaged_copy(const std::string& from, const std::string& to, int64_t offset) {
+  std::ifstream in(from, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto at =
+      static_cast<size_t>(offset < 0 ? static_cast<int64_t>(bytes.size()) + offset : offset);
+  ASSERT_LT(at, bytes.size());
+  bytes[at] = static_cast<char>(bytes[at] ^ 0x10);
+  std::ofstream(to, std::ios::binary) << bytes;
+}
+
+TEST(Weights, DamagedArchiveIsAnErrorNotWrongNumbers) {
+  // LibTorch's zip reader skips the CRC-32s, so one changed byte in a tensor's data loaded as a
+  // wrong weight without a word; check_archive compares them.
+  const auto path = temp_path("crc.pt");
+  write_state_dict({{"w", torch::arange(4096, torch::kFloat32)}}, path);
+  EXPECT_EQ(read_state_dict(path)[0].second[100].item<float>(), 100);
+  const auto damaged = temp_path("crc_damaged.pt");
+  // The data (16 KiB) ends a little before the central directory and its end record.
+  write_damaged_copy(path, damaged, 8000);
+  auto message = framefit::test_util::error_message([&] { read_state_dict(damaged); });
+  EXPECT_EQ(message, "'" + damaged + "' is damaged: its entry archive/data/0: CRC error");
+  // The same for a file torch.save wrote in Python, whose records are named after the file.
+  write_damaged_copy(std::string(FRAMEFIT_SOURCE_DIR) + "/tests/media/ordered_dict_state.pt",
+                     damaged, 1000);
+  message = framefit::test_util::error_message([&] { read_state_dict(damaged); });
+  EXPECT_EQ(message,
+            "'" + damaged + "' is damaged: its entry ordered_dict_state/data/0: CRC error");
+  std::remove(path.c_str());
+  std::remove(damaged.c_str());
+}
+
 TEST(Weights, CommittedOrderedDictFileLoads) {
   // Written by torch.save(model.state_dict(), path) with PyTorch 1.13 (an OrderedDict with
   // _metadata and per-tensor hook OrderedDicts): the case LibTorch's own reader cannot read.

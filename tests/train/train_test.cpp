@@ -6,6 +6,7 @@
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -571,6 +572,18 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
   // The checkpoint stores the module: it loads without the file.
   std::remove(config.model.script.c_str());
   auto model = train::load_model(config.train.out_dir + "/checkpoints/step_00000006.pt");
+  // A damaged copy is refused (LibTorch's reader would have loaded it with a wrong weight).
+  {
+    std::ifstream in(config.train.out_dir + "/checkpoints/step_00000006.pt", std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 1);
+    const auto damaged = config.train.out_dir + "/damaged.pt";
+    std::ofstream(damaged, std::ios::binary) << bytes;
+    const auto message = test_util::error_message([&] { train::load_model(damaged); });
+    EXPECT_NE(message.find("checkpoint " + damaged + " is damaged: its entry "), std::string::npos)
+        << message;
+    EXPECT_NE(message.find(": CRC error"), std::string::npos) << message;
+  }
   const auto test_set = train::make_dataset(model.config, "test", false);
   ASSERT_EQ(test_set.size(), 1);
   const auto metrics = train::evaluate(model, test_set);
@@ -844,6 +857,25 @@ TEST(Training, FrozenEncoderFeaturesAreCachedAndTrainTheHeadAsRecomputedOnes) {
   train::train(rest, "auto");
   EXPECT_TRUE(identical(weights(train::load_model(cached.train.out_dir + last)),
                         weights(train::load_model(stopped.train.out_dir + last))));
+  // The cache is kept by position in the data set, so a video file that changed since (here only
+  // its time) starts it afresh; one that did not keeps it.
+  auto changed = frozen("/tmp/framefit_feature_cache_changed", "auto");
+  changed.train.max_steps = 4;
+  train::train(changed);
+  const auto sentinel = changed.train.out_dir + "/feature_cache/sentinel";
+  std::ofstream(sentinel) << "kept";
+  changed.train.max_steps = 5;
+  train::train(changed, "auto");
+  EXPECT_TRUE(std::filesystem::exists(sentinel));
+  const auto video = data::read_manifest(changed.data.manifest).at(0).video;
+  const auto time = std::filesystem::last_write_time(video);
+  std::filesystem::last_write_time(video, time + std::chrono::hours(1));
+  changed.train.max_steps = 6;
+  train::train(changed, "auto");
+  std::filesystem::last_write_time(video, time);
+  EXPECT_FALSE(std::filesystem::exists(sentinel));
+  test_util::remove_tree(changed.train.out_dir);
+
   // With augmentation each epoch's frames differ: nothing is cached.
   auto augmented = frozen("/tmp/framefit_feature_cache_augmented", "auto");
   augmented.data.augment = true;

@@ -31,6 +31,12 @@ using ByteSink = std::function<void(const void* data, size_t size)>;
 void write_file_atomically(const std::string& path,
                            const std::function<void(const ByteSink& sink)>& produce);
 
+// Reads every entry of the zip archive `path` (torch.save's format, and framefit's checkpoints)
+// and checks it against the CRC-32 its writer stored. LibTorch's reader skips that check, so a
+// damaged file would otherwise load with wrong numbers. The readers here call it; an error names
+// `what` and the damaged entry. A file that is not a zip archive is left to its reader.
+void check_archive(const std::string& path, const std::string& what);
+
 // A single tensor saved with torch.save(tensor, path), and the reverse.
 torch::Tensor read_tensor(const std::string& path);
 void write_tensor(const torch::Tensor& tensor, const std::string& path);
