@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds framefit against the CUDA LibTorch of the python3 on PATH (a GPU machine's PyTorch)
 # and runs the fast tests, the CUDA ones included. No Debian packages are needed there: FFmpeg is
-# left out, GoogleTest is built from its source tree, and the other libraries come from copies of
+# left out (and libzip, so .pt files are read without their CRC-32 check), GoogleTest is built
+# from its source tree, and the other libraries come from copies of
 # Debian's files under prefixes in $FRAMEFIT_DEPS (default .device):
 #   googletest/  /usr/src/googletest (source)
 #   json/        /usr/include/nlohmann and /usr/share/cmake/nlohmann_json (include/, share/cmake/)
@@ -26,7 +27,7 @@ fi
 # PyTorch's wheels ship their own, newer fmt headers, which torch's include path puts first: fmt
 # is compiled header-only so that no fmt library has to match them.
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \
-  -DCMAKE_CXX_FLAGS=-DFMT_HEADER_ONLY=1 -DCMAKE_CXX_STANDARD=20 -DFRAMEFIT_BUILD_CLI=$cli -DFRAMEFIT_WITH_FFMPEG=OFF \
+  -DCMAKE_CXX_FLAGS=-DFMT_HEADER_ONLY=1 -DCMAKE_CXX_STANDARD=20 -DFRAMEFIT_BUILD_CLI=$cli -DFRAMEFIT_WITH_FFMPEG=OFF -DFRAMEFIT_WITH_LIBZIP=OFF \
   -DFRAMEFIT_GTEST_SOURCE_DIR="$deps/googletest" -DCMAKE_PREFIX_PATH="$prefixes"
 # -k 0: one build shows every error at once (GPU time is short).
 cmake --build "$build" --parallel "$(nproc)" --target "${targets[@]}" -- -k 0

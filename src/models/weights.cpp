@@ -6,7 +6,9 @@
 
 #include <fcntl.h>
 #include <unistd.h>
+#if FRAMEFIT_WITH_LIBZIP
 #include <zip.h>
+#endif
 
 #include <cerrno>
 #include <cstdio>
@@ -457,6 +459,10 @@ void write_file_atomically(const std::string& path,
 }
 
 void check_archive(const std::string& path, const std::string& what) {
+#if !FRAMEFIT_WITH_LIBZIP
+  (void)path;
+  (void)what;
+#else
   {
     char magic[4] = {};
     std::ifstream(path, std::ios::binary).read(magic, sizeof magic);
@@ -487,6 +493,7 @@ void check_archive(const std::string& path, const std::string& what) {
     TORCH_CHECK(n == 0, what, " is damaged: its entry ", entry, ": ",
                 zip_file_strerror(file.get()));
   }
+#endif
 }
 
 StateDict read_state_dict(const std::string& path) {

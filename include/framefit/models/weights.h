@@ -34,7 +34,8 @@ void write_file_atomically(const std::string& path,
 // Reads every entry of the zip archive `path` (torch.save's format, and framefit's checkpoints)
 // and checks it against the CRC-32 its writer stored. LibTorch's reader skips that check, so a
 // damaged file would otherwise load with wrong numbers. The readers here call it; an error names
-// `what` and the damaged entry. A file that is not a zip archive is left to its reader.
+// `what` and the damaged entry. A file that is not a zip archive is left to its reader. Built
+// without libzip (FRAMEFIT_WITH_LIBZIP off, as scripts/cuda_check.sh builds), it checks nothing.
 void check_archive(const std::string& path, const std::string& what);
 
 // A single tensor saved with torch.save(tensor, path), and the reverse.
