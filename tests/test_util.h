@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <string>
 #include <utility>
 #include <vector>
@@ -108,6 +109,15 @@ inline void make_tiny_demo(const std::string& dir, int64_t min_frames, int64_t m
   o.height = 32;
   o.frame_folders = false;
   data::make_demo(dir, o);
+}
+
+// A file's bytes, and the reverse.
+inline std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+inline void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
 }
 
 }  // namespace framefit::test_util

@@ -46,13 +46,8 @@ struct TempDir {
   std::string file(const std::string& name) const { return path + "/" + name; }
 };
 
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
+using test_util::read_bytes;
+using test_util::write_bytes;
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;

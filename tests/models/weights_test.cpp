@@ -177,13 +177,12 @@ TEST(Weights, BadFilesGetClearErrors) {
 
 // A copy of `from` at `to` with the byte at `offset` (from the end where negative) changed.
 void write_damaged_copy(const std::string& from, const std::string& to, int64_t offset) {
-  std::ifstream in(from, std::ios::binary);
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto bytes = framefit::test_util::read_bytes(from);
   const auto at =
       static_cast<size_t>(offset < 0 ? static_cast<int64_t>(bytes.size()) + offset : offset);
   ASSERT_LT(at, bytes.size());
   bytes[at] = static_cast<char>(bytes[at] ^ 0x10);
-  std::ofstream(to, std::ios::binary) << bytes;
+  framefit::test_util::write_bytes(to, bytes);
 }
 
 TEST(Weights, DamagedArchiveIsAnErrorNotWrongNumbers) {

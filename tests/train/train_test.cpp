@@ -575,11 +575,10 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
 #if FRAMEFIT_WITH_LIBZIP
   // A damaged copy is refused (LibTorch's reader would have loaded it with a wrong weight).
   {
-    std::ifstream in(config.train.out_dir + "/checkpoints/step_00000006.pt", std::ios::binary);
-    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto bytes = test_util::read_bytes(config.train.out_dir + "/checkpoints/step_00000006.pt");
     bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 1);
     const auto damaged = config.train.out_dir + "/damaged.pt";
-    std::ofstream(damaged, std::ios::binary) << bytes;
+    test_util::write_bytes(damaged, bytes);
     const auto message = test_util::error_message([&] { train::load_model(damaged); });
     EXPECT_NE(message.find("checkpoint " + damaged + " is damaged: its entry "), std::string::npos)
         << message;
