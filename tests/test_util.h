@@ -1,5 +1,6 @@
 #pragma once
 // Helpers shared by the test files.
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/script.h>
 
@@ -52,6 +53,21 @@ class FileSizeLimit {
  private:
   rlimit saved_{};
   void (*handler_)(int) = nullptr;
+};
+
+// LibTorch's intra-op threads for the scope's lifetime. ctest gives each test one thread
+// (OMP_NUM_THREADS=1, tests/CMakeLists.txt); a test of what several threads do asks for them.
+class IntraOpThreads {
+ public:
+  explicit IntraOpThreads(int threads) : saved_(at::get_num_threads()) {
+    at::set_num_threads(threads);
+  }
+  ~IntraOpThreads() { at::set_num_threads(saved_); }
+  IntraOpThreads(const IntraOpThreads&) = delete;
+  IntraOpThreads& operator=(const IntraOpThreads&) = delete;
+
+ private:
+  int saved_;
 };
 
 // The message of the c10::Error that `f` throws (without backtrace), or "" if it throws none.

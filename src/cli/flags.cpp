@@ -340,7 +340,8 @@ const std::vector<Flag>& flag_table() {
       {"threads",
        with({"extract", "bench-layers"}, step),
        FlagType::Int,
-       "Compute threads; 0 = all cores.",
+       "Compute threads (LibTorch's and OpenBLAS's); 0 = $OMP_NUM_THREADS if set, else all "
+       "cores.",
        "0",
        false,
        {},
@@ -610,7 +611,8 @@ const std::vector<Flag>& flag_table() {
       {"threads",
        {"make-demo", "train", "eval", "predict", "export", "bench-data"},
        FlagType::Int,
-       "Compute threads; 0 = all cores.",
+       "Compute threads (LibTorch's and OpenBLAS's); 0 = $OMP_NUM_THREADS if set, else all "
+       "cores.",
        "0",
        false,
        {},

@@ -5,8 +5,10 @@
 #include <torch/cuda.h>
 #include <torch/version.h>
 
+#include <dlfcn.h>
 #include <malloc.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -16,9 +18,8 @@ namespace framefit {
 
 namespace {
 void read_cpuinfo(std::string& model, std::string& flags) {
-  static const std::set<std::string> interesting = {"avx2",        "fma",      "avx512f",
-                                                    "avx512_bf16", "avx512_vnni", "amx_bf16",
-                                                    "amx_tile",    "f16c"};
+  static const std::set<std::string> interesting = {
+      "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "f16c"};
   std::ifstream cpuinfo("/proc/cpuinfo");
   std::string line;
   while (std::getline(cpuinfo, line)) {
@@ -36,13 +37,43 @@ void read_cpuinfo(std::string& model, std::string& flags) {
     }
   }
 }
+
+// OpenMP's own convention, so that a caller running several processes side by side (ctest -j,
+// a job scheduler) can give each its share of the cores without a flag for every command.
+int threads_from_environment(int all_cores) {
+  const char* text = std::getenv("OMP_NUM_THREADS");
+  if (text == nullptr) return all_cores;
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  return end != text && *end == '\0' && value > 0 && value <= 4096 ? static_cast<int>(value)
+                                                                   : all_cores;
+}
+
+// LibTorch sizes only OpenMP's pool. Debian's LibTorch does its matrix products in OpenBLAS,
+// which keeps a pool of its own sized from the environment or all cores; the two pools then
+// spin against each other on the same cores, and `--threads 1` would not mean one thread.
+// Looked up at run time: another BLAS (MKL in CUDA builds, the reference BLAS) has no such call.
+void set_blas_threads(int threads) {
+  using SetThreads = void (*)(int);
+  if (const auto set =
+          reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
+    set(threads);
+}
+
+int blas_threads() {
+  using GetThreads = int (*)();
+  const auto get = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return get != nullptr ? get() : 0;
+}
 }  // namespace
 
 std::string MachineInfo::describe() const {
   std::ostringstream out;
   out << "cpu: " << (cpu_model.empty() ? "unknown" : cpu_model) << "; cores: " << cores
-      << "; threads: " << threads << "; flags: " << (cpu_flags.empty() ? "-" : cpu_flags)
-      << "; libtorch " << torch_version << (cuda_available ? " (cuda available)" : " (cpu)");
+      << "; threads: " << threads
+      << (blas_threads > 0 ? " (OpenBLAS: " + std::to_string(blas_threads) + ")" : "")
+      << "; flags: " << (cpu_flags.empty() ? "-" : cpu_flags) << "; libtorch " << torch_version
+      << (cuda_available ? " (cuda available)" : " (cpu)");
   return out.str();
 }
 
@@ -50,6 +81,7 @@ MachineInfo machine_info() {
   MachineInfo info;
   info.cores = static_cast<int>(std::thread::hardware_concurrency());
   info.threads = at::get_num_threads();
+  info.blas_threads = blas_threads();
   read_cpuinfo(info.cpu_model, info.cpu_flags);
   info.torch_version = TORCH_VERSION;
   info.cuda_available = torch::cuda::is_available();
@@ -65,8 +97,10 @@ MachineInfo configure_runtime(const RuntimeOptions& options) {
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  const int threads = options.threads > 0 ? options.threads : std::max(1, cores);
+  const int threads =
+      options.threads > 0 ? options.threads : threads_from_environment(std::max(1, cores));
   if (at::get_num_threads() != threads) at::set_num_threads(threads);
+  set_blas_threads(threads);
   return machine_info();
 }
 

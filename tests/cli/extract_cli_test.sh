@@ -6,7 +6,7 @@ mkdir -p "$work"
 "$python" "$reference" make "$work" >/dev/null
 "$python" "$reference" frames "$work/frames.pt" 20 64 64
 "$framefit" extract --model resnet18 --weights "$work/resnet18.pt" --input "$work/frames.pt" \
-  --output "$work/features.pt" --chunk 6 --budget 1GiB --threads 2
+  --output "$work/features.pt" --chunk 6 --budget 1GiB
 "$python" "$reference" check-features resnet18 "$work/resnet18.pt" "$work/frames.pt" \
   "$work/features.pt"
 
@@ -14,9 +14,9 @@ mkdir -p "$work"
 # whose features are those of the same frames extracted from every frame.
 clip="$(dirname "$0")/../media/clip_25fps.mp4"
 "$framefit" extract --model resnet18 --weights "$work/resnet18.pt" --video "$clip" \
-  --output "$work/every.pt" --chunk 16 --threads 2 > /dev/null
+  --output "$work/every.pt" --chunk 16 > /dev/null
 "$framefit" extract --model resnet18 --weights "$work/resnet18.pt" --video "$clip" \
-  --sample-fps 5 --output "$work/sampled.pt" --chunk 4 --threads 2 > /dev/null
+  --sample-fps 5 --output "$work/sampled.pt" --chunk 4 > /dev/null
 "$python" -c "
 import torch
 every, sampled = torch.load('$work/every.pt'), torch.load('$work/sampled.pt')

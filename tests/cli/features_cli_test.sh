@@ -8,7 +8,7 @@ rm -rf "$work" && mkdir -p "$work/features"
 "$framefit" make-demo --out "$work/demo" --train-videos 2 --val-videos 1 --test-videos 0 >/dev/null
 for name in video01 video02 video03; do
   "$framefit" extract --model resnet18 --video "$work/demo/videos/$name.mp4" --resize 32 \
-    --crop 32 --chunk 64 --threads 2 --output "$work/features/$name.pt" >/dev/null
+    --crop 32 --chunk 64 --output "$work/features/$name.pt" >/dev/null
 done
 "$python" -c "
 import numpy as np, torch

@@ -6,7 +6,7 @@ framefit=$1 python=$2 work=$3
 rm -rf "$work" && mkdir -p "$work" && cd "$work"
 export FRAMEFIT_CACHE_DIR="$work/cache"
 # Small frames and a light head and optimizer, so activations matter against the parameters.
-shape=(--model resnet18 --head linear --optimizer sgd --norm group_norm --groups 8 --threads 2)
+shape=(--model resnet18 --head linear --optimizer sgd --norm group_norm --groups 8)
 model=("${shape[@]}" --size 64)
 
 # Plan with plenty of memory: fits; JSON has the documented fields; the calibration is cached.

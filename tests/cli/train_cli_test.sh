@@ -17,7 +17,7 @@ expect_error() {
 }
 
 "$framefit" make-demo --out demo --train-videos 3 --val-videos 1 --test-videos 1 \
-  --min-frames 40 --max-frames 60 --threads 2 > make.txt
+  --min-frames 40 --max-frames 60 > make.txt
 test -f demo/manifest.csv && test -f demo/manifest_frames.csv && test -f demo/videos/video05.mp4
 test "$(ls demo/frames/video01 | wc -l)" -eq "$(($(wc -l < demo/labels/video01.txt) - 1))"
 
@@ -45,10 +45,10 @@ if [ "$mode" = tiny ]; then
   # The demo drawn with tools and configs/demo_tools.yaml: two steps, then eval scores the tools
   # (10 annotated frames per 250-frame video).
   "$framefit" make-demo --out demo_tools --tools --train-videos 2 --val-videos 0 --test-videos 1 \
-    --min-frames 250 --max-frames 250 --no-frame-folders --threads 2 > make_tools.txt
+    --min-frames 250 --max-frames 250 --no-frame-folders > make_tools.txt
   grep -q "tools: \[Clip, Probe\]" make_tools.txt || { cat make_tools.txt; fail "make-demo --tools"; }
   test -f demo_tools/tools/video03-tool.txt
-  "$framefit" train --config "$(dirname "$0")/../../configs/demo_tools.yaml" --threads 2 \
+  "$framefit" train --config "$(dirname "$0")/../../configs/demo_tools.yaml" \
     --set train.max_steps=2 --set train.validate=false --set data.resize=32 --set data.crop=32 \
     --set train.out_dir=run_tools > train_tools.txt 2>&1 || { cat train_tools.txt; fail "tools run"; }
   "$framefit" eval --checkpoint run_tools/best.pt --set data.test_split=train > eval_tools.txt
@@ -57,7 +57,7 @@ fi
 
 if [ "$mode" = resume ]; then
   # Checkpoint every step; slow enough (64 px frames) that the kill lands mid-run.
-  common=(--config tiny.yaml --threads 2 --set train.checkpoint_every=1 --set train.epochs=4
+  common=(--config tiny.yaml --set train.checkpoint_every=1 --set train.epochs=4
           --set data.resize=64 --set data.crop=56 --set model.head=tcn --set train.chunk=8)
   "$framefit" train "${common[@]}" --set train.out_dir=straight > straight.txt 2>&1
   "$framefit" train "${common[@]}" --set train.out_dir=killed > killed.txt 2>&1 &
@@ -119,7 +119,7 @@ fi
 settings=$(sed -n 2p plan.txt | sed 's/^ *//')
 test -n "$settings" || fail "no settings line in plan.txt"
 # Train; the JSON result names the checkpoints; the log has steps and epochs.
-"$framefit" train --config tiny.yaml --threads 2 --json > train.json 2> train.err
+"$framefit" train --config tiny.yaml --json > train.json 2> train.err
 grep -qF "plan: $settings, predicted peak" train.err \
   || { cat plan.txt train.err; fail "train ran other settings than plan --config printed"; }
 test -f run/best.pt && test -f run/config.yaml && test -s run/log.jsonl

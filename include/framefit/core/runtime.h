@@ -6,21 +6,23 @@
 namespace framefit {
 
 struct RuntimeOptions {
-  int threads = 0;  // 0 = all cores (LibTorch alone may report 1 until told)
+  int threads = 0;  // 0 = $OMP_NUM_THREADS if set, else all cores
 };
 
 struct MachineInfo {
   int cores = 0;
-  int threads = 0;           // intra-op threads LibTorch will use
-  std::string cpu_model;     // from /proc/cpuinfo
-  std::string cpu_flags;     // the ones that matter for LibTorch: avx2, avx512f, avx512_bf16, amx
+  int threads = 0;        // intra-op threads LibTorch will use
+  int blas_threads = 0;   // OpenBLAS's own pool for matrix products (0: another BLAS)
+  std::string cpu_model;  // from /proc/cpuinfo
+  std::string cpu_flags;  // the ones that matter for LibTorch: avx2, avx512f, avx512_bf16, amx
   std::string torch_version;
   bool cuda_available = false;
   std::string describe() const;  // one line for logs and benchmark headers
 };
 
-// Sets LibTorch's intra-op threads and keeps glibc from returning freed heap memory to the
-// kernel after every step (the trim/mmap thresholds); idempotent. Returns what it set.
+// Sets LibTorch's intra-op threads (and OpenBLAS's, to the same count) and keeps glibc from
+// returning freed heap memory to the kernel after every step (the trim/mmap thresholds);
+// idempotent. Returns what it set.
 MachineInfo configure_runtime(const RuntimeOptions& options = {});
 
 MachineInfo machine_info();
