@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include "framefit/models/weights.h"
@@ -37,7 +40,9 @@ size_t value_of(const std::string& header, const std::string& key, const std::st
 
 // The tensor type of a NumPy type string ('<f4'); little-endian only, as x86 and ARM write.
 torch::ScalarType scalar_type_of(const std::string& descr, const std::string& path) {
-  TORCH_CHECK(descr.size() >= 3, "features file ", path, ": unknown .npy type '", descr, "'");
+  TORCH_CHECK(descr.size() >= 3 && descr.size() <= 4 &&
+                  descr.find_first_not_of("0123456789", 2) == std::string::npos,
+              "features file ", path, ": unknown .npy type '", descr, "'");
   const char order = descr[0], kind = descr[1];
   const int size = std::atoi(descr.c_str() + 2);
   TORCH_CHECK(order != '>' || size == 1, "features file ", path, ": big-endian data ('", descr,
@@ -60,6 +65,9 @@ torch::ScalarType scalar_type_of(const std::string& descr, const std::string& pa
 NpyHeader read_npy_header(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in.good(), "features file ", path, ": cannot open");
+  std::error_code error;
+  const auto file_bytes = static_cast<int64_t>(std::filesystem::file_size(path, error));
+  TORCH_CHECK(!error, "features file ", path, ": cannot read its size: ", error.message());
   char magic[8];
   in.read(magic, sizeof magic);
   TORCH_CHECK(in.gcount() == 8 && std::memcmp(magic, "\x93NUMPY", 6) == 0, "features file ", path,
@@ -75,10 +83,16 @@ NpyHeader read_npy_header(const std::string& path) {
   TORCH_CHECK(in.gcount() == length_bytes, "features file ", path, ": truncated .npy header");
   const uint32_t length = length_field[0] | (length_field[1] << 8) | (length_field[2] << 16) |
                           (static_cast<uint32_t>(length_field[3]) << 24);
+  // Checked before allocating: a damaged length field can say 4 GiB.
+  TORCH_CHECK(8 + length_bytes + static_cast<int64_t>(length) <= file_bytes, "features file ", path,
+              ": truncated .npy header (", length, " bytes said, ", file_bytes - 8 - length_bytes,
+              " in the file)");
   std::string header(length, '\0');
   in.read(header.data(), length);
   TORCH_CHECK(in.gcount() == static_cast<std::streamsize>(length), "features file ", path,
               ": truncated .npy header");
+  // The padding (spaces and a newline) is not shown in messages.
+  header.erase(header.find_last_not_of(" \n\r\t") + 1);
 
   NpyHeader result;
   result.data_offset = 8 + length_bytes + length;
@@ -89,7 +103,7 @@ NpyHeader read_npy_header(const std::string& path) {
   const auto end = header.find(header[at], at + 1);
   TORCH_CHECK(end != std::string::npos, "features file ", path, ": malformed .npy header");
   result.descr = header.substr(at + 1, end - at - 1);
-  scalar_type_of(result.descr, path);  // checked here, where the header is read
+  const auto type = scalar_type_of(result.descr, path);  // checked where the header is read
 
   at = value_of(header, "fortran_order", path);
   result.fortran_order = header.compare(at, 4, "True") == 0;
@@ -114,10 +128,29 @@ NpyHeader read_npy_header(const std::string& path) {
       TORCH_CHECK(std::all_of(item.begin(), item.end(),
                               [](char c) { return std::isdigit(static_cast<unsigned char>(c)); }),
                   "features file ", path, ": malformed shape in its .npy header: ", header);
-      result.shape.push_back(std::stoll(item));
+      errno = 0;
+      const long long dim = std::strtoll(item.c_str(), nullptr, 10);
+      TORCH_CHECK(errno == 0, "features file ", path,
+                  ": a dimension out of range in its .npy header: ", header);
+      result.shape.push_back(dim);
     }
     begin = comma + 1;
   }
+
+  // The data's size from the shape, before anything is allocated for it: a damaged shape can
+  // ask for terabytes, and a file shorter or longer than its shape says is damaged.
+  uint64_t data_bytes = c10::elementSize(type);
+  bool overflow = false;
+  for (const int64_t dim : result.shape)
+    overflow =
+        overflow || __builtin_mul_overflow(data_bytes, static_cast<uint64_t>(dim), &data_bytes);
+  const int64_t stored = file_bytes - result.data_offset;
+  const bool short_data = overflow || static_cast<uint64_t>(stored) < data_bytes;
+  TORCH_CHECK(!overflow && data_bytes == static_cast<uint64_t>(stored), "features file ", path,
+              short_data ? ": truncated: " : ": damaged: ", stored,
+              " bytes of data where its header's shape ", torch::IntArrayRef(result.shape), " of '",
+              result.descr, "' needs ", overflow ? "more than 2^64" : std::to_string(data_bytes),
+              short_data ? "" : " (the file is longer than its header says)");
   return result;
 }
 
@@ -132,7 +165,7 @@ torch::Tensor read_npy(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   in.seekg(header.data_offset);
   in.read(static_cast<char*>(tensor.data_ptr()), bytes);
-  TORCH_CHECK(in.gcount() == bytes, "features file ", path, ": truncated: ", in.gcount(),
+  TORCH_CHECK(in.gcount() == bytes, "features file ", path, ": changed while read: ", in.gcount(),
               " bytes of data where its header's shape ", torch::IntArrayRef(header.shape), " of '",
               header.descr, "' needs ", bytes);
   if (header.fortran_order) {

@@ -186,7 +186,9 @@ TEST_F(DataTest, ManifestResolvesPathsAndNamesBadLines) {
   ASSERT_EQ(with_bom.size(), 1u);
   EXPECT_EQ(with_bom[0].name, "v");
   EXPECT_EQ(with_bom[0].labels, dir_ + "/l.txt");
-  const auto annotations = write("bom.txt", "\xEF\xBB\xBF" "Frame\tPhase\r\n0\tb\r\n1\ta\r\n");
+  const auto annotations = write("bom.txt",
+                                 "\xEF\xBB\xBF"
+                                 "Frame\tPhase\r\n0\tb\r\n1\ta\r\n");
   EXPECT_EQ(data::read_phase_annotations(annotations, data::ClassList({"a", "b"})),
             (std::vector<int64_t>{1, 0}));
 }
@@ -678,7 +680,11 @@ TEST(Prefetch, VideoThatRanOutOfMemoryInAWorkerIsDecodedAgainNotCalledBad) {
                     return engine::Video{torch::full({1}, 0), torch::zeros({1}, torch::kLong), "0"};
                   },
                   100});
-  jobs.push_back({[&]() -> engine::Video { out_of_memory(); return {}; }, 100});
+  jobs.push_back({[&]() -> engine::Video {
+                    out_of_memory();
+                    return {};
+                  },
+                  100});
   data::Prefetcher prefetcher(std::move(jobs), 1, 100);
   EXPECT_EQ(prefetcher.next().name, "0");
   EXPECT_EQ(attempts.load(), 2);
@@ -924,6 +930,56 @@ TEST(Features, NpyFilesReadAsNumPyWroteThem) {
   EXPECT_NE(e.find("frame.png: not a NumPy .npy file"), std::string::npos) << e;
   e = error(dir + "missing.npy");
   EXPECT_NE(e.find("missing.npy: cannot open"), std::string::npos) << e;
+}
+
+TEST(Features, DamagedNpyHeadersAreNamedBeforeAnythingIsAllocated) {
+  // From a byte-changing run over .npy headers: a damaged shape asked for 37 GiB (or overflowed,
+  // or ended in a bare `stoll`) before the data's size was compared with the file's.
+  const std::string dir = "/tmp/framefit_npy_headers/";
+  std::filesystem::create_directories(dir);
+  const auto write = [&](const std::string& name, const std::string& text, size_t data_bytes,
+                         uint32_t said_length = 0) {
+    std::string header = text + std::string(63 - (10 + text.size()) % 64, ' ') + "\n";
+    const uint32_t length = said_length > 0 ? said_length : static_cast<uint32_t>(header.size());
+    std::string bytes = "\x93NUMPY";
+    bytes += '\x01';
+    bytes += '\x00';
+    bytes += static_cast<char>(length & 0xff);
+    bytes += static_cast<char>(length >> 8 & 0xff);
+    test_util::write_bytes(dir + name, bytes + header + std::string(data_bytes, '\0'));
+    return test_util::error_message([&] { data::read_npy(dir + name); });
+  };
+  const auto with_shape = [](const std::string& shape) {
+    return "{'descr': '<f4', 'fortran_order': False, 'shape': " + shape + ", }";
+  };
+  EXPECT_EQ(write("fine.npy", with_shape("(3, 4)"), 48), "");
+  auto e = write("big.npy", with_shape("(100000000, 100)"), 48);
+  EXPECT_NE(e.find("big.npy: truncated: 48 bytes of data where its header's shape [100000000, "
+                   "100] of '<f4' needs 40000000000"),
+            std::string::npos)
+      << e;
+  e = write("overflow.npy", with_shape("(4294967296, 4294967296)"), 48);
+  EXPECT_NE(e.find("needs more than 2^64"), std::string::npos) << e;
+  e = write("long.npy", with_shape("(99999999999999999999, 4)"), 48);
+  EXPECT_NE(e.find("long.npy: a dimension out of range in its .npy header: {'descr'"),
+            std::string::npos)
+      << e;
+  EXPECT_EQ(e.find("   "), std::string::npos) << "the header's padding is shown: " << e;
+  e = write("extra.npy", with_shape("(3, 4)"), 100);
+  EXPECT_NE(e.find("extra.npy: damaged: 100 bytes of data where its header's shape [3, 4] of "
+                   "'<f4' needs 48 (the file is longer than its header says)"),
+            std::string::npos)
+      << e;
+  e = write("length.npy", with_shape("(3, 4)"), 48, 0xffff);
+  EXPECT_NE(e.find("length.npy: truncated .npy header (65535 bytes said, 166 in the file)"),
+            std::string::npos)
+      << e;
+  e = write("type.npy", "{'descr': '<f4x', 'fortran_order': False, 'shape': (3, 4), }", 48);
+  EXPECT_NE(e.find("type.npy: unknown .npy type '<f4x'"), std::string::npos) << e;
+  // The shape alone (as training plans) checks the size too.
+  e = test_util::error_message([&] { data::feature_file_shape(dir + "big.npy"); });
+  EXPECT_NE(e.find("big.npy: truncated"), std::string::npos) << e;
+  test_util::remove_tree(dir);
 }
 
 TEST(Features, LayoutSaysWhichAxisIsTime) {

@@ -17,11 +17,11 @@ struct NpyHeader {
   bool fortran_order = false;
   int64_t data_offset = 0;  // bytes before the data
 };
-// Reads and checks the header only (versions 1.0, 2.0 and 3.0). Errors name the file and say
-// what is wrong: not a .npy file, a structured or big-endian type, a malformed header.
+// Reads and checks the header (versions 1.0, 2.0 and 3.0), and that the file holds as many
+// bytes of data as its shape says, no more, no fewer. Errors name the file and say what is
+// wrong: not a .npy file, a structured or big-endian type, a malformed header, a truncated file.
 NpyHeader read_npy_header(const std::string& path);
 // The whole array as a tensor of its own type (float16/32/64, int8..64, uint8, bool), C order.
-// A file shorter than its header says is an error, not garbage.
 torch::Tensor read_npy(const std::string& path);
 
 // How a features file's two axes are ordered: time first ([T,D], framefit extract), features
