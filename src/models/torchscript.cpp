@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "framefit/core/errors.h"
+#include "framefit/models/weights.h"
 
 namespace framefit::models {
 
@@ -17,6 +18,7 @@ std::string registered_name(std::string name) {
 
 TorchScriptEncoderImpl::TorchScriptEncoderImpl(const std::string& path, torch::Device device)
     : path_(path) {
+  check_archive(path, "TorchScript encoder " + path);  // LibTorch's loader skips the CRC-32s
   try {
     module_ = torch::jit::load(path, device);
   } catch (const std::exception& e) {

@@ -6,6 +6,8 @@
 #include <fstream>
 #include <map>
 
+#include "test_util.h"
+
 #include "framefit/engine/chunked.h"
 #include "framefit/models/torchscript.h"
 #include "framefit/models/weights.h"
@@ -75,6 +77,28 @@ TEST_F(TorchScript, ChunkedEngineGradientsEqualNaive) {
   for (size_t i = 0; i < naive.size(); ++i) {
     EXPECT_TRUE(torch::allclose(chunked[i], naive[i], 1e-10, 1e-12)) << "parameter " << i;
   }
+}
+
+TEST(TorchScriptErrors, DamagedFileIsAnErrorNotWrongWeights) {
+#if !FRAMEFIT_WITH_LIBZIP
+  GTEST_SKIP() << "built without libzip: archives are not checked";
+#endif
+  // torch::jit::load skips the zip's CRC-32s: one changed byte of a weight loaded without a word.
+  const std::string path = "/tmp/framefit_damaged_script.pt";
+  test_util::write_script_module(path, {{"w", torch::full({256}, 1.5f)}},
+                                 "def forward(self, x):\n  return x * self.w.sum()\n");
+  EXPECT_EQ(models::TorchScriptEncoder(path)->named_state()[0].second[7].item<float>(), 1.5f);
+  auto bytes = test_util::read_bytes(path);
+  const std::string one_and_a_half("\x00\x00\xc0\x3f", 4);
+  const auto at = bytes.find(one_and_a_half + one_and_a_half);
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + 2] = '\x40';  // 1.5 becomes 3.0
+  test_util::write_bytes(path, bytes);
+  const auto e = test_util::error_message([&] { models::TorchScriptEncoder encoder(path); });
+  EXPECT_NE(e.find("TorchScript encoder " + path + " is damaged: its entry"), std::string::npos)
+      << e;
+  EXPECT_NE(e.find("CRC error"), std::string::npos) << e;
+  std::remove(path.c_str());
 }
 
 TEST(TorchScriptErrors, MissingOrBadFileIsNamed) {
