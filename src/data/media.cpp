@@ -960,9 +960,9 @@ void VideoReader::read(const std::vector<int64_t>& indices, torch::Tensor out,
 // ---------------------------------------------------------------------------------------------
 // Images
 
-std::pair<int64_t, int64_t> image_size(const std::string& path) {
+std::pair<int64_t, int64_t> image_size(const std::string& path, const std::string& role) {
   quiet_ffmpeg();
-  const std::string what = "image " + path;
+  const std::string what = role + " " + path;
   const auto bytes = read_file(path, what);
   switch (image_codec(bytes)) {
     case AV_CODEC_ID_MJPEG: {
@@ -1357,7 +1357,7 @@ void VideoReader::read(const std::vector<int64_t>&, torch::Tensor, const FrameWi
 }
 VideoReader::FrameTimes VideoReader::frame_times() { no_ffmpeg(); }
 
-std::pair<int64_t, int64_t> image_size(const std::string&) { no_ffmpeg(); }
+std::pair<int64_t, int64_t> image_size(const std::string&, const std::string&) { no_ffmpeg(); }
 void read_image(const std::string&, torch::Tensor, const FrameWindow&) { no_ffmpeg(); }
 torch::Tensor read_label_image(const std::string&) { no_ffmpeg(); }
 void write_image(const std::string&, const torch::Tensor&, int) { no_ffmpeg(); }

@@ -74,7 +74,7 @@ SegmentationDataset::SegmentationDataset(const std::string& images_dir,
     TORCH_CHECK(m != masks.end(), "segmentation data: image ", image, " has no mask named ",
                 stem + suffix, " in ", masks_dir);
     const auto image_hw = image_size(image);
-    const auto mask_hw = image_size(m->second);
+    const auto mask_hw = image_size(m->second, "mask");
     TORCH_CHECK(image_hw == mask_hw, "segmentation data: image ", image, " is ", image_hw.second,
                 "x", image_hw.first, " but its mask ", m->second, " is ", mask_hw.second, "x",
                 mask_hw.first);

@@ -861,6 +861,12 @@ TEST_F(DataTest, SegmentationImagesAndMasks) {
   EXPECT_TRUE(data::SegmentationDataset(images, masks, options).mask(0).equal(blocks));
   std::remove((masks + "/s0.jpg").c_str());
   options.values.clear();
+  // A damaged mask is called a mask, not an image (the size check read it as one).
+  test_util::write_bytes(masks + "/s0.png", "");
+  EXPECT_NE(test_util::error_message([&] {
+              data::SegmentationDataset(images, masks, options);
+            }).find("mask " + masks + "/s0.png: the file is empty"),
+            std::string::npos);
   data::write_image(masks + "/s0.png", truth[0].to(torch::kUInt8).unsqueeze(0).repeat({3, 1, 1}));
   // Masks named as their image plus a suffix (ISIC: ISIC_0000000_segmentation.png).
   const auto suffixed = dir_ + "/suffixed";

@@ -16,8 +16,8 @@ struct VideoInfo {
   // The container has no frame count (Matroska, WebM): `frames` is an estimate, and
   // VideoReader::frame_times counts them.
   bool frames_estimated = false;
-  double fps = 0;      // average frame rate
-  int64_t width = 0;   // as displayed: after `rotation`
+  double fps = 0;     // average frame rate
+  int64_t width = 0;  // as displayed: after `rotation`
   int64_t height = 0;
   std::string codec;  // e.g. "h264"
   // Counterclockwise quarter turns (0, 90, 180, 270 degrees) the container's display matrix asks
@@ -106,8 +106,9 @@ class VideoReader {
 };
 
 // Size of an image file {height, width}: read from the header of a JPEG or PNG (so a file whose
-// pixels are damaged still has a size), by decoding for other formats.
-std::pair<int64_t, int64_t> image_size(const std::string& path);
+// pixels are damaged still has a size), by decoding for other formats. Errors call the file
+// `role` ("image", "mask").
+std::pair<int64_t, int64_t> image_size(const std::string& path, const std::string& role = "image");
 
 // Decodes an image file (JPEG, PNG, BMP, WebP, TIFF or GIF, recognised by its first bytes; alpha is
 // dropped) into `out` (uint8 [3,H,W], contiguous), resizing to out's H and W (or to `window`'s
