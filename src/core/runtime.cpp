@@ -50,9 +50,9 @@ int threads_from_environment(int all_cores) {
 }
 
 // LibTorch sizes only OpenMP's pool. Debian's LibTorch does its matrix products in OpenBLAS,
-// which keeps a pool of its own sized from the environment or all cores; the two pools then
-// spin against each other on the same cores, and `--threads 1` would not mean one thread.
-// Looked up at run time: another BLAS (MKL in CUDA builds, the reference BLAS) has no such call.
+// whose own pool is sized from the environment or all cores: `--threads 1` still multiplied
+// matrices on every core, where another process (ctest -j) computed too. Looked up at run time:
+// another BLAS (MKL in CUDA builds, the reference BLAS) has no such call.
 void set_blas_threads(int threads) {
   using SetThreads = void (*)(int);
   if (const auto set =
