@@ -10,6 +10,7 @@
 #include <fstream>
 #include <functional>
 #include <iomanip>
+#include <map>
 #include <sstream>
 #include <type_traits>
 
@@ -36,11 +37,17 @@ T convert(const YAML::Node& node, const std::string& where, const char* expected
               node.IsSequence() ? "list"
               : node.IsMap()    ? "mapping"
                                 : "null");
+  T value{};
   try {
-    return node.as<T>();
+    value = node.as<T>();
   } catch (const YAML::Exception&) {
     TORCH_CHECK(false, where, ": expected ", expected, ", got \"", node.Scalar(), "\"");
   }
+  if constexpr (std::is_floating_point_v<T>) {
+    // YAML's .inf and .nan are numbers to yaml-cpp; no setting here means anything by them.
+    TORCH_CHECK(std::isfinite(value), where, ": expected a finite number, got ", node.Scalar());
+  }
+  return value;
 }
 
 template <class T>
@@ -64,7 +71,11 @@ Entry names(std::string name, std::string help, std::vector<std::string>& (*memb
   e.set = [member](Config& c, const YAML::Node& n, const std::string& where) {
     TORCH_CHECK(n.IsSequence(), where, ": expected a list of class names, e.g. [a, b]");
     std::vector<std::string> values;
-    for (const auto& item : n) values.push_back(convert<std::string>(item, where, "a name"));
+    for (const auto& item : n) {
+      values.push_back(convert<std::string>(item, where, "a name"));
+      TORCH_CHECK(std::count(values.begin(), values.end(), values.back()) == 1, where, ": \"",
+                  values.back(), "\" appears twice");
+    }
     member(c) = std::move(values);
   };
   e.get = [member](const Config& c) {
@@ -628,15 +639,36 @@ std::string unknown_key_message(const std::string& name) {
   return "unknown key `" + name + "` (known: " + known + ")";
 }
 
+bool is_section(const std::string& name) {
+  const auto& all = entries();
+  return std::any_of(all.begin(), all.end(),
+                     [&](const Entry& e) { return e.key.name.rfind(name + ".", 0) == 0; });
+}
+
 void apply(Config& config, const YAML::Node& node, const std::string& prefix,
            const std::string& source) {
+  // yaml-cpp keeps a mapping's repeated keys, and a lookup finds only one of them: a key given
+  // twice (a section pasted twice) would have lost the other's settings without a word.
+  std::map<std::string, int> lines;
   for (const auto& item : node) {
-    const auto key = item.first.as<std::string>();
+    const int line = item.first.Mark().line + 1;
+    TORCH_CHECK(item.first.IsScalar(), source, ": line ", line,
+                ": a key must be a name, not a list or mapping");
+    const auto key = item.first.Scalar();
     const std::string name = prefix.empty() ? key : prefix + "." + key;
+    const auto [earlier, first] = lines.emplace(name, line);
+    TORCH_CHECK(first, source, ": `", name, "` is given twice (lines ", earlier->second, " and ",
+                line, "); keep one");
     if (const Entry* e = find_entry(name)) {
       e->set(config, item.second, source + ": " + name);
     } else if (item.second.IsMap()) {
       apply(config, item.second, name, source);
+    } else if (is_section(name)) {
+      TORCH_CHECK(false, source, ": `", name, "` is a section: expected a mapping of its keys (",
+                  name, ": {key: value, ...}), got ",
+                  item.second.IsSequence() ? "a list"
+                  : item.second.IsNull()   ? "nothing"
+                                           : "\"" + item.second.Scalar() + "\"");
     } else {
       TORCH_CHECK(false, source, ": ", unknown_key_message(name));
     }
@@ -659,7 +691,11 @@ Config parse_config(const std::string& yaml_text, const std::string& source,
   Config config;
   YAML::Node root;
   try {
-    root = YAML::Load(yaml_text);
+    const auto documents = YAML::LoadAll(yaml_text);
+    // A second document (after a `---` line) would be ignored.
+    TORCH_CHECK(documents.size() <= 1, source, ": holds ", documents.size(),
+                " YAML documents (separated by --- lines); put every setting in one");
+    if (!documents.empty()) root = documents.front();
   } catch (const YAML::Exception& e) {
     TORCH_CHECK(false, source, ": not valid YAML: line ", e.mark.line + 1, ", column ",
                 e.mark.column + 1, ": ", e.msg);

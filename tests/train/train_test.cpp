@@ -90,6 +90,28 @@ TEST(Config, BadKeysAndValuesAreNamed) {
   EXPECT_NE(
       test_util::error_message([] { train::load_config("/no/such.yaml"); }).find("/no/such.yaml"),
       std::string::npos);
+  // Found by feeding the parser broken YAML: each of these used to be taken without a word.
+  // yaml-cpp keeps a repeated key, and only one of the two is ever read.
+  EXPECT_NE(error("model: {head: lstm}\ntrain: {lr: 0.1}\nmodel: {head: tcn}\n")
+                .find("config f.yaml: `model` is given twice (lines 1 and 3); keep one"),
+            std::string::npos);
+  EXPECT_NE(error("train: {lr: 0.1, lr: 0.2}\n").find("`train.lr` is given twice"),
+            std::string::npos);
+  EXPECT_NE(error("model: {head: lstm}\n---\nmodel: {head: tcn}\n")
+                .find("holds 2 YAML documents (separated by --- lines)"),
+            std::string::npos);
+  EXPECT_NE(error("train: {lr: .inf}\n").find("train.lr: expected a finite number, got .inf"),
+            std::string::npos);
+  EXPECT_NE(error("", {"data.rotation=.nan"}).find("data.rotation: expected a finite number"),
+            std::string::npos);
+  EXPECT_NE(error("data: {classes: [a, b, a]}\n").find("data.classes: \"a\" appears twice"),
+            std::string::npos);
+  EXPECT_NE(error("model: [1, 2]\n")
+                .find("`model` is a section: expected a mapping of its keys (model: {key: value, "
+                      "...}), got a list"),
+            std::string::npos);
+  EXPECT_NE(error("? [a, b]\n: c\n").find("config f.yaml: line 1: a key must be a name"),
+            std::string::npos);
 }
 
 TEST(Config, PathsStartingWithTildeAreInTheHomeFolder) {
@@ -1246,7 +1268,6 @@ TEST(Training, TorchScriptEncoderTrainsThroughThePlannedChunkedEngine) {
             std::string::npos);
   test_util::remove_tree(config.train.out_dir);
 }
-#endif
 
 namespace {
 // The tiny demo's manifest with a tool file per video, written to `dir`: every 5th source frame
@@ -1405,3 +1426,4 @@ TEST(Training, ToolPresenceTrainsWithThePhasesAndIsScoredSavedAndResumed) {
     test_util::remove_tree(d);
   }
 }
+#endif  // FRAMEFIT_WITH_FFMPEG
