@@ -45,8 +45,9 @@ int threads_from_environment(int all_cores) {
   if (text == nullptr) return all_cores;
   char* end = nullptr;
   const long value = std::strtol(text, &end, 10);
-  return end != text && *end == '\0' && value > 0 && value <= 4096 ? static_cast<int>(value)
-                                                                   : all_cores;
+  // "4,2" gives nested levels their own counts; the first is the outer one's.
+  const bool number = end != text && (*end == '\0' || *end == ',');
+  return number && value > 0 && value <= 4096 ? static_cast<int>(value) : all_cores;
 }
 
 // LibTorch sizes only OpenMP's pool. Debian's LibTorch does its matrix products in OpenBLAS,

@@ -46,6 +46,10 @@ TEST(Runtime, ThreadsComeFromTheOptionThenOmpNumThreadsThenTheCores) {
     EXPECT_EQ(at::get_num_threads(), 3);
     EXPECT_EQ(configure_runtime(RuntimeOptions{2}).threads, 2);  // the flag wins
   }
+  {
+    ThreadsVariable variable("3,1");  // OpenMP's nested levels: the outer one's count
+    EXPECT_EQ(configure_runtime().threads, 3);
+  }
   for (const char* unusable : {static_cast<const char*>(nullptr), "", "0", "-2", "2x", "many"}) {
     ThreadsVariable variable(unusable);
     EXPECT_EQ(configure_runtime().threads, std::max(1, cores))
