@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -135,6 +136,40 @@ torch::serialize::InputArchive open_archive(const std::string& path) {
                 " cannot be read (damaged or not a checkpoint): ", error_text(e));
   }
   return archive;
+}
+
+void load_module(torch::nn::Module& module, torch::serialize::InputArchive& archive,
+                 const std::string& key, const std::string& checkpoint,
+                 const std::string& built_from) {
+  torch::serialize::InputArchive part;
+  TORCH_CHECK(archive.try_read(key, part), "checkpoint ", checkpoint, " holds no `", key,
+              "` weights: it is not a complete framefit checkpoint");
+  const std::string advice = "the model.* keys that shape the network must stay as trained";
+  // LibTorch's load replaces a tensor with the stored one whatever its size (Tensor::set_), so a
+  // model built with --set model.lstm_hidden=64 took the checkpoint's 512 without a word.
+  std::map<std::string, std::vector<int64_t>> built_sizes;
+  for (const auto& item : module.named_parameters()) built_sizes[item.key()] = item->sizes().vec();
+  for (const auto& item : module.named_buffers()) built_sizes[item.key()] = item->sizes().vec();
+  try {
+    module.load(part);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "checkpoint ", checkpoint, ": its `", key,
+                "` weights do not fit the model built from ", built_from, " (", error_text(e),
+                "): ", advice);
+  }
+  const auto check = [&](const std::string& name, const torch::Tensor& loaded) {
+    const auto& built = built_sizes.at(name);
+    TORCH_CHECK(loaded.sizes() == c10::IntArrayRef(built), "checkpoint ", checkpoint, ": its `",
+                key, ".", name, "` is ", loaded.sizes(), " where the model built from ", built_from,
+                " has ", c10::IntArrayRef(built), ": ", advice);
+  };
+  for (const auto& item : module.named_parameters()) check(item.key(), *item);
+  for (const auto& item : module.named_buffers()) check(item.key(), *item);
+}
+
+std::string stored_config_with(const std::vector<std::string>& overrides) {
+  return overrides.empty() ? "its stored config"
+                           : "its stored config with --set " + c10::Join(" --set ", overrides);
 }
 
 void write_script(torch::serialize::OutputArchive& archive,

@@ -42,6 +42,15 @@ std::vector<std::string> list_files(const std::string& folder, const std::string
 // (a full disk) is an error that says so and that the checkpoints before are kept.
 void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path);
 torch::serialize::InputArchive open_archive(const std::string& path);
+// Loads `module` from a checkpoint's archive `key`. Weights that do not fit are an error naming
+// the checkpoint and what built the model (`built_from`: "its config with --set model.head=tcn"),
+// since a changed model.* key is the usual cause; `--set model.head=tcn` at eval used to end in
+// "No such serialized submodule: 'head.stages'" and nothing more.
+void load_module(torch::nn::Module& module, torch::serialize::InputArchive& archive,
+                 const std::string& key, const std::string& checkpoint,
+                 const std::string& built_from);
+// "its stored config", or with --set overrides, "its stored config with --set a=1 --set b=2".
+std::string stored_config_with(const std::vector<std::string>& overrides);
 // The config stored in a checkpoint (which must be a framefit checkpoint).
 Config read_config(torch::serialize::InputArchive& archive, const std::string& path);
 // A Warning event naming the keys where the config a run resumes with differs from the one its

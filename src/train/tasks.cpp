@@ -761,9 +761,7 @@ BatchModel load_batch_model(const std::string& checkpoint,
       network_kind(config) == "torchscript"
           ? read_script(archive, checkpoint, torch::Device(config.device))
           : nullptr);
-  torch::serialize::InputArchive network;
-  archive.read("network", network);
-  model.network.module->load(network);
+  load_module(*model.network.module, archive, "network", checkpoint, stored_config_with(overrides));
   model.network.module->to(model.device);
   const auto progress = read_progress(archive);
   model.precision = progress.precision;
@@ -1206,9 +1204,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   engine::BatchTrainingStep step(model.network, optimizer, options);
 
   if (resumed) {
-    torch::serialize::InputArchive network_archive;
-    resumed->read("network", network_archive);
-    module.load(network_archive);
+    load_module(module, *resumed, "network", resume_from, "the config this run resumes with");
     module.to(device);
     read_resume_state(*resumed, *optimizer, step.scaler());
   }

@@ -77,12 +77,12 @@ int64_t frame_size_for_planning(const data::VideoDataset& dataset) {
 
 // The tool head's weights, where the model has one.
 void read_tool_head(torch::serialize::InputArchive& archive, Model& model,
-                    const std::string& checkpoint) {
+                    const std::string& checkpoint, const std::string& built_from) {
   if (!model.tools) return;
   torch::serialize::InputArchive tools;
   TORCH_CHECK(archive.try_read("tools", tools), checkpoint,
               " holds no tool head although its config sets data.tools");
-  model.tools->load(tools);
+  load_module(*model.tools, archive, "tools", checkpoint, built_from);
   model.tools->to(model.device);
 }
 
@@ -345,12 +345,10 @@ Model load_model(const std::string& checkpoint, const std::vector<std::string>& 
       build_model(config, is_script_encoder(config)
                               ? read_script(archive, checkpoint, torch::Device(config.device))
                               : nullptr);
-  torch::serialize::InputArchive encoder, head;
-  archive.read("encoder", encoder);
-  archive.read("head", head);
-  model.encoder_module().load(encoder);
-  model.head->load(head);
-  read_tool_head(archive, model, checkpoint);
+  const auto built_from = stored_config_with(overrides);
+  load_module(model.encoder_module(), archive, "encoder", checkpoint, built_from);
+  load_module(*model.head, archive, "head", checkpoint, built_from);
+  read_tool_head(archive, model, checkpoint, built_from);
   model.encoder_module().to(model.device);
   model.head->to(model.device);
   torch::Tensor progress;
@@ -1092,12 +1090,10 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   }
 
   if (resumed) {
-    torch::serialize::InputArchive encoder_archive, head_archive;
-    resumed->read("encoder", encoder_archive);
-    resumed->read("head", head_archive);
-    model.encoder_module().load(encoder_archive);
-    model.head->load(head_archive);
-    read_tool_head(*resumed, model, resume_from);
+    const std::string built_from = "the config this run resumes with";
+    load_module(model.encoder_module(), *resumed, "encoder", resume_from, built_from);
+    load_module(*model.head, *resumed, "head", resume_from, built_from);
+    read_tool_head(*resumed, model, resume_from, built_from);
     model.encoder_module().to(device);
     model.head->to(device);
     read_resume_state(*resumed, *optimizer, step.scaler());

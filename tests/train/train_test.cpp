@@ -1135,9 +1135,25 @@ TEST(Training, TrainBestByPicksTheBestCheckpointAndPatienceEndsTheRun) {
     EXPECT_EQ(r["best"].get<bool>(), edit > best) << r.dump();
     best = std::max(best, edit);
   }
-  auto model = train::load_model(config.train.out_dir + "/best.pt");
+  const auto best_pt = config.train.out_dir + "/best.pt";
+  auto model = train::load_model(best_pt);
   const auto val_set = train::make_dataset(model.config, "val", false);
   EXPECT_DOUBLE_EQ(train::evaluate(model, val_set).segments->edit, best);
+  // A --set that reshapes the network is named. LibTorch's load resized the weights to the
+  // stored ones (Tensor::set_), so a model built with another LSTM width loaded silently.
+  const auto narrower = test_util::error_message(
+      [&] { train::load_model(best_pt, {"model.lstm_hidden=" + std::to_string(17)}); });
+  EXPECT_NE(narrower.find("checkpoint " + best_pt + ": its `head.lstm.weight_ih_l0` is ["),
+            std::string::npos)
+      << narrower;
+  EXPECT_NE(narrower.find("where the model built from its stored config with --set "
+                          "model.lstm_hidden=17 has [68, "),
+            std::string::npos)
+      << narrower;
+  EXPECT_NE(test_util::error_message([&] { train::load_model(best_pt, {"model.head=tcn"}); })
+                .find("its `head` weights do not fit the model built from its stored config "
+                      "with --set model.head=tcn"),
+            std::string::npos);
   test_util::remove_tree(config.train.out_dir);
 
   // A learning rate so small that no float32 weight changes: every epoch validates alike, so
