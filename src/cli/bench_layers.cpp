@@ -28,12 +28,14 @@ std::vector<int64_t> parse_shape(const std::string& text) {
   std::vector<int64_t> shape;
   std::stringstream in(text);
   for (std::string item; std::getline(in, item, ',');) {
+    size_t used = 0;
     try {
-      shape.push_back(std::stoll(item));
+      shape.push_back(std::stoll(item, &used));
     } catch (const std::exception&) {
-      TORCH_CHECK(false, "--input ", text,
-                  ": expected sizes separated by commas, e.g. 3,60,230,230");
+      used = 0;
     }
+    TORCH_CHECK(used > 0 && used == item.size(), "--input ", text,
+                ": expected sizes separated by commas, e.g. 3,60,230,230");
     TORCH_CHECK(shape.back() > 0, "--input ", text, ": sizes must be positive");
   }
   return shape;

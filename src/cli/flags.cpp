@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 #include <stdexcept>
 
@@ -570,11 +571,12 @@ const std::vector<Flag>& flag_table() {
        "Frame rate of a frame folder (video files know theirs); predict --features: of the "
        "rows, for their times.",
        ""},
+      {"out", {"eval"}, FlagType::OutputFile, "Also write the metrics as JSON here.", ""},
       {"out",
-       {"eval", "predict"},
-       FlagType::OutputFile,
-       "eval: also write the metrics as JSON here; predict: the CSV (default: standard output), "
-       "or for segmentation the mask PNG (one image) or a folder for the masks (a folder).",
+       {"predict"},
+       FlagType::OutputFileOrFolder,
+       "The CSV (default: standard output), or for segmentation the mask PNG (one image) or a "
+       "folder for the masks (a folder).",
        ""},
       {"out", {"export"}, FlagType::OutputFile, "The state_dict file to write (.pt).", "", true},
       {"predictions",
@@ -628,8 +630,8 @@ double Args::frame_rate(const std::string& flag) const {
   const auto value = text(flag);
   char* end = nullptr;
   const double rate = std::strtod(value.c_str(), &end);
-  TORCH_CHECK(*end == '\0' && rate > 0, "--", flag, " ", value,
-              ": expected a positive frame rate (frames per second)");
+  TORCH_CHECK(!value.empty() && *end == '\0' && rate > 0 && std::isfinite(rate), "--", flag, " ",
+              value, ": expected a positive frame rate (frames per second)");
   return rate;
 }
 
@@ -684,9 +686,9 @@ CLI::Validator integer_at_least(int64_t min, bool or_auto = false) {
 }
 
 // Checked before the command runs, so that hours of work do not end in "cannot write".
-CLI::Validator output_file() {
+CLI::Validator output_file(bool folder_allowed) {
   return CLI::Validator(
-      [](std::string& value) -> std::string {
+      [folder_allowed](std::string& value) -> std::string {
         // "masks/" (predict's folder of masks, created if missing) is in the folder ".".
         const auto end = value.find_last_not_of('/');
         const auto slash = end == std::string::npos ? 0 : value.rfind('/', end);
@@ -699,9 +701,16 @@ CLI::Validator output_file() {
         if (::access(folder.c_str(), W_OK) != 0) {
           return "cannot write '" + value + "': the folder " + folder + " is not writable";
         }
+        const bool exists = ::stat(value.c_str(), &info) == 0;
+        if (!folder_allowed && (value.back() == '/' || (exists && S_ISDIR(info.st_mode)))) {
+          return "cannot write '" + value + "': it is a folder; give a file name";
+        }
+        if (exists && !S_ISDIR(info.st_mode) && ::access(value.c_str(), W_OK) != 0) {
+          return "cannot write '" + value + "': the file is not writable";
+        }
         return "";
       },
-      "FILE");
+      folder_allowed ? "FILE|FOLDER" : "FILE");
 }
 
 CLI::Validator fraction() {
@@ -781,7 +790,8 @@ void add_flag(CLI::App& app, const Flag& flag, std::map<std::string, std::string
     case FlagType::Fraction: option->check(fraction()); break;
     case FlagType::Choice: option->check(CLI::IsMember(flag.choices)); break;
     case FlagType::Path: option->type_name("PATH"); break;
-    case FlagType::OutputFile: option->check(output_file()); break;
+    case FlagType::OutputFile: option->check(output_file(false)); break;
+    case FlagType::OutputFileOrFolder: option->check(output_file(true)); break;
     default: break;
   }
 }

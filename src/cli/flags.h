@@ -10,17 +10,18 @@
 namespace framefit::cli {
 
 enum class FlagType {
-  Text,          // any string
-  Path,          // an output folder, or a file whose folder is created if missing
-  OutputFile,    // an output file, in a folder that must exist
-  ExistingFile,  // an input file that must exist
-  Int,           // an integer >= min_value
-  IntOrAuto,     // "auto" or an integer >= min_value
-  Bytes,         // a byte size: 8GiB, 512MiB, 4096
-  Fraction,      // a number in [0, 1)
-  Choice,        // one of `choices`
-  Switch,        // present or absent, takes no value
-  Repeated,      // given any number of times (--set a=1 --set b=2); Args::list reads them
+  Text,                // any string
+  Path,                // an output folder, or a file whose folder is created if missing
+  OutputFile,          // an output file, in a folder that must exist
+  OutputFileOrFolder,  // as OutputFile, or a folder (existing, or new in an existing one)
+  ExistingFile,        // an input file that must exist
+  Int,                 // an integer >= min_value
+  IntOrAuto,           // "auto" or an integer >= min_value
+  Bytes,               // a byte size: 8GiB, 512MiB, 4096
+  Fraction,            // a number in [0, 1)
+  Choice,              // one of `choices`
+  Switch,              // present or absent, takes no value
+  Repeated,            // given any number of times (--set a=1 --set b=2); Args::list reads them
 };
 
 struct Flag {

@@ -331,7 +331,7 @@ std::vector<VideoEntry> read_manifest(const std::string& path) {
       if (text.empty()) return 0.0;
       char* end = nullptr;
       const double value = std::strtod(text.c_str(), &end);
-      TORCH_CHECK(*end == '\0' && value > 0, where, ": ", name, " \"", text,
+      TORCH_CHECK(*end == '\0' && value > 0 && std::isfinite(value), where, ": ", name, " \"", text,
                   "\" is not a positive number");
       return value;
     };

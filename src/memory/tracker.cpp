@@ -68,7 +68,9 @@ int64_t parse_bytes(const std::string& text) {
   }
   size_t pos = 0;
   double number = 0;
-  bool ok = !s.empty() && (std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '.');
+  // Decimal only: std::stod would also read hexadecimal ("0x10" as 16 bytes).
+  bool ok = !s.empty() && (std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '.') &&
+            s.find_first_of("xX") == std::string::npos;
   if (ok) {
     try {
       number = std::stod(s, &pos);
@@ -89,7 +91,11 @@ int64_t parse_bytes(const std::string& text) {
   TORCH_CHECK(ok && power >= 0 && number >= 0 && std::isfinite(number),
               "cannot read '", text, "' as a byte size: write a number with an optional unit, "
               "e.g. 8GiB, 512MiB, 1.5G or 4096");
-  return static_cast<int64_t>(std::llround(number * std::pow(1024.0, power)));
+  // llround of a value beyond int64 is undefined: 1e30GiB came back negative, which reads as
+  // "no budget".
+  const double bytes = number * std::pow(1024.0, power);
+  TORCH_CHECK(bytes < 0x1p62, "'", text, "' is too large a byte size (over 2^62 bytes)");
+  return static_cast<int64_t>(std::llround(bytes));
 }
 
 // ---------------------------------------------------------------------------------------------

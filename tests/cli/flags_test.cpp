@@ -64,6 +64,16 @@ TEST(Flags, RejectsUnknownDuplicateAndBadValues) {
                   .args.has_value());  // a folder predict creates, in "."
   expect_error({"predict", "--checkpoint", __FILE__, "--image", __FILE__, "--out", "a/masks/"},
                "the folder a does not exist");
+  expect_error(extract_with({"--budget", "1e30GiB"}), "too large");  // once read as no budget
+  // A folder where a file goes was found only when the work was done.
+  expect_error({"export", "--checkpoint", __FILE__, "--out", "/tmp/"},
+               "cannot write '/tmp/': it is a folder; give a file name");
+  expect_error({"export", "--checkpoint", __FILE__, "--out", "/tmp"}, "it is a folder");
+  expect_error({"predict", "--checkpoint", __FILE__, "--video", __FILE__, "--segments", "/tmp"},
+               "it is a folder");
+  EXPECT_TRUE(parse_command_line(
+                  {"predict", "--checkpoint", __FILE__, "--image", __FILE__, "--out", "/tmp"})
+                  .args.has_value());  // predict's --out: a folder of masks
   expect_error({"launch"}, "launch");
   expect_error({}, "subcommand");
 }
@@ -173,4 +183,18 @@ TEST(Flags, PlanningCommandsTakeAutoSettingsAndFractions) {
                                          "--frames", "8", "--size", "32", "--chunks", "2,4,0"});
   ASSERT_TRUE(bench.args.has_value()) << bench.output;
   EXPECT_EQ(bench.args->text("chunks"), "2,4,0");
+}
+
+TEST(Flags, FrameRateIsAPositiveFiniteNumber) {
+  const auto predict = [](const std::string& fps) {
+    auto r = parse_command_line(
+        {"predict", "--checkpoint", __FILE__, "--video", __FILE__, "--fps", fps});
+    EXPECT_TRUE(r.args.has_value()) << r.output;
+    return *r.args;
+  };
+  EXPECT_DOUBLE_EQ(predict("25").frame_rate("fps"), 25);
+  EXPECT_DOUBLE_EQ(predict("29.97").frame_rate("fps"), 29.97);
+  for (const std::string bad : {"0", "-25", "25fps", "", "inf", "1e400", "nan"}) {
+    EXPECT_THROW(predict(bad).frame_rate("fps"), c10::Error) << bad;
+  }
 }

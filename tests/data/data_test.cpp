@@ -160,6 +160,7 @@ TEST_F(DataTest, ManifestResolvesPathsAndNamesBadLines) {
   EXPECT_NE(error("video,labels\na.mp4\n").find("bad.csv:2: 1 fields where the header has 2"),
             std::string::npos);
   EXPECT_NE(error("video,labels,fps\na,b,-3\n").find("bad.csv:2: fps"), std::string::npos);
+  EXPECT_NE(error("video,labels,fps\na,b,inf\n").find("bad.csv:2: fps \"inf\""), std::string::npos);
   EXPECT_NE(error("video,labels,labels_fps\na,b,x\n").find("bad.csv:2: labels_fps \"x\""),
             std::string::npos);
   EXPECT_NE(error("").find("empty"), std::string::npos);

@@ -214,6 +214,11 @@ TEST(Bytes, ParseAndFormat) {
   EXPECT_THROW(parse_bytes("lots"), c10::Error);
   EXPECT_THROW(parse_bytes("12XB"), c10::Error);
   EXPECT_THROW(parse_bytes("-1GiB"), c10::Error);
+  // Beyond int64: once rounded to a negative count, which read as "no budget".
+  EXPECT_THROW(parse_bytes("1e30GiB"), c10::Error);
+  EXPECT_THROW(parse_bytes("18446744073709551616"), c10::Error);
+  EXPECT_EQ(parse_bytes("1024TiB"), int64_t(1) << 50);
+  EXPECT_THROW(parse_bytes("0x10"), c10::Error);  // std::stod reads hexadecimal
   EXPECT_THROW(parse_bytes(""), c10::Error);
   EXPECT_EQ(format_bytes(512), "512 B");
   EXPECT_EQ(format_bytes(int64_t(3) << 29), "1.50 GiB");
