@@ -208,8 +208,9 @@ class TrackingCpuAllocator final : public c10::Allocator {
   }
 
   [[noreturn]] void throw_system_oom(size_t n) {
-    throw OutOfMemoryError(c10::Device(c10::kCPU), static_cast<int64_t>(n), reserved_.load(),
-                           current_.load(), phase_name() + " (system memory)");
+    // current_ counts the request already (allocate_tracked takes it back).
+    throw OutOfMemoryError(c10::Device(c10::kCPU), static_cast<int64_t>(n), budget_.load(),
+                           current_.load() - static_cast<int64_t>(n), phase_name(), true);
   }
 
   int64_t cache_limit_locked() const {

@@ -149,6 +149,28 @@ TEST(Tracker, BudgetErrorInForwardLeaksNothing) {
   EXPECT_NO_THROW(conv(x));  // recovered
 }
 
+TEST(Tracker, MemoryTheSystemCannotGiveIsAnOutOfMemoryErrorThatSaysSo) {
+  // 1 PiB is beyond any process's address space. The message used to read "budget 0 B; ...
+  // phase ' (system memory)'", the budget field holding the bytes mapped from the system.
+  auto& tracker = Tracker::cpu();
+  ASSERT_EQ(tracker.budget_bytes(), 0);
+  const int64_t before = tracker.current_bytes();
+  try {
+    auto phase = tracker.phase("encode");
+    torch::empty({int64_t{1} << 50}, torch::kUInt8);
+    FAIL() << "1 PiB was allocated";
+  } catch (const OutOfMemoryError& e) {
+    const std::string what = e.what_without_backtrace();
+    EXPECT_NE(what.find("tried to allocate 1024.00 TiB, which the system could not give; no "
+                        "budget set; in use "),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("phase 'encode'"), std::string::npos) << what;
+    EXPECT_EQ(e.in_use_bytes(), before);
+  }
+  EXPECT_EQ(tracker.current_bytes(), before);
+}
+
 TEST(Tracker, BudgetErrorInsideBackwardLeaksNothing) {
   BudgetGuard guard;
   auto& tracker = Tracker::cpu();
