@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <optional>
 #include <unordered_map>
 
 #include "framefit/core/runtime.h"
@@ -141,9 +142,13 @@ std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) 
   return findings;
 }
 
-std::vector<Finding> diagnose_network(const std::vector<models::LayerSpec>& layers,
+namespace {
+// diagnose_network_weights' findings, and the shapes they came from (none where the layer list
+// cannot be read).
+std::vector<Finding> diagnose_weights(const std::vector<models::LayerSpec>& layers,
                                       const std::vector<int64_t>& input,
-                                      const NetworkTraining& training, int64_t budget_bytes) {
+                                      const NetworkTraining& training, int64_t budget_bytes,
+                                      std::optional<models::NetworkShapes>& inferred) {
   std::vector<Finding> findings;
   models::NetworkShapes shapes;
   try {
@@ -186,8 +191,40 @@ std::vector<Finding> diagnose_network(const std::vector<models::LayerSpec>& laye
           parameter_fix(l)));
     }
   }
+  inferred = shapes;
   if (!shapes.ok()) return findings;
   const auto m = network_memory(shapes, input, training);
+  if (m.static_bytes() >= budget_bytes) {
+    findings.push_back(
+        error(c10::str("the network's ", models::format_count(shapes.parameters()),
+                       " parameters with their gradients and ", training.optimizer, " state take ",
+                       memory::format_bytes(m.static_bytes()), " (parameters ",
+                       memory::format_bytes(m.parameter_bytes), ", gradients ",
+                       memory::format_bytes(m.gradient_bytes), ", ", training.optimizer, " state ",
+                       memory::format_bytes(m.optimizer_state_bytes),
+                       "), not less than the budget of ", memory::format_bytes(budget_bytes)),
+              "raise the budget, use sgd, or a slimmer network (fewer channels, global average "
+              "pooling before the classifier)"));
+  }
+  return findings;
+}
+}  // namespace
+
+std::vector<Finding> diagnose_network_weights(const std::vector<models::LayerSpec>& layers,
+                                              const std::vector<int64_t>& input,
+                                              const NetworkTraining& training,
+                                              int64_t budget_bytes) {
+  std::optional<models::NetworkShapes> shapes;
+  return diagnose_weights(layers, input, training, budget_bytes, shapes);
+}
+
+std::vector<Finding> diagnose_network(const std::vector<models::LayerSpec>& layers,
+                                      const std::vector<int64_t>& input,
+                                      const NetworkTraining& training, int64_t budget_bytes) {
+  std::optional<models::NetworkShapes> shapes;
+  auto findings = diagnose_weights(layers, input, training, budget_bytes, shapes);
+  if (!shapes || !shapes->ok() || budget_bytes <= 0 || has_errors(findings)) return findings;
+  const auto m = network_memory(*shapes, input, training);
   if (m.peak_bytes(1) > budget_bytes) {
     findings.push_back(error(
         c10::str("one sample needs ", memory::format_bytes(m.peak_bytes(1)), " (parameters ",

@@ -600,6 +600,16 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
 BatchTaskPlan plan_for(const Config& config, const TaskData& data,
                        const std::vector<int64_t>& input, torch::Device device, int64_t budget,
                        int64_t step_budget) {
+  // Weights that cannot fit are named before the probe allocates them: a layer list's 30 GiB
+  // convolution ended in the system's out-of-memory error instead of the doctor's finding.
+  if (network_kind(config) == "layers") {
+    plan::NetworkTraining training;
+    training.optimizer = config.train.optimizer;
+    plan::refuse_errors(
+        plan::diagnose_network_weights(config.model.layers, input, training, budget));
+  } else {
+    plan::refuse_errors(diagnose_batch_task(config, budget));
+  }
   auto probe = build_batch_model(config, input);
   probe.network.module->train();
   auto plan = plan_training(config, data, input, device, budget, step_budget, probe);

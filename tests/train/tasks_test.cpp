@@ -964,6 +964,30 @@ TEST(ClipTraining, TimeSpentGettingDataIsLoggedAndADataBoundRunIsToldWhatToChang
   test_util::remove_tree(dir);
 }
 
+TEST(ClipTraining, WeightsLargerThanTheBudgetAreNamedBeforeTheNetworkIsBuilt) {
+  // A 324 MiB convolution weight under a 64 MiB budget: building the planner's probe network
+  // allocated it and ended in an out-of-memory error (the system's, when it was larger still).
+  auto c = clips_config("/tmp/framefit_clips_huge_weight");
+  c.train.budget = 64 << 20;
+  c.model.layers[0].out = 1 << 20;
+  c.model.layers.erase(c.model.layers.begin() + 1);  // no BatchNorm
+  auto& tracker = memory::Tracker::cpu();
+  tracker.reset_peak();
+  const auto before = tracker.peak_bytes();
+  const auto message = test_util::error_message([&] { train::train(c, "", {}); });
+  EXPECT_NE(message.find("conv3d0.weight alone is 324.00 MiB (84,934,656 float32 values), more "
+                         "than the whole budget of 64.00 MiB"),
+            std::string::npos)
+      << message;
+  EXPECT_LT(tracker.peak_bytes(), before + (64 << 20)) << "the weight was allocated";
+  // Parameters that fit one by one, but not with their gradients and Adam's state.
+  c.model.layers[0].out = 100000;
+  const auto state = test_util::error_message([&] { train::train(c, "", {}); });
+  EXPECT_NE(state.find("with their gradients and adamw state take"), std::string::npos) << state;
+  EXPECT_NE(state.find("not less than the budget of 64.00 MiB"), std::string::npos) << state;
+  test_util::remove_tree(c.train.out_dir);
+}
+
 TEST(ClipTraining, CheckpointThatCannotBeWrittenIsAnErrorNotACrash) {
   // A disk full when a checkpoint is written: LibTorch's archive writer used to abort the
   // process ("terminate called", exit 134) and leave a partial temporary file behind.

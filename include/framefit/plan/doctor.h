@@ -39,6 +39,15 @@ std::vector<Finding> diagnose_network(const std::vector<models::LayerSpec>& laye
                                       const std::vector<int64_t>& input,
                                       const NetworkTraining& training, int64_t budget_bytes);
 
+// The part of diagnose_network that the weights alone decide: layers that do not fit, a
+// parameter tensor larger than the budget, parameters with gradients and optimizer state not
+// below it. Training and planning refuse these before they build the network, whose allocation
+// would otherwise end in an out-of-memory error instead of these words.
+std::vector<Finding> diagnose_network_weights(const std::vector<models::LayerSpec>& layers,
+                                              const std::vector<int64_t>& input,
+                                              const NetworkTraining& training,
+                                              int64_t budget_bytes);
+
 bool has_errors(const std::vector<Finding>& findings);
 // Throws the first error among `findings` (its problem and fix): settings that refuse a config.
 void refuse_errors(const std::vector<Finding>& findings);
