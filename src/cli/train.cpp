@@ -448,7 +448,12 @@ int run_eval(const Args& args) {
     const auto dataset = train::make_dataset(model.config, split, false, on_event);
     TORCH_CHECK(dataset.size() > 0, train::no_videos_in_split(model.config, split));
     const std::string folder = args.has("predictions") ? args.text("predictions") : "";
-    if (!folder.empty()) std::filesystem::create_directories(folder);
+    if (!folder.empty()) {
+      std::error_code error;
+      std::filesystem::create_directories(folder, error);
+      TORCH_CHECK(!error, "--predictions ", folder, ": cannot create the folder (", error.message(),
+                  ")");
+    }
     const auto rules = relaxed_rules.empty() ? train::RelaxedRules::General
                                              : train::parse_relaxed_rules(relaxed_rules);
     train::check_relaxed_rules(rules, model.classes.size());  // before any video is scored
@@ -571,11 +576,14 @@ train::Prediction predict_online(train::Model& model, const torch::Tensor& frame
   }
   const auto tenth = std::max<size_t>(1, seconds.size() / 10);
   const double total = std::accumulate(seconds.begin(), seconds.end(), 0.0);
+  // A piece longer than the input is one piece of the whole input.
+  const int64_t piece_size = std::min(piece, input.size(0));
   fmt::print(stderr,
-             "framefit predict: online, {} pieces of {} {}: per piece median {:.3f} ms (first "
+             "framefit predict: online, {} piece{} of {} {}: per piece median {:.3f} ms (first "
              "tenth {:.3f} ms, last tenth {:.3f} ms), {:.0f} frames/s\n",
-             seconds.size(), piece, features.defined() ? "rows" : "frames",
-             1e3 * median_of(seconds), 1e3 * median_of({seconds.begin(), seconds.begin() + tenth}),
+             seconds.size(), seconds.size() == 1 ? "" : "s", piece_size,
+             features.defined() ? "rows" : "frames", 1e3 * median_of(seconds),
+             1e3 * median_of({seconds.begin(), seconds.begin() + tenth}),
              1e3 * median_of({seconds.end() - tenth, seconds.end()}),
              static_cast<double>(input.size(0)) / std::max(1e-9, total));
   train::Prediction prediction;

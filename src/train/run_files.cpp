@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -39,6 +40,10 @@ void make_directories(const std::string& path) {
       TORCH_CHECK(false, "cannot create directory ", partial, ": ", std::strerror(errno));
     }
   }
+  // mkdir says EEXIST for a file too, which was found only when the first output was written.
+  struct stat info {};
+  TORCH_CHECK(::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode), "cannot create directory ",
+              path, ": a file of that name exists");
 }
 
 models::LoadReport load_model_weights(torch::nn::Module& module, const Config& config,
@@ -165,6 +170,26 @@ void load_module(torch::nn::Module& module, torch::serialize::InputArchive& arch
   };
   for (const auto& item : module.named_parameters()) check(item.key(), *item);
   for (const auto& item : module.named_buffers()) check(item.key(), *item);
+}
+
+Config config_with_overrides(const Config& stored, const std::string& checkpoint,
+                             const std::vector<std::string>& overrides) {
+  if (overrides.empty()) return stored;
+  Config config = parse_config(to_yaml(stored), "the config stored in " + checkpoint, overrides);
+  static const std::set<std::string> free_keys = {"model.layout", "model.lean_backward",
+                                                  "model.weights", "model.weights_prefix",
+                                                  "model.freeze"};
+  std::vector<std::string> fixed;
+  for (const auto& change : config_differences(stored, config)) {
+    const auto key = change.substr(0, change.find(':'));
+    if ((key == "task" || key.rfind("model.", 0) == 0) && free_keys.count(key) == 0)
+      fixed.push_back(change);
+  }
+  TORCH_CHECK(fixed.empty(), "checkpoint ", checkpoint,
+              " holds a trained model, which --set cannot change: ", c10::Join("; ", fixed),
+              " (of the model keys, only model.layout and model.lean_backward, which choose how "
+              "it runs, may be set here)");
+  return config;
 }
 
 std::string stored_config_with(const std::vector<std::string>& overrides) {

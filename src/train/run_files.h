@@ -49,6 +49,13 @@ torch::serialize::InputArchive open_archive(const std::string& path);
 void load_module(torch::nn::Module& module, torch::serialize::InputArchive& archive,
                  const std::string& key, const std::string& checkpoint,
                  const std::string& built_from);
+// A checkpoint's stored config with the --set `overrides` of eval, predict, export or extract:
+// data and run settings may change, the trained model may not. `task` or a model.* key that changes
+// what the network computes is an error naming it (a BatchNorm model loaded as GroupNorm found
+// weights of the same shapes and ran); model.layout and model.lean_backward choose how it runs,
+// model.weights, model.weights_prefix and model.freeze only matter to training.
+Config config_with_overrides(const Config& stored, const std::string& checkpoint,
+                             const std::vector<std::string>& overrides);
 // "its stored config", or with --set overrides, "its stored config with --set a=1 --set b=2".
 std::string stored_config_with(const std::vector<std::string>& overrides);
 // The config stored in a checkpoint (which must be a framefit checkpoint).

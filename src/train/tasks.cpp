@@ -758,8 +758,7 @@ BatchModel load_batch_model(const std::string& checkpoint,
                             const std::vector<std::string>& overrides) {
   auto archive = open_archive(checkpoint);
   Config config = read_config(archive, checkpoint);
-  if (!overrides.empty())
-    config = parse_config(to_yaml(config), "the config stored in " + checkpoint, overrides);
+  config = config_with_overrides(config, checkpoint, overrides);
   TORCH_CHECK(is_batch_task(config), checkpoint, " is a ", config.task,
               " checkpoint: load it with load_model");
   config.model.weights.clear();  // the checkpoint has the weights

@@ -338,8 +338,7 @@ Model load_model(const std::string& checkpoint, const std::vector<std::string>& 
   Config config = read_config(archive, checkpoint);
   TORCH_CHECK(!is_batch_task(config), checkpoint, " is a ", config.task,
               " checkpoint: load it with load_batch_model");
-  if (!overrides.empty())
-    config = parse_config(to_yaml(config), "the config stored in " + checkpoint, overrides);
+  config = config_with_overrides(config, checkpoint, overrides);
   config.model.weights.clear();  // the checkpoint has the weights
   Model model =
       build_model(config, is_script_encoder(config)
