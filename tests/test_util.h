@@ -4,8 +4,12 @@
 #include <c10/util/Exception.h>
 #include <torch/script.h>
 
+#include <fcntl.h>
 #include <ftw.h>
+#include <sys/file.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <csignal>
 
@@ -53,6 +57,29 @@ class FileSizeLimit {
  private:
   rlimit saved_{};
   void (*handler_)(int) = nullptr;
+};
+
+// A training run's folder lock (train.out_dir/.lock) held for the scope's lifetime, as a running
+// framefit train of process `pid` holds it.
+class HeldRunLock {
+ public:
+  HeldRunLock(const std::string& out_dir, const std::string& pid) {
+    ::mkdir(out_dir.c_str(), 0755);
+    fd_ = ::open((out_dir + "/.lock").c_str(), O_RDWR | O_CREAT, 0644);
+    const std::string line = pid + "\n";
+    held_ = fd_ >= 0 && ::write(fd_, line.data(), line.size()) == ssize_t(line.size()) &&
+            ::flock(fd_, LOCK_EX | LOCK_NB) == 0;
+  }
+  ~HeldRunLock() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  HeldRunLock(const HeldRunLock&) = delete;
+  HeldRunLock& operator=(const HeldRunLock&) = delete;
+  bool held() const { return held_; }
+
+ private:
+  int fd_ = -1;
+  bool held_ = false;
 };
 
 // LibTorch's intra-op threads for the scope's lifetime. ctest gives each test one thread

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -44,6 +46,36 @@ void make_directories(const std::string& path) {
   struct stat info {};
   TORCH_CHECK(::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode), "cannot create directory ",
               path, ": a file of that name exists");
+}
+
+RunFolderLock::RunFolderLock(const std::string& out_dir) {
+  const std::string path = out_dir + "/.lock";
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd_ >= 0, "cannot create ", path, ": ", std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    char holder[32] = {};
+    const ssize_t n = ::pread(fd_, holder, sizeof holder - 1, 0);
+    ::close(fd_);
+    fd_ = -1;
+    std::string pid = n > 0 ? std::string(holder, static_cast<size_t>(n)) : "";
+    pid.erase(std::remove_if(pid.begin(), pid.end(), [](char c) { return !std::isdigit(c); }),
+              pid.end());
+    TORCH_CHECK(error != EWOULDBLOCK, "train.out_dir ", out_dir,
+                " is in use by another framefit train",
+                pid.empty() ? std::string() : " (process " + pid + ")",
+                ": wait for it to end, or choose another train.out_dir");
+    TORCH_CHECK(false, "cannot lock ", path, ": ", std::strerror(error));
+  }
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  // The pid only makes the message above more helpful: failing to write it is not an error.
+  [[maybe_unused]] const bool written =
+      ::ftruncate(fd_, 0) == 0 &&
+      ::pwrite(fd_, pid.data(), pid.size(), 0) == static_cast<ssize_t>(pid.size());
+}
+
+RunFolderLock::~RunFolderLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
 models::LoadReport load_model_weights(torch::nn::Module& module, const Config& config,

@@ -30,6 +30,21 @@ double seconds_since(Clock::time_point start);
 
 void make_directories(const std::string& path);
 
+// Held for a training run's whole life on train.out_dir/.lock: a second framefit train on the
+// same folder (both would write its checkpoints, best.pt and log) is refused, naming the
+// holder's process. flock: the kernel lets go when the process ends, however it ends, so a
+// killed run resumes without a stale lock to remove.
+class RunFolderLock {
+ public:
+  explicit RunFolderLock(const std::string& out_dir);
+  ~RunFolderLock();
+  RunFolderLock(const RunFolderLock&) = delete;
+  RunFolderLock& operator=(const RunFolderLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 // model.weights loaded into `module` (its fc.* left out, model.weights_prefix or the prefix found
 // where the keys do not match as they are); errors name the file and the key that can help.
 // Non-strict loading reports what did not fit instead of failing.

@@ -1131,6 +1131,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   const std::string out_dir = tc.out_dir;
   const std::string checkpoint_dir = out_dir + "/checkpoints";
   make_directories(checkpoint_dir);
+  const RunFolderLock lock(out_dir);
   const std::string resume_from = resume_path(resume, out_dir, checkpoint_dir);
 
   const torch::Device device(config.device);

@@ -944,6 +944,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   const std::string out_dir = tc.out_dir;
   const std::string checkpoint_dir = out_dir + "/checkpoints";
   make_directories(checkpoint_dir);
+  const RunFolderLock lock(out_dir);
 
   const std::string resume_from = resume_path(resume, out_dir, checkpoint_dir);
 

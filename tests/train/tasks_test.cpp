@@ -980,6 +980,15 @@ TEST(ClipTraining, WeightsLargerThanTheBudgetAreNamedBeforeTheNetworkIsBuilt) {
             std::string::npos)
       << message;
   EXPECT_LT(tracker.peak_bytes(), before + (64 << 20)) << "the weight was allocated";
+  // A clips run's folder is locked as a phases run's is (Training.RunsLogsCheckpoints...).
+  {
+    const test_util::HeldRunLock running(c.train.out_dir, "4343");
+    ASSERT_TRUE(running.held());
+    EXPECT_NE(test_util::error_message([&] {
+                train::train(c, "", {});
+              }).find("is in use by another framefit train (process 4343)"),
+              std::string::npos);
+  }
   // Parameters that fit one by one, but not with their gradients and Adam's state.
   c.model.layers[0].out = 100000;
   const auto state = test_util::error_message([&] { train::train(c, "", {}); });

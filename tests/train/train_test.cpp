@@ -587,6 +587,19 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
   EXPECT_EQ(::stat((config.train.out_dir + "/checkpoints/step_00000003.pt").c_str(), &info), 0);
   EXPECT_NE(::stat((config.train.out_dir + "/checkpoints/step_00000006.pt.tmp").c_str(), &info), 0);
 
+  // A run whose folder another framefit train holds is refused, naming that process; once it
+  // ends, the folder is free again.
+  {
+    const test_util::HeldRunLock running(config.train.out_dir, "4242");
+    ASSERT_TRUE(running.held());
+    EXPECT_NE(test_util::error_message([&] { train::train(config, "auto"); })
+                  .find("train.out_dir " + config.train.out_dir +
+                        " is in use by another framefit train (process 4242): wait for it to end, "
+                        "or choose another train.out_dir"),
+              std::string::npos);
+  }
+  EXPECT_TRUE(test_util::HeldRunLock(config.train.out_dir, "4242").held());
+
   // Starting again in the same folder without --resume is refused.
   EXPECT_NE(test_util::error_message([&] { train::train(config); }).find("--resume"),
             std::string::npos);
