@@ -45,6 +45,12 @@ void refuse_errors(const std::vector<Finding>& findings) {
 
 std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) {
   std::vector<Finding> findings;
+  if (request.frames > kMaxFramesPerVideo) {
+    findings.push_back(error(c10::str(request.frames, " frames per video are more than the ",
+                                      kMaxFramesPerVideo, " the memory model takes"),
+                             "split the video"));
+    return findings;
+  }
   const auto& spec = request.model;
   StaticSizes sizes;
   try {

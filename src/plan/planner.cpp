@@ -77,6 +77,8 @@ template <typename Visit>
 int64_t for_each_candidate(const PlanRequest& request, const StaticSizes& sizes,
                            const std::map<engine::Precision, ChunkCosts>& costs, Visit visit) {
   TORCH_CHECK(request.frames >= 1, "the plan needs the frames per video (>= 1)");
+  TORCH_CHECK(request.frames <= kMaxFramesPerVideo, "the plan takes videos of at most ",
+              kMaxFramesPerVideo, " frames; got ", request.frames);
   TORCH_CHECK(request.videos >= 1, "the plan needs at least one video per step");
   TORCH_CHECK(!request.precisions.empty(), "the plan needs at least one allowed precision");
   int64_t count = 0;

@@ -523,6 +523,16 @@ TEST(Planner, DoesNotFitNamesTheMinimumAndHowToGetThere) {
   EXPECT_FALSE(plan::fit(request, sizes, costs, tiny.minimum_budget_bytes - 4096, 0.1).fits);
   EXPECT_EQ(tiny.settings.chunk, 1);
   EXPECT_EQ(tiny.settings.keep, 0);
+  // 10^14 frames overflowed the byte counts into a fit, whose search did not end.
+  request.frames = 100'000'000'000'000;
+  EXPECT_NE(test_util::error_message([&] {
+              plan::fit(request, sizes, costs, budget, 0.1);
+            }).find("the plan takes videos of at most 2147483648 frames; got 100000000000000"),
+            std::string::npos);
+  const auto findings = plan::diagnose(request, budget);
+  ASSERT_EQ(findings.size(), 1u);
+  EXPECT_NE(findings[0].problem.find("are more than the 2147483648 the memory model takes"),
+            std::string::npos);
 }
 
 TEST(Calibration, CacheRoundTripAndVersion) {

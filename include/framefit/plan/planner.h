@@ -14,9 +14,14 @@
 
 namespace framefit::plan {
 
+// The longest video the memory model takes (994 days at 25 fps): its byte counts are int64
+// products of frames and bytes per frame, and 10^14 frames overflowed them into a plan that
+// searched chunk sizes without end.
+constexpr int64_t kMaxFramesPerVideo = int64_t{1} << 31;
+
 struct PlanRequest {
   ModelSpec model;
-  int64_t frames = 0;  // per video (the longest one)
+  int64_t frames = 0;  // per video (the longest one), 1 .. kMaxFramesPerVideo
   int64_t videos = 1;  // per optimizer step
   // nullopt: auto (the planner chooses). chunk 0 is naive training.
   std::optional<int64_t> chunk;
