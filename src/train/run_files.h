@@ -30,6 +30,13 @@ double seconds_since(Clock::time_point start);
 
 void make_directories(const std::string& path);
 
+// A warning where train.budget is more than the device has available (CPU: the system's
+// available memory; CUDA: the device's free memory), "" otherwise. The budget is kept, as the
+// user's word, but a plan that fills it runs out of the device's memory (CUDA: the step is
+// re-planned) or swaps (CPU), which the budget was meant to prevent. Call before a budget is
+// set on the device's tracker.
+std::string budget_beyond_device(const Config& config);
+
 // Held for a training run's whole life on train.out_dir/.lock: a second framefit train on the
 // same folder (both would write its checkpoints, best.pt and log) is refused, naming the
 // holder's process. flock: the kernel lets go when the process ends, however it ends, so a

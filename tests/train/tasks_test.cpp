@@ -997,6 +997,28 @@ TEST(ClipTraining, WeightsLargerThanTheBudgetAreNamedBeforeTheNetworkIsBuilt) {
   test_util::remove_tree(c.train.out_dir);
 }
 
+TEST(ClipTraining, BudgetAboveWhatTheSystemHasIsWarnedOf) {
+  auto c = clips_config("/tmp/framefit_clips_big_budget");
+  const auto warnings_of = [&c] {
+    std::vector<std::string> warnings;
+    train::plan_batch_task(c, [&](const train::Event& e) {
+      if (e.kind == train::Event::Kind::Warning) warnings.push_back(e.message);
+    });
+    return warnings;
+  };
+  c.train.budget = int64_t{1} << 50;  // planned for, as the user's word, but not without a word
+  const auto warnings = warnings_of();
+  ASSERT_FALSE(warnings.empty());
+  EXPECT_NE(warnings[0].find("train.budget 1024.00 TiB is more than the system's available "
+                             "memory ("),
+            std::string::npos)
+      << warnings[0];
+  EXPECT_NE(warnings[0].find("swap or be stopped by the system"), std::string::npos);
+  c.train.budget = 64 << 20;
+  for (const auto& w : warnings_of()) EXPECT_EQ(w.find("train.budget"), std::string::npos) << w;
+  test_util::remove_tree(c.train.out_dir);
+}
+
 TEST(ClipTraining, CheckpointThatCannotBeWrittenIsAnErrorNotACrash) {
   // A disk full when a checkpoint is written: LibTorch's archive writer used to abort the
   // process ("terminate called", exit 134) and leave a partial temporary file behind.
