@@ -149,6 +149,8 @@ Planned plan_step(const Args& args) {
 int run_bench_step(const Args& args) {
   const torch::Device device(args.text("device"));
   auto& tracker = memory::Tracker::of(device);
+  const auto beyond = plan::budget_beyond_device(args.bytes("budget"), device, "--budget");
+  if (!beyond.empty()) fmt::print(stderr, "warning: {}\n", beyond);
   tracker.set_budget(args.bytes("budget"));
   const auto video = random_video(args);
   const auto planned = plan_step(args);

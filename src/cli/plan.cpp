@@ -430,6 +430,8 @@ int run_plan(const Args& args) {
   auto& tracker = memory::Tracker::of(device);
   const int64_t budget =
       args.bytes("budget") > 0 ? args.bytes("budget") : tracker.available_bytes();
+  const auto beyond = plan::budget_beyond_device(args.bytes("budget"), device, "--budget");
+  if (!beyond.empty()) fmt::print(stderr, "warning: {}\n", beyond);
   const double margin = args.number("margin");
   // Problems the planner cannot plan around come first, before any probe allocates.
   auto findings = plan::diagnose(request, budget);

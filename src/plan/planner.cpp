@@ -139,6 +139,20 @@ int64_t allocator_margin_bytes(int64_t budget_bytes, torch::Device device) {
   return device.is_cuda() ? budget_bytes - usable(budget_bytes, kCudaMargin) : 0;
 }
 
+std::string budget_beyond_device(int64_t budget_bytes, torch::Device device,
+                                 const std::string& what) {
+  if (budget_bytes <= 0) return "";
+  const int64_t available = memory::Tracker::of(device).available_bytes();
+  if (budget_bytes <= available) return "";
+  const bool cuda = device.is_cuda();
+  return c10::str(what, " ", memory::format_bytes(budget_bytes), " is more than the ",
+                  cuda ? "device's free memory" : "system's available memory", " (",
+                  memory::format_bytes(available), "): a plan that fills it will ",
+                  cuda ? "run out of device memory and be re-planned step by step"
+                       : "swap or be stopped by the system",
+                  "; lower ", what, " to plan within what there is");
+}
+
 int64_t static_minimum_bytes(const StaticSizes& sizes, int64_t frames) {
   return sizes.parameter_bytes + sizes.trained_bytes() + sizes.optimizer_state_bytes +
          frames * sizes.resident_bytes_per_frame() + 2 * frames * sizes.feature_bytes;

@@ -23,6 +23,7 @@
 #include "framefit/core/errors.h"
 #include "framefit/models/torchscript.h"
 #include "framefit/models/weights.h"
+#include "framefit/plan/planner.h"
 
 namespace framefit::train::detail {
 
@@ -49,18 +50,8 @@ void make_directories(const std::string& path) {
 }
 
 std::string budget_beyond_device(const Config& config) {
-  const int64_t budget = config.train.budget;
-  if (budget <= 0) return "";
-  const torch::Device device(config.device);
-  const int64_t available = memory::Tracker::of(device).available_bytes();
-  if (budget <= available) return "";
-  const bool cuda = device.is_cuda();
-  return c10::str("train.budget ", memory::format_bytes(budget), " is more than the ",
-                  cuda ? "device's free memory" : "system's available memory", " (",
-                  memory::format_bytes(available), "): a plan that fills it will ",
-                  cuda ? "run out of device memory and be re-planned step by step"
-                       : "swap or be stopped by the system",
-                  "; lower train.budget to plan within what there is");
+  return plan::budget_beyond_device(config.train.budget, torch::Device(config.device),
+                                    "train.budget");
 }
 
 RunFolderLock::RunFolderLock(const std::string& out_dir) {

@@ -30,11 +30,7 @@ double seconds_since(Clock::time_point start);
 
 void make_directories(const std::string& path);
 
-// A warning where train.budget is more than the device has available (CPU: the system's
-// available memory; CUDA: the device's free memory), "" otherwise. The budget is kept, as the
-// user's word, but a plan that fills it runs out of the device's memory (CUDA: the step is
-// re-planned) or swaps (CPU), which the budget was meant to prevent. Call before a budget is
-// set on the device's tracker.
+// plan::budget_beyond_device for train.budget on the config's device.
 std::string budget_beyond_device(const Config& config);
 
 // Held for a training run's whole life on train.out_dir/.lock: a second framefit train on the
@@ -64,10 +60,11 @@ std::vector<std::string> list_files(const std::string& folder, const std::string
 // (a full disk) is an error that says so and that the checkpoints before are kept.
 void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path);
 torch::serialize::InputArchive open_archive(const std::string& path);
-// Loads `module` from a checkpoint's archive `key`. Weights that do not fit are an error naming
-// the checkpoint and what built the model (`built_from`: "its config with --set model.head=tcn"),
-// since a changed model.* key is the usual cause; `--set model.head=tcn` at eval used to end in
-// "No such serialized submodule: 'head.stages'" and nothing more.
+// Loads `module` from a checkpoint's archive `key`, checking every tensor's size. Weights that do
+// not fit are an error naming the checkpoint and what built the model (`built_from`: "the config
+// this run resumes with"), since a changed model.* key is the usual cause: a missing submodule
+// used to end in "No such serialized submodule: 'head.stages'" and nothing more, and a tensor of
+// another size was taken as it was stored.
 void load_module(torch::nn::Module& module, torch::serialize::InputArchive& archive,
                  const std::string& key, const std::string& checkpoint,
                  const std::string& built_from);

@@ -19,6 +19,12 @@ else
   [ $? -eq 2 ] || { echo "expected exit code 2"; exit 1; }
 fi
 "$framefit" plan "${model[@]}" --frames 128 --budget 4GiB --table --json > table.json
+# A budget beyond the machine is planned for, with a warning (none for one within it).
+"$framefit" plan "${model[@]}" --frames 128 --budget 1024TiB --json > big.json 2> big.txt
+grep -q "warning: --budget 1024.00 TiB is more than the system's available memory" big.txt ||
+  { cat big.txt; exit 1; }
+"$framefit" plan "${model[@]}" --frames 128 --budget 4GiB --json 2> within.txt > /dev/null
+if grep -q "warning: --budget" within.txt; then cat within.txt; exit 1; fi
 "$framefit" bench-memory "${model[@]}" --frames 48 --chunks 8,0 --json > bench.json
 # A budget between chunked and naive: bench-step --chunk auto plans for it and stays inside.
 "$framefit" bench-step "${model[@]}" --frames 128 --chunk auto --budget 300MiB --json > step.json
