@@ -30,8 +30,9 @@ double seconds_since(Clock::time_point start);
 
 void make_directories(const std::string& path);
 
-// plan::budget_beyond_device for train.budget on the config's device.
-std::string budget_beyond_device(const Config& config);
+// plan::budget_beyond_device's warning for train.budget on the config's device, as a Warning
+// event, where there is one.
+void warn_if_budget_beyond_device(const Config& config, const EventCallback& on_event);
 
 // Held for a training run's whole life on train.out_dir/.lock: a second framefit train on the
 // same folder (both would write its checkpoints, best.pt and log) is refused, naming the

@@ -1109,8 +1109,7 @@ int64_t largest_unit_bytes(const TaskData& train_set, const std::optional<TaskDa
 BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_event) {
   TORCH_CHECK(is_batch_task(config), "plan_batch_task is for task clips or segmentation");
   check_train_settings(config);
-  const auto beyond = budget_beyond_device(config);
-  if (!beyond.empty() && on_event) on_event(Event::note(Event::Kind::Warning, beyond));
+  warn_if_budget_beyond_device(config, on_event);
   TaskData data(config, config.data.train_split, true, on_event);
   TORCH_CHECK(data.samples() > 0, no_samples_in_split(config, config.data.train_split));
   const torch::Device device(config.device);
@@ -1134,8 +1133,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   const std::string checkpoint_dir = out_dir + "/checkpoints";
   make_directories(checkpoint_dir);
   const RunFolderLock lock(out_dir);
-  const auto beyond = budget_beyond_device(config);
-  if (!beyond.empty()) emit(Event::note(Event::Kind::Warning, beyond));
+  warn_if_budget_beyond_device(config, on_event);
   const std::string resume_from = resume_path(resume, out_dir, checkpoint_dir);
 
   const torch::Device device(config.device);

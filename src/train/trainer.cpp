@@ -849,8 +849,7 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
 PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
   TORCH_CHECK(!is_batch_task(config), "plan_phases is for task phases; task ", config.task,
               " is planned by plan_batch_task");
-  const auto beyond = budget_beyond_device(config);
-  if (!beyond.empty() && on_event) on_event(Event::note(Event::Kind::Warning, beyond));
+  warn_if_budget_beyond_device(config, on_event);
   const auto train_set = make_dataset(config, config.data.train_split, true, on_event);
   TORCH_CHECK(train_set.size() > 0, no_videos_in_split(config, config.data.train_split));
   const auto step = plan_step(config, train_set, std::nullopt, [&](const std::string& message) {
@@ -947,8 +946,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   const std::string checkpoint_dir = out_dir + "/checkpoints";
   make_directories(checkpoint_dir);
   const RunFolderLock lock(out_dir);
-  const auto beyond = budget_beyond_device(config);
-  if (!beyond.empty()) emit(Event::note(Event::Kind::Warning, beyond));
+  warn_if_budget_beyond_device(config, on_event);
 
   const std::string resume_from = resume_path(resume, out_dir, checkpoint_dir);
 
