@@ -532,6 +532,7 @@ bool is_directory(const std::string& path) {
 }
 
 // The CSV, to --out or standard output.
+// unit: singular ("frame"), made plural for a count other than one.
 void write_predictions(const Args& args, const std::string& csv, int64_t rows,
                        const std::string& unit) {
   if (!args.has("out")) {
@@ -541,7 +542,8 @@ void write_predictions(const Args& args, const std::string& csv, int64_t rows,
   std::ofstream out(args.text("out"));
   TORCH_CHECK(out.good(), "cannot write ", args.text("out"));
   out << csv;
-  fmt::print(stderr, "framefit predict: {} {} -> {}\n", rows, unit, args.text("out"));
+  fmt::print(stderr, "framefit predict: {} {}{} -> {}\n", rows, unit, rows == 1 ? "" : "s",
+             args.text("out"));
 }
 
 void print_warning(const train::Event& e) {
@@ -629,7 +631,7 @@ int predict_phases(const Args& args) {
   write_predictions(args,
                     phase_csv(prediction, video.source_frames, video.source_seconds, model.classes,
                               model.config.data.tools),
-                    prediction.labels.size(0), "frames");
+                    prediction.labels.size(0), "frame");
   if (args.has("timeline")) {
     // The phases, then with tools one ribbon per tool: its colour where it is predicted present.
     std::vector<torch::Tensor> rows = {prediction.labels};
@@ -680,7 +682,7 @@ int predict_clips(const Args& args) {
                        video.source_frames[last], video.source_seconds[first],
                        video.source_seconds[last], model.classes.names()[labels[c]], confidence[c]);
   }
-  write_predictions(args, csv, labels.size(0), "clips");
+  write_predictions(args, csv, labels.size(0), "clip");
   return 0;
 }
 
@@ -738,6 +740,13 @@ int run_predict(const Args& args) {
     TORCH_CHECK(task == "phases" || !args.has(flag), "--", flag,
                 " is for a phases checkpoint; this one is for task ", task);
   }
+  // Images are the input of a segmentation model only, videos of the others.
+  TORCH_CHECK(task == "segmentation" || !args.has("image"),
+              "--image is for a segmentation checkpoint; this one is for task ", task,
+              ": give --video", task == "phases" ? " (or --features)" : "");
+  TORCH_CHECK(task != "segmentation" || !args.has("video"),
+              "--video is for a phases or clips checkpoint; this one is for task segmentation: "
+              "give --image");
   if (task == "clips") return predict_clips(args);
   if (task == "segmentation") return predict_masks(args);
   return predict_phases(args);

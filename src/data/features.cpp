@@ -189,14 +189,16 @@ FeatureLayout parse_feature_layout(const std::string& text) {
 void check_feature_shape(const std::vector<int64_t>& shape, const std::string& path) {
   TORCH_CHECK(shape.size() == 2, "features file ", path, ": an array of shape ",
               torch::IntArrayRef(shape), "; features are 2-D, [T,D] or [D,T]");
+  TORCH_CHECK(shape[0] > 0 && shape[1] > 0, "features file ", path, ": an empty array (shape ",
+              torch::IntArrayRef(shape), "); features need at least one frame of one feature");
 }
 
 namespace {
 void check_format(const std::string& path) {
   const auto ext = extension_of(path);
-  TORCH_CHECK(ext == ".npy" || ext == ".pt" || ext == ".pth", "features file ", path,
-              ": unknown format '", ext,
-              "' (a NumPy .npy file or a tensor saved with torch.save as .pt)");
+  TORCH_CHECK(ext == ".npy" || ext == ".pt" || ext == ".pth", "features file ", path, ": ",
+              ext.empty() ? "no extension to tell its format by" : "unknown format '" + ext + "'",
+              " (a NumPy .npy file, or a tensor saved with torch.save as .pt or .pth)");
 }
 }  // namespace
 

@@ -64,6 +64,11 @@ test -f one.png
 "$framefit" predict --checkpoint seg/best.pt --image demo/segmentation/val/images/0003.png \
   --out masks > /dev/null
 cmp one.png masks/0003.png
+if "$framefit" predict --checkpoint seg/best.pt --video demo/videos/video01.mp4 --out x.png \
+  2> predict.log; then
+  echo "predict on a segmentation model ran on a video"; exit 1
+fi
+grep -q -- "--video is for a phases or clips checkpoint" predict.log
 "$python" -c "
 import csv, json
 import numpy as np
@@ -115,9 +120,9 @@ for i, r in enumerate(rows):
 "
 if "$framefit" predict --checkpoint clips/best.pt --image demo/segmentation/test/images \
   --out x 2> predict.log; then
-  echo "predict on a clips model ran without --video"; exit 1
+  echo "predict on a clips model ran on images"; exit 1
 fi
-grep -q "needs --video" predict.log
+grep -q -- "--image is for a segmentation checkpoint; this one is for task clips" predict.log
 if "$framefit" predict --checkpoint clips/best.pt --video demo/videos/video01.mp4 \
   --segments s.csv 2> predict.log; then
   echo "predict --segments ran on a clips model"; exit 1

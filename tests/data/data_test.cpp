@@ -1031,6 +1031,17 @@ TEST_F(DataTest, FeaturesFilesAreReadAsFloatTimeByFeature) {
   EXPECT_NE(e.find("nan.pt: frame 3's features are not finite"), std::string::npos) << e;
   e = test_util::error_message([&] { data::read_features(write("f.txt", "1 2"), true); });
   EXPECT_NE(e.find("f.txt: unknown format '.txt'"), std::string::npos) << e;
+  e = test_util::error_message([&] { data::read_features(write("f", "1 2"), true); });
+  EXPECT_NE(e.find("f: no extension to tell its format by"), std::string::npos) << e;
+  // No rows (or no features) is refused with the file's name, not later as "no frames".
+  models::write_tensor(torch::zeros({0, 4}), dir_ + "/empty.pt");
+  e = test_util::error_message([&] {
+    data::time_first(data::feature_file_shape(dir_ + "/empty.pt"), data::FeatureLayout::Auto, 0, 4,
+                     dir_ + "/empty.pt");
+  });
+  EXPECT_NE(e.find("empty.pt: an empty array (shape [0, 4])"), std::string::npos) << e;
+  e = test_util::error_message([&] { data::read_features(dir_ + "/empty.pt", true); });
+  EXPECT_NE(e.find("empty.pt: an empty array (shape [0, 4])"), std::string::npos) << e;
 }
 
 TEST_F(DataTest, FeaturesDataSetPairsEachVideosFeaturesWithItsLabels) {
