@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <numeric>
 
 #include "commands.h"
@@ -686,6 +687,33 @@ int predict_clips(const Args& args) {
   return 0;
 }
 
+// Where each image's mask goes: `out` itself, or NAME.png in the folder `out`. Refused before
+// anything runs: two images with one mask (a.jpg and a.png), and a mask over an input image
+// (--out the images' own folder), which would lose a mask or an image.
+std::vector<std::string> mask_paths(const std::vector<std::string>& images, const std::string& out,
+                                    bool into_folder) {
+  namespace fs = std::filesystem;
+  std::map<fs::path, size_t> image_at, mask_of;
+  for (size_t i = 0; i < images.size(); ++i) image_at[fs::weakly_canonical(images[i])] = i;
+  std::vector<std::string> paths;
+  for (size_t i = 0; i < images.size(); ++i) {
+    std::string path = out;
+    if (into_folder) path = (fs::path(out) / fs::path(images[i]).stem()).string() + ".png";
+    const auto key = fs::weakly_canonical(path);
+    const auto same_mask = mask_of.find(key);
+    TORCH_CHECK(same_mask == mask_of.end(), "images ", images[same_mask->second], " and ",
+                images[i], " would both have their mask written to ", path,
+                ": rename one of them, or predict them separately");
+    const auto image = image_at.find(key);
+    TORCH_CHECK(image == image_at.end(), "the mask of ", images[i],
+                " would be written over the image ", images[image->second],
+                ": give --out another file or folder");
+    mask_of[key] = i;
+    paths.push_back(path);
+  }
+  return paths;
+}
+
 // Masks as PNG files of class ids (gray, like the demo masks), and per image
 // the share of its pixels in each class as CSV on standard output.
 int predict_masks(const Args& args) {
@@ -693,7 +721,8 @@ int predict_masks(const Args& args) {
               "framefit predict on a segmentation model needs --image (an image file or a folder "
               "of images) and --out (the mask PNG for one image, a folder for a folder)");
   auto model = train::load_batch_model(args.text("checkpoint"), args.list("set"));
-  TORCH_CHECK(model.classes.size() <= 256, "masks hold class ids as 8-bit pixels; this model has ",
+  TORCH_CHECK(model.classes.size() <= 65536,
+              "masks hold class ids as PNG pixels of 16 bits at most; this model has ",
               model.classes.size(), " classes");
   const std::string input = args.text("image"), out = args.text("out");
   const bool folder = is_directory(input);
@@ -701,6 +730,7 @@ int predict_masks(const Args& args) {
       folder ? data::list_images(input) : std::vector<std::string>{input};
   TORCH_CHECK(!images.empty(), "no images (.jpg, .jpeg, .png, .bmp, .webp, .tif, .tiff) in ",
               input);
+  const auto paths = mask_paths(images, out, folder || is_directory(out));
   if (folder) {
     TORCH_CHECK(is_directory(out) || ::mkdir(out.c_str(), 0755) == 0, "cannot create the folder ",
                 out, " for the masks: ", std::strerror(errno));
@@ -709,13 +739,8 @@ int predict_masks(const Args& args) {
   std::string csv = "image,mask,height,width";
   for (const auto& name : model.classes.names()) csv += "," + name;
   csv += "\n";
-  const bool into_folder = folder || is_directory(out);
   for (size_t i = 0; i < images.size(); ++i) {
-    std::string path = out;
-    if (into_folder) {
-      const auto name = images[i].substr(images[i].rfind('/') + 1);
-      path = out + "/" + name.substr(0, name.rfind('.')) + ".png";
-    }
+    const auto& path = paths[i];
     const auto& mask = masks[i];
     data::write_label_image(path, mask);
     const auto shares = torch::bincount(mask.flatten(), {}, model.classes.size())

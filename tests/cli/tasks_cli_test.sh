@@ -69,6 +69,32 @@ if "$framefit" predict --checkpoint seg/best.pt --video demo/videos/video01.mp4 
   echo "predict on a segmentation model ran on a video"; exit 1
 fi
 grep -q -- "--video is for a phases or clips checkpoint" predict.log
+# A mask that would replace another image's mask, or an input image, is refused before writing.
+mkdir twins
+cp demo/segmentation/val/images/0003.png twins/0003.png
+cp demo/segmentation/val/images/0003.png twins/0003.jpg
+if "$framefit" predict --checkpoint seg/best.pt --image twins --out twin_masks 2> predict.log; then
+  echo "predict wrote two images' masks to one file"; exit 1
+fi
+grep -q "would both have their mask written to twin_masks/0003.png" predict.log
+test ! -e twin_masks
+rm twins/0003.jpg
+if "$framefit" predict --checkpoint seg/best.pt --image twins --out twins 2> predict.log; then
+  echo "predict wrote a mask over its input image"; exit 1
+fi
+grep -q "would be written over the image twins/0003.png" predict.log
+cmp twins/0003.png demo/segmentation/val/images/0003.png
+# Past 256 classes masks are 16-bit PNGs, which predict writes as training reads them.
+classes=$("$python" -c "print(','.join(['background', 'disc', 'square'] + ['c%d' % i for i in range(297)]))")
+"$framefit" train --config "$source/configs/demo_segmentation.yaml" --set train.epochs=1 \
+  --set train.out_dir=seg300 --set "data.classes=[$classes]" > /dev/null 2>&1
+"$framefit" predict --checkpoint seg300/best.pt --image twins/0003.png --out mask300.png \
+  > /dev/null
+"$python" -c "
+from PIL import Image
+mask = Image.open('mask300.png')
+assert mask.mode.startswith('I') and mask.size == (64, 64), (mask.mode, mask.size)
+"
 "$python" -c "
 import csv, json
 import numpy as np
