@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <sstream>
 #include <stdexcept>
 
@@ -103,7 +104,7 @@ const std::vector<Flag>& flag_table() {
        ""},
       {"video",
        {"extract"},
-       FlagType::Text,
+       FlagType::InputPath,
        "Video file or folder of frame images, decoded here (--sample-fps, --resize, --crop): one "
        "feature row per sampled frame. Give it or --input.",
        ""},
@@ -541,12 +542,12 @@ const std::vector<Flag>& flag_table() {
        ""},
       {"video",
        {"predict"},
-       FlagType::Text,
+       FlagType::InputPath,
        "Video file or folder of frame images (phases and clips checkpoints).",
        ""},
       {"features",
        {"predict"},
-       FlagType::Text,
+       FlagType::InputPath,
        "Precomputed per-frame features (.npy, or a tensor saved with torch.save as .pt; [T,D] or "
        "[D,T]) for a phases checkpoint of model.encoder features.",
        ""},
@@ -561,7 +562,7 @@ const std::vector<Flag>& flag_table() {
        1},
       {"image",
        {"predict"},
-       FlagType::Text,
+       FlagType::InputPath,
        "Image file or folder of images (segmentation checkpoints): each read at the network's "
        "input size, its mask written at the image's size.",
        ""},
@@ -789,11 +790,55 @@ void add_flag(CLI::App& app, const Flag& flag, std::map<std::string, std::string
     case FlagType::Bytes: option->check(byte_size()); break;
     case FlagType::Fraction: option->check(fraction()); break;
     case FlagType::Choice: option->check(CLI::IsMember(flag.choices)); break;
-    case FlagType::Path: option->type_name("PATH"); break;
+    case FlagType::Path:
+    case FlagType::InputPath: option->type_name("PATH"); break;
     case FlagType::OutputFile: option->check(output_file(false)); break;
     case FlagType::OutputFileOrFolder: option->check(output_file(true)); break;
     default: break;
   }
+}
+
+// Two flags of one command line naming one file where one of them writes it: two outputs (predict
+// --out and --segments), or an output over an input (export --out over its --checkpoint), which
+// would lose a result or the input without an error. "" when there is none.
+std::string clashing_paths(const std::string& command,
+                           const std::map<std::string, std::string>& given) {
+  namespace fs = std::filesystem;
+  struct Named {
+    std::string flag;
+    fs::path path;
+    bool output;
+  };
+  std::vector<Named> named;
+  for (const auto& flag : flag_table()) {
+    const bool output = flag.type == FlagType::OutputFile ||
+                        flag.type == FlagType::OutputFileOrFolder || flag.type == FlagType::Path;
+    const bool input = flag.type == FlagType::ExistingFile || flag.type == FlagType::InputPath;
+    const auto value = given.find(flag.name);
+    if (!(output || input) || value == given.end() || value->second.empty() ||
+        std::find(flag.commands.begin(), flag.commands.end(), command) == flag.commands.end()) {
+      continue;
+    }
+    std::error_code error;
+    auto path = fs::weakly_canonical(value->second, error);
+    named.push_back({flag.name, error ? fs::path(value->second) : path, output});
+  }
+  for (size_t i = 0; i < named.size(); ++i) {
+    for (size_t j = i + 1; j < named.size(); ++j) {
+      const auto& a = named[i];
+      const auto& b = named[j];
+      if (!(a.output || b.output) || a.path != b.path) continue;
+      const auto& input = a.output ? b : a;
+      const auto& output = a.output ? a : b;
+      if (a.output && b.output) {
+        return "--" + a.flag + " and --" + b.flag + " both name " + a.path.string() +
+               ": give each output its own file";
+      }
+      return "--" + output.flag + " names " + output.path.string() + ", which --" + input.flag +
+             " reads: writing it would replace it; give --" + output.flag + " another file";
+    }
+  }
+  return "";
 }
 
 }  // namespace
@@ -870,6 +915,12 @@ ParseResult parse_command_line(const std::vector<std::string>& argv) {
         given[flag.name] = flag.default_value;
       }
     }
+  }
+  const auto clash = clashing_paths(command, given);
+  if (!clash.empty()) {
+    result.output = clash + "\nRun with --help for more information.\n";
+    result.exit_code = static_cast<int>(CLI::ExitCodes::ValidationError);
+    return result;
   }
   result.args = Args(command, std::move(given));
   return result;

@@ -15,6 +15,7 @@ enum class FlagType {
   OutputFile,          // an output file, in a folder that must exist
   OutputFileOrFolder,  // as OutputFile, or a folder (existing, or new in an existing one)
   ExistingFile,        // an input file that must exist
+  InputPath,           // an input file or folder, checked by the command (a video, images)
   Int,                 // an integer >= min_value
   IntOrAuto,           // "auto" or an integer >= min_value
   Bytes,               // a byte size: 8GiB, 512MiB, 4096

@@ -101,6 +101,27 @@ TEST(Flags, BenchStepTakesAutoOrACount) {
   expect_error({"bench-step", "--model", "resnet18", "--head", "lstm", "--size", "64"}, "--frames");
 }
 
+TEST(Flags, OutputsNamingTheSameFileOrAnInputAreRefused) {
+  const std::string checkpoint = __FILE__;
+  expect_error({"export", "--checkpoint", checkpoint, "--out", checkpoint},
+               "--out names " + checkpoint + ", which --checkpoint reads");
+  // Spelled differently, the same file.
+  const auto folder = checkpoint.substr(0, checkpoint.rfind('/'));
+  const auto name = checkpoint.substr(checkpoint.rfind('/') + 1);
+  expect_error({"export", "--checkpoint", checkpoint, "--out", folder + "/./" + name},
+               "which --checkpoint reads");
+  expect_error({"predict", "--checkpoint", checkpoint, "--video", "/tmp/v.mp4", "--out",
+                "/tmp/p.csv", "--segments", "/tmp/../tmp/p.csv"},
+               "--out and --segments both name /tmp/p.csv: give each output its own file");
+  expect_error(
+      {"predict", "--checkpoint", checkpoint, "--video", "/tmp/v.mp4", "--timeline", "/tmp/v.mp4"},
+      "--timeline names /tmp/v.mp4, which --video reads");
+  // Distinct files, and two inputs naming one file, are fine.
+  EXPECT_TRUE(parse_command_line({"predict", "--checkpoint", checkpoint, "--video", checkpoint,
+                                  "--out", "/tmp/p.csv", "--segments", "/tmp/s.csv"})
+                  .args.has_value());
+}
+
 TEST(Flags, HelpDescribesEveryCommandAndFlag) {
   const auto top = parse_command_line({"--help"});
   EXPECT_FALSE(top.args.has_value());

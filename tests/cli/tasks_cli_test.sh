@@ -79,10 +79,15 @@ fi
 grep -q "would both have their mask written to twin_masks/0003.png" predict.log
 test ! -e twin_masks
 rm twins/0003.jpg
-if "$framefit" predict --checkpoint seg/best.pt --image twins --out twins 2> predict.log; then
+if "$framefit" predict --checkpoint seg/best.pt --image twins/0003.png --out twins \
+  2> predict.log; then
   echo "predict wrote a mask over its input image"; exit 1
 fi
 grep -q "would be written over the image twins/0003.png" predict.log
+if "$framefit" predict --checkpoint seg/best.pt --image twins --out twins 2> predict.log; then
+  echo "predict wrote masks into its images' folder"; exit 1
+fi
+grep -q -- "--out names .*/twins, which --image reads" predict.log
 cmp twins/0003.png demo/segmentation/val/images/0003.png
 # Past 256 classes masks are 16-bit PNGs, which predict writes as training reads them.
 classes=$("$python" -c "print(','.join(['background', 'disc', 'square'] + ['c%d' % i for i in range(297)]))")
