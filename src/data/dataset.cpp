@@ -49,25 +49,32 @@ int64_t trailing_number(const std::string& name) {
   return std::stoll(stem.substr(begin));
 }
 
-// Numbered frames must be consecutive: a gap is a missing frame, which would shift every later
-// label by one.
-void check_numbering(const std::string& folder, const std::vector<std::string>& names) {
-  for (size_t i = 1; i < names.size(); ++i) {
-    const int64_t previous = trailing_number(names[i - 1]);
-    const int64_t current = trailing_number(names[i]);
-    if (previous < 0 || current < 0) return;  // not numbered: name order is all there is
-    TORCH_CHECK(current == previous + 1, "frame folder ", folder, ": frame ", previous + 1,
-                " is missing (", names[i - 1], " is followed by ", names[i],
-                "); every frame needs its image for the labels to line up");
-  }
-}
-
-// A frame folder's images sorted by name, numbered consecutively where numbered.
+// A frame folder's images in frame order, numbered consecutively where numbered. When every name
+// ends in a number they are ordered by it, so unpadded names (ffmpeg's frame_%d.jpg: frame_9,
+// frame_10) keep their order; a number given twice (5.jpg beside 000005.jpg) or a gap (a missing
+// frame, which would shift every later label by one) is an error. Otherwise name order is all
+// there is.
 std::vector<std::string> list_frames(const std::string& folder) {
   auto paths = list_images(folder);
-  std::vector<std::string> names;
-  for (const auto& p : paths) names.push_back(p.substr(folder.size() + 1));
-  check_numbering(folder, names);
+  std::vector<std::pair<int64_t, std::string>> numbered;  // (number, name)
+  for (const auto& p : paths) {
+    const auto name = p.substr(folder.size() + 1);
+    const int64_t number = trailing_number(name);
+    if (number < 0) return paths;
+    numbered.emplace_back(number, name);
+  }
+  std::stable_sort(numbered.begin(), numbered.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (size_t i = 1; i < numbered.size(); ++i) {
+    const auto& [previous, previous_name] = numbered[i - 1];
+    const auto& [current, name] = numbered[i];
+    TORCH_CHECK(current != previous, "frame folder ", folder, ": ", previous_name, " and ", name,
+                " are both frame ", current, "; keep one image per frame number");
+    TORCH_CHECK(current == previous + 1, "frame folder ", folder, ": frame ", previous + 1,
+                " is missing (", previous_name, " is followed by ", name,
+                "); every frame needs its image for the labels to line up");
+  }
+  for (size_t i = 0; i < numbered.size(); ++i) paths[i] = folder + "/" + numbered[i].second;
   return paths;
 }
 

@@ -279,7 +279,7 @@ TEST_F(DataTest, VariableRateVideoIsSampledByItsTimestamps) {
   EXPECT_EQ(data::VideoDataset({{"v", matroska, l, "train", 0}}, classes_, options).frames(0), 8);
 }
 
-TEST_F(DataTest, FrameFolderNeedsItsRateAndReadsInNameOrder) {
+TEST_F(DataTest, FrameFolderNeedsItsRateAndReadsInFrameNumberOrder) {
   if (skip_without_ffmpeg()) GTEST_SKIP() << "built without FFmpeg";
   const auto l = labels("frames.txt", 5);
   data::DataOptions options;
@@ -299,6 +299,23 @@ TEST_F(DataTest, FrameFolderNeedsItsRateAndReadsInNameOrder) {
             std::string::npos);
   data::VideoDataset sampled({{"f", kMedia + "/frames", l, "train", 4}}, classes_, options);
   EXPECT_EQ(sampled.frames(0), 3);  // 4 fps -> 2 fps: frames 0, 2, 4
+
+  // Unpadded numbers, as ffmpeg's frame_%d.jpg writes them, are read in number order (frame_10
+  // after frame_9, not after frame_1): 12 copies of the folder's frames, frame k of frame_k.jpg
+  // being the folder's frame k % 5.
+  const auto unpadded = dir_ + "/unpadded";
+  ::mkdir(unpadded.c_str(), 0755);
+  const auto sources = data::list_images(kMedia + "/frames");
+  ASSERT_EQ(sources.size(), 5u);
+  for (int k = 0; k < 12; ++k) {
+    std::ifstream in(sources[static_cast<size_t>(k % 5)], std::ios::binary);
+    std::ofstream(unpadded + "/frame_" + std::to_string(k) + ".jpg", std::ios::binary)
+        << in.rdbuf();
+  }
+  options.fps = 0;
+  data::VideoDataset twelve({{"u", unpadded, labels("u.txt", 12), "train", 0}}, classes_, options);
+  const auto read = twelve.load(0).frames;
+  for (int64_t k = 0; k < 12; ++k) EXPECT_TRUE(torch::equal(read[k], video.frames[k % 5])) << k;
 }
 
 TEST_F(DataTest, AnnotationsAtTheirOwnRateFollowTheFramesByTime) {
@@ -540,6 +557,14 @@ TEST_F(DataTest, BadVideosAreNamedOrSkipped) {
   EXPECT_NE(gap.find("frame 2 is missing (000001.jpg is followed by 000003.jpg)"),
             std::string::npos)
       << gap;
+  // One number twice, spelled two ways.
+  std::rename((folder + "/000004.jpg").c_str(), (folder + "/000002.jpg").c_str());
+  {
+    std::ifstream in(folder + "/000002.jpg", std::ios::binary);
+    std::ofstream(folder + "/2.jpg", std::ios::binary) << in.rdbuf();
+  }
+  const auto twice = construct_error({"c", folder, l3, "train", 0});
+  EXPECT_NE(twice.find("000002.jpg and 2.jpg are both frame 2"), std::string::npos) << twice;
 
   // on_error: skip drops the videos that fail probing, with a warning each.
   options.skip_bad = true;
