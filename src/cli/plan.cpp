@@ -172,9 +172,9 @@ int print_findings(const Args& args, const std::vector<plan::Finding>& findings)
 // The doctor on a config's layer-list network: each layer's shape and parameters, the memory
 // per batch, then the findings. Nothing is allocated. `budget`: what a step may use, which for a
 // clips or segmentation config is `full_budget` less the data pipeline's prefetch reserve (on
-// CUDA: less the allocator's margin).
+// CUDA: less the allocator's margin). `data_findings`: diagnose_batch_data's, for such a config.
 int doctor_network(const Args& args, const train::Config& config, int64_t full_budget,
-                   int64_t budget) {
+                   int64_t budget, const std::vector<plan::Finding>& data_findings) {
   plan::NetworkTraining training;
   training.batch = args.integer("batch");
   training.dtype = args.text("dtype") == "float64" ? torch::kFloat64 : torch::kFloat32;
@@ -184,6 +184,7 @@ int doctor_network(const Args& args, const train::Config& config, int64_t full_b
   auto findings = plan::diagnose_network(layers, input, training, budget);
   const auto settings = train::diagnose_task_settings(config);
   findings.insert(findings.begin(), settings.begin(), settings.end());
+  findings.insert(findings.end(), data_findings.begin(), data_findings.end());
   // Shapes for the table; a list that cannot even be read is already one of the findings.
   std::optional<models::NetworkShapes> shapes;
   try {
@@ -261,9 +262,17 @@ int run_doctor(const Args& args) {
     const int64_t budget = args.bytes("budget") > 0  ? args.bytes("budget")
                            : config.train.budget > 0 ? config.train.budget
                                                      : tracker.available_bytes();
+    // A clips or segmentation config's data, whatever its network.
+    std::vector<plan::Finding> data_findings;
+    if (train::is_batch_task(config)) {
+      std::string summary;
+      data_findings = train::diagnose_batch_data(config, &summary);
+      if (!args.on("json")) fmt::print("framefit doctor: {}\n", summary);
+    }
     if (train::is_batch_task(config) && train::network_kind(config) != "layers") {
       int64_t static_bytes = 0;
       auto findings = train::diagnose_batch_task(config, budget, &static_bytes);
+      findings.insert(findings.end(), data_findings.begin(), data_findings.end());
       if (!args.on("json") && static_bytes > 0) {
         fmt::print(
             "framefit doctor: {} for task {}: static memory (parameters, buffers, gradients, "
@@ -292,7 +301,7 @@ int run_doctor(const Args& args) {
     // largest decoded unit, which the doctor does not know: it reads no data).
     const int64_t step_budget =
         train::is_batch_task(config) ? train::step_budget_bytes(config, budget, 0) : budget;
-    return doctor_network(args, checked, budget, step_budget);
+    return doctor_network(args, checked, budget, step_budget, data_findings);
   }
   return print_findings(args, plan::diagnose(plan_request(args), args.bytes("budget") > 0
                                                                      ? args.bytes("budget")

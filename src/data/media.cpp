@@ -1008,8 +1008,8 @@ torch::Tensor read_label_image(const std::string& path) {
   const auto bytes = read_file(path, what);
   TORCH_CHECK(image_codec(bytes) != AV_CODEC_ID_MJPEG, what,
               ": is a JPEG, whose compression changes class ids along every edge; save masks "
-              "losslessly, as PNG (framefit train: or list the class values in "
-              "data.mask_values, and each pixel takes the nearest)");
+              "losslessly, as PNG, or list the class values in data.mask_values (each pixel "
+              "then takes the nearest)");
   const auto frame = decode_image(bytes, what);
   const int64_t height = frame->height, width = frame->width;
   auto ids = torch::empty({height, width}, torch::kLong);

@@ -112,10 +112,10 @@ class TaskData {
   int64_t skipped_at_start() const { return videos_ ? videos_->skipped() : 0; }
   std::string describe() const {
     if (videos_) {
-      return c10::str(index_->size(), " clips of ", clip_.length, " frames from ", videos_->size(),
-                      " videos");
+      return c10::str(index_->size(), " clip", index_->size() == 1 ? "" : "s", " of ", clip_.length,
+                      " frames from ", videos_->size(), " video", videos_->size() == 1 ? "" : "s");
     }
-    return c10::str(units(), " images");
+    return c10::str(units(), " image", units() == 1 ? "" : "s");
   }
 
   // Per sample, as stored: [3,L,H,W] or [3,H,W] uint8 (an image's from the first image, read
@@ -943,6 +943,60 @@ std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t bud
                  memory::format_bytes(bytes), ", not less than train.budget ",
                  memory::format_bytes(budget_bytes)),
         "raise train.budget, or use sgd or a smaller network");
+  }
+  return findings;
+}
+
+std::vector<plan::Finding> diagnose_batch_data(const Config& config, std::string* summary) {
+  TORCH_CHECK(is_batch_task(config), "diagnose_batch_data is for task clips or segmentation");
+  std::vector<plan::Finding> findings;
+  const auto error = [&](const std::string& problem, const std::string& fix) {
+    for (const auto& f : findings) {
+      if (f.problem == problem) return;  // a bad manifest fails every split alike: said once
+    }
+    findings.push_back({plan::Finding::Severity::Error, problem, fix});
+  };
+  const std::string fix_file =
+      "fix or replace the file, or set data.on_error: skip to train without it";
+  // Every bad video named, not only the first: probed as training probes, skipping.
+  auto probing = config;
+  probing.data.on_error = "skip";
+  const bool images = config.task == "segmentation";
+  std::vector<std::string> probed, described;
+  for (const auto& split :
+       {config.data.train_split, config.data.val_split, config.data.test_split}) {
+    if (std::find(probed.begin(), probed.end(), split) != probed.end()) continue;
+    probed.push_back(split);
+    try {
+      const TaskData set(probing, split, false, [&](const Event& e) {
+        const std::string skipping = "skipping ";
+        if (e.kind != Event::Kind::Warning) return;
+        error(e.message.rfind(skipping, 0) == 0 ? e.message.substr(skipping.size()) : e.message,
+              fix_file);
+      });
+      if (split == config.data.train_split && set.samples() == 0) {
+        error(no_samples_in_split(config, split),
+              "set data.train_split to a split with data, or add training data to it");
+      }
+      // Images and masks are read whole, as training reads them: a corrupt image, a mask of
+      // another size or an id outside the classes would otherwise stop a run part way.
+      for (int64_t unit = 0; images && unit < set.units(); ++unit) {
+        try {
+          set.load(unit, 0, 0);
+        } catch (const c10::Error& e) {
+          error(e.what_without_backtrace(), fix_file);
+        }
+      }
+      if (set.units() > 0) described.push_back(c10::str(split, " ", set.describe()));
+    } catch (const c10::Error& e) {
+      error(e.what_without_backtrace(), "fix the config or the data");
+    }
+  }
+  if (summary) {
+    *summary = "data: ";
+    for (size_t i = 0; i < described.size(); ++i) *summary += (i ? ", " : "") + described[i];
+    if (described.empty()) *summary += "none";
+    if (images) *summary += " (every image and mask read)";
   }
   return findings;
 }

@@ -24,7 +24,12 @@ if "$framefit" doctor --config "$source/configs/clip3d.yaml" --batch 1000 > big.
 fi
 grep -q "use a batch of at most" big.txt
 # A clips config without model.input: the input follows from data.clip_length and data.crop.
+# The doctor probes its data too: a tiny demo data set.
+rm -rf doctor_work && mkdir doctor_work && cd doctor_work
+"$framefit" make-demo --out demo --train-videos 3 --val-videos 1 --test-videos 1 \
+  --min-frames 100 --max-frames 150 --no-frame-folders > /dev/null 2>&1
 out=$("$framefit" doctor --config "$source/configs/demo_clips.yaml")
+grep -q "data: train .* clips of 8 frames from 3 videos" <<<"$out" || { echo "$out"; exit 1; }
 grep -q "on input 3 x 8 x 64 x 64 (per sample)" <<<"$out" || { echo "$out"; exit 1; }
 grep -q "no problems found" <<<"$out"
 # Its largest batch is for what a training step may use: train.budget less the prefetch reserve.
@@ -33,4 +38,10 @@ grep -qF "step budget 192.00 MiB (budget 256.00 MiB less the prefetch reserve)" 
 json=$("$framefit" doctor --config "$source/configs/demo_clips.yaml" --json)
 python3 -c "import json, sys; d = json.loads(sys.argv[1]); \
 assert d['step_budget_bytes'] == 192 << 20 and d['budget_bytes'] == 256 << 20, d" "$json"
+# A missing video is named.
+rm demo/videos/video02.mp4
+if "$framefit" doctor --config "$source/configs/demo_clips.yaml" > missing.txt 2>&1; then
+  echo "the doctor passed a clips config with a missing video"; exit 1
+fi
+grep -q "video02.mp4" missing.txt || { cat missing.txt; exit 1; }
 echo "doctor CLI: ok"

@@ -17,6 +17,24 @@ if "$framefit" doctor --config "$source/configs/demo_segmentation.yaml" --set da
   echo "the doctor passed data.resize 60 for a UNet of depth 3"; exit 1
 fi
 grep -q "set data.resize to 64" doctor.txt
+# And the data: every image and mask read as training reads them, each bad one named.
+cp -r demo/segmentation bad_segmentation
+"$python" -c "
+import numpy as np
+from PIL import Image
+mask = np.array(Image.open('bad_segmentation/train/masks/0001.png'))
+mask[0, 0] = 7
+Image.fromarray(mask).save('bad_segmentation/train/masks/0001.png')
+"
+head -c 100 demo/segmentation/val/images/0000.png > bad_segmentation/val/images/0000.png
+if "$framefit" doctor --config "$source/configs/demo_segmentation.yaml" \
+  --set "data.images=bad_segmentation/{split}/images" \
+  --set "data.masks=bad_segmentation/{split}/masks" > doctor.txt 2>&1; then
+  echo "the doctor passed a mask with class id 7 and a corrupt image"; exit 1
+fi
+cat doctor.txt
+grep -q "masks/0001.png has class id 7 but there are 3 classes" doctor.txt
+grep -q "val/images/0000.png: cannot decode" doctor.txt
 # The plan train will use, before training: planned batch within the budget, in parts.
 "$framefit" plan --config "$source/configs/demo_segmentation.yaml" --set train.lr_batch=4 \
   --set train.lr_scaling=sqrt --json > plan.json

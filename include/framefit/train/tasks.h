@@ -133,12 +133,20 @@ std::vector<plan::Finding> diagnose_task_settings(const Config& config);
 // The doctor for a clips or segmentation config whose network is named (r3d_18, r2plus1d_18,
 // unet, torchscript; layer lists have plan::diagnose_network): sizes from the options alone (a
 // TorchScript file's tensors read into host memory), nothing allocated on the device, no data
-// read. Errors: a network that does not fit the task, a UNet whose depth does not divide
-// data.resize, frames smaller than a video ResNet's stride, a TorchScript file that does not
-// load, static memory (parameters, buffers, gradients, optimizer state) above the budget.
-// `static_bytes` receives that static memory.
+// read (diagnose_batch_data reads it). Errors: a network that does not fit the task, a UNet whose
+// depth does not divide data.resize, frames smaller than a video ResNet's stride, a TorchScript
+// file that does not load, static memory (parameters, buffers, gradients, optimizer state) above
+// the budget. `static_bytes` receives that static memory.
 std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t budget_bytes,
                                                int64_t* static_bytes = nullptr);
+
+// The doctor on a clips or segmentation config's data: each of its splits built as training
+// builds it, every video probed (each bad one named, not only the first) and for segmentation
+// every image and mask read whole, as training reads them (a corrupt image, a mask of another
+// size, a class id outside the classes). Errors also for a training split without samples.
+// `summary` receives what each split holds.
+std::vector<plan::Finding> diagnose_batch_data(const Config& config,
+                                               std::string* summary = nullptr);
 
 // Training for task clips or segmentation; as train().
 TrainResult train_batch(const Config& config, const std::string& resume = "",
