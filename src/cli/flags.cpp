@@ -11,6 +11,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "framefit/core/runtime.h"
 #include "framefit/memory/tracker.h"
 
 namespace framefit::cli {
@@ -356,7 +357,7 @@ const std::vector<Flag>& flag_table() {
        false,
        {},
        0},
-      {"device", with({"extract", "bench-layers"}, step), FlagType::Text, "cpu, cuda or cuda:N.",
+      {"device", with({"extract", "bench-layers"}, step), FlagType::Device, "cpu, cuda or cuda:N.",
        "cpu"},
       // bench-layers
       {"net",
@@ -714,6 +715,14 @@ CLI::Validator output_file(bool folder_allowed) {
       folder_allowed ? "FILE|FOLDER" : "FILE");
 }
 
+CLI::Validator device_name() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        return is_device_name(value) ? "" : "expected cpu, cuda or cuda:N, got '" + value + "'";
+      },
+      "DEVICE");
+}
+
 CLI::Validator fraction() {
   return CLI::Validator(
       [](std::string& value) -> std::string {
@@ -789,6 +798,7 @@ void add_flag(CLI::App& app, const Flag& flag, std::map<std::string, std::string
     case FlagType::IntOrAuto: option->check(integer_at_least(flag.min_value, true)); break;
     case FlagType::Bytes: option->check(byte_size()); break;
     case FlagType::Fraction: option->check(fraction()); break;
+    case FlagType::Device: option->check(device_name()); break;
     case FlagType::Choice: option->check(CLI::IsMember(flag.choices)); break;
     case FlagType::Path:
     case FlagType::InputPath: option->type_name("PATH"); break;

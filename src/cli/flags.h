@@ -20,6 +20,7 @@ enum class FlagType {
   IntOrAuto,           // "auto" or an integer >= min_value
   Bytes,               // a byte size: 8GiB, 512MiB, 4096
   Fraction,            // a number in [0, 1)
+  Device,              // cpu, cuda or cuda:N
   Choice,              // one of `choices`
   Switch,              // present or absent, takes no value
   Repeated,            // given any number of times (--set a=1 --set b=2); Args::list reads them

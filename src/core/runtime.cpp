@@ -78,6 +78,29 @@ std::string MachineInfo::describe() const {
   return out.str();
 }
 
+bool is_device_name(const std::string& name) {
+  if (name == "cpu" || name == "cuda") return true;
+  return name.rfind("cuda:", 0) == 0 && name.size() > 5 && name.size() < 9 &&
+         name.find_first_not_of("0123456789", 5) == std::string::npos;
+}
+
+std::string device_unavailable(const std::string& name) {
+  if (name.rfind("cuda", 0) != 0) return "";
+  if (!torch::cuda::is_available()) {
+#ifdef FRAMEFIT_WITH_CUDA
+    return "no CUDA device is visible here";
+#else
+    return "this framefit was built against a CPU-only LibTorch";
+#endif
+  }
+  const auto count = static_cast<int64_t>(torch::cuda::device_count());
+  const int64_t index = name.size() > 5 ? std::stoll(name.substr(5)) : 0;
+  if (index < count) return "";
+  return "there " + std::string(count == 1 ? "is " : "are ") + std::to_string(count) +
+         " CUDA device" + (count == 1 ? "" : "s") + " here (cuda:0" +
+         (count > 1 ? " to cuda:" + std::to_string(count - 1) : std::string()) + ")";
+}
+
 MachineInfo machine_info() {
   MachineInfo info;
   info.cores = static_cast<int>(std::thread::hardware_concurrency());

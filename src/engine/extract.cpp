@@ -13,6 +13,15 @@ void check_video_frames(const torch::Tensor& frames, const std::string& what) {
   TORCH_CHECK(frames.scalar_type() == torch::kUInt8 || frames.is_floating_point(), what,
               ": frames must be uint8 (0..255) or floating point (already normalised); got ",
               frames.scalar_type());
+  if (frames.is_floating_point()) {
+    // A NaN pixel gives its frame NaN features (and a training step a NaN loss) silently.
+    const auto finite = torch::isfinite(frames).flatten(1).all(1);
+    if (!finite.all().item<bool>()) {
+      const int64_t frame = torch::logical_not(finite).nonzero()[0][0].item<int64_t>();
+      TORCH_CHECK(false, what, ": frame ", frame,
+                  " has pixels that are not finite (NaN or infinity)");
+    }
+  }
 }
 
 torch::Tensor frames_to_input(const torch::Tensor& frames, torch::Device device,

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <type_traits>
 
+#include "framefit/core/runtime.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/plan/planner.h"
 #include "framefit/train/tasks.h"
@@ -606,11 +607,7 @@ const std::vector<Entry>& entries() {
     t.push_back(field<std::string>(
         "device", "cpu, cuda or cuda:N", FRAMEFIT_MEMBER(std::string, device), "a device name",
         [](const std::string& v, const std::string& where) {
-          bool ok = v == "cpu" || v == "cuda";
-          if (!ok && v.rfind("cuda:", 0) == 0 && v.size() > 5) {
-            ok = v.find_first_not_of("0123456789", 5) == std::string::npos;
-          }
-          TORCH_CHECK(ok, where, ": expected cpu, cuda or cuda:N, got \"", v, "\"");
+          TORCH_CHECK(is_device_name(v), where, ": expected cpu, cuda or cuda:N, got \"", v, "\"");
         }));
     return t;
   }();

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "framefit/core/errors.h"
+#include "framefit/core/runtime.h"
 #include "framefit/models/torchscript.h"
 #include "framefit/models/weights.h"
 #include "framefit/plan/planner.h"
@@ -168,6 +169,15 @@ Config read_config(torch::serialize::InputArchive& archive, const std::string& p
   return parse_config(text.toStringRef(), "the config stored in " + path);
 }
 
+Config read_resumed_config(torch::serialize::InputArchive& archive, const std::string& path,
+                           const Config& resumed_with) {
+  auto stored = read_config(archive, path);
+  TORCH_CHECK(stored.task == resumed_with.task, "--resume ", path, ": a checkpoint of task ",
+              stored.task, ", and this config is for task ", resumed_with.task,
+              ": resume from a checkpoint of this run (--resume auto), or start a new one");
+  return stored;
+}
+
 torch::serialize::InputArchive open_archive(const std::string& path) {
   struct stat info {};
   TORCH_CHECK(::stat(path.c_str(), &info) == 0, "checkpoint ", path, ": no such file");
@@ -213,8 +223,15 @@ void load_module(torch::nn::Module& module, torch::serialize::InputArchive& arch
 
 Config config_with_overrides(const Config& stored, const std::string& checkpoint,
                              const std::vector<std::string>& overrides) {
-  if (overrides.empty()) return stored;
-  Config config = parse_config(to_yaml(stored), "the config stored in " + checkpoint, overrides);
+  Config config = overrides.empty() ? stored
+                                    : parse_config(to_yaml(stored),
+                                                   "the config stored in " + checkpoint, overrides);
+  // A model trained on a GPU, read on a machine without one: LibTorch's own words were "PyTorch
+  // is not linked with support for cuda devices".
+  const auto unavailable = device_unavailable(config.device);
+  TORCH_CHECK(unavailable.empty(), "checkpoint ", checkpoint, ": device ", config.device,
+              overrides.empty() ? " (as it was trained)" : "", " cannot be used: ", unavailable,
+              "; add --set device=cpu");
   static const std::set<std::string> free_keys = {"model.layout", "model.lean_backward",
                                                   "model.weights", "model.weights_prefix",
                                                   "model.freeze"};

@@ -73,13 +73,18 @@ void load_module(torch::nn::Module& module, torch::serialize::InputArchive& arch
 // data and run settings may change, the trained model may not. `task` or a model.* key that changes
 // what the network computes is an error naming it (a BatchNorm model loaded as GroupNorm found
 // weights of the same shapes and ran); model.layout and model.lean_backward choose how it runs,
-// model.weights, model.weights_prefix and model.freeze only matter to training.
+// model.weights, model.weights_prefix and model.freeze only matter to training. A device this
+// machine does not have (a model trained on CUDA, read without a GPU) is an error with the fix.
 Config config_with_overrides(const Config& stored, const std::string& checkpoint,
                              const std::vector<std::string>& overrides);
 // "its stored config", or with --set overrides, "its stored config with --set a=1 --set b=2".
 std::string stored_config_with(const std::vector<std::string>& overrides);
 // The config stored in a checkpoint (which must be a framefit checkpoint).
 Config read_config(torch::serialize::InputArchive& archive, const std::string& path);
+// read_config for --resume: a checkpoint of another task (a phases run resumed from a segmentation
+// checkpoint) is an error saying so, instead of a missing tensor's name.
+Config read_resumed_config(torch::serialize::InputArchive& archive, const std::string& path,
+                           const Config& resumed_with);
 // A Warning event naming the keys where the config a run resumes with differs from the one its
 // checkpoint stored (the run goes on with the new values: a changed train.lr or train.epochs
 // is allowed, but should not pass unnoticed). A changed train.best_by makes the stored best

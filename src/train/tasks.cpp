@@ -1189,6 +1189,13 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   const RunFolderLock lock(out_dir);
   warn_if_budget_beyond_device(config, on_event);
   const std::string resume_from = resume_path(resume, out_dir, checkpoint_dir);
+  // The checkpoint is opened before the data is read, so one of another task is refused at once.
+  std::optional<torch::serialize::InputArchive> resumed;
+  std::optional<Config> stored;
+  if (!resume_from.empty()) {
+    resumed.emplace(open_archive(resume_from));
+    stored = read_resumed_config(*resumed, resume_from, config);
+  }
 
   const torch::Device device(config.device);
   TaskData train_set(config, config.data.train_split, true, on_event);
@@ -1207,13 +1214,11 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   // Decoded samples held ahead stay within the reserve the step budget leaves them.
   const int64_t prefetch_bytes = prefetch_reserve_bytes(config, budget);
 
-  std::optional<torch::serialize::InputArchive> resumed;
   BatchProgress progress;
   progress.precision = batch_precision(config);
-  if (!resume_from.empty()) {
-    resumed.emplace(open_archive(resume_from));
+  if (resumed) {
     progress = read_progress(*resumed);
-    warn_config_changes(read_config(*resumed, resume_from), config, progress.best_score, on_event);
+    warn_config_changes(*stored, config, progress.best_score, on_event);
     info("resuming from " + resume_from + " at step " + std::to_string(progress.step) +
          " with its batch of " + std::to_string(progress.batch));
   } else {

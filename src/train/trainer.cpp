@@ -949,6 +949,13 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   warn_if_budget_beyond_device(config, on_event);
 
   const std::string resume_from = resume_path(resume, out_dir, checkpoint_dir);
+  // The checkpoint is opened before the data is read, so one of another task is refused at once.
+  std::optional<torch::serialize::InputArchive> resumed;
+  std::optional<Config> stored;
+  if (!resume_from.empty()) {
+    resumed.emplace(open_archive(resume_from));
+    stored = read_resumed_config(*resumed, resume_from, config);
+  }
 
   const torch::Device device(config.device);
   auto train_set = make_dataset(config, config.data.train_split, true, on_event);
@@ -980,12 +987,10 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
 
   // A resumed run continues with the checkpoint's settings (the plan it was trained with, and
   // any re-planning after out-of-memory), so its steps are those of the uninterrupted run.
-  std::optional<torch::serialize::InputArchive> resumed;
   std::optional<Progress> saved;
-  if (!resume_from.empty()) {
-    resumed.emplace(open_archive(resume_from));
+  if (resumed) {
     saved = read_progress(*resumed);
-    warn_config_changes(read_config(*resumed, resume_from), config, saved->best_score, on_event);
+    warn_config_changes(*stored, config, saved->best_score, on_event);
     info("resuming from " + resume_from + " at step " + std::to_string(saved->step));
   }
   auto& tracker = memory::Tracker::of(device);

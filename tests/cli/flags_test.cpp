@@ -98,6 +98,8 @@ TEST(Flags, BenchStepTakesAutoOrACount) {
   expect_error(with({"--chunk", "-3"}), "auto");
   expect_error(with({"--precision", "fp8"}), "fp8");
   expect_error(with({"--frames", "0"}), "at least 1");
+  expect_error(with({"--device", "cuda:x"}), "expected cpu, cuda or cuda:N, got 'cuda:x'");
+  EXPECT_TRUE(parse_command_line(with({"--device", "cuda:1"})).args.has_value());
   expect_error({"bench-step", "--model", "resnet18", "--head", "lstm", "--size", "64"}, "--frames");
 }
 

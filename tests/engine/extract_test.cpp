@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
+
 #include "test_util.h"
 
 #include "framefit/engine/extract.h"
@@ -80,6 +82,13 @@ TEST(Extract, BadInputIsExplained) {
   EXPECT_NE(framefit::test_util::error_message([&] {
               engine::extract_features(identity, torch::zeros({4, 3, 8, 8}, torch::kInt32));
             }).find("uint8"),
+            std::string::npos);
+  // Float frames are taken as normalised; a NaN pixel gave its frame NaN features silently.
+  auto frames = torch::zeros({4, 3, 8, 8});
+  frames[2][1][3][3] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_NE(framefit::test_util::error_message([&] {
+              engine::extract_features(identity, frames);
+            }).find("frame 2 has pixels that are not finite"),
             std::string::npos);
   engine::ExtractOptions zero_chunk;
   zero_chunk.chunk = 0;

@@ -1173,6 +1173,17 @@ TEST(SegmentationTraining, PatienceEndsTheRunAndItsCountSurvivesAResume) {
   const auto resumed = train::train(config, "auto");
   EXPECT_TRUE(resumed.stopped_early);
   EXPECT_EQ(epochs(), 4);
+  // A run of another task resumed from this checkpoint is refused before any data is read (it
+  // failed on a missing tensor's name).
+  auto phases = config;
+  phases.task = "phases";
+  phases.train.out_dir = config.train.out_dir + "_phases";
+  const auto other =
+      test_util::error_message([&] { train::train(phases, config.train.out_dir + "/best.pt"); });
+  EXPECT_NE(other.find("a checkpoint of task segmentation, and this config is for task phases"),
+            std::string::npos)
+      << other;
+  test_util::remove_tree(phases.train.out_dir);
   test_util::remove_tree(config.train.out_dir);
 }
 

@@ -1164,6 +1164,12 @@ TEST(Training, TrainBestByPicksTheBestCheckpointAndPatienceEndsTheRun) {
       << renormed;
   EXPECT_EQ(
       train::load_model(best_pt, {"model.layout=channels_last", "data.fps=5"}).config.data.fps, 5);
+  // A device this machine does not have (a model trained on a GPU, read without one): LibTorch
+  // said "PyTorch is not linked with support for cuda devices".
+  const auto elsewhere =
+      test_util::error_message([&] { train::load_model(best_pt, {"device=cuda:99"}); });
+  EXPECT_NE(elsewhere.find("device cuda:99 cannot be used: "), std::string::npos) << elsewhere;
+  EXPECT_NE(elsewhere.find("; add --set device=cpu"), std::string::npos) << elsewhere;
   // A run resumed with another LSTM width: LibTorch's load resized the weights to the stored
   // ones (Tensor::set_), so the run went on with the checkpoint's width without a word.
   auto narrower = config;

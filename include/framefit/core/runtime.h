@@ -27,4 +27,10 @@ MachineInfo configure_runtime(const RuntimeOptions& options = {});
 
 MachineInfo machine_info();
 
+// Whether `name` is a device name framefit takes: cpu, cuda or cuda:N.
+bool is_device_name(const std::string& name);
+// Why the device `name` cannot be used on this machine ("" when it can): a CUDA device where this
+// LibTorch was built without CUDA or sees no GPU, or an index past the devices there are.
+std::string device_unavailable(const std::string& name);
+
 }  // namespace framefit
