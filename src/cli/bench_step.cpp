@@ -15,6 +15,7 @@
 #include "framefit/memory/tracker.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/weights.h"
+#include "framefit/plan/doctor.h"
 #include "framefit/plan/planner.h"
 
 namespace framefit::cli {
@@ -35,14 +36,18 @@ struct Settings {
   engine::Precision precision = engine::Precision::FP32;
 };
 
+// Autocast lowers float32 operations only: a float64 model would run in float64 throughout.
+void check_autocast_dtype(const Args& args, engine::Precision precision) {
+  TORCH_CHECK(args.text("dtype") != "float64" || precision == engine::Precision::FP32,
+              "--precision ", engine::to_string(precision),
+              " autocasts a float32 model; --dtype float64 runs in float64 throughout: use "
+              "--precision fp32 with it");
+}
+
 BenchModel build(const Args& args, const Settings& settings) {
   const torch::Device device(args.text("device"));
   const auto dtype = args.text("dtype") == "float64" ? torch::kFloat64 : torch::kFloat32;
-  // Autocast lowers float32 operations only: a float64 model would run in float64 throughout.
-  TORCH_CHECK(dtype == torch::kFloat32 || settings.precision == engine::Precision::FP32,
-              "--precision ", engine::to_string(settings.precision),
-              " autocasts a float32 model; --dtype float64 runs in float64 throughout: use "
-              "--precision fp32 with it");
+  check_autocast_dtype(args, settings.precision);
   torch::manual_seed(static_cast<uint64_t>(args.integer("seed")));
   BenchModel m;
   const auto spec = model_spec(args);
@@ -102,6 +107,10 @@ struct Planned {
 Planned plan_step(const Args& args) {
   Planned planned;
   auto request = plan_request(args);
+  // What no step can run with (fp16 on a CPU, frames too small for the model) is refused
+  // before the probes calibrate.
+  plan::refuse_errors(plan::diagnose(request, 0));
+  if (request.precisions.size() == 1) check_autocast_dtype(args, request.precisions.front());
   auto& tracker = memory::Tracker::of(request.model.device);
   const bool auto_chunk = !request.chunk.has_value();
   planned.settings.precision = request.precisions.front();
@@ -317,6 +326,7 @@ int run_bench_memory(const Args& args) {
   const auto request = plan_request(args);
   auto& tracker = memory::Tracker::of(request.model.device);
   tracker.set_budget(args.bytes("budget"));
+  plan::refuse_errors(plan::diagnose(request, 0));
   const auto calibrated = calibrate_for(args, request);
   const auto precision = request.precisions.front();
   std::vector<int64_t> chunks;

@@ -40,6 +40,17 @@ PY
     echo "ran bf16 on a float64 model"; exit 1
   fi
   grep -q "use --precision fp32 with it" err.txt
+  # Settings no step can run with are refused before the planner's probes calibrate (which
+  # took seconds, and said so, before the error).
+  for bad in "--precision fp16" "--precision bf16 --dtype float64"; do
+    # shellcheck disable=SC2086
+    if "$framefit" bench-step --model resnet18 --head lstm --frames 8 --size 32 $bad \
+        2>err.txt; then
+      echo "ran with $bad on the CPU"; exit 1
+    fi
+    grep -q "error: .*\(fp16 autocast runs on CUDA only\|use --precision fp32 with it\)" err.txt
+    if grep -q calibrating err.txt; then cat err.txt; echo "calibrated before refusing $bad"; exit 1; fi
+  done
   # --versus-naive: naive steps interleaved with the chunked ones, one pair per measured step.
   out=$("$framefit" bench-step --model resnet18 --head lstm --frames 8 --size 32 --chunk 2 \
     --steps 2 --versus-naive --json)
