@@ -662,8 +662,8 @@ int predict_phases(const Args& args) {
     std::ofstream out(args.text("segments"));
     out << rows;
     TORCH_CHECK(out.good(), "cannot write ", args.text("segments"));
-    fmt::print(stderr, "framefit predict: {} segments -> {}\n", segments.size(),
-               args.text("segments"));
+    fmt::print(stderr, "framefit predict: {} segment{} -> {}\n", segments.size(),
+               segments.size() == 1 ? "" : "s", args.text("segments"));
   }
   return 0;
 }
@@ -765,6 +765,21 @@ int run_predict(const Args& args) {
     TORCH_CHECK(task == "phases" || !args.has(flag), "--", flag,
                 " is for a phases checkpoint; this one is for task ", task);
   }
+  // Picture outputs with another extension were refused by the writer only after predicting.
+  const auto extension = [](const std::string& path) {
+    auto ext = std::filesystem::path(path).extension().string();
+    std::transform(ext.begin(), ext.end(), ext.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    return ext;
+  };
+  TORCH_CHECK(!args.has("timeline") || extension(args.text("timeline")) == ".png", "--timeline ",
+              args.text("timeline"), ": the timeline is a PNG picture; name it .png");
+  TORCH_CHECK(task != "segmentation" || !args.has("out") || is_directory(args.text("out")) ||
+                  (args.has("image") && is_directory(args.text("image"))) ||
+                  extension(args.text("out")) == ".png",
+              "--out ", args.text("out"),
+              ": a mask is written as PNG (lossless, so class ids stay exact); name it .png, or "
+              "give a folder");
   // Images are the input of a segmentation model only, videos of the others.
   TORCH_CHECK(task == "segmentation" || !args.has("image"),
               "--image is for a segmentation checkpoint; this one is for task ", task,

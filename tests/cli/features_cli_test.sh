@@ -37,6 +37,13 @@ grep -q "the head alone on precomputed features (512 per frame)" "$work/train.tx
 "$framefit" predict --checkpoint "$work/run/best.pt" --features "$work/features/video03.pt" \
   --fps 25 --out "$work/phases.csv" --segments "$work/segments.csv" 2>/dev/null
 "$framefit" export --checkpoint "$work/run/best.pt" --out "$work/weights.pt" >/dev/null
+# A timeline not named .png is refused before predicting (the writer refused it after).
+if "$framefit" predict --checkpoint "$work/run/best.pt" --features "$work/features/video03.pt" \
+  --timeline "$work/timeline.txt" > "$work/refused.csv" 2> "$work/refused.log"; then
+  echo "predict wrote a timeline as timeline.txt"; exit 1
+fi
+grep -q "the timeline is a PNG picture; name it .png" "$work/refused.log"
+test ! -s "$work/refused.csv"
 # eval's accuracy is that of predict's phases against the annotation; export holds the head only.
 "$python" -c "
 import csv, json, torch

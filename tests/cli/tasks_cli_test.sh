@@ -106,6 +106,11 @@ if "$framefit" predict --checkpoint seg/best.pt --image twins --out twins 2> pre
   echo "predict wrote masks into its images' folder"; exit 1
 fi
 grep -q -- "--out names .*/twins, which --image reads" predict.log
+if "$framefit" predict --checkpoint seg/best.pt --image twins/0003.png --out mask.jpg \
+  2> predict.log; then
+  echo "predict wrote a mask as mask.jpg"; exit 1
+fi
+grep -q "a mask is written as PNG .*; name it .png" predict.log
 cmp twins/0003.png demo/segmentation/val/images/0003.png
 # Past 256 classes masks are 16-bit PNGs, which predict writes as training reads them.
 classes=$("$python" -c "print(','.join(['background', 'disc', 'square'] + ['c%d' % i for i in range(297)]))")
