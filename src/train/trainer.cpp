@@ -668,21 +668,48 @@ std::string extract_features(Model& model, const std::string& out_dir,
                              const EventCallback& on_event) {
   TORCH_CHECK(!model.features_input,
               "this model (model.encoder features) has no encoder to extract features with");
-  make_directories(out_dir);
   const auto& d = model.config.data;
-  std::vector<data::VideoEntry> written;
   std::vector<std::string> splits;
+  std::vector<data::VideoDataset> datasets;
   for (const auto& split : {d.train_split, d.val_split, d.test_split}) {
     if (std::find(splits.begin(), splits.end(), split) != splits.end()) continue;
     splits.push_back(split);
-    const auto dataset = make_dataset(model.config, split, false, on_event);
+    datasets.push_back(make_dataset(model.config, split, false, on_event));
+  }
+  // What will be written, checked before anything is: one file per name, and none over an
+  // input (--out-dir the data set's own folder wrote manifest.csv over its manifest, and a
+  // NAME.txt over an annotation beside its video).
+  namespace fs = std::filesystem;
+  std::map<fs::path, std::string> inputs;  // path -> what it is
+  inputs[fs::weakly_canonical(d.manifest)] = "the data set's manifest " + d.manifest;
+  std::map<std::string, std::string> split_of;  // name -> split
+  for (size_t s = 0; s < datasets.size(); ++s) {
+    for (int64_t i = 0; i < datasets[s].size(); ++i) {
+      const auto& entry = datasets[s].entry(i);
+      const auto [other, fresh] = split_of.emplace(entry.name, splits[s]);
+      TORCH_CHECK(fresh, "two videos are named ", entry.name, " (", other->second, " and ",
+                  splits[s], "): their features files would be one; name them apart in ",
+                  d.manifest);
+      for (const auto& file : {entry.video, entry.labels, entry.features, entry.tools}) {
+        if (!file.empty()) inputs[fs::weakly_canonical(file)] = entry.name + "'s " + file;
+      }
+    }
+  }
+  for (const auto& [name, split] : split_of) {
+    for (const auto& file :
+         {name + ".pt", name + ".txt", name + "-tools.txt", std::string("manifest.csv")}) {
+      const auto input = inputs.find(fs::weakly_canonical(fs::path(out_dir) / file));
+      TORCH_CHECK(input == inputs.end(), "extract would write ", out_dir, "/", file, " over ",
+                  input->second, ", an input of the data set: give --out-dir another folder");
+    }
+  }
+  make_directories(out_dir);
+  std::vector<data::VideoEntry> written;
+  for (size_t s = 0; s < datasets.size(); ++s) {
+    const auto& split = splits[s];
+    const auto& dataset = datasets[s];
     for (int64_t i = 0; i < dataset.size(); ++i) {
       const auto& entry = dataset.entry(i);
-      for (const auto& other : written) {
-        TORCH_CHECK(other.name != entry.name, "two videos are named ", entry.name, " (",
-                    other.split, " and ", split,
-                    "): their features files would be one; name them apart in ", d.manifest);
-      }
       torch::Tensor features;
       const auto video = dataset.load(i);
       predict_video(model, video, on_event, &features);

@@ -1080,6 +1080,19 @@ TEST(Training, ExtractedFeaturesGiveTheHeadThePredictionsOfTheWholeModel) {
               train::extract_features(features_model, dir + "2");
             }).find("has no encoder to extract features with"),
             std::string::npos);
+  // Into the data set's own folder: its manifest.csv would be replaced by the features' (it was,
+  // and the next read of the data set found features files and no videos). Refused, unwritten.
+  const auto data_dir = config.train.out_dir + "/data";
+  std::filesystem::create_directories(data_dir);
+  data::write_manifest(data_dir + "/manifest.csv", data::read_manifest(config.data.manifest));
+  const auto before = test_util::read_lines(data_dir + "/manifest.csv");
+  model.config.data.manifest = data_dir + "/manifest.csv";
+  const auto over = test_util::error_message([&] { train::extract_features(model, data_dir); });
+  EXPECT_NE(over.find("extract would write " + data_dir +
+                      "/manifest.csv over the data set's manifest"),
+            std::string::npos)
+      << over;
+  EXPECT_EQ(test_util::read_lines(data_dir + "/manifest.csv"), before);
   test_util::remove_tree(config.train.out_dir);
 }
 
