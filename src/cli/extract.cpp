@@ -69,6 +69,7 @@ int run_extract(const Args& args) {
     frames = models::read_tensor(source);
   }
   engine::check_video_frames(frames, source);
+  engine::check_frames_finite(frames, source);
 
   const auto norm = models::parse_norm_kind(args.text("norm"));
   const auto layout = models::resolve_layout(models::parse_activation_layout(args.text("layout")),

@@ -13,15 +13,14 @@ void check_video_frames(const torch::Tensor& frames, const std::string& what) {
   TORCH_CHECK(frames.scalar_type() == torch::kUInt8 || frames.is_floating_point(), what,
               ": frames must be uint8 (0..255) or floating point (already normalised); got ",
               frames.scalar_type());
-  if (frames.is_floating_point()) {
-    // A NaN pixel gives its frame NaN features (and a training step a NaN loss) silently.
-    const auto finite = torch::isfinite(frames).flatten(1).all(1);
-    if (!finite.all().item<bool>()) {
-      const int64_t frame = torch::logical_not(finite).nonzero()[0][0].item<int64_t>();
-      TORCH_CHECK(false, what, ": frame ", frame,
-                  " has pixels that are not finite (NaN or infinity)");
-    }
-  }
+}
+
+void check_frames_finite(const torch::Tensor& frames, const std::string& what) {
+  if (!frames.is_floating_point()) return;
+  const auto finite = torch::isfinite(frames).flatten(1).all(1);
+  if (finite.all().item<bool>()) return;
+  const int64_t frame = torch::logical_not(finite).nonzero()[0][0].item<int64_t>();
+  TORCH_CHECK(false, what, ": frame ", frame, " has pixels that are not finite (NaN or infinity)");
 }
 
 torch::Tensor frames_to_input(const torch::Tensor& frames, torch::Device device,
@@ -46,6 +45,7 @@ torch::Tensor frames_to_input(const torch::Tensor& frames, torch::Device device,
 torch::Tensor extract_features(const std::function<torch::Tensor(const torch::Tensor&)>& encoder,
                                const torch::Tensor& frames, const ExtractOptions& options) {
   check_video_frames(frames, "extract_features");
+  check_frames_finite(frames, "extract_features");
   TORCH_CHECK(options.chunk >= 1, "chunk must be >= 1 frame; got ", options.chunk);
   torch::NoGradGuard no_grad;
   const int64_t total = frames.size(0);

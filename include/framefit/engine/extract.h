@@ -42,5 +42,9 @@ torch::Tensor extract_features(const std::function<torch::Tensor(const torch::Te
 // Checks that `frames` is a video [T,3,H,W] with T >= 1 and a supported dtype; `what` names it
 // in the message (a file name, say).
 void check_video_frames(const torch::Tensor& frames, const std::string& what);
+// Float frames with a NaN or infinite pixel, which extraction would turn into NaN features of
+// that frame without a word, are an error naming the frame. (A training step keeps them: its
+// loss is then not finite, and the step is skipped.)
+void check_frames_finite(const torch::Tensor& frames, const std::string& what);
 
 }  // namespace framefit::engine
