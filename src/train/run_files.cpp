@@ -169,13 +169,14 @@ Config read_config(torch::serialize::InputArchive& archive, const std::string& p
   return parse_config(text.toStringRef(), "the config stored in " + path);
 }
 
-Config read_resumed_config(torch::serialize::InputArchive& archive, const std::string& path,
-                           const Config& resumed_with) {
-  auto stored = read_config(archive, path);
-  TORCH_CHECK(stored.task == resumed_with.task, "--resume ", path, ": a checkpoint of task ",
+std::optional<ResumedRun> open_resumed(const std::string& checkpoint, const Config& resumed_with) {
+  if (checkpoint.empty()) return std::nullopt;
+  auto archive = open_archive(checkpoint);
+  auto stored = read_config(archive, checkpoint);
+  TORCH_CHECK(stored.task == resumed_with.task, "--resume ", checkpoint, ": a checkpoint of task ",
               stored.task, ", and this config is for task ", resumed_with.task,
               ": resume from a checkpoint of this run (--resume auto), or start a new one");
-  return stored;
+  return ResumedRun{std::move(archive), std::move(stored)};
 }
 
 torch::serialize::InputArchive open_archive(const std::string& path) {
@@ -268,6 +269,33 @@ std::shared_ptr<models::TorchScriptEncoderImpl> read_script(torch::serialize::In
   std::istringstream in(bytes.toStringRef());
   return std::make_shared<models::TorchScriptEncoderImpl>(
       in, "the TorchScript module stored in " + checkpoint, device);
+}
+
+std::vector<std::string> distinct_splits(const Config& config) {
+  std::vector<std::string> splits;
+  for (const auto& split :
+       {config.data.train_split, config.data.val_split, config.data.test_split}) {
+    if (std::find(splits.begin(), splits.end(), split) == splits.end()) splits.push_back(split);
+  }
+  return splits;
+}
+
+void add_error_once(std::vector<plan::Finding>& findings, const std::string& problem,
+                    const std::string& fix) {
+  for (const auto& f : findings) {
+    if (f.problem == problem) return;
+  }
+  findings.push_back({plan::Finding::Severity::Error, problem, fix});
+}
+
+EventCallback skipped_as_errors(std::vector<plan::Finding>& findings, const std::string& fix) {
+  return [&findings, fix](const Event& e) {
+    if (e.kind != Event::Kind::Warning) return;
+    const std::string skipping = "skipping ";
+    add_error_once(
+        findings, e.message.rfind(skipping, 0) == 0 ? e.message.substr(skipping.size()) : e.message,
+        fix);
+  };
 }
 
 void prune_checkpoints(const std::string& folder, int64_t keep) {

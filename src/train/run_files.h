@@ -15,6 +15,7 @@
 #include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/weights.h"
+#include "framefit/plan/doctor.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
 #include "framefit/train/trainer.h"
@@ -81,10 +82,15 @@ Config config_with_overrides(const Config& stored, const std::string& checkpoint
 std::string stored_config_with(const std::vector<std::string>& overrides);
 // The config stored in a checkpoint (which must be a framefit checkpoint).
 Config read_config(torch::serialize::InputArchive& archive, const std::string& path);
-// read_config for --resume: a checkpoint of another task (a phases run resumed from a segmentation
-// checkpoint) is an error saying so, instead of a missing tensor's name.
-Config read_resumed_config(torch::serialize::InputArchive& archive, const std::string& path,
-                           const Config& resumed_with);
+// The checkpoint a run resumes from, opened before the run reads its data (nullopt for a fresh
+// run, `checkpoint` ""), with the config it stored. A checkpoint of another task (a phases run
+// resumed from a segmentation checkpoint) is an error saying so, instead of a missing tensor's
+// name.
+struct ResumedRun {
+  torch::serialize::InputArchive archive;
+  Config stored;
+};
+std::optional<ResumedRun> open_resumed(const std::string& checkpoint, const Config& resumed_with);
 // A Warning event naming the keys where the config a run resumes with differs from the one its
 // checkpoint stored (the run goes on with the new values: a changed train.lr or train.epochs
 // is allowed, but should not pass unnoticed). A changed train.best_by makes the stored best
@@ -98,6 +104,16 @@ void write_script(torch::serialize::OutputArchive& archive,
 std::shared_ptr<models::TorchScriptEncoderImpl> read_script(torch::serialize::InputArchive& archive,
                                                             const std::string& checkpoint,
                                                             torch::Device device);
+// The config's training, validation and test splits, each once (they may name one split).
+std::vector<std::string> distinct_splits(const Config& config);
+// For the doctor's data probes: adds an error to `findings` unless one says the same (a bad
+// manifest fails every split alike: said once).
+void add_error_once(std::vector<plan::Finding>& findings, const std::string& problem,
+                    const std::string& fix);
+// The event callback of a probe under data.on_error skip: each "skipping NAME: why" warning
+// becomes an error "NAME: why" with `fix`, added once; other events are dropped.
+EventCallback skipped_as_errors(std::vector<plan::Finding>& findings, const std::string& fix);
+
 // Keeps the newest `keep` step checkpoints.
 void prune_checkpoints(const std::string& folder, int64_t keep);
 // The checkpoint a run resumes from: "" (a fresh run: out_dir must hold no checkpoints), "auto"

@@ -951,10 +951,7 @@ std::vector<plan::Finding> diagnose_batch_data(const Config& config, std::string
   TORCH_CHECK(is_batch_task(config), "diagnose_batch_data is for task clips or segmentation");
   std::vector<plan::Finding> findings;
   const auto error = [&](const std::string& problem, const std::string& fix) {
-    for (const auto& f : findings) {
-      if (f.problem == problem) return;  // a bad manifest fails every split alike: said once
-    }
-    findings.push_back({plan::Finding::Severity::Error, problem, fix});
+    add_error_once(findings, problem, fix);
   };
   const std::string fix_file =
       "fix or replace the file, or set data.on_error: skip to train without it";
@@ -962,18 +959,10 @@ std::vector<plan::Finding> diagnose_batch_data(const Config& config, std::string
   auto probing = config;
   probing.data.on_error = "skip";
   const bool images = config.task == "segmentation";
-  std::vector<std::string> probed, described;
-  for (const auto& split :
-       {config.data.train_split, config.data.val_split, config.data.test_split}) {
-    if (std::find(probed.begin(), probed.end(), split) != probed.end()) continue;
-    probed.push_back(split);
+  std::vector<std::string> described;
+  for (const auto& split : distinct_splits(config)) {
     try {
-      const TaskData set(probing, split, false, [&](const Event& e) {
-        const std::string skipping = "skipping ";
-        if (e.kind != Event::Kind::Warning) return;
-        error(e.message.rfind(skipping, 0) == 0 ? e.message.substr(skipping.size()) : e.message,
-              fix_file);
-      });
+      const TaskData set(probing, split, false, skipped_as_errors(findings, fix_file));
       if (split == config.data.train_split && set.samples() == 0) {
         error(no_samples_in_split(config, split),
               "set data.train_split to a split with data, or add training data to it");
@@ -1189,13 +1178,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   const RunFolderLock lock(out_dir);
   warn_if_budget_beyond_device(config, on_event);
   const std::string resume_from = resume_path(resume, out_dir, checkpoint_dir);
-  // The checkpoint is opened before the data is read, so one of another task is refused at once.
-  std::optional<torch::serialize::InputArchive> resumed;
-  std::optional<Config> stored;
-  if (!resume_from.empty()) {
-    resumed.emplace(open_archive(resume_from));
-    stored = read_resumed_config(*resumed, resume_from, config);
-  }
+  auto resumed = open_resumed(resume_from, config);
 
   const torch::Device device(config.device);
   TaskData train_set(config, config.data.train_split, true, on_event);
@@ -1217,8 +1200,8 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   BatchProgress progress;
   progress.precision = batch_precision(config);
   if (resumed) {
-    progress = read_progress(*resumed);
-    warn_config_changes(*stored, config, progress.best_score, on_event);
+    progress = read_progress(resumed->archive);
+    warn_config_changes(resumed->stored, config, progress.best_score, on_event);
     info("resuming from " + resume_from + " at step " + std::to_string(progress.step) +
          " with its batch of " + std::to_string(progress.batch));
   } else {
@@ -1275,9 +1258,10 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   engine::BatchTrainingStep step(model.network, optimizer, options);
 
   if (resumed) {
-    load_module(module, *resumed, "network", resume_from, "the config this run resumes with");
+    load_module(module, resumed->archive, "network", resume_from,
+                "the config this run resumes with");
     module.to(device);
-    read_resume_state(*resumed, *optimizer, step.scaler());
+    read_resume_state(resumed->archive, *optimizer, step.scaler());
   }
 
   const int64_t step_samples = progress.batch * tc.accumulate;

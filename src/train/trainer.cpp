@@ -669,13 +669,10 @@ std::string extract_features(Model& model, const std::string& out_dir,
   TORCH_CHECK(!model.features_input,
               "this model (model.encoder features) has no encoder to extract features with");
   const auto& d = model.config.data;
-  std::vector<std::string> splits;
+  const auto splits = distinct_splits(model.config);
   std::vector<data::VideoDataset> datasets;
-  for (const auto& split : {d.train_split, d.val_split, d.test_split}) {
-    if (std::find(splits.begin(), splits.end(), split) != splits.end()) continue;
-    splits.push_back(split);
+  for (const auto& split : splits)
     datasets.push_back(make_dataset(model.config, split, false, on_event));
-  }
   // What will be written, checked before anything is: one file per name, and none over an
   // input (--out-dir the data set's own folder wrote manifest.csv over its manifest, and a
   // NAME.txt over an annotation beside its video).
@@ -901,31 +898,19 @@ std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* su
               " is checked by diagnose_batch_task");
   auto findings = diagnose_label_settings(config);
   const auto error = [&](const std::string& problem, const std::string& fix) {
-    // A bad manifest fails every split alike: said once.
-    for (const auto& f : findings) {
-      if (f.problem == problem) return;
-    }
-    findings.push_back({plan::Finding::Severity::Error, problem, fix});
+    add_error_once(findings, problem, fix);
   };
   // Every split probed as training probes it, but each bad video reported instead of the first.
   auto probing = config;
   probing.data.on_error = "skip";
   std::optional<data::VideoDataset> train_set;
-  std::vector<std::string> probed;
-  for (const auto& split :
-       {config.data.train_split, config.data.val_split, config.data.test_split}) {
-    if (std::find(probed.begin(), probed.end(), split) != probed.end()) continue;
-    probed.push_back(split);
+  for (const auto& split : distinct_splits(config)) {
     try {
-      auto set =
-          make_dataset(probing, split, split == config.data.train_split, [&](const Event& e) {
-            if (e.kind != Event::Kind::Warning) return;
-            // The probe's "skipping video NAME: why", as a finding.
-            const std::string skipping = "skipping ";
-            error(e.message.rfind(skipping, 0) == 0 ? e.message.substr(skipping.size()) : e.message,
-                  "fix or replace the file, or set data.on_error: skip to "
-                  "train without it");
-          });
+      auto set = make_dataset(
+          probing, split, split == config.data.train_split,
+          skipped_as_errors(findings,
+                            "fix or replace the file, or set data.on_error: skip to train "
+                            "without it"));
       if (split == config.data.train_split) train_set.emplace(std::move(set));
     } catch (const c10::Error& e) {
       error(e.what_without_backtrace(), "fix the config or the manifest");
@@ -976,13 +961,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   warn_if_budget_beyond_device(config, on_event);
 
   const std::string resume_from = resume_path(resume, out_dir, checkpoint_dir);
-  // The checkpoint is opened before the data is read, so one of another task is refused at once.
-  std::optional<torch::serialize::InputArchive> resumed;
-  std::optional<Config> stored;
-  if (!resume_from.empty()) {
-    resumed.emplace(open_archive(resume_from));
-    stored = read_resumed_config(*resumed, resume_from, config);
-  }
+  auto resumed = open_resumed(resume_from, config);
 
   const torch::Device device(config.device);
   auto train_set = make_dataset(config, config.data.train_split, true, on_event);
@@ -1016,8 +995,8 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   // any re-planning after out-of-memory), so its steps are those of the uninterrupted run.
   std::optional<Progress> saved;
   if (resumed) {
-    saved = read_progress(*resumed);
-    warn_config_changes(*stored, config, saved->best_score, on_event);
+    saved = read_progress(resumed->archive);
+    warn_config_changes(resumed->stored, config, saved->best_score, on_event);
     info("resuming from " + resume_from + " at step " + std::to_string(saved->step));
   }
   auto& tracker = memory::Tracker::of(device);
@@ -1125,12 +1104,12 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
 
   if (resumed) {
     const std::string built_from = "the config this run resumes with";
-    load_module(model.encoder_module(), *resumed, "encoder", resume_from, built_from);
-    load_module(*model.head, *resumed, "head", resume_from, built_from);
-    read_tool_head(*resumed, model, resume_from, built_from);
+    load_module(model.encoder_module(), resumed->archive, "encoder", resume_from, built_from);
+    load_module(*model.head, resumed->archive, "head", resume_from, built_from);
+    read_tool_head(resumed->archive, model, resume_from, built_from);
     model.encoder_module().to(device);
     model.head->to(device);
-    read_resume_state(*resumed, *optimizer, step.scaler());
+    read_resume_state(resumed->archive, *optimizer, step.scaler());
   }
 
   const int64_t videos = train_set.size();
