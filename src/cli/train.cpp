@@ -532,6 +532,14 @@ bool is_directory(const std::string& path) {
   return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
 }
 
+// ".png" for "a/Mask.PNG"; "" without one.
+std::string lowercase_extension(const std::string& path) {
+  auto ext = std::filesystem::path(path).extension().string();
+  std::transform(ext.begin(), ext.end(), ext.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return ext;
+}
+
 // The CSV, to --out or standard output.
 // unit: singular ("frame"), made plural for a count other than one.
 void write_predictions(const Args& args, const std::string& csv, int64_t rows,
@@ -689,10 +697,14 @@ int predict_clips(const Args& args) {
 
 // Where each image's mask goes: `out` itself, or NAME.png in the folder `out`. Refused before
 // anything runs: two images with one mask (a.jpg and a.png), and a mask over an input image
-// (--out the images' own folder), which would lose a mask or an image.
+// (--out the images' own folder), which would lose a mask or an image; and a single mask file
+// not named .png (it held PNG bytes under its other name).
 std::vector<std::string> mask_paths(const std::vector<std::string>& images, const std::string& out,
                                     bool into_folder) {
   namespace fs = std::filesystem;
+  TORCH_CHECK(into_folder || lowercase_extension(out) == ".png", "--out ", out,
+              ": a mask is written as PNG (lossless, so class ids stay exact); name it .png, or "
+              "give a folder");
   std::map<fs::path, size_t> image_at, mask_of;
   for (size_t i = 0; i < images.size(); ++i) image_at[fs::weakly_canonical(images[i])] = i;
   std::vector<std::string> paths;
@@ -765,21 +777,10 @@ int run_predict(const Args& args) {
     TORCH_CHECK(task == "phases" || !args.has(flag), "--", flag,
                 " is for a phases checkpoint; this one is for task ", task);
   }
-  // Picture outputs with another extension were refused by the writer only after predicting.
-  const auto extension = [](const std::string& path) {
-    auto ext = std::filesystem::path(path).extension().string();
-    std::transform(ext.begin(), ext.end(), ext.begin(),
-                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-    return ext;
-  };
-  TORCH_CHECK(!args.has("timeline") || extension(args.text("timeline")) == ".png", "--timeline ",
-              args.text("timeline"), ": the timeline is a PNG picture; name it .png");
-  TORCH_CHECK(task != "segmentation" || !args.has("out") || is_directory(args.text("out")) ||
-                  (args.has("image") && is_directory(args.text("image"))) ||
-                  extension(args.text("out")) == ".png",
-              "--out ", args.text("out"),
-              ": a mask is written as PNG (lossless, so class ids stay exact); name it .png, or "
-              "give a folder");
+  // A timeline with another extension was refused by the writer only after predicting.
+  TORCH_CHECK(!args.has("timeline") || lowercase_extension(args.text("timeline")) == ".png",
+              "--timeline ", args.text("timeline"),
+              ": the timeline is a PNG picture; name it .png");
   // Images are the input of a segmentation model only, videos of the others.
   TORCH_CHECK(task == "segmentation" || !args.has("image"),
               "--image is for a segmentation checkpoint; this one is for task ", task,
