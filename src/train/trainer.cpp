@@ -175,6 +175,14 @@ data::VideoDataset make_dataset(const Config& config, const std::string& split, 
               "data.manifest is not set: name the CSV listing the videos");
   TORCH_CHECK(!config.data.classes.empty(),
               "data.classes is not set: list the phase names in label order");
+  if (reads_features(config) && !std::filesystem::exists(config.data.manifest)) {
+    const auto dir = std::filesystem::path(config.data.manifest).parent_path();
+    TORCH_CHECK(false, "manifest ", config.data.manifest,
+                " does not exist: a features data set is written by framefit extract "
+                "--checkpoint RUN/best.pt --out-dir ",
+                dir.empty() ? "." : dir.string(),
+                " (docs/training.md, \"Training on precomputed features\")");
+  }
   auto entries = data::select_split(data::read_manifest(config.data.manifest), split);
   return data::VideoDataset(std::move(entries), data::ClassList(config.data.classes),
                             data_options(config, training), [&](const std::string& message) {

@@ -29,6 +29,12 @@ data:
 train: {epochs: 3, lr: 0.003, out_dir: $work/run}
 YAML
 "$framefit" doctor --config "$work/config.yaml" | grep -q "precomputed features (512 per frame)"
+# A features manifest not yet written is explained with the command that writes it.
+if "$framefit" train --config "$work/config.yaml" --set data.manifest="$work/none/manifest.csv" \
+  > /dev/null 2> "$work/missing.log"; then
+  echo "train ran without its features manifest"; exit 1
+fi
+grep -q "written by framefit extract --checkpoint RUN/best.pt --out-dir $work/none" "$work/missing.log"
 "$framefit" plan --config "$work/config.yaml" | grep -q "nothing to plan"
 "$framefit" train --config "$work/config.yaml" >"$work/train.txt" 2>&1 ||
   { cat "$work/train.txt"; exit 1; }
