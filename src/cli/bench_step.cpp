@@ -126,9 +126,17 @@ Planned plan_step(const Args& args) {
   const auto sizes = plan::static_sizes(request.model);
   const int64_t minimum = plan::static_minimum_bytes(sizes, request.frames);
   if (minimum > budget) {
+    // The doctor's finding says what would lower the minimum; chunking cannot.
+    std::string advice;
+    for (const auto& finding : plan::diagnose(request, budget)) {
+      if (finding.severity == plan::Finding::Severity::Error && advice.empty())
+        advice = finding.fix;
+    }
     throw memory::OutOfMemoryError(request.model.device, minimum, budget, 0,
                                    "plan: parameters, gradients, optimizer state, frames and "
-                                   "features alone need " + memory::format_bytes(minimum));
+                                   "features alone need " +
+                                       memory::format_bytes(minimum),
+                                   false, advice);
   }
   const auto calibrated = calibrate_for(args, request);
   const double margin = args.number("margin");
@@ -137,7 +145,8 @@ Planned plan_step(const Args& args) {
     const auto chosen = plan::fit(request, calibrated.sizes, calibrated.costs, budget, margin);
     if (!chosen.fits) {
       throw memory::OutOfMemoryError(request.model.device, chosen.breakdown.peak_bytes, budget, 0,
-                                     "plan: does not fit: " + chosen.advice);
+                                     "plan: does not fit: " + chosen.advice, false,
+                                     "raise --budget or lower --frames");
     }
     planned.settings.chunk = chosen.settings.naive() ? 0 : chosen.settings.chunk;
     planned.settings.keep = chosen.settings.keep;

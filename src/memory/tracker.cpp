@@ -15,27 +15,35 @@
 namespace framefit::memory {
 
 namespace {
+std::string sentence(std::string text) {
+  text[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(text[0])));
+  return text.back() == '.' ? text : text + ".";
+}
+
 std::string oom_message(c10::Device device, int64_t requested, int64_t budget, int64_t in_use,
-                        const std::string& phase, bool system_refused) {
+                        const std::string& phase, bool system_refused, const std::string& advice) {
   const std::string budget_text =
       budget > 0 ? c10::str("budget ", format_bytes(budget), "; in use ", format_bytes(in_use),
                             "; free ", format_bytes(std::max<int64_t>(0, budget - in_use)))
                  : c10::str("no budget set; in use ", format_bytes(in_use));
+  const std::string fix =
+      !advice.empty()
+          ? advice
+          : c10::str("lower the chunk size or batch, use --precision bf16, or ",
+                     system_refused ? "set a budget the machine has" : "raise the budget");
   return c10::str("framefit: out of memory on ", device.str(), ": tried to allocate ",
                   format_bytes(requested),
                   system_refused ? ", which the system could not give; " : "; ", budget_text,
-                  "; phase '", phase.empty() ? "none" : phase, "'. ",
-                  "Lower the chunk size or batch, use --precision bf16, or ",
-                  system_refused ? "set a budget the machine has." : "raise the budget.");
+                  "; phase '", phase.empty() ? "none" : phase, "'. ", sentence(fix));
 }
 }  // namespace
 
 OutOfMemoryError::OutOfMemoryError(c10::Device device, int64_t requested_bytes,
                                    int64_t budget_bytes, int64_t in_use_bytes, std::string phase,
-                                   bool system_refused)
-    : c10::Error(
-          c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-          oom_message(device, requested_bytes, budget_bytes, in_use_bytes, phase, system_refused)),
+                                   bool system_refused, const std::string& advice)
+    : c10::Error(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                 oom_message(device, requested_bytes, budget_bytes, in_use_bytes, phase,
+                             system_refused, advice)),
       device_(device),
       requested_bytes_(requested_bytes),
       budget_bytes_(budget_bytes),

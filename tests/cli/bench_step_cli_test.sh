@@ -34,6 +34,9 @@ PY
     rc=$?; [ "$rc" -eq 3 ] || { cat err.txt; echo "exit code $rc, expected 3"; exit 1; }
   fi
   grep -q "out of memory" err.txt
+  # Chunking cannot help there: the advice is the doctor's (raise the budget, freeze, ...).
+  grep -q "Raise the budget to at least .*freeze early stages" err.txt
+  if grep -q "Lower the chunk size" err.txt; then cat err.txt; exit 1; fi
   # bf16 autocast would leave a float64 model in float64: refused, not silently ignored.
   if "$framefit" bench-step --model resnet18 --head lstm --frames 8 --size 32 --chunk 2 \
       --dtype float64 --precision bf16 2>err.txt; then

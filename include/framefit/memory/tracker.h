@@ -21,11 +21,13 @@ namespace framefit::memory {
 
 // Raised when an allocation would exceed the budget, or (`system_refused`) when the system had
 // no memory to give it. A c10::Error, so it crosses LibTorch's autograd engine and parallel
-// regions like any LibTorch error and can be caught by type.
+// regions like any LibTorch error and can be caught by type. `advice`, when the caller knows
+// what would fit (a planner's answer), replaces the generic "lower the chunk size" advice.
 class OutOfMemoryError : public c10::Error {
  public:
   OutOfMemoryError(c10::Device device, int64_t requested_bytes, int64_t budget_bytes,
-                   int64_t in_use_bytes, std::string phase, bool system_refused = false);
+                   int64_t in_use_bytes, std::string phase, bool system_refused = false,
+                   const std::string& advice = {});
   c10::Device device() const { return device_; }
   int64_t requested_bytes() const { return requested_bytes_; }
   int64_t budget_bytes() const { return budget_bytes_; }
