@@ -473,11 +473,18 @@ const std::vector<Flag>& flag_table() {
        ""},
       // train, eval, predict, export
       {"config",
-       {"train", "bench-data"},
+       {"bench-data"},
        FlagType::ExistingFile,
        "YAML config: model.*, data.*, train.*, device (see docs/training.md for every key).",
        "",
        true},
+      {"config",
+       {"train"},
+       FlagType::ExistingFile,
+       "YAML config: model.*, data.*, train.*, device (see docs/training.md for every key). "
+       "Required, except with --resume CHECKPOINT: the run then goes on with the config the "
+       "checkpoint holds (and --set), in the run folder that holds the checkpoint.",
+       ""},
       {"config",
        {"doctor"},
        FlagType::ExistingFile,
@@ -508,7 +515,8 @@ const std::vector<Flag>& flag_table() {
        {"train"},
        FlagType::Text,
        "Continue a stopped run: auto (the newest checkpoint in train.out_dir) or a checkpoint "
-       "path. Model, optimizer, loss scaler, RNG, data order and step are restored.",
+       "path (then --config may be left out). Model, optimizer, loss scaler, RNG, data order "
+       "and step are restored.",
        ""},
       {"checkpoint",
        {"eval", "predict", "export"},

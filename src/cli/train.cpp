@@ -367,10 +367,34 @@ void stop_on_signals() {
   sigaction(SIGTERM, &action, nullptr);
 }
 
+// `train --resume CHECKPOINT` without --config: the config the checkpoint holds, --set applied,
+// in the run folder that holds it (RUN/checkpoints/step_N.pt), so a relative train.out_dir does
+// not start a new run when the command runs from another folder.
+train::Config stored_run_config(const std::string& checkpoint,
+                                const std::vector<std::string>& overrides) {
+  namespace fs = std::filesystem;
+  TORCH_CHECK(checkpoint != "auto",
+              "--resume auto finds the newest checkpoint in the config's train.out_dir: give "
+              "--config, or name the checkpoint (--resume RUN/checkpoints/step_N.pt)");
+  TORCH_CHECK(fs::is_regular_file(checkpoint), "--resume ", checkpoint,
+              ": no such file; name a step checkpoint (RUN/checkpoints/step_N.pt)");
+  auto stored = train::checkpoint_config(checkpoint);
+  const auto folder = fs::absolute(checkpoint).lexically_normal().parent_path();
+  if (folder.filename() == "checkpoints" &&
+      fs::weakly_canonical(stored.train.out_dir) != fs::weakly_canonical(folder.parent_path())) {
+    stored.train.out_dir = folder.parent_path().string();
+  }
+  return train::parse_config(train::to_yaml(stored), "the config stored in " + checkpoint,
+                             overrides);
+}
+
 }  // namespace
 
 int run_train(const Args& args) {
-  const auto config = train::load_config(args.text("config"), args.list("set"));
+  TORCH_CHECK(args.has("config") || args.has("resume"),
+              "--config is required (or --resume CHECKPOINT, whose stored config is used)");
+  const auto config = args.has("config") ? train::load_config(args.text("config"), args.list("set"))
+                                         : stored_run_config(args.text("resume"), args.list("set"));
   ProgressPrinter printer("train");
   stop_on_signals();
   const auto result = train::train(
@@ -380,8 +404,8 @@ int run_train(const Args& args) {
   const int exit_code = result.stopped ? 128 + static_cast<int>(stop_signal) : 0;
   if (result.stopped) {
     fmt::print(stderr,
-               "framefit train: stopped by {} after step {}; {} continues it with "
-               "--resume auto (same --config and --set)\n",
+               "framefit train: stopped by {} after step {}; `framefit train --resume {}` "
+               "continues it\n",
                stop_signal == SIGINT ? "SIGINT" : "SIGTERM", result.steps, result.last_checkpoint);
   }
   const data::ClassList classes(config.data.classes);

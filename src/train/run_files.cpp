@@ -176,6 +176,11 @@ std::optional<ResumedRun> open_resumed(const std::string& checkpoint, const Conf
   TORCH_CHECK(stored.task == resumed_with.task, "--resume ", checkpoint, ": a checkpoint of task ",
               stored.task, ", and this config is for task ", resumed_with.task,
               ": resume from a checkpoint of this run (--resume auto), or start a new one");
+  // best.pt holds the weights alone (no optimizer, scaler or generator state to go on with).
+  torch::Tensor rng;
+  TORCH_CHECK(archive.try_read("rng", rng), "--resume ", checkpoint,
+              ": holds the weights alone, as best.pt does; resume from a step checkpoint "
+              "(RUN/checkpoints/step_N.pt, or --resume auto for the newest)");
   return ResumedRun{std::move(archive), std::move(stored)};
 }
 

@@ -73,6 +73,7 @@ if [ "$mode" = resume ]; then
   "$framefit" train "${common[@]}" --set train.out_dir=killed --resume auto > resumed.txt 2>&1 \
     || { cat resumed.txt; fail "resume failed"; }
   grep -q "resuming from" resumed.txt || fail "did not resume"
+  expect_error "give --config, or name the checkpoint" "$framefit" train --resume auto
   ls killed/checkpoints/*.tmp 2>/dev/null && fail "a temporary checkpoint was left behind"
   "$framefit" export --checkpoint straight/checkpoints/step_00000012.pt --out straight.pt > /dev/null
   "$framefit" export --checkpoint killed/checkpoints/step_00000012.pt --out killed.pt > /dev/null
@@ -100,8 +101,18 @@ PY
   grep -q "stopped by SIGINT after step" stopped.txt || { cat stopped.txt; fail "no stop message"; }
   [ -f stopped/checkpoints/step_00000012.pt ] && fail "the stopped run had already finished"
   ls stopped/checkpoints
-  "$framefit" train "${common[@]}" --set train.checkpoint_every=0 --set train.out_dir=stopped \
-    --resume auto > resumed_stop.txt 2>&1 || { cat resumed_stop.txt; fail "resume after SIGINT"; }
+  # The command the stop message gives (the checkpoint alone: it holds the config) resumes it,
+  # here from another folder: the run goes on in the folder that holds the checkpoint.
+  checkpoint=$(grep -o 'framefit train --resume [^`]*' stopped.txt) ||
+    { cat stopped.txt; fail "no resume command in the stop message"; }
+  checkpoint=${checkpoint#framefit train --resume }
+  mkdir -p elsewhere
+  (cd elsewhere && "$framefit" train --resume "../$checkpoint" \
+    --set data.manifest="$work/demo/manifest.csv" > ../resumed_stop.txt 2>&1) ||
+    { cat resumed_stop.txt; fail "resume after SIGINT"; }
+  grep -q "train.out_dir: stopped -> $work/stopped" resumed_stop.txt ||
+    { cat resumed_stop.txt; fail "the resumed run's folder"; }
+  test ! -e elsewhere/stopped
   "$framefit" export --checkpoint stopped/checkpoints/step_00000012.pt --out stopped.pt > /dev/null
   "$python" - <<'PY'
 import torch

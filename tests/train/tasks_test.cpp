@@ -1183,6 +1183,13 @@ TEST(SegmentationTraining, PatienceEndsTheRunAndItsCountSurvivesAResume) {
   EXPECT_NE(other.find("a checkpoint of task segmentation, and this config is for task phases"),
             std::string::npos)
       << other;
+  // best.pt has no optimizer state to go on with (LibTorch said "No such serialized submodule").
+  const auto weights_only =
+      test_util::error_message([&] { train::train(config, config.train.out_dir + "/best.pt"); });
+  EXPECT_NE(weights_only.find("holds the weights alone, as best.pt does; resume from a step "
+                              "checkpoint"),
+            std::string::npos)
+      << weights_only;
   test_util::remove_tree(phases.train.out_dir);
   test_util::remove_tree(config.train.out_dir);
 }
