@@ -184,6 +184,19 @@ std::optional<ResumedRun> open_resumed(const std::string& checkpoint, const Conf
   return ResumedRun{std::move(archive), std::move(stored)};
 }
 
+namespace {
+const std::string& with_checkpoint_folder(const std::string& out_dir) {
+  make_directories(out_dir + "/checkpoints");
+  return out_dir;
+}
+}  // namespace
+
+RunFolder::RunFolder(const Config& config, const std::string& resume)
+    : out_dir(with_checkpoint_folder(config.train.out_dir)),
+      lock(out_dir),
+      resume_from(resume_path(resume, out_dir, out_dir + "/checkpoints")),
+      resumed(open_resumed(resume_from, config)) {}
+
 torch::serialize::InputArchive open_archive(const std::string& path) {
   struct stat info {};
   TORCH_CHECK(::stat(path.c_str(), &info) == 0, "checkpoint ", path, ": no such file");

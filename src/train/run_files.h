@@ -91,6 +91,16 @@ struct ResumedRun {
   Config stored;
 };
 std::optional<ResumedRun> open_resumed(const std::string& checkpoint, const Config& resumed_with);
+// A run's folder, made ready before the run reads its data: train.out_dir and its checkpoints/
+// created, locked against a second run for as long as this lives, and the checkpoint `resume`
+// names ("" for a fresh run, "auto" or a path; resume_path) opened.
+struct RunFolder {
+  RunFolder(const Config& config, const std::string& resume);
+  std::string out_dir;
+  RunFolderLock lock;
+  std::string resume_from;  // "" for a fresh run
+  std::optional<ResumedRun> resumed;
+};
 // A Warning event naming the keys where the config a run resumes with differs from the one its
 // checkpoint stored (the run goes on with the new values: a changed train.lr or train.epochs
 // is allowed, but should not pass unnoticed). A changed train.best_by makes the stored best

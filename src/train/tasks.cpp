@@ -1172,13 +1172,11 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   auto info = [&](const std::string& message) { emit(Event::note(Event::Kind::Info, message)); };
   const auto& tc = config.train;
   check_train_settings(config);
-  const std::string out_dir = tc.out_dir;
-  const std::string checkpoint_dir = out_dir + "/checkpoints";
-  make_directories(checkpoint_dir);
-  const RunFolderLock lock(out_dir);
+  RunFolder folder(config, resume);
+  const std::string& out_dir = folder.out_dir;
+  const std::string& resume_from = folder.resume_from;
+  auto& resumed = folder.resumed;
   warn_if_budget_beyond_device(config, on_event);
-  const std::string resume_from = resume_path(resume, out_dir, checkpoint_dir);
-  auto resumed = open_resumed(resume_from, config);
 
   const torch::Device device(config.device);
   TaskData train_set(config, config.data.train_split, true, on_event);
