@@ -341,7 +341,9 @@ const std::vector<Flag>& flag_table() {
        "it, plans use the device's memory (CPU: what the system has available).",
        ""},
       {"threads",
-       with({"extract", "bench-layers"}, step),
+       with({"extract", "bench-layers", "make-demo", "train", "eval", "predict", "export",
+             "bench-data"},
+            step),
        FlagType::Int,
        "Compute threads (LibTorch's and OpenBLAS's); 0 = $OMP_NUM_THREADS if set, else all "
        "cores.",
@@ -620,15 +622,6 @@ const std::vector<Flag>& flag_table() {
        "data.tools a ribbon per tool below, coloured where it is predicted present (p >= 0.5).",
        ""},
       {"json", {"eval", "train", "bench-data"}, FlagType::Switch, "Print the result as JSON.", ""},
-      {"threads",
-       {"make-demo", "train", "eval", "predict", "export", "bench-data"},
-       FlagType::Int,
-       "Compute threads (LibTorch's and OpenBLAS's); 0 = $OMP_NUM_THREADS if set, else all "
-       "cores.",
-       "0",
-       false,
-       {},
-       0},
   };
   return flags;
 }
