@@ -447,6 +447,70 @@ std::string to_json(const PhaseMetrics& m, const std::vector<std::string>& phase
   return out.dump();
 }
 
+PhaseMetrics metrics_from_json(const std::string& json, const std::vector<std::string>& phase_names,
+                               const std::vector<std::string>& tool_names) {
+  const auto in = nlohmann::json::parse(json);
+  // Each key looked up by name, so that a missing one is named (json::at says only "key not
+  // found"); null is to_json's NaN.
+  auto at = [](const nlohmann::json& object, const std::string& key) -> const nlohmann::json& {
+    TORCH_CHECK(object.is_object() && object.contains(key), "metrics_from_json: no \"", key,
+                "\" in ", object.dump().substr(0, 200));
+    return object[key];
+  };
+  auto number = [&](const nlohmann::json& object, const std::string& key) {
+    const auto& v = at(object, key);
+    return v.is_null() ? std::numeric_limits<double>::quiet_NaN() : v.get<double>();
+  };
+  PhaseMetrics m;
+  m.frames = at(in, "frames").get<int64_t>();
+  m.accuracy = number(in, "accuracy");
+  m.macro_precision = number(in, "macro_precision");
+  m.macro_recall = number(in, "macro_recall");
+  m.macro_f1 = number(in, "macro_f1");
+  m.macro_jaccard = number(in, "macro_jaccard");
+  m.confusion = at(in, "confusion").get<std::vector<std::vector<int64_t>>>();
+  for (const auto& name : phase_names) {
+    const auto& phase = at(at(in, "phases"), name);
+    m.precision.push_back(number(phase, "precision"));
+    m.recall.push_back(number(phase, "recall"));
+    m.f1.push_back(number(phase, "f1"));
+    m.jaccard.push_back(number(phase, "jaccard"));
+  }
+  if (in.contains("segments")) {
+    const auto& j = in["segments"];
+    SegmentMetrics s;
+    s.videos = at(j, "videos").get<int64_t>();
+    s.edit = number(j, "edit");
+    s.true_segments = at(j, "true_segments").get<int64_t>();
+    s.predicted_segments = at(j, "predicted_segments").get<int64_t>();
+    std::vector<std::pair<double, double>> f1;  // "f1@25": threshold 0.25; keys sort as text
+    for (const auto& [key, value] : j.items()) {
+      if (key.rfind("f1@", 0) == 0) f1.emplace_back(std::stod(key.substr(3)) / 100, value);
+    }
+    std::sort(f1.begin(), f1.end());
+    for (const auto& [threshold, value] : f1) {
+      s.thresholds.push_back(threshold);
+      s.f1.push_back(value);
+    }
+    m.segments = s;
+  }
+  if (in.contains("tools")) {
+    const auto& j = in["tools"];
+    ToolMetrics t;
+    t.frames = at(j, "frames").get<int64_t>();
+    t.mean_average_precision = number(j, "mean_average_precision");
+    for (const auto& name : tool_names) {
+      t.average_precision.push_back(number(at(j, "average_precision"), name));
+      t.present.push_back(at(at(j, "present_frames"), name).get<int64_t>());
+      t.precision.push_back(number(at(j, "precision"), name));
+      t.recall.push_back(number(at(j, "recall"), name));
+      t.f1.push_back(number(at(j, "f1"), name));
+    }
+    m.tools = t;
+  }
+  return m;
+}
+
 double learning_rate(const Schedule& s, int64_t step, int64_t total) {
   if (s.warmup > 0 && step < s.warmup) return s.lr * static_cast<double>(step + 1) / s.warmup;
   const int64_t after = step - s.warmup;

@@ -38,8 +38,9 @@ class JsonlLog {
       std::string line;
       while (std::getline(in, line)) {
         const auto record = nlohmann::json::parse(line, nullptr, false);
-        if (!record.is_discarded() && record.value("step", int64_t{0}) <= resume_step)
-          kept.push_back(line);
+        if (record.is_discarded() || record.value("step", int64_t{0}) > resume_step) continue;
+        kept.push_back(line);
+        if (record.value("best", false) && record.contains("val")) best_validation_ = record["val"];
       }
     }
     out_.open(path, std::ios::trunc);
@@ -54,9 +55,12 @@ class JsonlLog {
                 " (is the disk full?). Checkpoints written before are kept: make room and resume "
                 "with --resume auto");
   }
+  // A resumed run's: the validation metrics of the last epoch before it marked best; null if none.
+  const nlohmann::json& best_validation() const { return best_validation_; }
 
  private:
   std::string path_;
+  nlohmann::json best_validation_;
   std::ofstream out_;
 };
 
@@ -288,6 +292,22 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
   JsonlLog log(tc.out_dir + "/log.jsonl", progress.step, resumed);
   TrainResult result;
   result.best_checkpoint = tc.out_dir + "/best.pt";
+  // A run resumed after its best epoch reports that epoch's metrics (best.pt holds its weights),
+  // read from the log where they are the checkpoint's best (train.best_by unchanged).
+  if (resumed && hooks.validate && progress.best_score >= 0 && !log.best_validation().is_null()) {
+    try {
+      auto best =
+          metrics_from_json(log.best_validation().dump(), hooks.class_names, hooks.tool_names);
+      if (metric_value(best, best_metric(config)) == progress.best_score) {
+        result.best = std::move(best);
+        result.validated = true;
+      }
+    } catch (const c10::Error& e) {
+      emit(Event::note(Event::Kind::Warning,
+                       "the best validation in " + tc.out_dir + "/log.jsonl cannot be read (" +
+                           e.what_without_backtrace() + "): the result reports this run's own"));
+    }
+  }
   // A stop request ends the run at a step boundary; the checkpoint written below resumes it.
   auto stop_now = [&] { return stop_requested(stop, progress.step, result, on_event); };
   const auto start = Clock::now();

@@ -1173,6 +1173,10 @@ TEST(SegmentationTraining, PatienceEndsTheRunAndItsCountSurvivesAResume) {
   const auto resumed = train::train(config, "auto");
   EXPECT_TRUE(resumed.stopped_early);
   EXPECT_EQ(epochs(), 4);
+  // Its best epoch came before the resume: reported from the log (it was reported as none).
+  ASSERT_TRUE(resumed.validated);
+  EXPECT_EQ(train::to_json(resumed.best, config.data.classes),
+            train::to_json(first.best, config.data.classes));
   // A run of another task resumed from this checkpoint is refused before any data is read (it
   // failed on a missing tensor's name).
   auto phases = config;

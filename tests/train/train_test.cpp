@@ -291,6 +291,15 @@ TEST(Metrics, ToolAveragePrecisionAsScikitLearnComputesIt) {
   EXPECT_EQ(json["tools"]["present_frames"]["y"], 2);
   EXPECT_DOUBLE_EQ(json["tools"]["recall"]["x"].get<double>(), 0.5);
   EXPECT_TRUE(json["tools"]["recall"]["z"].is_null());
+  // Read back (a resumed run's best validation from its log), NaN included: the same JSON.
+  const auto text = train::to_json(phases, {"a"}, {"x", "y", "z"});
+  const auto read = train::metrics_from_json(text, {"a"}, {"x", "y", "z"});
+  EXPECT_TRUE(std::isnan(read.tools->average_precision[2]));
+  EXPECT_EQ(train::to_json(read, {"a"}, {"x", "y", "z"}), text);
+  EXPECT_NE(test_util::error_message([&] {
+              train::metrics_from_json(text, {"a"}, {"x", "w"});
+            }).find("no \"w\""),
+            std::string::npos);
 }
 
 TEST(Timeline, RibbonsOfClassColoursOneColumnPerFrame) {
@@ -478,6 +487,15 @@ TEST(Metrics, SegmentalEditAndF1) {
   EXPECT_DOUBLE_EQ(json["segments"]["edit"].get<double>(), 0.6);
   EXPECT_DOUBLE_EQ(json["segments"]["f1@50"].get<double>(), 0.5);
   EXPECT_EQ(json["segments"]["true_segments"].get<int64_t>(), 3);
+  // Read back with thresholds whose names sort otherwise as text ("f1@5" after "f1@50").
+  auto thresholds = metrics;
+  train::SegmentScorer other({}, {0.05, 0.5});
+  other.add(flicker, truth);
+  thresholds.segments = other.metrics();
+  const auto text = train::to_json(thresholds, {"A", "B", "C"});
+  const auto read = train::metrics_from_json(text, {"A", "B", "C"});
+  EXPECT_EQ(read.segments->thresholds, (std::vector<double>{0.05, 0.5}));
+  EXPECT_EQ(train::to_json(read, {"A", "B", "C"}), text);
   auto perfect = metrics;
   perfect.segments->edit = 1.0;
   const auto averages = train::average_over_videos({{"a", metrics}, {"b", perfect}});

@@ -170,6 +170,10 @@ std::string segment_f1_name(double threshold);
 // "f1": {tool: value}} with tool metrics (named by `tool_names`); NaN becomes null.
 std::string to_json(const PhaseMetrics& metrics, const std::vector<std::string>& phase_names,
                     const std::vector<std::string>& tool_names = {});
+// The metrics to_json wrote (a log record's "val"), read back: what a resumed run reports as the
+// best validation of the epochs before it. A name missing from the text is an error naming it.
+PhaseMetrics metrics_from_json(const std::string& json, const std::vector<std::string>& phase_names,
+                               const std::vector<std::string>& tool_names = {});
 
 class ConfusionMatrix {
  public:
