@@ -838,7 +838,10 @@ std::string clashing_paths(const std::string& command,
     for (size_t j = i + 1; j < named.size(); ++j) {
       const auto& a = named[i];
       const auto& b = named[j];
-      if (!(a.output || b.output) || a.path != b.path) continue;
+      // Hard links are one file under two names.
+      std::error_code unknown;
+      const bool same = a.path == b.path || fs::equivalent(a.path, b.path, unknown);
+      if (!(a.output || b.output) || !same) continue;
       const auto& input = a.output ? b : a;
       const auto& output = a.output ? a : b;
       if (a.output && b.output) {

@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+
 #include "flags.h"
 
 using framefit::cli::parse_command_line;
@@ -118,6 +121,16 @@ TEST(Flags, OutputsNamingTheSameFileOrAnInputAreRefused) {
   expect_error(
       {"predict", "--checkpoint", checkpoint, "--video", "/tmp/v.mp4", "--timeline", "/tmp/v.mp4"},
       "--timeline names /tmp/v.mp4, which --video reads");
+  // A hard link is the same file under another name.
+  const std::string stored = ::testing::TempDir() + "framefit_flags_stored.pt";
+  const std::string linked = ::testing::TempDir() + "framefit_flags_linked.pt";
+  std::filesystem::remove(linked);
+  std::ofstream(stored) << "checkpoint";
+  std::filesystem::create_hard_link(stored, linked);
+  expect_error({"export", "--checkpoint", stored, "--out", linked},
+               "which --checkpoint reads: writing it would replace it");
+  std::filesystem::remove(linked);
+  std::filesystem::remove(stored);
   // Distinct files, and two inputs naming one file, are fine.
   EXPECT_TRUE(parse_command_line({"predict", "--checkpoint", checkpoint, "--video", checkpoint,
                                   "--out", "/tmp/p.csv", "--segments", "/tmp/s.csv"})
