@@ -61,8 +61,9 @@ const std::vector<Command>& command_table() {
        "Predictions of a checkpoint: per-frame phases (phases) or per-clip classes (clips) of one "
        "video file or frame folder as CSV; class masks of images as PNG (segmentation)."},
       {"bench-data",
-       "Decoding and transform throughput of a config's data set: every video of a split "
-       "through the prefetching workers, as training reads it (frames/s, tracked bytes, RSS)."},
+       "Decoding and transform throughput of a config's data set: every video, features file "
+       "or image and mask of a split through the prefetching workers, as training reads it "
+       "(frames, rows or images per second, tracked bytes, RSS)."},
       {"export",
        "Write a checkpoint's weights as a state_dict PyTorch loads (torch.load): "
        "encoder.<torchvision name> and head.<name>."},

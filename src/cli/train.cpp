@@ -820,46 +820,49 @@ int run_predict(const Args& args) {
 int run_bench_data(const Args& args) {
   const auto config = train::load_config(args.text("config"), args.list("set"));
   ProgressPrinter printer("bench-data");
-  const auto dataset = train::make_dataset(config, args.text("split"), true,
-                                           [&](const train::Event& e) { printer(e); });
-  TORCH_CHECK(dataset.size() > 0, train::no_videos_in_split(config, args.text("split")));
   auto& tracker = memory::Tracker::cpu();
   tracker.reset_peak();
   memory::reset_rss_peak();
-  std::vector<data::Prefetcher::Job> jobs;
-  for (int64_t i = 0; i < dataset.size(); ++i) {
-    const auto augmentation = dataset.augmentation(i, config.train.seed, 0);
-    jobs.push_back({[&dataset, i, augmentation] { return dataset.load(i, augmentation); },
-                    dataset.frame_bytes(i)});
-  }
-  const auto start = std::chrono::steady_clock::now();
-  data::Prefetcher prefetcher(std::move(jobs), static_cast<int>(config.data.workers),
-                              config.data.prefetch_bytes);
-  int64_t frames = 0;
-  while (!prefetcher.done()) frames += prefetcher.next().frames.size(0);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const auto [height, width] = dataset.frame_size(0);
-  nlohmann::json out = {{"videos", dataset.size()},
-                        {"frames", frames},
-                        {"seconds", seconds},
-                        {"frames_per_second", frames / seconds},
-                        {"frame_height", height},
-                        {"frame_width", width},
+  const auto read =
+      train::read_split(config, args.text("split"), [&](const train::Event& e) { printer(e); });
+  const double per_second = read.seconds > 0 ? read.samples / read.seconds : 0;
+  nlohmann::json out = {{"task", config.task},
+                        {"units", read.units},
+                        {"unit", read.unit_name},
+                        {"samples", read.samples},
+                        {"sample", read.sample_name},
+                        {"seconds", read.seconds},
+                        {"samples_per_second", per_second},
                         {"workers", config.data.workers},
                         {"peak_bytes", tracker.peak_bytes()},
                         {"rss_peak_bytes", memory::process_memory().rss_peak_bytes},
                         {"machine", machine_info().describe()}};
+  if (read.feature_dim > 0) {
+    out["feature_dim"] = read.feature_dim;
+  } else {
+    out["height"] = read.height;
+    out["width"] = read.width;
+  }
   if (args.on("json")) {
     fmt::print("{}\n", out.dump(2));
-  } else {
-    fmt::print(
-        "decoded {} videos, {} frames of {}x{} in {:.2f} s: {:.0f} frames/s with {} workers\n"
-        "  peak tensors {}, peak RSS {}\n  {}\n",
-        dataset.size(), frames, height, width, seconds, frames / seconds, config.data.workers,
-        memory::format_bytes(tracker.peak_bytes()),
-        memory::format_bytes(memory::process_memory().rss_peak_bytes), machine_info().describe());
+    return 0;
   }
+  const std::string size = read.feature_dim > 0 ? c10::str(read.feature_dim, " features")
+                                                : c10::str(read.height, "x", read.width);
+  auto counted = [](int64_t n, const std::string& what) {
+    return c10::str(n, " ", what, n == 1 ? "" : "s");
+  };
+  // "read 48 images of 64x64", "read 12 videos, 1701 frames of 32x32".
+  const std::string what =
+      read.sample_name == read.unit_name
+          ? counted(read.units, read.unit_name)
+          : counted(read.units, read.unit_name) + ", " + counted(read.samples, read.sample_name);
+  fmt::print(
+      "read {} of {} in {:.2f} s: {:.0f} {}s/s with {} workers\n"
+      "  peak tensors {}, peak RSS {}\n  {}\n",
+      what, size, read.seconds, per_second, read.sample_name, config.data.workers,
+      memory::format_bytes(tracker.peak_bytes()),
+      memory::format_bytes(memory::process_memory().rss_peak_bytes), machine_info().describe());
   return 0;
 }
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -1324,6 +1325,58 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   auto result = run_epochs(progress, run, config, resumed.has_value(), hooks, stop, on_event);
   result.skipped_videos = progress.skipped + train_set.skipped_at_start();
   return result;
+}
+
+DataThroughput read_split(const Config& config, const std::string& split,
+                          const EventCallback& on_event) {
+  DataThroughput out;
+  std::vector<data::Prefetcher::Job> jobs;
+  // Each unit loaded as training loads it; the first one's size is the sample size reported.
+  auto count = [&out](const engine::Video& unit) {
+    const bool features = unit.features.defined();
+    const auto& loaded = features ? unit.features : unit.frames;
+    if (out.units++ == 0) {
+      if (features) {
+        out.feature_dim = loaded.size(1);
+      } else {
+        out.height = loaded.size(-2);
+        out.width = loaded.size(-1);
+      }
+    }
+    out.samples += loaded.size(0);
+  };
+  // Timed from the first job on: opening the data set (probing every video) is not reading it.
+  auto read_all = [&](std::vector<data::Prefetcher::Job> jobs) {
+    const auto start = std::chrono::steady_clock::now();
+    data::Prefetcher prefetcher(std::move(jobs), static_cast<int>(config.data.workers),
+                                config.data.prefetch_bytes);
+    while (!prefetcher.done()) count(prefetcher.next());
+    out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  if (is_batch_task(config)) {
+    const TaskData data(config, split, true, on_event);
+    TORCH_CHECK(data.units() > 0, no_samples_in_split(config, split));
+    for (int64_t unit = 0; unit < data.units(); ++unit) {
+      jobs.push_back({[&data, unit, &config] { return data.load(unit, config.train.seed, 0); },
+                      data.unit_bytes(unit)});
+    }
+    read_all(std::move(jobs));
+    out.unit_name = config.task == "clips" ? "video" : "image";
+  } else {
+    const auto dataset = make_dataset(config, split, true, on_event);
+    TORCH_CHECK(dataset.size() > 0, no_videos_in_split(config, split));
+    for (int64_t i = 0; i < dataset.size(); ++i) {
+      const auto augmentation = dataset.augmentation(i, config.train.seed, 0);
+      jobs.push_back({[&dataset, i, augmentation] { return dataset.load(i, augmentation); },
+                      dataset.frame_bytes(i)});
+    }
+    read_all(std::move(jobs));
+    out.unit_name = out.feature_dim > 0 ? "features file" : "video";
+  }
+  out.sample_name = out.feature_dim > 0        ? "feature row"
+                    : out.unit_name == "image" ? "image"
+                                               : "frame";
+  return out;
 }
 
 }  // namespace framefit::train

@@ -36,6 +36,12 @@ if "$framefit" train --config "$work/config.yaml" --set data.manifest="$work/non
 fi
 grep -q "written by framefit extract --checkpoint RUN/best.pt --out-dir $work/none" "$work/missing.log"
 "$framefit" plan --config "$work/config.yaml" | grep -q "nothing to plan"
+# bench-data reads the features files (it reported "0 frames of 0x0").
+"$framefit" bench-data --config "$work/config.yaml" > "$work/data.txt"
+rows=$(( $("$python" -c "import torch; print(torch.load('$work/features/video01.pt').shape[0])") +
+         $("$python" -c "import numpy; print(numpy.load('$work/features/video02.npy').shape[1])") ))
+grep -q "^read 2 features files, $rows feature rows of 512 features in" "$work/data.txt" ||
+  { cat "$work/data.txt"; exit 1; }
 "$framefit" train --config "$work/config.yaml" >"$work/train.txt" 2>&1 ||
   { cat "$work/train.txt"; exit 1; }
 grep -q "the head alone on precomputed features (512 per frame)" "$work/train.txt"

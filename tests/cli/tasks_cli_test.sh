@@ -35,6 +35,21 @@ fi
 cat doctor.txt
 grep -q "masks/0001.png has class id 7 but there are 3 classes" doctor.txt
 grep -q "val/images/0000.png: cannot decode" doctor.txt
+# bench-data reads every image and mask of a split as training does (it asked for a manifest),
+# and the clips config's videos.
+"$framefit" bench-data --config "$source/configs/demo_segmentation.yaml" --json > data.json
+"$framefit" bench-data --config "$source/configs/demo_clips.yaml" --set data.resize=32 \
+  --set data.crop=32 --json > clips_data.json
+"$python" -c "
+import json, os
+d = json.load(open('data.json'))
+n = len(os.listdir('demo/segmentation/train/images'))
+assert d['task'] == 'segmentation' and d['unit'] == 'image' and d['units'] == d['samples'] == n, d
+assert d['height'] == d['width'] == 64 and d['samples_per_second'] > 0, d
+c = json.load(open('clips_data.json'))
+assert c['unit'] == 'video' and c['units'] == 3 and c['sample'] == 'frame', c
+assert c['height'] == c['width'] == 32 and c['samples'] > 3, c
+"
 # The plan train will use, before training: planned batch within the budget, in parts.
 "$framefit" plan --config "$source/configs/demo_segmentation.yaml" --set train.lr_batch=4 \
   --set train.lr_scaling=sqrt --json > plan.json

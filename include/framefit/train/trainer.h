@@ -202,6 +202,21 @@ data::DataOptions data_options(const Config& config, bool training);
 data::VideoDataset make_dataset(const Config& config, const std::string& split, bool training,
                                 const EventCallback& on_event = {});
 
+// framefit bench-data: every unit of `split` (a video, a features file, or an image with its
+// mask) loaded as training loads it (with epoch 0's augmentation) through data.workers prefetching
+// threads, timed. Tensor bytes and RSS are the caller's to measure around it.
+struct DataThroughput {
+  int64_t units = 0;              // videos, features files or images read
+  int64_t samples = 0;            // frames, feature rows or images
+  int64_t height = 0, width = 0;  // the first unit's frame or image size (0 for features)
+  int64_t feature_dim = 0;        // features files: features per row (else 0)
+  double seconds = 0;
+  std::string unit_name;    // "video", "features file", "image"
+  std::string sample_name;  // "frame", "feature row", "image"
+};
+DataThroughput read_split(const Config& config, const std::string& split,
+                          const EventCallback& on_event = {});
+
 // The error for a split that gave no videos: names the manifest and, when the manifest has no
 // video in that split at all (a typo), the splits it has, with their video counts.
 std::string no_videos_in_split(const Config& config, const std::string& split);
