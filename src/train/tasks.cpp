@@ -620,7 +620,15 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
 
 // The error for a split that gave no samples.
 std::string no_samples_in_split(const Config& config, const std::string& split) {
-  if (config.task != "clips") return c10::str("no samples in split \"", split, "\"");
+  if (config.task == "segmentation") {
+    const auto images = replace_split(config.data.images, split);
+    return c10::str("no images in split \"", split, "\": ", images,
+                    ::access(images.c_str(), F_OK) == 0 ? " holds none" : " does not exist",
+                    " (data.images ", config.data.images,
+                    config.data.images.find("{split}") != std::string::npos
+                        ? ", {split} replaced by the split's name)"
+                        : ")");
+  }
   if (data::select_split(data::read_manifest(config.data.manifest), split).empty())
     return no_videos_in_split(config, split);
   return c10::str("no clips in split \"", split, "\" of ", config.data.manifest,

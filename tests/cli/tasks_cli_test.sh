@@ -38,6 +38,12 @@ grep -q "val/images/0000.png: cannot decode" doctor.txt
 # bench-data reads every image and mask of a split as training does (it asked for a manifest),
 # and the clips config's videos.
 "$framefit" bench-data --config "$source/configs/demo_segmentation.yaml" --json > data.json
+if "$framefit" bench-data --config "$source/configs/demo_segmentation.yaml" --split tset \
+  > /dev/null 2> split.txt; then
+  echo "bench-data read a split without images"; exit 1
+fi
+grep -q 'no images in split "tset": demo/segmentation/tset/images does not exist (data.images' \
+  split.txt || { cat split.txt; exit 1; }
 "$framefit" bench-data --config "$source/configs/demo_clips.yaml" --set data.resize=32 \
   --set data.crop=32 --json > clips_data.json
 "$python" -c "
