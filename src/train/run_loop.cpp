@@ -8,6 +8,7 @@
 #include <fstream>
 #include <thread>
 
+#include "framefit/core/errors.h"
 #include "framefit/memory/monitor.h"
 #include "framefit/memory/tracker.h"
 #include "run_files.h"
@@ -302,10 +303,10 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
         result.best = std::move(best);
         result.validated = true;
       }
-    } catch (const c10::Error& e) {
+    } catch (const std::exception& e) {  // a hand-edited log: nlohmann's type errors too
       emit(Event::note(Event::Kind::Warning,
                        "the best validation in " + tc.out_dir + "/log.jsonl cannot be read (" +
-                           e.what_without_backtrace() + "): the result reports this run's own"));
+                           error_text(e) + "): the result reports this run's own"));
     }
   }
   // A stop request ends the run at a step boundary; the checkpoint written below resumes it.
