@@ -342,7 +342,17 @@ std::optional<int64_t> fixed_count(const std::string& text) {
 }
 
 void write_config(const Config& config, const std::string& out_dir) {
-  std::ofstream out(out_dir + "/config.yaml");
+  const std::string path = out_dir + "/config.yaml";
+  // One that already says the same (the user's own given as --config, with its comments, or an
+  // earlier run's) is kept; one that does not load is written anew.
+  struct stat info {};
+  if (::stat(path.c_str(), &info) == 0) {
+    try {
+      if (config_differences(load_config(path), config).empty()) return;
+    } catch (const c10::Error&) {
+    }
+  }
+  std::ofstream out(path);
   out << to_yaml(config);
   out.flush();  // so that a full disk shows here
   TORCH_CHECK(out.good(), "cannot write ", out_dir, "/config.yaml");

@@ -334,3 +334,13 @@ grep -q "warning: skipping video short" skip.err || { cat skip.err; fail "no war
 grep -q "truncated" skip.err || { cat skip.err; fail "no warning for the truncated video"; }
 "$python" -c "import json; r = json.load(open('skip.json')); assert r['skipped_videos'] == 2, r"
 echo "bad input: ok"
+# A config.yaml that says what the run ran is kept as it is, comments included: the finished run
+# resumed with its own config.yaml, a comment added (train rewrote the file without it).
+{ echo "# my notes"; cat run/config.yaml; } > notes.yaml && cp notes.yaml run/config.yaml
+"$framefit" train --config run/config.yaml --resume auto > again.txt 2>&1 ||
+  { cat again.txt; fail "resume with the run's own config.yaml"; }
+cmp -s notes.yaml run/config.yaml || fail "train rewrote a config.yaml that says the same"
+"$framefit" train --config run/config.yaml --resume auto --set train.lr=0.002 > again.txt 2>&1 ||
+  { cat again.txt; fail "resume with a changed rate"; }
+grep -q "lr: 0.002" run/config.yaml && ! grep -q "# my notes" run/config.yaml ||
+  fail "a changed config was not written"
