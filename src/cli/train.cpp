@@ -70,6 +70,11 @@ std::string phase_csv(const train::Prediction& prediction, const std::vector<int
   return csv;
 }
 
+// "1 frame", "12 frames": a count and its unit, plural for a count other than one.
+std::string count_of(int64_t n, const std::string& unit) {
+  return c10::str(n, " ", unit, n == 1 ? "" : "s");
+}
+
 std::string percent(double v) { return std::isnan(v) ? "  -  " : fmt::format("{:5.1f}", 100 * v); }
 
 // What the metrics count: frames (phases), clips, or pixels (segmentation, where the Jaccard
@@ -575,8 +580,7 @@ void write_predictions(const Args& args, const std::string& csv, int64_t rows,
   std::ofstream out(args.text("out"));
   TORCH_CHECK(out.good(), "cannot write ", args.text("out"));
   out << csv;
-  fmt::print(stderr, "framefit predict: {} {}{} -> {}\n", rows, unit, rows == 1 ? "" : "s",
-             args.text("out"));
+  fmt::print(stderr, "framefit predict: {} -> {}\n", count_of(rows, unit), args.text("out"));
 }
 
 void print_warning(const train::Event& e) {
@@ -614,9 +618,9 @@ train::Prediction predict_online(train::Model& model, const torch::Tensor& frame
   // A piece longer than the input is one piece of the whole input.
   const int64_t piece_size = std::min(piece, input.size(0));
   fmt::print(stderr,
-             "framefit predict: online, {} piece{} of {} {}: per piece median {:.3f} ms (first "
+             "framefit predict: online, {} of {} {}: per piece median {:.3f} ms (first "
              "tenth {:.3f} ms, last tenth {:.3f} ms), {:.0f} frames/s\n",
-             seconds.size(), seconds.size() == 1 ? "" : "s", piece_size,
+             count_of(static_cast<int64_t>(seconds.size()), "piece"), piece_size,
              features.defined() ? "rows" : "frames", 1e3 * median_of(seconds),
              1e3 * median_of({seconds.begin(), seconds.begin() + tenth}),
              1e3 * median_of({seconds.end() - tenth, seconds.end()}),
@@ -694,8 +698,8 @@ int predict_phases(const Args& args) {
     std::ofstream out(args.text("segments"));
     out << rows;
     TORCH_CHECK(out.good(), "cannot write ", args.text("segments"));
-    fmt::print(stderr, "framefit predict: {} segment{} -> {}\n", segments.size(),
-               segments.size() == 1 ? "" : "s", args.text("segments"));
+    fmt::print(stderr, "framefit predict: {} -> {}\n",
+               count_of(static_cast<int64_t>(segments.size()), "segment"), args.text("segments"));
   }
   return 0;
 }
@@ -788,8 +792,8 @@ int predict_masks(const Args& args) {
     csv += "\n";
   }
   fmt::print("{}", csv);
-  fmt::print(stderr, "framefit predict: {} mask{} -> {}\n", images.size(),
-             images.size() == 1 ? "" : "s", out);
+  fmt::print(stderr, "framefit predict: {} -> {}\n",
+             count_of(static_cast<int64_t>(images.size()), "mask"), out);
   return 0;
 }
 
@@ -849,14 +853,11 @@ int run_bench_data(const Args& args) {
   }
   const std::string size = read.feature_dim > 0 ? c10::str(read.feature_dim, " features")
                                                 : c10::str(read.height, "x", read.width);
-  auto counted = [](int64_t n, const std::string& what) {
-    return c10::str(n, " ", what, n == 1 ? "" : "s");
-  };
   // "read 48 images of 64x64", "read 12 videos, 1701 frames of 32x32".
   const std::string what =
       read.sample_name == read.unit_name
-          ? counted(read.units, read.unit_name)
-          : counted(read.units, read.unit_name) + ", " + counted(read.samples, read.sample_name);
+          ? count_of(read.units, read.unit_name)
+          : count_of(read.units, read.unit_name) + ", " + count_of(read.samples, read.sample_name);
   fmt::print(
       "read {} of {} in {:.2f} s: {:.0f} {}s/s with {} workers\n"
       "  peak tensors {}, peak RSS {}\n  {}\n",
