@@ -161,8 +161,14 @@ Entry bytes(std::string name, std::string help, int64_t& (*member)(Config&)) {
       TORCH_CHECK(false, where, ": ", error.what_without_backtrace());
     }
   };
+  // In the largest binary unit that holds it exactly (2GiB, 1536MiB), as a user writes it:
+  // config.yaml and a resumed run's list of changes read so.
   e.get = [member](const Config& c) {
-    return YAML::Node(std::to_string(member(const_cast<Config&>(c))));
+    int64_t value = member(const_cast<Config&>(c));
+    const char* const units[] = {"", "KiB", "MiB", "GiB", "TiB"};
+    int unit = 0;
+    while (value != 0 && value % 1024 == 0 && unit < 4) value /= 1024, ++unit;
+    return YAML::Node(std::to_string(value) + units[unit]);
   };
   return e;
 }

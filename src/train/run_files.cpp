@@ -145,6 +145,15 @@ void set_generator_state(const torch::Tensor& state) {
   gen.set_state(state);
 }
 
+std::string budget_change(const Config& stored, const Config& resumed_with) {
+  const auto text = [](int64_t budget) {
+    return budget > 0 ? memory::format_bytes(budget) : std::string("0 (the free memory)");
+  };
+  if (stored.train.budget == resumed_with.train.budget) return "";
+  return "train.budget changed from " + text(stored.train.budget) + " to " +
+         text(resumed_with.train.budget);
+}
+
 void warn_config_changes(const Config& stored, const Config& resumed_with, double& best_score,
                          const EventCallback& on_event) {
   const bool new_metric = best_metric(stored) != best_metric(resumed_with);

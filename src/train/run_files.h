@@ -35,6 +35,10 @@ void make_directories(const std::string& path);
 // event, where there is one.
 void warn_if_budget_beyond_device(const Config& config, const EventCallback& on_event);
 
+// "train.budget changed from 8 GiB to 2 GiB" where a resumed run's budget is not its
+// checkpoint's (which then checks its settings against the new one), "" where it is the same.
+std::string budget_change(const Config& stored, const Config& resumed_with);
+
 // Held for a training run's whole life on train.out_dir/.lock: a second framefit train on the
 // same folder (both would write its checkpoints, best.pt and log) is refused, naming the
 // holder's process. flock: the kernel lets go when the process ends, however it ends, so a

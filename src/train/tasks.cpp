@@ -500,10 +500,19 @@ void plan_evaluation(BatchTaskPlan& plan, const Config& config, const BatchModel
   plan.eval_peak_bytes = planned.predicted_peak_bytes;
 }
 
+// A resumed run's step settings, checked against a changed budget by plan_training: `peak` is
+// their predicted peak, `evaluated` false where the plan's calibration could not tell (their
+// convolution backward was not among those planned).
+struct HeldSettings {
+  const BatchProgress& progress;
+  bool evaluated = false;
+  int64_t peak = 0;
+};
+
 // The training batch, recomputation and convolution backward (plan_for).
 BatchTaskPlan plan_training(const Config& config, const TaskData& data,
                             const std::vector<int64_t>& input, torch::Device device, int64_t budget,
-                            int64_t step_budget, BatchModel& probe) {
+                            int64_t step_budget, BatchModel& probe, HeldSettings* held) {
   const auto& tc = config.train;
   const auto fixed_batch = fixed_count(tc.batch);
   TORCH_CHECK(!fixed_batch || *fixed_batch > 0,
@@ -529,6 +538,7 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
     return plan;
   }
   plan.planned = true;
+  bool probe_lean = plan.lean_backward;  // the probe's convolution backward as calibrated
   const auto recompute = plan::parse_recompute(tc.checkpointing);
   // The batch and recomputation for the probe's measured costs; `fits`: whether that batch fits.
   const auto plan_measured = [&](BatchTaskPlan p, bool& fits) {
@@ -543,6 +553,13 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
     // The largest batch that fits: the plan's unless train.batch fixes it; the table's either way.
     const auto planned = plan::plan_batch(costs, step_budget, recompute);
     p.table = plan::batch_table(costs, step_budget, recompute, planned.batch);
+    if (held && held->progress.lean_backward == probe_lean) {
+      const auto& h = held->progress;
+      const auto chain = engine::evaluate_chain(
+          costs.at((h.batch + h.micro_batches - 1) / h.micro_batches), h.segments);
+      held->evaluated = true;
+      held->peak = plan::batch_peak_bytes(costs, h.batch, chain);
+    }
     if (fixed_batch) {
       // More than the samples would only be an epoch's worth of them.
       p.batch = p.largest_batch = std::min(*fixed_batch, p.samples);
@@ -581,13 +598,13 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
                                config.model.lean_backward == "auto";
   bool fits = false;
   if (!lean_can_matter) return plan_measured(plan, fits);
-  models::set_lean_backward(*probe.network.module, false);
+  models::set_lean_backward(*probe.network.module, probe_lean = false);
   auto fast = plan_measured(plan, fits);
   fast.lean_backward = false;
   // No convolution small enough for it (layer4 of larger clips): nothing to compare.
   if (models::lean_applicable_calls(*probe.network.module) == 0) return fast;
   const bool fast_fits = fits;
-  models::set_lean_backward(*probe.network.module, true);
+  models::set_lean_backward(*probe.network.module, probe_lean = true);
   const auto lean = plan_measured(plan, fits);
   // Its backward measured 1.1-2.5x slower per step: worth it for at least twice the batch.
   const bool take_lean =
@@ -600,7 +617,7 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
 // that move BatchNorm statistics and the random generator, which must not touch the run).
 BatchTaskPlan plan_for(const Config& config, const TaskData& data,
                        const std::vector<int64_t>& input, torch::Device device, int64_t budget,
-                       int64_t step_budget) {
+                       int64_t step_budget, HeldSettings* held = nullptr) {
   // Weights that cannot fit are named before the probe allocates them: a layer list's 30 GiB
   // convolution ended in the system's out-of-memory error instead of the doctor's finding.
   if (network_kind(config) == "layers") {
@@ -613,7 +630,7 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
   }
   auto probe = build_batch_model(config, input);
   probe.network.module->train();
-  auto plan = plan_training(config, data, input, device, budget, step_budget, probe);
+  auto plan = plan_training(config, data, input, device, budget, step_budget, probe, held);
   if (plan.batch > 0) plan_evaluation(plan, config, probe, device);
   return plan;
 }
@@ -1141,6 +1158,65 @@ std::string BatchTaskPlan::describe() const {
 
 namespace {
 
+// "batch 8, 2 of 5 stages recomputed in 2 micro-batches, lean convolution backward".
+std::string describe_step(const BatchProgress& p) {
+  const auto recompute = engine::recomputed(p.segments);
+  return c10::str("batch ", p.batch, ", ", std::count(recompute.begin(), recompute.end(), true),
+                  " of ", recompute.size(), " stages recomputed",
+                  p.micro_batches > 1 ? c10::str(" in ", p.micro_batches, " micro-batches") : "",
+                  p.lean_backward ? ", lean convolution backward" : "");
+}
+
+// A run resumed under another train.budget (`change` says which) holds its batch and precision,
+// what it learns from; its recomputation, micro-batches and convolution backward stay the
+// checkpoint's where they are predicted to fit the new budget (the run goes on as it would
+// have), and are planned again for the held batch where not. The validation batch is planned
+// again either way.
+void replan_if_budget_changed(BatchProgress& progress, const std::string& change,
+                              const Config& config, const TaskData& train_set,
+                              const std::vector<int64_t>& input, torch::Device device,
+                              int64_t budget, int64_t step_budget, const EventCallback& on_event) {
+  if (change.empty()) return;
+  const auto note = [&](Event::Kind kind, const std::string& message) {
+    if (on_event) on_event(Event::note(kind, message));
+  };
+  auto held_config = config;
+  held_config.train.batch = std::to_string(progress.batch);
+  held_config.train.precision = engine::to_string(progress.precision);
+  HeldSettings held{progress};
+  const auto plan = plan_for(held_config, train_set, input, device, budget, step_budget, &held);
+  progress.eval_batch = plan.eval_batch;
+  const std::string kept = change + ": the checkpoint's " + describe_step(progress);
+  if (!plan.planned) {
+    note(Event::Kind::Info, kept + " is kept (train.checkpointing " + config.train.checkpointing +
+                                " with a batch leaves nothing to plan)");
+    return;
+  }
+  const std::string step_budget_text = "the step budget " + memory::format_bytes(step_budget);
+  const std::string predicted =
+      held.evaluated ? kept + " is predicted to need " + memory::format_bytes(held.peak) : kept;
+  if (held.evaluated && held.peak <= step_budget) {
+    note(Event::Kind::Info, predicted + ", within " + step_budget_text +
+                                "; kept, so the run goes on as it would have");
+    return;
+  }
+  if (plan.predicted_peak_bytes > step_budget) {
+    note(Event::Kind::Warning, predicted + "; nothing fits " + step_budget_text +
+                                   " at that batch: kept (steps that run out of memory are "
+                                   "retried with more micro-batches)");
+    return;
+  }
+  progress.micro_batches = plan.micro_batches;
+  progress.segments = plan.segments;
+  progress.lean_backward = plan.lean_backward;
+  note(Event::Kind::Warning,
+       predicted + (held.evaluated ? ", more than " + step_budget_text : std::string()) +
+           "; re-planned to " + describe_step(progress) + " (predicted " +
+           memory::format_bytes(plan.predicted_peak_bytes) +
+           "): from here the run may differ from the uninterrupted one by rounding" +
+           (progress.micro_batches > 1 ? " and BatchNorm's statistics per micro-batch" : ""));
+}
+
 // The validation split's data, where validation runs and the split has samples.
 std::optional<TaskData> validation_data(const Config& config, const EventCallback& on_event) {
   std::optional<TaskData> val_set;
@@ -1211,6 +1287,8 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     warn_config_changes(resumed->stored, config, progress.best_score, on_event);
     info("resuming from " + resume_from + " at step " + std::to_string(progress.step) +
          " with its batch of " + std::to_string(progress.batch));
+    replan_if_budget_changed(progress, budget_change(resumed->stored, config), config, train_set,
+                             input, device, budget, step_budget, on_event);
   } else {
     const auto plan = plan_for(config, train_set, input, device, budget, step_budget);
     TORCH_CHECK(plan.batch > 0, plan.describe());

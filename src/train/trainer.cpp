@@ -787,6 +787,10 @@ struct StepPlan {
   plan::Plan chosen;
   bool planned = false;
   int64_t budget = 0, step_budget = 0;
+  // A resumed run under a changed budget: the prediction for the checkpoint's settings, and
+  // whether they were replaced because they do not fit it.
+  std::optional<plan::Plan> resumed;
+  bool replanned = false;
 };
 
 // The step `train` runs for the longest training video, and the budget it is planned in:
@@ -816,9 +820,13 @@ StepPlan step_request(const Config& config, const data::VideoDataset& train_set)
   return result;
 }
 
+// A resumed run (`fixed`) keeps the checkpoint's settings, so that it goes on as the
+// uninterrupted run would have; with `check_fixed` (its budget changed) they are checked against
+// the new budget and, where they do not fit, chunk, keep and caching are planned again as the
+// config leaves them, the precision held (the loss scaler's state and the numbers stay its).
 StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
                    const std::optional<plan::StepSettings>& fixed,
-                   const std::function<void(const std::string&)>& info) {
+                   const std::function<void(const std::string&)>& info, bool check_fixed = false) {
   const torch::Device device(config.device);
   StepPlan result = step_request(config, train_set);
   auto& request = result.request;
@@ -840,7 +848,8 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
   }
   // With chunk, keep and precision all fixed there is nothing to choose: no calibration, and an
   // out-of-memory step falls back to halving the chunk. Otherwise the planner decides.
-  result.planned = !request.chunk || !request.keep || request.precisions.size() > 1;
+  result.planned =
+      !request.chunk || !request.keep || request.precisions.size() > 1 || (fixed && check_fixed);
   auto& chosen = result.chosen;
   if (!result.planned) {
     chosen.fits = true;
@@ -873,6 +882,26 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
     result.costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
   }
   chosen = plan::fit(request, result.sizes, result.costs, result.step_budget, 0.1);
+  if (fixed && check_fixed) {
+    result.resumed = chosen;
+    const auto& tc = config.train;
+    auto again = request;
+    again.chunk = fixed_count(tc.chunk);
+    again.keep = fixed_count(tc.keep);
+    again.cache_frozen.reset();
+    if (!chosen.fits) {
+      const auto replanned = plan::fit(again, result.sizes, result.costs, result.step_budget, 0.1);
+      if (replanned.fits) {
+        chosen = replanned;
+        result.replanned = true;
+      }
+      // Where nothing fits, the checkpoint's settings stay (as they ran before): a step that
+      // runs out of memory is re-planned.
+      chosen.fits = true;
+    }
+    // The out-of-memory replanner may change what the config leaves as auto.
+    request = again;
+  }
   return result;
 }
 
@@ -1005,9 +1034,10 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
     info("resuming from " + resume_from + " at step " + std::to_string(saved->step));
   }
   auto& tracker = memory::Tracker::of(device);
-  const auto step_plan =
-      plan_step(config, train_set,
-                saved ? std::optional<plan::StepSettings>(saved->settings) : std::nullopt, info);
+  const std::string budget_changed = resumed ? budget_change(resumed->stored, config) : "";
+  const auto step_plan = plan_step(
+      config, train_set, saved ? std::optional<plan::StepSettings>(saved->settings) : std::nullopt,
+      info, !budget_changed.empty());
   const auto& chosen = step_plan.chosen;
   const bool planned = step_plan.planned;
   const int64_t budget = step_plan.budget, step_budget = step_plan.step_budget;
@@ -1022,10 +1052,34 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   // the calibration was cached.
   Model model = build_model(config);
   Progress progress;
-  progress.settings = chosen.settings;
   if (saved) progress = *saved;
+  progress.settings = chosen.settings;
   progress.settings.frames = longest;
-  if (planned) {
+  if (step_plan.resumed) {
+    const auto& kept = *step_plan.resumed;
+    const std::string change = budget_changed + ": the checkpoint's " +
+                               plan::describe(kept.settings) + " is predicted to need " +
+                               memory::format_bytes(kept.breakdown.peak_bytes);
+    const std::string limit = memory::format_bytes(kept.budget_bytes - kept.margin_bytes) +
+                              " planned for (step budget " + memory::format_bytes(step_budget) +
+                              " less a 10% margin)";
+    if (step_plan.replanned) {
+      emit(Event::note(
+          Event::Kind::Warning,
+          change + ", more than the " + limit + "; re-planned to " +
+              plan::describe(progress.settings) + " (predicted " +
+              memory::format_bytes(chosen.breakdown.peak_bytes) +
+              "): from here the run may differ from the uninterrupted one by rounding" +
+              (config.model.norm == "bn" ? " and BatchNorm's statistics per chunk" : "")));
+    } else if (kept.fits) {
+      info(change + ", within the " + limit + "; kept, so the run goes on as it would have");
+    } else {
+      emit(Event::note(Event::Kind::Warning,
+                       change + "; nothing fits the " + limit + " (" + kept.advice +
+                           "): kept (a step that runs out of memory is re-planned)"));
+    }
+  }
+  if (planned && !step_plan.resumed) {
     info("plan: " + plan::describe(progress.settings) + ", predicted peak " +
          memory::format_bytes(chosen.breakdown.peak_bytes) + " of " +
          memory::format_bytes(step_budget) +
@@ -1037,7 +1091,9 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
                   " per frame), float32, whole videos"));
   } else {
     info("settings: " + plan::describe(progress.settings) +
-         (saved ? " (from the checkpoint)" : " (fixed by the config; not planned)"));
+         (!saved                ? " (fixed by the config; not planned)"
+          : step_plan.replanned ? " (re-planned for the new budget)"
+                                : " (from the checkpoint)"));
   }
 
   engine::StepOptions options;

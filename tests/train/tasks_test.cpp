@@ -656,6 +656,66 @@ TEST(ClipTraining, ResumedRunEndsWithIdenticalWeights) {
   }
 }
 
+TEST(ClipTraining, ResumedUnderAnotherBudgetHoldsItsBatchAndRecomputesWhereItMust) {
+  // A run planned without recomputation, resumed under a budget its batch of 5 needs
+  // recomputation for, then under a larger one again.
+  auto config = clips_config("/tmp/framefit_clips_resume_budget");
+  // Four stages of full-size activations, so that recomputing some of them matters.
+  auto& layers = config.model.layers;
+  layers.erase(layers.begin() + 3);  // the max pool
+  const std::vector<models::LayerSpec> block(layers.begin(), layers.begin() + 3);
+  for (int i = 0; i < 2; ++i) layers.insert(layers.begin() + 3, block.begin(), block.end());
+  config.train.checkpointing = "auto";
+  config.train.budget = 256 << 20;
+  config.train.max_steps = 2;
+  config.train.checkpoint_every = 1;
+  const auto recomputed_stages = [](const train::BatchTaskPlan& p) {
+    const auto r = engine::recomputed(p.segments);
+    return std::count(r.begin(), r.end(), true);
+  };
+  ASSERT_EQ(recomputed_stages(train::plan_batch_task(config)), 0);
+  auto smaller = config;
+  std::optional<train::BatchTaskPlan> replan;
+  for (int64_t budget = config.train.budget / 2; budget > (64 << 10) && !replan; budget /= 2) {
+    smaller.train.budget = budget;
+    auto p = train::plan_batch_task(smaller);
+    if (p.batch == 5 && p.micro_batches == 1 && recomputed_stages(p) > 0 &&
+        p.predicted_peak_bytes <= p.step_budget_bytes)
+      replan = p;
+  }
+  ASSERT_TRUE(replan) << "no budget has batch 5 recompute";
+  train::train(config);
+
+  std::vector<std::string> notes;
+  const auto resume = [&](train::Config c, int64_t max_steps) {
+    c.train.max_steps = max_steps;
+    notes.clear();
+    return train::train(c, "auto", [&](const train::Event& e) {
+      if (e.kind != train::Event::Kind::Step) notes.push_back(e.message);
+    });
+  };
+  const auto said = [&](const std::string& text) {
+    return std::any_of(notes.begin(), notes.end(),
+                       [&](const std::string& n) { return n.find(text) != std::string::npos; });
+  };
+  EXPECT_EQ(resume(smaller, 3).steps, 3);
+  const std::string replanned =
+      c10::str("re-planned to batch 5, ", recomputed_stages(*replan), " of ",
+               engine::recomputed(replan->segments).size(), " stages recomputed (predicted ");
+  EXPECT_TRUE(said("train.budget changed from 256.00 MiB to " +
+                   memory::format_bytes(smaller.train.budget) +
+                   ": the checkpoint's batch 5, 0 of "))
+      << c10::Join("\n", notes);
+  EXPECT_TRUE(said(replanned)) << c10::Join("\n", notes);
+  EXPECT_FALSE(said("out of memory")) << c10::Join("\n", notes);
+  // Back to a larger budget: the recomputing settings fit it too, and stay.
+  EXPECT_EQ(resume(config, 4).steps, 4);
+  EXPECT_TRUE(said(c10::str("the checkpoint's batch 5, ", recomputed_stages(*replan), " of ")))
+      << c10::Join("\n", notes);
+  EXPECT_TRUE(said("; kept, so the run goes on as it would have")) << c10::Join("\n", notes);
+  test_util::remove_tree(config.train.out_dir);
+}
+
 TEST(ClipTraining, StopRequestEndsAtAStepBoundaryAndResumesExactly) {
   // Stopped mid-epoch (step 2) and at the end of the first epoch (after its validation): the
   // stopped run writes the checkpoint it ends with where none is due, and resuming it ends with

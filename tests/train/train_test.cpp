@@ -45,11 +45,15 @@ TEST(Config, DefaultsFileOverridesAndRoundTrip) {
 
   // What a resumed run is told about: each changed key, old and new value.
   EXPECT_TRUE(train::config_differences(c, again).empty());
-  const auto changed = train::parse_config(train::to_yaml(c), "changed",
-                                           {"train.lr=0.003", "data.classes=[a, b, c]"});
+  const auto changed =
+      train::parse_config(train::to_yaml(c), "changed",
+                          {"train.lr=0.003", "data.classes=[a, b, c]", "train.budget=1536MiB"});
   EXPECT_EQ(
       train::config_differences(c, changed),
-      (std::vector<std::string>{"data.classes: [a, b] -> [a, b, c]", "train.lr: 0.0005 -> 0.003"}));
+      (std::vector<std::string>{"data.classes: [a, b] -> [a, b, c]", "train.lr: 0.0005 -> 0.003",
+                                "train.budget: 1GiB -> 1536MiB"}));
+  // Sizes are written as they are read.
+  EXPECT_NE(train::to_yaml(changed).find("budget: 1536MiB\n"), std::string::npos);
 }
 
 TEST(Config, BadKeysAndValuesAreNamed) {
@@ -849,6 +853,65 @@ TEST(Training, ResumedRunEndsWithIdenticalWeights) {
   test_util::remove_tree(base.train.out_dir);
   test_util::remove_tree(first.train.out_dir);
 }
+TEST(Training, ResumedUnderAnotherBudgetKeepsTheSettingsThatFitAndReplansThoseThatDoNot) {
+  // The run's plan under 2 GiB, and a budget it does not fit: there the planner chooses other
+  // settings (the same calibrated costs choose the same fastest settings wherever they fit).
+  auto config = tiny_config("/tmp/framefit_resume_budget");
+  config.data.resize = 128;  // activations that outweigh the weights and Adam's moments
+  config.train.chunk = "auto";
+  config.train.keep = "auto";
+  config.train.max_steps = 2;
+  config.train.checkpoint_every = 1;
+  const auto planned = train::plan_phases(config);
+  ASSERT_TRUE(planned.fits);
+  const std::string first_settings = plan::describe(planned.settings);
+  auto smaller = config;
+  std::optional<train::PhasePlan> replan;
+  for (int64_t budget = config.train.budget / 2; budget > (1 << 20) && !replan; budget /= 2) {
+    smaller.train.budget = budget;
+    auto p = train::plan_phases(smaller);
+    if (p.fits && plan::describe(p.settings) != first_settings) replan = p;
+  }
+  ASSERT_TRUE(replan) << "no budget below 2 GiB changes " << first_settings;
+  train::train(config);
+
+  const auto resume = [](train::Config c, int64_t max_steps, std::vector<std::string>& notes) {
+    c.train.max_steps = max_steps;
+    notes.clear();
+    return train::train(c, "auto", [&](const train::Event& e) {
+      if (e.kind != train::Event::Kind::Step) notes.push_back(e.message);
+    });
+  };
+  const auto find = [](const std::vector<std::string>& notes, const std::string& text) {
+    return std::any_of(notes.begin(), notes.end(),
+                       [&](const std::string& n) { return n.find(text) != std::string::npos; });
+  };
+  // A larger budget: the checkpoint's settings fit it and stay.
+  std::vector<std::string> notes;
+  auto larger = config;
+  larger.train.budget = config.train.budget * 2;
+  EXPECT_EQ(resume(larger, 3, notes).steps, 3);
+  EXPECT_TRUE(find(notes, "train.budget changed from 2.00 GiB to 4.00 GiB: the checkpoint's " +
+                              first_settings + " is predicted to need"))
+      << c10::Join("\n", notes);
+  EXPECT_TRUE(find(notes, "; kept, so the run goes on as it would have"));
+  // The smaller one: re-planned before the first step, which then does not run out of memory.
+  EXPECT_EQ(resume(smaller, 4, notes).steps, 4);
+  EXPECT_TRUE(find(notes, "re-planned to " + plan::describe(replan->settings)))
+      << c10::Join("\n", notes);
+  EXPECT_FALSE(find(notes, "out of memory")) << c10::Join("\n", notes);
+  EXPECT_TRUE(find(
+      notes, "settings: " + plan::describe(replan->settings) + " (re-planned for the new budget)"));
+  // Its checkpoints carry the new settings on: resumed again under the same budget, nothing
+  // is said about budgets.
+  EXPECT_EQ(resume(smaller, 5, notes).steps, 5);
+  EXPECT_FALSE(find(notes, "train.budget changed")) << c10::Join("\n", notes);
+  EXPECT_TRUE(
+      find(notes, "settings: " + plan::describe(replan->settings) + " (from the checkpoint)"))
+      << c10::Join("\n", notes);
+  test_util::remove_tree(config.train.out_dir);
+}
+
 namespace {
 std::vector<nlohmann::json> epoch_records(const std::string& out_dir) {
   std::vector<nlohmann::json> out;
