@@ -55,21 +55,15 @@ int run_extract(const Args& args) {
   TORCH_CHECK(args.has("input") != args.has("video"),
               "give the frames as --input (a [T,3,H,W] tensor file) or --video (a video file or "
               "frame folder), one of them");
+  // A tensor file is loaded whole and checked first; a video is decoded a piece (--chunk frames)
+  // at a time as it is extracted, so its length does not bound memory.
   torch::Tensor frames;
-  std::string source;
-  if (args.has("video")) {
-    source = args.text("video");
-    data::DataOptions decoding;
-    decoding.fps = args.frame_rate("sample-fps");
-    decoding.transform.resize = args.integer("resize");
-    decoding.transform.crop = args.integer("crop");
-    frames = data::decode_video(source, args.frame_rate("fps"), decoding).frames;
-  } else {
-    source = args.text("input");
+  const std::string source = args.text(args.has("video") ? "video" : "input");
+  if (!args.has("video")) {
     frames = models::read_tensor(source);
+    engine::check_video_frames(frames, source);
+    engine::check_frames_finite(frames, source);
   }
-  engine::check_video_frames(frames, source);
-  engine::check_frames_finite(frames, source);
 
   const auto norm = models::parse_norm_kind(args.text("norm"));
   const auto layout = models::resolve_layout(models::parse_activation_layout(args.text("layout")),
@@ -112,15 +106,44 @@ int run_extract(const Args& args) {
   options.device = device;
   options.channels_last = layout.channels_last;
   const bool terminal = isatty(fileno(stderr));
+  // total -1: a video decoded a piece at a time, whose sampled frames are counted as they come.
   options.on_progress = [terminal](int64_t done, int64_t total) {
-    if (terminal) fmt::print(stderr, "\rframefit extract: {}/{} frames", done, total);
+    if (!terminal) return;
+    if (total < 0) {
+      fmt::print(stderr, "\rframefit extract: {} frames", done);
+    } else {
+      fmt::print(stderr, "\rframefit extract: {}/{} frames", done, total);
+    }
   };
 
   memory::reset_rss_peak();
   auto window = tracker.mark();
   const auto start = std::chrono::steady_clock::now();
-  const auto features = engine::extract_features(
-      [&](const torch::Tensor& x) { return encoder->forward(x); }, frames, options);
+  const auto encode = [&](const torch::Tensor& x) { return encoder->forward(x); };
+  torch::Tensor features;
+  int64_t height = 0, width = 0;
+  if (frames.defined()) {
+    features = engine::extract_features(encode, frames, options);
+    height = frames.size(2), width = frames.size(3);
+  } else {
+    data::DataOptions decoding;
+    decoding.fps = args.frame_rate("sample-fps");
+    decoding.transform.resize = args.integer("resize");
+    decoding.transform.crop = args.integer("crop");
+    std::vector<torch::Tensor> pieces;
+    int64_t done = 0;
+    auto piece_options = options;
+    piece_options.on_progress = {};
+    data::decode_video_pieces(
+        source, args.frame_rate("fps"), decoding, options.chunk, [&](const torch::Tensor& piece) {
+          pieces.push_back(engine::extract_features(encode, piece, piece_options));
+          done += piece.size(0);
+          height = piece.size(2), width = piece.size(3);
+          if (options.on_progress) options.on_progress(done, -1);
+        });
+    TORCH_CHECK(!pieces.empty(), "video ", source, ": no frames were sampled");
+    features = torch::cat(pieces);
+  }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const int64_t peak = window.peak_bytes() - window.entry_bytes();
@@ -129,10 +152,12 @@ int run_extract(const Args& args) {
 
   if (terminal) fmt::print(stderr, "\n");
   const auto rss = memory::process_memory();
-  fmt::print("framefit extract: {} frames {}x{} -> features [{}, {}] in {:.2f} s ({:.1f} frames/s)\n",
-             frames.size(0), frames.size(2), frames.size(3), features.size(0), features.size(1),
-             seconds, static_cast<double>(frames.size(0)) / seconds);
-  fmt::print("  peak tensor memory above the loaded video: {} (chunk {}); peak RSS {}\n",
+  const int64_t count = features.size(0);
+  fmt::print(
+      "framefit extract: {} frames {}x{} -> features [{}, {}] in {:.2f} s ({:.1f} frames/s)\n",
+      count, height, width, count, features.size(1), seconds, static_cast<double>(count) / seconds);
+  fmt::print("  peak tensor memory {}: {} (chunk {}); peak RSS {}\n",
+             frames.defined() ? "above the loaded video" : "(decoded a chunk at a time)",
              memory::format_bytes(peak), options.chunk, memory::format_bytes(rss.rss_peak_bytes));
   fmt::print("  wrote {}\n", args.text("output"));
   return 0;

@@ -595,42 +595,51 @@ data::DecodedVideo decode_for(const Args& args, const train::Config& config) {
                             train::data_options(config, false));
 }
 
-// predict --online K: the video pushed K frames (or rows) at a time through OnlinePredictor,
-// timing each piece as a live feed would see it.
-train::Prediction predict_online(train::Model& model, const torch::Tensor& frames,
-                                 const torch::Tensor& features, int64_t piece) {
-  train::OnlinePredictor online(model);
-  const auto& input = features.defined() ? features : frames;
-  std::vector<torch::Tensor> labels, probabilities, tool_probabilities;
-  std::vector<double> seconds;
-  for (int64_t at = 0; at < input.size(0); at += piece) {
-    const auto part = input.slice(0, at, at + piece);
+// predict --online K: the video pushed K frames (or rows) at a time through OnlinePredictor as
+// they are decoded, timing each piece as a live feed would see it.
+class OnlineRun {
+ public:
+  OnlineRun(train::Model& model, int64_t piece, bool features)
+      : online_(model), piece_(piece), unit_(features ? "rows" : "frames") {}
+  void push(const torch::Tensor& part, bool features) {
     const auto start = std::chrono::steady_clock::now();
-    const auto p = features.defined() ? online.push_features(part) : online.push(part);
-    seconds.push_back(
+    const auto p = features ? online_.push_features(part) : online_.push(part);
+    seconds_.push_back(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    labels.push_back(p.labels);
-    probabilities.push_back(p.probabilities);
-    if (p.tool_probabilities.defined()) tool_probabilities.push_back(p.tool_probabilities);
+    labels_.push_back(p.labels);
+    probabilities_.push_back(p.probabilities);
+    if (p.tool_probabilities.defined()) tool_probabilities_.push_back(p.tool_probabilities);
+    longest_ = std::max(longest_, part.size(0));
   }
-  const auto tenth = std::max<size_t>(1, seconds.size() / 10);
-  const double total = std::accumulate(seconds.begin(), seconds.end(), 0.0);
-  // A piece longer than the input is one piece of the whole input.
-  const int64_t piece_size = std::min(piece, input.size(0));
-  fmt::print(stderr,
-             "framefit predict: online, {} of {} {}: per piece median {:.3f} ms (first "
-             "tenth {:.3f} ms, last tenth {:.3f} ms), {:.0f} frames/s\n",
-             count_of(static_cast<int64_t>(seconds.size()), "piece"), piece_size,
-             features.defined() ? "rows" : "frames", 1e3 * median_of(seconds),
-             1e3 * median_of({seconds.begin(), seconds.begin() + tenth}),
-             1e3 * median_of({seconds.end() - tenth, seconds.end()}),
-             static_cast<double>(input.size(0)) / std::max(1e-9, total));
-  train::Prediction prediction;
-  prediction.labels = torch::cat(labels);
-  prediction.probabilities = torch::cat(probabilities);
-  if (!tool_probabilities.empty()) prediction.tool_probabilities = torch::cat(tool_probabilities);
-  return prediction;
-}
+  train::Prediction finish() const {
+    TORCH_CHECK(!seconds_.empty(), "nothing to predict: the input has no ", unit_);
+    const auto tenth = std::max<size_t>(1, seconds_.size() / 10);
+    const double total = std::accumulate(seconds_.begin(), seconds_.end(), 0.0);
+    fmt::print(stderr,
+               "framefit predict: online, {} of {} {}: per piece median {:.3f} ms (first "
+               "tenth {:.3f} ms, last tenth {:.3f} ms), {:.0f} frames/s\n",
+               count_of(static_cast<int64_t>(seconds_.size()), "piece"), longest_, unit_,
+               1e3 * median_of(seconds_),
+               1e3 * median_of({seconds_.begin(), seconds_.begin() + tenth}),
+               1e3 * median_of({seconds_.end() - tenth, seconds_.end()}),
+               static_cast<double>(online_.frames()) / std::max(1e-9, total));
+    train::Prediction prediction;
+    prediction.labels = torch::cat(labels_);
+    prediction.probabilities = torch::cat(probabilities_);
+    if (!tool_probabilities_.empty())
+      prediction.tool_probabilities = torch::cat(tool_probabilities_);
+    return prediction;
+  }
+  int64_t piece() const { return piece_; }
+
+ private:
+  train::OnlinePredictor online_;
+  int64_t piece_;
+  std::string unit_;
+  int64_t longest_ = 0;  // a piece longer than the input is one piece of the whole input
+  std::vector<torch::Tensor> labels_, probabilities_, tool_probabilities_;
+  std::vector<double> seconds_;
+};
 
 int predict_phases(const Args& args) {
   // Overrides apply to the checkpoint's own config (device, another data.manifest, ...).
@@ -649,7 +658,14 @@ int predict_phases(const Args& args) {
         data::read_features(path, data::time_first(data::feature_file_shape(path), layout, 0,
                                                    model.feature_dim, path)),
         stride);
-    if (!args.has("online")) prediction = train::predict_features(model, features, print_warning);
+    if (args.has("online")) {
+      OnlineRun online(model, args.integer("online"), true);
+      for (int64_t at = 0; at < features.size(0); at += online.piece())
+        online.push(features.slice(0, at, at + online.piece()), true);
+      prediction = online.finish();
+    } else {
+      prediction = train::predict_features(model, features, print_warning);
+    }
     const double fps = args.frame_rate("fps");
     for (int64_t t = 0; t < features.size(0) * stride; t += stride) {  // the rows' numbers
       video.source_frames.push_back(t);
@@ -660,11 +676,21 @@ int predict_phases(const Args& args) {
                 "--features is for a model that reads precomputed "
                 "features; this checkpoint's has a ",
                 model.config.model.encoder, " encoder: give --video");
-    video = decode_for(args, model.config);
-    if (!args.has("online")) prediction = train::predict(model, video.frames, print_warning);
+    TORCH_CHECK(args.has("video"),
+                "framefit predict on a phases model needs --video (a video "
+                "file or frame folder)");
+    // Decoded a piece at a time: a video of any length is held one piece of frames at a time.
+    if (args.has("online")) {
+      OnlineRun online(model, args.integer("online"), false);
+      video = data::decode_video_pieces(
+          args.text("video"), args.frame_rate("fps"), train::data_options(model.config, false),
+          online.piece(), [&](const torch::Tensor& frames) { online.push(frames, false); });
+      prediction = online.finish();
+    } else {
+      prediction = train::predict_file(model, args.text("video"), args.frame_rate("fps"),
+                                       print_warning, &video);
+    }
   }
-  if (args.has("online"))
-    prediction = predict_online(model, video.frames, features, args.integer("online"));
   write_predictions(args,
                     phase_csv(prediction, video.source_frames, video.source_seconds, model.classes,
                               model.config.data.tools),

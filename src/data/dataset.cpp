@@ -444,12 +444,13 @@ std::vector<int64_t> labels_by_time(const VideoEntry& entry, const Source& sourc
 
 // Decodes `sampled` source frames at (height, width), cropped as they are converted, then flips,
 // jitters and rotates them in place: a video is held once, at its cropped size, while decoded.
-torch::Tensor decode_source(const Source& source, const std::vector<int64_t>& sampled,
-                            int64_t height, int64_t width, const DataOptions& options,
-                            const Augmentation& augmentation) {
-  const int64_t t = static_cast<int64_t>(sampled.size());
+// The window data.crop takes of frames resized to height x width (the augmentation's offset, else
+// the centre); out_height and out_width: the frames' size after it.
+FrameWindow crop_window(int64_t height, int64_t width, const DataOptions& options,
+                        const Augmentation& augmentation, int64_t& out_height, int64_t& out_width) {
   FrameWindow window;
-  int64_t out_height = height, out_width = width;
+  out_height = height;
+  out_width = width;
   const int64_t crop = options.transform.crop;
   if (crop > 0 && (crop != height || crop != width)) {
     window.height = height;
@@ -460,6 +461,15 @@ torch::Tensor decode_source(const Source& source, const std::vector<int64_t>& sa
                 "crop offset outside the frame");
     out_height = out_width = crop;
   }
+  return window;
+}
+
+torch::Tensor decode_source(const Source& source, const std::vector<int64_t>& sampled,
+                            int64_t height, int64_t width, const DataOptions& options,
+                            const Augmentation& augmentation) {
+  const int64_t t = static_cast<int64_t>(sampled.size());
+  int64_t out_height = 0, out_width = 0;
+  const auto window = crop_window(height, width, options, augmentation, out_height, out_width);
   auto frames = torch::empty({t, 3, out_height, out_width},
                              torch::TensorOptions(torch::kUInt8).pinned_memory(options.pinned));
   if (!source.frame_files.empty()) {
@@ -481,6 +491,31 @@ torch::Tensor decode_source(const Source& source, const std::vector<int64_t>& sa
   return frames;
 }
 
+// decode_source without augmentation, `piece` frames at a time into one buffer.
+void decode_source_pieces(const Source& source, const std::vector<int64_t>& sampled, int64_t height,
+                          int64_t width, const DataOptions& options, int64_t piece,
+                          const FramesCallback& on_frames) {
+  TORCH_CHECK(piece > 0, "frames are decoded at least one at a time; got pieces of ", piece);
+  const int64_t t = static_cast<int64_t>(sampled.size());
+  if (t == 0) return;
+  int64_t out_height = 0, out_width = 0;
+  const auto window = crop_window(height, width, options, {}, out_height, out_width);
+  // Pageable, not pinned: the buffer is overwritten as soon as on_frames returns, and a copy
+  // to a device from pinned memory (non_blocking) may still be reading it then; one from
+  // pageable memory has taken the data when it returns.
+  auto buffer = torch::empty({std::min(piece, t), 3, out_height, out_width}, torch::kUInt8);
+  const auto hand_on = [&](int64_t count) { on_frames(buffer.narrow(0, 0, count)); };
+  if (!source.frame_files.empty()) {
+    for (int64_t k = 0; k < t; ++k) {
+      read_image(source.frame_files[sampled[k]], buffer[k % piece], window);
+      if ((k + 1) % piece == 0 || k + 1 == t) hand_on(k % piece + 1);
+    }
+  } else {
+    VideoReader reader(source.path, options.decoder_threads, options.skip_unsampled);
+    reader.read_pieces(sampled, buffer, hand_on, window);
+  }
+}
+
 void check_crop(const std::string& path, int64_t crop, int64_t height, int64_t width) {
   TORCH_CHECK(crop <= std::min(height, width), "video ", path, ": crop ", crop,
               " is larger than its frames (", height, "x", width,
@@ -499,6 +534,21 @@ DecodedVideo decode_video(const std::string& path, double folder_fps, const Data
   const auto [height, width] = resized_hw(source.height, source.width, options.transform.resize);
   check_crop(path, options.transform.crop, height, width);
   out.frames = decode_source(source, out.source_frames, height, width, options, {});
+  return out;
+}
+
+DecodedVideo decode_video_pieces(const std::string& path, double folder_fps,
+                                 const DataOptions& options, int64_t piece,
+                                 const FramesCallback& on_frames) {
+  const auto source = open_source(path, folder_fps, options.fps);
+  DecodedVideo out;
+  out.source_fps = source.fps;
+  out.source_frames = sampled_frames(source, options.fps);
+  for (const int64_t frame : out.source_frames)
+    out.source_seconds.push_back(seconds_of(source, frame));
+  const auto [height, width] = resized_hw(source.height, source.width, options.transform.resize);
+  check_crop(path, options.transform.crop, height, width);
+  decode_source_pieces(source, out.source_frames, height, width, options, piece, on_frames);
   return out;
 }
 
@@ -695,6 +745,21 @@ engine::Video VideoDataset::load(int64_t i, const Augmentation& augmentation) co
   source.frame_files = v.frame_files;
   engine::Video video;
   video.frames = decode_source(source, v.sampled, v.height, v.width, options_, augmentation);
+  video.labels = labels(i);
+  video.name = v.entry.name;
+  video.tools = tools(i);
+  return video;
+}
+
+engine::Video VideoDataset::load_pieces(int64_t i, int64_t piece,
+                                        const FramesCallback& on_frames) const {
+  if (options_.features) return load(i);
+  const auto& v = videos_.at(i);
+  Source source;
+  source.path = v.entry.video;
+  source.frame_files = v.frame_files;
+  decode_source_pieces(source, v.sampled, v.height, v.width, options_, piece, on_frames);
+  engine::Video video;
   video.labels = labels(i);
   video.name = v.entry.name;
   video.tools = tools(i);

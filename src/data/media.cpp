@@ -568,6 +568,40 @@ int64_t discarded_frames(AVStream* stream) {
 
 }  // namespace
 
+// Where read() and read_pieces() put the frames they decode: output frame i goes to slot
+// i % piece of `base`, and each full piece (at the end, the rest) is handed on.
+struct FrameOutput {
+  uint8_t* base = nullptr;
+  size_t frame_bytes = 0;
+  int64_t piece = 1;      // frames per piece: all of them for read()
+  int64_t handed_on = 0;  // output frames handed on so far
+  const std::function<void(int64_t)>* on_piece = nullptr;
+  bool piece_failed = false;  // on_piece threw: its error, not a decoding one
+
+  uint8_t* slot(int64_t i) const { return base + static_cast<size_t>(i % piece) * frame_bytes; }
+  // Output frames [0, written) hold their frames. A read that decodes again from the first frame
+  // writes frames already handed on once more, and hands on only those after them.
+  void ready(int64_t written) {
+    if (written - handed_on == piece) hand_on(written);
+  }
+  void finish(int64_t written) {
+    if (written > handed_on) hand_on(written);
+  }
+
+ private:
+  void hand_on(int64_t written) {
+    const int64_t count = written - handed_on;
+    handed_on = written;
+    if (!on_piece || !*on_piece) return;
+    try {
+      (*on_piece)(count);
+    } catch (...) {
+      piece_failed = true;
+      throw;
+    }
+  }
+};
+
 struct VideoReader::State {
   std::string path, what;
   int threads = 1;
@@ -594,6 +628,10 @@ struct VideoReader::State {
   // frame that no frame refers to (a non-reference B-frame) is not decoded at all.
   std::vector<int64_t> wanted_pts;
   int64_t decoded = 0;  // frames the decoder returned since read() began
+
+  // VideoReader::read and read_pieces: `piece` frames of `out` at a time.
+  void read(const std::vector<int64_t>& indices, torch::Tensor out, int64_t piece,
+            const std::function<void(int64_t)>* on_piece, const FrameWindow& frame_window);
 
   // Opens (or reopens) the file and decoder at the first frame.
   void open() {
@@ -773,7 +811,23 @@ struct VideoReader::State {
   // that does not come): read() then decodes every frame, and reports what is wrong as usual.
   // Only H.264, HEVC and MPEG-4 Part 2, progressive, whose packets hold one shown frame each
   // (VP8's hidden frames, or fields in packets of their own, would shift the frames' numbers).
-  bool read_skipping(const std::vector<int64_t>& indices, uint8_t* base, int height, int width) {
+  // The decoded frame as output frame i and the repeats of its index after it; returns the
+  // next output frame.
+  int64_t put(FrameOutput& out, const std::vector<int64_t>& indices, int64_t i, int height,
+              int width) {
+    const auto n = static_cast<int64_t>(indices.size());
+    const int64_t index = indices[i];
+    uint8_t* dst = out.slot(i);
+    convert(dst, height, width);
+    for (out.ready(++i); i < n && indices[i] == index; out.ready(++i)) {
+      uint8_t* copy = out.slot(i);
+      if (copy != dst) std::memcpy(copy, dst, out.frame_bytes);
+      dst = copy;
+    }
+    return i;
+  }
+
+  bool read_skipping(const std::vector<int64_t>& indices, FrameOutput& out, int height, int width) {
     const AVCodecID codec = input->streams[stream]->codecpar->codec_id;
     if (codec != AV_CODEC_ID_H264 && codec != AV_CODEC_ID_HEVC && codec != AV_CODEC_ID_MPEG4) {
       return false;
@@ -797,7 +851,6 @@ struct VideoReader::State {
     wanted_pts.clear();
     for (const int64_t index : indices) wanted_pts.push_back(shown[index]);
     wanted_pts.erase(std::unique(wanted_pts.begin(), wanted_pts.end()), wanted_pts.end());
-    const auto frame_bytes = static_cast<size_t>(3) * height * width;
     int64_t i = 0;
     try {
       while (i < n && decode_next() && !truncated) {
@@ -809,15 +862,12 @@ struct VideoReader::State {
         if (index > indices[i]) break;  // a wanted frame was not shown
         if (index == indices[i]) {
           next = index + 1;
-          auto* dst = base + static_cast<size_t>(i) * frame_bytes;
-          convert(dst, height, width);
-          for (++i; i < n && indices[i] == index; ++i) {
-            std::memcpy(base + static_cast<size_t>(i) * frame_bytes, dst, frame_bytes);
-          }
+          i = put(out, indices, i, height, width);
         }
         av_frame_unref(frame.get());
       }
     } catch (const c10::Error&) {
+      if (out.piece_failed) throw;
       i = -1;  // read() decodes again and reports it
     }
     av_frame_unref(frame.get());
@@ -907,54 +957,67 @@ VideoReader::FrameTimes VideoReader::frame_times() {
 
 void VideoReader::read(const std::vector<int64_t>& indices, torch::Tensor out,
                        const FrameWindow& window) {
-  auto& s = *state_;
   const auto n = static_cast<int64_t>(indices.size());
-  check_frames_tensor(out, {n, 3, -1, -1}, s.what,
+  check_frames_tensor(out, {n, 3, -1, -1}, state_->what,
                       "[" + std::to_string(n) + ",3,H,W] (one frame per index)");
-  check_window(window, out.size(2), out.size(3), s.what);
-  s.window = window;
+  state_->read(indices, out, std::max<int64_t>(1, n), nullptr, window);
+}
+
+void VideoReader::read_pieces(const std::vector<int64_t>& indices, torch::Tensor piece,
+                              const std::function<void(int64_t count)>& on_piece,
+                              const FrameWindow& window) {
+  check_frames_tensor(piece, {-1, 3, -1, -1}, state_->what, "[K,3,H,W] (K frames a piece)");
+  state_->read(indices, piece, piece.size(0), &on_piece, window);
+}
+
+void VideoReader::State::read(const std::vector<int64_t>& indices, torch::Tensor out, int64_t piece,
+                              const std::function<void(int64_t)>* on_piece,
+                              const FrameWindow& frame_window) {
+  const auto n = static_cast<int64_t>(indices.size());
+  check_window(frame_window, out.size(2), out.size(3), what);
+  window = frame_window;
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(indices[i] >= 0 && (i == 0 || indices[i] >= indices[i - 1]), s.what,
+    TORCH_CHECK(indices[i] >= 0 && (i == 0 || indices[i] >= indices[i - 1]), what,
                 ": frame indices must be >= 0 and ascending; index ", i, " is ", indices[i],
                 i > 0 ? " after " + std::to_string(indices[i - 1]) : std::string());
   }
-  s.decoded = 0;
+  decoded = 0;
   if (n == 0) return;
   const int height = static_cast<int>(out.size(2)), width = static_cast<int>(out.size(3));
-  auto* base = out.data_ptr<uint8_t>();
-  if (s.skip_unsampled && (!s.reusable || indices.front() < s.next || s.next == 0)) {
+  FrameOutput output;
+  output.base = out.data_ptr<uint8_t>();
+  output.frame_bytes = static_cast<size_t>(3) * height * width;
+  output.piece = piece;
+  output.on_piece = on_piece;
+  if (skip_unsampled && (!reusable || indices.front() < next || next == 0)) {
     // Decoding from the first frame: when frames are left out, skip those nothing refers to.
     // The decoder then lacks them, so a later read starts afresh too.
     int64_t distinct = 0;
     for (int64_t k = 0; k < n; ++k) distinct += k == 0 || indices[k] != indices[k - 1];
-    if (indices.back() + 1 > distinct && s.read_skipping(indices, base, height, width)) return;
+    if (indices.back() + 1 > distinct && read_skipping(indices, output, height, width)) {
+      output.finish(n);
+      return;
+    }
   }
-  if (!s.reusable || indices.front() < s.next) s.open();
-  s.reusable = false;  // until this read succeeds
+  if (!reusable || indices.front() < next) open();
+  reusable = false;  // until this read succeeds
 
-  const auto frame_bytes = static_cast<size_t>(3) * height * width;
   int64_t i = 0;
   while (i < n) {
-    if (!s.decode_next()) {
+    if (!decode_next()) {
       const int64_t wanted = indices[n - 1];
-      TORCH_CHECK(s.next >= s.info.frames && !s.truncated, s.what, ": stream ended after ", s.next,
-                  " of ", std::max(s.info.frames, wanted + 1), " frames",
-                  s.truncated ? " (truncated file)" : " (truncated or damaged file)");
-      TORCH_CHECK(false, s.what, ": frame ", wanted, " was requested but the video has ", s.next,
+      TORCH_CHECK(next >= info.frames && !truncated, what, ": stream ended after ", next, " of ",
+                  std::max(info.frames, wanted + 1), " frames",
+                  truncated ? " (truncated file)" : " (truncated or damaged file)");
+      TORCH_CHECK(false, what, ": frame ", wanted, " was requested but the video has ", next,
                   " frames");
     }
-    const int64_t index = s.next++;
-    if (index == indices[i]) {
-      auto* dst = base + static_cast<size_t>(i) * frame_bytes;
-      s.convert(dst, height, width);
-      // Repeated indices get a copy of the same frame.
-      for (++i; i < n && indices[i] == index; ++i) {
-        std::memcpy(base + static_cast<size_t>(i) * frame_bytes, dst, frame_bytes);
-      }
-    }
-    av_frame_unref(s.frame.get());
+    const int64_t index = next++;
+    if (index == indices[i]) i = put(output, indices, i, height, width);
+    av_frame_unref(frame.get());
   }
-  s.reusable = true;
+  output.finish(n);
+  reusable = true;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1353,6 +1416,10 @@ const VideoInfo& VideoReader::info() const { return state_->info; }
 const std::string& VideoReader::path() const { return state_->path; }
 int64_t VideoReader::frames_decoded() const { no_ffmpeg(); }
 void VideoReader::read(const std::vector<int64_t>&, torch::Tensor, const FrameWindow&) {
+  no_ffmpeg();
+}
+void VideoReader::read_pieces(const std::vector<int64_t>&, torch::Tensor,
+                              const std::function<void(int64_t)>&, const FrameWindow&) {
   no_ffmpeg();
 }
 VideoReader::FrameTimes VideoReader::frame_times() { no_ffmpeg(); }

@@ -468,14 +468,10 @@ torch::Tensor tool_probabilities(Model& model, const torch::Tensor& features) {
   return torch::sigmoid(model.tools->forward(features.to(torch::kFloat32))).cpu();
 }
 
-// The video's features (those it brings, else its frames encoded) through the head;
-// `features_out` receives them on the CPU.
-Prediction predict_at_chunk(Model& model, const engine::Video& video, torch::Tensor* features_out) {
+// A whole video's features [T,D] through the head.
+Prediction head_prediction(Model& model, const torch::Tensor& features) {
   torch::InferenceMode inference;
   model.head->eval();
-  const auto features = video.features.defined() ? video.features.to(model.device)
-                                                 : encode_frames(model, video.frames);
-  if (features_out) *features_out = features.cpu();
   auto logits = model.head->forward(features.to(torch::kFloat32));
   if (logits.dim() == 3) logits = logits[-1];
   Prediction p;
@@ -484,15 +480,17 @@ Prediction predict_at_chunk(Model& model, const engine::Video& video, torch::Ten
   p.tool_probabilities = tool_probabilities(model, features);
   return p;
 }
-Prediction predict_video(Model& model, const engine::Video& video, const EventCallback& on_event,
-                         torch::Tensor* features_out = nullptr) {
+
+// run() again with model.chunk halved while it runs out of memory: without grad a frame's output
+// does not depend on its chunk.
+template <typename Run>
+auto halving_chunk_on_oom(Model& model, const EventCallback& on_event, const Run& run) {
   for (;;) {
     try {
-      return predict_at_chunk(model, video, features_out);
+      return run();
     } catch (const std::exception& e) {
       if (model.chunk <= 1 || !memory::is_out_of_memory(e)) throw;
     }
-    // Without grad a frame's output does not depend on its chunk: halve it and run again.
     const int64_t half = model.chunk / 2;
     if (on_event) {
       on_event(Event::note(Event::Kind::Warning,
@@ -502,6 +500,39 @@ Prediction predict_video(Model& model, const engine::Video& video, const EventCa
     model.chunk = half;
   }
 }
+
+// The video's features (those it brings, else its frames encoded) through the head;
+// `features_out` receives them on the CPU.
+Prediction predict_video(Model& model, const engine::Video& video, const EventCallback& on_event,
+                         torch::Tensor* features_out = nullptr) {
+  return halving_chunk_on_oom(model, on_event, [&] {
+    torch::InferenceMode inference;
+    const auto features = video.features.defined() ? video.features.to(model.device)
+                                                   : encode_frames(model, video.frames);
+    if (features_out) *features_out = features.cpu();
+    return head_prediction(model, features);
+  });
+}
+
+// Features of frames that arrive a piece at a time (decode_video_pieces, load_pieces), each
+// piece encoded as it comes: only one piece of frames is held, and the features.
+class PieceEncoder {
+ public:
+  PieceEncoder(Model& model, const EventCallback& on_event) : model_(model), on_event_(on_event) {}
+  void operator()(const torch::Tensor& frames) {
+    pieces_.push_back(
+        halving_chunk_on_oom(model_, on_event_, [&] { return encode_frames(model_, frames); }));
+  }
+  torch::Tensor features() const {
+    TORCH_CHECK(!pieces_.empty(), "the video has no frames to encode");
+    return torch::cat(pieces_);
+  }
+
+ private:
+  Model& model_;
+  const EventCallback& on_event_;
+  std::vector<torch::Tensor> pieces_;
+};
 }  // namespace
 
 Prediction predict(Model& model, const torch::Tensor& frames, const EventCallback& on_event) {
@@ -513,6 +544,18 @@ Prediction predict(Model& model, const torch::Tensor& frames, const EventCallbac
   engine::Video video;
   video.frames = frames;
   return predict_video(model, video, on_event);
+}
+
+Prediction predict_file(Model& model, const std::string& video, double folder_fps,
+                        const EventCallback& on_event, data::DecodedVideo* decoded) {
+  TORCH_CHECK(!model.features_input,
+              "this model (model.encoder features) reads precomputed features, not frames: "
+              "predict from a features file");
+  PieceEncoder encoder(model, on_event);
+  auto sampled = data::decode_video_pieces(video, folder_fps, data_options(model.config, false),
+                                           model.chunk, std::ref(encoder));
+  if (decoded) *decoded = std::move(sampled);
+  return head_prediction(model, encoder.features());
 }
 
 Prediction predict_features(Model& model, const torch::Tensor& features,
@@ -715,9 +758,9 @@ std::string extract_features(Model& model, const std::string& out_dir,
     const auto& dataset = datasets[s];
     for (int64_t i = 0; i < dataset.size(); ++i) {
       const auto& entry = dataset.entry(i);
-      torch::Tensor features;
-      const auto video = dataset.load(i);
-      predict_video(model, video, on_event, &features);
+      PieceEncoder encoder(model, on_event);
+      const auto video = dataset.load_pieces(i, model.chunk, std::ref(encoder));
+      const auto features = encoder.features().cpu();
       data::VideoEntry out;
       out.name = entry.name;
       out.split = split;

@@ -28,6 +28,23 @@ namespace {
 const std::string kMedia = std::string(FRAMEFIT_SOURCE_DIR) + "/tests/media";
 
 // A scratch folder per test, removed afterwards.
+// decode_video_pieces's frames put together (cloned: each piece's buffer is reused), and the
+// sizes of its pieces.
+torch::Tensor joined_pieces(const std::string& path, double folder_fps,
+                            const data::DataOptions& options, int64_t piece,
+                            std::vector<int64_t>* sizes = nullptr,
+                            data::DecodedVideo* decoded = nullptr) {
+  std::vector<torch::Tensor> pieces;
+  auto result =
+      data::decode_video_pieces(path, folder_fps, options, piece, [&](const torch::Tensor& frames) {
+        pieces.push_back(frames.clone());
+        if (sizes) sizes->push_back(frames.size(0));
+      });
+  EXPECT_FALSE(result.frames.defined());
+  if (decoded) *decoded = std::move(result);
+  return torch::cat(pieces);
+}
+
 class DataTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -238,6 +255,26 @@ TEST_F(DataTest, VideoFileSampledResizedCroppedAndLocated) {
   for (size_t k = 0; k < decoded.source_frames.size(); ++k) {
     EXPECT_DOUBLE_EQ(decoded.source_seconds[k], decoded.source_frames[k] / 25.0);
   }
+  // ... and so does it a piece at a time (pieces of 4: 4, 4, 2), as does the data set's video.
+  std::vector<int64_t> sizes;
+  data::DecodedVideo pieces;
+  EXPECT_TRUE(torch::equal(
+      joined_pieces(kMedia + "/clip_25fps.mp4", 0, options, 4, &sizes, &pieces), video.frames));
+  EXPECT_EQ(sizes, (std::vector<int64_t>{4, 4, 2}));
+  EXPECT_EQ(pieces.source_frames, decoded.source_frames);
+  EXPECT_EQ(pieces.source_seconds, decoded.source_seconds);
+  std::vector<torch::Tensor> loaded;
+  const auto labelled =
+      set.load_pieces(0, 3, [&](const torch::Tensor& f) { loaded.push_back(f.clone()); });
+  EXPECT_FALSE(labelled.frames.defined());
+  EXPECT_TRUE(torch::equal(torch::cat(loaded), video.frames));
+  EXPECT_TRUE(torch::equal(labelled.labels, video.labels));
+  EXPECT_EQ(labelled.name, "clip");
+  EXPECT_NE(test_util::error_message([&] {
+              data::decode_video_pieces(kMedia + "/clip_25fps.mp4", 0, options, 0,
+                                        [](const torch::Tensor&) {});
+            }).find("at least one at a time"),
+            std::string::npos);
 }
 
 TEST_F(DataTest, VariableRateVideoIsSampledByItsTimestamps) {
@@ -266,6 +303,7 @@ TEST_F(DataTest, VariableRateVideoIsSampledByItsTimestamps) {
               expected[static_cast<size_t>(decoded.source_frames[k])]);
   }
   EXPECT_TRUE(torch::equal(set.load(0).frames, decoded.frames));
+  EXPECT_TRUE(torch::equal(joined_pieces(path, 0, options, 3), decoded.frames));
 
   // The same stream in Matroska, which stores no frame count (its duration x rate estimate is 22
   // frames, and decoding stopped at 20 as a truncated file) and whose rates agree: the frames are
@@ -291,6 +329,9 @@ TEST_F(DataTest, FrameFolderNeedsItsRateAndReadsInFrameNumberOrder) {
   data::DataOptions one = options;
   const auto alone = data::decode_video(kMedia + "/frames", 0, one).frames[2];
   EXPECT_TRUE(torch::equal(alone, video.frames[2]));
+  std::vector<int64_t> sizes;
+  EXPECT_TRUE(torch::equal(joined_pieces(kMedia + "/frames", 0, one, 2, &sizes), video.frames));
+  EXPECT_EQ(sizes, (std::vector<int64_t>{2, 2, 1}));
 
   options.fps = 2;
   EXPECT_NE(test_util::error_message([&] {

@@ -271,6 +271,54 @@ TEST(VideoReader, SampledReadSkipsFramesNothingRefersToWithTheSamePixels) {
   EXPECT_EQ(dense.frames_decoded(), 10);
 }
 
+TEST(VideoReader, PiecesHandOnTheFramesOfOneReadOnceEach) {
+  REQUIRE_FFMPEG();
+  // Every frame, a sampling (the skipping decoder) and repeats, in pieces of 1, 3, 4 and more
+  // than there are: the pieces put together are read()'s frames.
+  const auto path = media("clip_25fps.mp4");
+  const std::vector<std::vector<int64_t>> samplings = {
+      range(50), data::sample_indices(50, 25, 5), {1, 3, 3, 3, 8, 9, 12}};
+  for (const auto& indices : samplings) {
+    const auto n = static_cast<int64_t>(indices.size());
+    auto whole = torch::empty({n, 3, 24, 32}, torch::kUInt8);
+    VideoReader(path).read(indices, whole);
+    for (const int64_t piece : {int64_t{1}, int64_t{3}, int64_t{4}, n + 5}) {
+      VideoReader reader(path);
+      auto buffer = torch::empty({piece, 3, 24, 32}, torch::kUInt8);
+      std::vector<torch::Tensor> pieces;
+      std::vector<int64_t> counts;
+      reader.read_pieces(indices, buffer, [&](int64_t count) {
+        counts.push_back(count);
+        pieces.push_back(buffer.narrow(0, 0, count).clone());
+      });
+      const auto expected_pieces = (n + piece - 1) / piece;
+      ASSERT_EQ(static_cast<int64_t>(counts.size()), expected_pieces) << "pieces of " << piece;
+      for (int64_t k = 0; k + 1 < expected_pieces; ++k) EXPECT_EQ(counts[k], piece);
+      EXPECT_TRUE(torch::cat(pieces).equal(whole)) << n << " frames in pieces of " << piece;
+    }
+  }
+  // The callback's error is passed on as it is: not taken for damage and decoded again.
+  VideoReader reader(path);
+  auto buffer = torch::empty({2, 3, 24, 32}, torch::kUInt8);
+  int calls = 0;
+  const auto message = test_util::error_message([&] {
+    reader.read_pieces(data::sample_indices(50, 25, 5), buffer, [&](int64_t) {
+      ++calls;
+      TORCH_CHECK(calls < 3, "the consumer gave up");
+    });
+  });
+  EXPECT_TRUE(contains(message, "the consumer gave up")) << message;
+  EXPECT_EQ(calls, 3);
+  // A truncated file: the pieces before the cut, then the read()'s error.
+  VideoReader truncated(media("truncated.mp4"));
+  int64_t handed_on = 0;
+  const auto cut = test_util::error_message([&] {
+    truncated.read_pieces(range(50), buffer, [&](int64_t count) { handed_on += count; });
+  });
+  EXPECT_TRUE(contains(cut, ": stream ended after 18 of 50 frames (truncated file)")) << cut;
+  EXPECT_EQ(handed_on, 18);
+}
+
 // Encodings the committed media lack, made by the ffmpeg CLI when it is installed: skipping must
 // give the frames of decoding every frame, or fall back to decoding them (interlaced, VP9).
 TEST(VideoReader, SkippingAgreesWithDecodingEveryFrameAcrossEncodings) {

@@ -15,6 +15,7 @@
 
 #include "framefit/data/demo.h"
 #include "framefit/data/labels.h"
+#include "framefit/data/media.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/heads.h"
 #include "framefit/models/weights.h"
@@ -807,6 +808,53 @@ TEST(Training, DoctorReportsEveryBadVideoOfEverySplitWithoutTraining) {
   EXPECT_NE(errors[1].find("missing.mp4: cannot open"), std::string::npos) << errors[1];
   EXPECT_THROW(train::train(config), c10::Error);
   test_util::remove_tree(dir);
+  test_util::remove_tree(config.train.out_dir);
+}
+
+TEST(Training, VideoFileIsPredictedAPieceAtATimeAsTheWholeVideoIs) {
+  // Two videos of 64x64 frames at 25 fps, sampled at 12.5: 30 and 300 frames. predict_file
+  // decodes and encodes 8 frames at a time: the predictions of the decoded whole video, and a
+  // peak that grows with the features, not with the frames (uint8, 12 KiB each).
+  auto config = tiny_config("/tmp/framefit_predict_file");
+  auto model = train::build_model(config);
+  model.chunk = 8;
+  std::filesystem::create_directories(config.train.out_dir);
+  const auto write = [&](const std::string& name, int64_t frames) {
+    const auto path = config.train.out_dir + "/" + name;
+    data::VideoWriter writer(path, 64, 64, 25);
+    const auto ramp = torch::arange(64, torch::kLong).view({1, 1, 64}).expand({3, 64, 64});
+    const auto channel = torch::tensor({0, 85, 170}, torch::kLong).view({3, 1, 1});
+    for (int64_t t = 0; t < frames; ++t)
+      writer.write(((ramp * 3 + channel + 5 * t) % 256).to(torch::kUInt8).contiguous());
+    writer.finish();
+    return path;
+  };
+  const auto short_video = write("short.mp4", 60), long_video = write("long.mp4", 600);
+
+  const auto whole = data::decode_video(short_video, 0, train::data_options(config, false));
+  const auto expected = train::predict(model, whole.frames);
+  data::DecodedVideo decoded;
+  const auto streamed = train::predict_file(model, short_video, 0, {}, &decoded);
+  EXPECT_FALSE(decoded.frames.defined());
+  EXPECT_EQ(decoded.source_frames, whole.source_frames);
+  EXPECT_EQ(decoded.source_seconds, whole.source_seconds);
+  EXPECT_TRUE(torch::equal(streamed.labels, expected.labels));
+  EXPECT_TRUE(torch::allclose(streamed.probabilities, expected.probabilities, 1e-5, 1e-6));
+
+  auto& tracker = memory::Tracker::cpu();
+  const auto peak_of = [&](const std::string& path, int64_t* frames) {
+    auto window = tracker.mark();
+    *frames = train::predict_file(model, path, 0).labels.numel();
+    return window.peak_bytes() - window.entry_bytes();
+  };
+  int64_t short_frames = 0, long_frames = 0;
+  const int64_t short_peak = peak_of(short_video, &short_frames);
+  const int64_t long_peak = peak_of(long_video, &long_frames);
+  ASSERT_EQ(short_frames, 30);
+  ASSERT_EQ(long_frames, 300);
+  const int64_t frame_bytes = 3 * 64 * 64;
+  EXPECT_LT(long_peak - short_peak, (long_frames - short_frames) * frame_bytes / 2)
+      << "peaks " << short_peak << " and " << long_peak;
   test_util::remove_tree(config.train.out_dir);
 }
 

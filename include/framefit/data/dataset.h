@@ -110,6 +110,13 @@ struct DecodedVideo {
   double source_fps = 0;               // average rate
 };
 DecodedVideo decode_video(const std::string& path, double folder_fps, const DataOptions& options);
+// decode_video a piece at a time: `on_frames` receives the sampled frames `piece` at a time
+// ([k,3,H,W] uint8, k <= piece, in order; overwritten once the call returns: clone to keep),
+// so a video of any length is decoded in the memory of one piece. The result has no frames.
+using FramesCallback = std::function<void(const torch::Tensor& frames)>;
+DecodedVideo decode_video_pieces(const std::string& path, double folder_fps,
+                                 const DataOptions& options, int64_t piece,
+                                 const FramesCallback& on_frames);
 
 class VideoDataset {
  public:
@@ -150,6 +157,10 @@ class VideoDataset {
   // Decodes video i: frames [T,3,H,W] uint8 and labels [T] (features: Video::features [T,D]
   // float32 instead of frames). Errors name the file.
   engine::Video load(int64_t i, const Augmentation& augmentation = {}) const;
+  // load(i) without augmentation, its frames handed to `on_frames` `piece` at a time as
+  // decode_video_pieces hands them: the video returned has no frames. A features data set's
+  // video comes with its features, as from load(); `on_frames` is not called.
+  engine::Video load_pieces(int64_t i, int64_t piece, const FramesCallback& on_frames) const;
 
  private:
   struct Item {

@@ -5,6 +5,7 @@
 // Every error is a c10::Error that names the file and what is wrong with it.
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -94,6 +95,15 @@ class VideoReader {
   // leave frames out, the container's packets are read once more first (without decoding), to
   // know which frame each packet holds.
   void read(const std::vector<int64_t>& indices, torch::Tensor out, const FrameWindow& window = {});
+
+  // read() a piece at a time, for videos longer than memory holds: the frames at `indices`
+  // go into `piece` [K,3,H,W] (uint8, contiguous) K at a time, and `on_piece(count)` is called
+  // each time it holds the next K of them (the last call: the rest), before it is overwritten.
+  // One pass over the video, as read() makes; errors as read()'s, and the pieces handed on
+  // before an error are not handed on again.
+  void read_pieces(const std::vector<int64_t>& indices, torch::Tensor piece,
+                   const std::function<void(int64_t count)>& on_piece,
+                   const FrameWindow& window = {});
 
   // Frames the decoder returned during the last read(): with skip_unsampled fewer than the
   // frames up to the last index when some were left out (a skipping attempt that had to decode

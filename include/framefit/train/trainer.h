@@ -149,6 +149,13 @@ struct Prediction {
 // model.chunk frames at a time; a video that runs out of memory is predicted again with the
 // chunk halved (a Warning event), and model.chunk keeps the chunk that ran.
 Prediction predict(Model& model, const torch::Tensor& frames, const EventCallback& on_event = {});
+// predict() on a video file or frame folder (`folder_fps`: a folder's frame rate), sampled,
+// resized and centre-cropped as the model's config says (data_options(config, false)), decoded
+// and encoded model.chunk frames at a time: memory holds one piece of frames and the video's
+// features, however long it is. `decoded`, when given, receives the sampled frames' source
+// numbers and times (no frames).
+Prediction predict_file(Model& model, const std::string& video, double folder_fps,
+                        const EventCallback& on_event = {}, data::DecodedVideo* decoded = nullptr);
 // A model without encoder (model.encoder features): predictions from features [T,D].
 Prediction predict_features(Model& model, const torch::Tensor& features,
                             const EventCallback& on_event = {});
