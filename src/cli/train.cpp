@@ -588,11 +588,11 @@ void print_warning(const train::Event& e) {
     fmt::print(stderr, "framefit predict: warning: {}\n", e.message);
 }
 
-data::DecodedVideo decode_for(const Args& args, const train::Config& config) {
+// --video, which predict on a phases or clips model decodes a piece at a time.
+std::string video_to_predict(const Args& args, const train::Config& config) {
   TORCH_CHECK(args.has("video"), "framefit predict on a ", config.task,
               " model needs --video (a video file or frame folder)");
-  return data::decode_video(args.text("video"), args.frame_rate("fps"),
-                            train::data_options(config, false));
+  return args.text("video");
 }
 
 // predict --online K: the video pushed K frames (or rows) at a time through OnlinePredictor as
@@ -676,19 +676,15 @@ int predict_phases(const Args& args) {
                 "--features is for a model that reads precomputed "
                 "features; this checkpoint's has a ",
                 model.config.model.encoder, " encoder: give --video");
-    TORCH_CHECK(args.has("video"),
-                "framefit predict on a phases model needs --video (a video "
-                "file or frame folder)");
-    // Decoded a piece at a time: a video of any length is held one piece of frames at a time.
+    const auto path = video_to_predict(args, model.config);
     if (args.has("online")) {
       OnlineRun online(model, args.integer("online"), false);
       video = data::decode_video_pieces(
-          args.text("video"), args.frame_rate("fps"), train::data_options(model.config, false),
-          online.piece(), [&](const torch::Tensor& frames) { online.push(frames, false); });
+          path, args.frame_rate("fps"), train::data_options(model.config, false), online.piece(),
+          [&](const torch::Tensor& frames) { online.push(frames, false); });
       prediction = online.finish();
     } else {
-      prediction = train::predict_file(model, args.text("video"), args.frame_rate("fps"),
-                                       print_warning, &video);
+      prediction = train::predict_file(model, path, args.frame_rate("fps"), print_warning, &video);
     }
   }
   write_predictions(args,
@@ -732,8 +728,9 @@ int predict_phases(const Args& args) {
 
 int predict_clips(const Args& args) {
   auto model = train::load_batch_model(args.text("checkpoint"), args.list("set"));
-  const auto video = decode_for(args, model.config);
-  const auto prediction = train::predict_clips(model, video.frames, print_warning);
+  data::DecodedVideo video;
+  const auto prediction = train::predict_clips_file(model, video_to_predict(args, model.config),
+                                                    args.frame_rate("fps"), print_warning, &video);
   const int64_t length = model.input[1];
   std::string csv = "clip,first_frame,last_frame,first_seconds,last_seconds,class,confidence\n";
   const auto labels = prediction.labels.accessor<int64_t, 1>();

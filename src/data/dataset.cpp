@@ -524,7 +524,12 @@ void check_crop(const std::string& path, int64_t crop, int64_t height, int64_t w
 
 }  // namespace
 
-DecodedVideo decode_video(const std::string& path, double folder_fps, const DataOptions& options) {
+namespace {
+// decode_video's sampled frames, their times and checks; `decode(source, out, height, width)`
+// decodes the frames resized to height x width.
+template <typename Decode>
+DecodedVideo sampled_video(const std::string& path, double folder_fps, const DataOptions& options,
+                           const Decode& decode) {
   const auto source = open_source(path, folder_fps, options.fps);
   DecodedVideo out;
   out.source_fps = source.fps;
@@ -533,23 +538,27 @@ DecodedVideo decode_video(const std::string& path, double folder_fps, const Data
     out.source_seconds.push_back(seconds_of(source, frame));
   const auto [height, width] = resized_hw(source.height, source.width, options.transform.resize);
   check_crop(path, options.transform.crop, height, width);
-  out.frames = decode_source(source, out.source_frames, height, width, options, {});
+  decode(source, out, height, width);
   return out;
+}
+}  // namespace
+
+DecodedVideo decode_video(const std::string& path, double folder_fps, const DataOptions& options) {
+  return sampled_video(path, folder_fps, options,
+                       [&](const Source& source, DecodedVideo& out, int64_t height, int64_t width) {
+                         out.frames =
+                             decode_source(source, out.source_frames, height, width, options, {});
+                       });
 }
 
 DecodedVideo decode_video_pieces(const std::string& path, double folder_fps,
                                  const DataOptions& options, int64_t piece,
                                  const FramesCallback& on_frames) {
-  const auto source = open_source(path, folder_fps, options.fps);
-  DecodedVideo out;
-  out.source_fps = source.fps;
-  out.source_frames = sampled_frames(source, options.fps);
-  for (const int64_t frame : out.source_frames)
-    out.source_seconds.push_back(seconds_of(source, frame));
-  const auto [height, width] = resized_hw(source.height, source.width, options.transform.resize);
-  check_crop(path, options.transform.crop, height, width);
-  decode_source_pieces(source, out.source_frames, height, width, options, piece, on_frames);
-  return out;
+  return sampled_video(path, folder_fps, options,
+                       [&](const Source& source, DecodedVideo& out, int64_t height, int64_t width) {
+                         decode_source_pieces(source, out.source_frames, height, width, options,
+                                              piece, on_frames);
+                       });
 }
 
 VideoDataset::Item VideoDataset::probe(const VideoEntry& entry) const {

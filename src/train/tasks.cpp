@@ -833,18 +833,30 @@ torch::Tensor predict_batch(BatchModel& model, const torch::Tensor& samples,
   return torch::cat(parts);
 }
 
-ClipPrediction predict_clips(BatchModel& model, const torch::Tensor& frames,
-                             const EventCallback& on_event) {
-  TORCH_CHECK(model.config.task == "clips", "predict_clips needs a clips model; this one is ",
+namespace {
+void check_clip_model(const BatchModel& model, const char* function) {
+  TORCH_CHECK(model.config.task == "clips", function, " needs a clips model; this one is ",
               model.config.task);
-  const int64_t length = model.input[1];
+}
+void check_clip_frames(const BatchModel& model, const torch::Tensor& frames) {
   TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3 && frames.size(2) == model.input[2] &&
                   frames.size(3) == model.input[3],
               "the network was trained on clips of ", model.input[2], "x", model.input[3],
               " frames; got frames of ", frames.sizes(),
               ": set data.resize and data.crop so the video's frames come out at that size");
-  TORCH_CHECK(frames.size(0) >= length, "the video has ", frames.size(0),
+}
+void check_one_clip(int64_t frames, int64_t length) {
+  TORCH_CHECK(frames >= length, "the video has ", frames,
               " sampled frames, fewer than one clip of ", length, " (data.clip_length)");
+}
+}  // namespace
+
+ClipPrediction predict_clips(BatchModel& model, const torch::Tensor& frames,
+                             const EventCallback& on_event) {
+  check_clip_model(model, "predict_clips");
+  const int64_t length = model.input[1];
+  check_clip_frames(model, frames);
+  check_one_clip(frames.size(0), length);
   data::ClipOptions options;
   options.length = length;
   options.stride = model.config.data.clip_stride;
@@ -855,6 +867,52 @@ ClipPrediction predict_clips(BatchModel& model, const torch::Tensor& frames,
   ClipPrediction out;
   out.starts = std::move(clips.starts);
   std::tie(out.confidence, out.labels) = probabilities.max(1);
+  return out;
+}
+
+ClipPrediction predict_clips_file(BatchModel& model, const std::string& video, double folder_fps,
+                                  const EventCallback& on_event, data::DecodedVideo* decoded) {
+  check_clip_model(model, "predict_clips_file");
+  const int64_t length = model.input[1], stride = model.config.data.clip_stride;
+  const int64_t batch = std::max<int64_t>(1, model.batch);
+  // The sampled frames [first, seen) that a clip still to be cut may take, and a batch of clips.
+  torch::Tensor pending, clips;
+  int64_t first = 0, seen = 0, next_start = 0, filled = 0;
+  std::vector<int64_t> starts;
+  std::vector<torch::Tensor> probabilities;
+  const auto run_batch = [&] {
+    if (filled > 0)
+      probabilities.push_back(predict_batch(model, clips.narrow(0, 0, filled), on_event));
+    filled = 0;
+  };
+  const auto on_frames = [&](const torch::Tensor& frames) {
+    check_clip_frames(model, frames);
+    pending = pending.defined() ? torch::cat({pending, frames}) : frames.clone();
+    seen += frames.size(0);
+    if (!clips.defined()) {
+      clips = torch::empty({batch, 3, length, frames.size(2), frames.size(3)}, torch::kUInt8);
+    }
+    for (; next_start + length <= seen; next_start += stride) {
+      // [L,3,H,W] -> [3,L,H,W], as cut_clips makes them.
+      clips[filled++].copy_(pending.narrow(0, next_start - first, length).permute({1, 0, 2, 3}));
+      starts.push_back(next_start);
+      if (filled == batch) run_batch();
+    }
+    // Frames before the next clip's start belong to no clip still to come.
+    const int64_t drop = std::min(next_start, seen) - first;
+    if (drop > 0) {
+      pending = pending.narrow(0, drop, pending.size(0) - drop).clone();
+      first += drop;
+    }
+  };
+  auto sampled = data::decode_video_pieces(video, folder_fps, data_options(model.config, false),
+                                           std::max(length, batch), on_frames);
+  run_batch();
+  check_one_clip(seen, length);
+  ClipPrediction out;
+  out.starts = std::move(starts);
+  std::tie(out.confidence, out.labels) = torch::cat(probabilities).max(1);
+  if (decoded) *decoded = std::move(sampled);
   return out;
 }
 

@@ -648,11 +648,21 @@ PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
   SegmentScorer segments(background);
   std::optional<ToolScorer> tools;
   if (model.tools) tools.emplace(model.tools->options.out_features());
+  // A video whose frames are more than the loader may hold ahead would be decoded alone anyway:
+  // it is decoded and encoded here a piece at a time instead (its job for the loader is empty),
+  // so that evaluation holds one piece of its frames and its features.
+  std::vector<bool> in_pieces(static_cast<size_t>(dataset.size()));
   std::vector<data::Prefetcher::Job> jobs;
   for (int64_t i = 0; i < dataset.size(); ++i) {
     auto load = [&dataset, i] { return dataset.load(i); };
-    jobs.push_back(cache ? cache->job(dataset, i, load, model.feature_dim)
-                         : data::Prefetcher::Job{load, dataset.frame_bytes(i)});
+    in_pieces[i] = !dataset.options().features && !(cache && cache->has(i)) &&
+                   dataset.frame_bytes(i) > prefetch_bytes;
+    if (in_pieces[i]) {
+      jobs.push_back({[] { return engine::Video(); }, 0});
+    } else {
+      jobs.push_back(cache ? cache->job(dataset, i, load, model.feature_dim)
+                           : data::Prefetcher::Job{load, dataset.frame_bytes(i)});
+    }
   }
   data::Prefetcher prefetcher(std::move(jobs), std::max<int64_t>(1, model.config.data.workers),
                               prefetch_bytes);
@@ -662,6 +672,11 @@ PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
     engine::Video video;
     try {
       video = prefetcher.next();
+      if (in_pieces[i]) {
+        PieceEncoder encoder(model, on_event);
+        video = dataset.load_pieces(i, model.chunk, std::ref(encoder));
+        video.features = encoder.features();
+      }
     } catch (const c10::Error& e) {
       if (!data::skips_error(dataset.options().skip_bad, e)) throw;
       if (on_event)
@@ -670,7 +685,7 @@ PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
       continue;
     }
     torch::Tensor features;
-    const bool keep = cache && !video.features.defined();
+    const bool keep = cache && (in_pieces[i] || !video.features.defined());
     const auto prediction = predict_video(model, video, on_event, keep ? &features : nullptr);
     if (keep) cache->write(i, features);
     confusion.add(prediction.labels, video.labels);

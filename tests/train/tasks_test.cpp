@@ -716,6 +716,37 @@ TEST(ClipTraining, ResumedUnderAnotherBudgetHoldsItsBatchAndRecomputesWhereItMus
   test_util::remove_tree(config.train.out_dir);
 }
 
+TEST(ClipTraining, VideoFileIsPredictedAPieceAtATimeAsItsDecodedFrames) {
+  // Clips that overlap, touch and leave gaps, cut from the video as it is decoded in batches of
+  // 3 clips: the clips, classes and confidences of the whole decoded video.
+  auto config = clips_config("/tmp/framefit_clips_predict_file");
+  auto model = train::build_batch_model(config, {3, 4, 16, 16});
+  model.batch = 3;
+  const auto videos = train::make_dataset(config, "train", false);
+  for (const int64_t stride : {1, 3, 4, 6}) {
+    model.config.data.clip_stride = stride;
+    for (int64_t v = 0; v < videos.size(); ++v) {
+      SCOPED_TRACE(c10::str("stride ", stride, ", video ", v));
+      const auto expected = train::predict_clips(model, videos.load(v).frames);
+      data::DecodedVideo decoded;
+      const auto streamed =
+          train::predict_clips_file(model, videos.entry(v).video, 0, {}, &decoded);
+      EXPECT_EQ(streamed.starts, expected.starts);
+      EXPECT_TRUE(torch::equal(streamed.labels, expected.labels));
+      EXPECT_TRUE(torch::allclose(streamed.confidence, expected.confidence, 1e-5, 1e-6));
+      EXPECT_EQ(static_cast<int64_t>(decoded.source_frames.size()), videos.frames(v));
+    }
+  }
+  // A video shorter than one clip: the error predict_clips gives.
+  model.input[1] = videos.frames(0) + 1;
+  const auto message =
+      test_util::error_message([&] { train::predict_clips_file(model, videos.entry(0).video, 0); });
+  EXPECT_NE(message.find(c10::str("fewer than one clip of ", videos.frames(0) + 1)),
+            std::string::npos)
+      << message;
+  test_util::remove_tree(config.train.out_dir);
+}
+
 TEST(ClipTraining, StopRequestEndsAtAStepBoundaryAndResumesExactly) {
   // Stopped mid-epoch (step 2) and at the end of the first epoch (after its validation): the
   // stopped run writes the checkpoint it ends with where none is due, and resuming it ends with

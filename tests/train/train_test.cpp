@@ -858,6 +858,30 @@ TEST(Training, VideoFileIsPredictedAPieceAtATimeAsTheWholeVideoIs) {
   test_util::remove_tree(config.train.out_dir);
 }
 
+TEST(Training, EvaluationDecodesAVideoLargerThanThePrefetchReserveAPieceAtATime) {
+  // With data.prefetch_bytes below every video's frames, each is decoded and encoded a piece at a
+  // time instead of whole: the same predictions and metrics.
+  auto config = tiny_config("/tmp/framefit_eval_pieces");
+  auto model = train::build_model(config);
+  model.chunk = 8;
+  const auto dataset = train::make_dataset(config, "train", false);
+  const auto evaluate = [&](int64_t prefetch_bytes, std::vector<train::Prediction>& predictions) {
+    model.config.data.prefetch_bytes = prefetch_bytes;
+    return train::evaluate(model, dataset, {}, nullptr,
+                           [&](int64_t, const train::Prediction& p) { predictions.push_back(p); });
+  };
+  std::vector<train::Prediction> whole, pieces;
+  const auto expected = evaluate(int64_t{1} << 30, whole);
+  const auto streamed = evaluate(1, pieces);
+  ASSERT_EQ(pieces.size(), whole.size());
+  for (size_t v = 0; v < whole.size(); ++v) {
+    EXPECT_TRUE(torch::equal(pieces[v].labels, whole[v].labels)) << "video " << v;
+    EXPECT_TRUE(torch::allclose(pieces[v].probabilities, whole[v].probabilities, 1e-5, 1e-6));
+  }
+  EXPECT_DOUBLE_EQ(streamed.accuracy, expected.accuracy);
+  EXPECT_EQ(streamed.frames, expected.frames);
+}
+
 TEST(Training, ResumedRunEndsWithIdenticalWeights) {
   // Uninterrupted: 5 steps. Interrupted: stopped after step 2 (checkpoint every step), then
   // resumed to 5. Augmentation, data order, dropout (TCN) and the optimizer state must all agree.

@@ -76,6 +76,13 @@ struct ClipPrediction {
 };
 ClipPrediction predict_clips(BatchModel& model, const torch::Tensor& frames,
                              const EventCallback& on_event = {});
+// predict_clips on a video file or frame folder (`folder_fps`: a folder's frame rate) decoded
+// with data_options(config, false) a piece at a time: memory holds the frames of the clips not
+// yet cut and one batch of clips (model.batch), however long the video. `decoded`, when given,
+// receives the sampled frames' source numbers and times (no frames).
+ClipPrediction predict_clips_file(BatchModel& model, const std::string& video, double folder_fps,
+                                  const EventCallback& on_event = {},
+                                  data::DecodedVideo* decoded = nullptr);
 
 // Per-pixel classes of image files of any size: each image read at the network's input size (as
 // data.resize made the training images), its class map resized back to the image's own size by
