@@ -514,6 +514,13 @@ Prediction predict_video(Model& model, const engine::Video& video, const EventCa
   });
 }
 
+// predict() and predict_file() take frames, which a model on precomputed features cannot.
+void check_reads_frames(const Model& model) {
+  TORCH_CHECK(!model.features_input,
+              "this model (model.encoder features) reads precomputed features, not frames: "
+              "predict from a features file");
+}
+
 // Features of frames that arrive a piece at a time (decode_video_pieces, load_pieces), each
 // piece encoded as it comes: only one piece of frames is held, and the features.
 class PieceEncoder {
@@ -536,9 +543,7 @@ class PieceEncoder {
 }  // namespace
 
 Prediction predict(Model& model, const torch::Tensor& frames, const EventCallback& on_event) {
-  TORCH_CHECK(!model.features_input,
-              "this model (model.encoder features) reads precomputed features, not frames: "
-              "predict from a features file");
+  check_reads_frames(model);
   TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3, "predict expects frames [T,3,H,W], got ",
               frames.sizes());
   engine::Video video;
@@ -548,9 +553,7 @@ Prediction predict(Model& model, const torch::Tensor& frames, const EventCallbac
 
 Prediction predict_file(Model& model, const std::string& video, double folder_fps,
                         const EventCallback& on_event, data::DecodedVideo* decoded) {
-  TORCH_CHECK(!model.features_input,
-              "this model (model.encoder features) reads precomputed features, not frames: "
-              "predict from a features file");
+  check_reads_frames(model);
   PieceEncoder encoder(model, on_event);
   auto sampled = data::decode_video_pieces(video, folder_fps, data_options(model.config, false),
                                            model.chunk, std::ref(encoder));
@@ -835,6 +838,9 @@ models::StateDict export_state_dict(const Model& model) {
 
 namespace {
 
+// The share of the step budget a phases plan leaves free for what the memory model does not see.
+constexpr double kStepMargin = 0.1;
+
 // The step a phases run trains with: planned for the longest training video (and the largest
 // frame) within train.budget less the prefetch reserve, unless chunk, keep and precision are all
 // fixed, by the config or by `fixed` (a resumed run's settings).
@@ -939,7 +945,7 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
     plan::CalibrationCache cache(plan::CalibrationCache::default_path());
     result.costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
   }
-  chosen = plan::fit(request, result.sizes, result.costs, result.step_budget, 0.1);
+  chosen = plan::fit(request, result.sizes, result.costs, result.step_budget, kStepMargin);
   if (fixed && check_fixed) {
     result.resumed = chosen;
     const auto& tc = config.train;
@@ -948,7 +954,8 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
     again.keep = fixed_count(tc.keep);
     again.cache_frozen.reset();
     if (!chosen.fits) {
-      const auto replanned = plan::fit(again, result.sizes, result.costs, result.step_budget, 0.1);
+      const auto replanned =
+          plan::fit(again, result.sizes, result.costs, result.step_budget, kStepMargin);
       if (replanned.fits) {
         chosen = replanned;
         result.replanned = true;
@@ -1120,7 +1127,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
                                memory::format_bytes(kept.breakdown.peak_bytes);
     const std::string limit = memory::format_bytes(kept.budget_bytes - kept.margin_bytes) +
                               " planned for (step budget " + memory::format_bytes(step_budget) +
-                              " less a 10% margin)";
+                              c10::str(" less a ", std::lround(100 * kStepMargin), "% margin)");
     if (step_plan.replanned) {
       emit(Event::note(
           Event::Kind::Warning,
@@ -1218,7 +1225,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   if (planned) {
     step.replan = plan::make_replanner(step_plan.request, step_plan.sizes,
                                        step_plan.costs.at(progress.settings.precision),
-                                       progress.settings.precision, step_budget, 0.1);
+                                       progress.settings.precision, step_budget, kStepMargin);
   }
 
   if (resumed) {
