@@ -4,7 +4,14 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <variant>
+
 namespace framefit::models {
+
+// The convolution options hold a c10::variant in LibTorch 1.13 and a std::variant from 2.x on:
+// unqualified get and holds_alternative find either's by argument-dependent lookup.
+using std::get;
+using std::holds_alternative;
 
 namespace {
 
@@ -74,7 +81,7 @@ std::vector<int64_t> output_size(const torch::nn::detail::ConvNdOptions<3>& o,
                                  const torch::Tensor& x) {
   std::vector<int64_t> out;
   for (int64_t d = 0; d < 3; ++d) {
-    const int64_t padding = c10::get<torch::ExpandingArray<3>>(o.padding())->at(d);
+    const int64_t padding = get<torch::ExpandingArray<3>>(o.padding())->at(d);
     out.push_back((x.size(2 + d) + 2 * padding - o.kernel_size()->at(d)) / o.stride()->at(d) + 1);
   }
   return out;
@@ -86,8 +93,8 @@ bool lean_backward_applies(const LeanConv3dImpl& conv, const torch::Tensor& x) {
   if (!x.defined() || x.dim() != 5 || !x.device().is_cpu() || x.scalar_type() != torch::kFloat32 ||
       cpu_autocast_enabled() || !torch::GradMode::is_enabled() ||
       !(x.requires_grad() || conv.weight.requires_grad()) || o.groups() != 1 ||
-      !c10::holds_alternative<torch::ExpandingArray<3>>(o.padding()) ||
-      !c10::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
+      !holds_alternative<torch::ExpandingArray<3>>(o.padding()) ||
+      !holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
     return false;
   }
   for (int64_t d = 0; d < 3; ++d) {
@@ -127,7 +134,7 @@ torch::Tensor LeanConv3dImpl::forward(const torch::Tensor& x) {
   if (!lean_backward_applies(*this, x)) return Conv3dImpl::forward(x);
   ++lean_applicable_calls;
   if (!lean_backward) return Conv3dImpl::forward(x);
-  const auto& padding = c10::get<torch::ExpandingArray<3>>(options.padding());
+  const auto& padding = get<torch::ExpandingArray<3>>(options.padding());
   std::vector<torch::Tensor> biases;
   if (bias.defined()) biases.push_back(bias);
   return LeanConv3dFunction::apply(
