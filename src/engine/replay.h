@@ -2,15 +2,11 @@
 // Private to the engine: what a recompute needs to repeat a forward pass exactly (the random
 // stream) without repeating its side effects (BatchNorm statistics). Shared by the chunked
 // encoder and layer checkpointing.
-#include <ATen/core/Generator.h>
 #include <torch/torch.h>
 
 #include <vector>
 
 namespace framefit::engine::detail {
-
-torch::Tensor generator_state(torch::Device device);
-void set_generator_state(torch::Device device, const torch::Tensor& state);
 
 // The random-generator states in use before a forward pass (CPU, plus the device's on CUDA).
 struct RngState {

@@ -6,7 +6,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -21,6 +20,7 @@
 #include <thread>
 
 #include "framefit/core/errors.h"
+#include "framefit/core/random.h"
 #include "framefit/core/runtime.h"
 #include "framefit/models/torchscript.h"
 #include "framefit/models/weights.h"
@@ -132,17 +132,6 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
     TORCH_CHECK(false, e.what_without_backtrace(),
                 ". Checkpoints written before are kept: make room and resume with --resume auto");
   }
-}
-
-torch::Tensor generator_state() {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-void set_generator_state(const torch::Tensor& state) {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
 }
 
 std::string budget_change(const Config& stored, const Config& resumed_with) {
@@ -374,24 +363,31 @@ std::string step_checkpoint_path(const std::string& checkpoint_dir, int64_t step
 }
 
 void write_resume_state(torch::serialize::OutputArchive& archive,
-                        torch::optim::Optimizer& optimizer, const engine::LossScaler& scaler) {
+                        torch::optim::Optimizer& optimizer, const engine::LossScaler& scaler,
+                        torch::Device device) {
   torch::serialize::OutputArchive optimizer_archive;
   optimizer.save(optimizer_archive);
   archive.write("optimizer", optimizer_archive);
   archive.write("scaler", scaler.state());
-  archive.write("rng", generator_state());
+  archive.write("rng", generator_state(torch::kCPU));
+  // Dropout on CUDA draws from the device's generator.
+  if (device.is_cuda()) archive.write("rng_cuda", generator_state(device));
 }
 
 void read_resume_state(torch::serialize::InputArchive& archive, torch::optim::Optimizer& optimizer,
-                       engine::LossScaler& scaler) {
+                       engine::LossScaler& scaler, torch::Device device) {
   torch::serialize::InputArchive optimizer_archive;
   archive.read("optimizer", optimizer_archive);
   optimizer.load(optimizer_archive);
-  torch::Tensor scaler_state, rng;
+  torch::Tensor scaler_state, rng, rng_cuda;
   archive.read("scaler", scaler_state);
   archive.read("rng", rng);
   scaler.load_state(scaler_state);
-  set_generator_state(rng);
+  set_generator_state(torch::kCPU, rng);
+  // A run that moved between the CPU and CUDA (the config's device changed, which the resume
+  // warning lists) draws from a generator in another state, as any fresh one would.
+  if (device.is_cuda() && archive.try_read("rng_cuda", rng_cuda))
+    set_generator_state(device, rng_cuda);
 }
 
 std::string describe_class_weights(const torch::Tensor& weights,

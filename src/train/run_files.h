@@ -140,17 +140,15 @@ std::optional<int64_t> fixed_count(const std::string& text);
 // Writes config.yaml into out_dir.
 void write_config(const Config& config, const std::string& out_dir);
 
-torch::Tensor generator_state();  // the CPU default generator's
-void set_generator_state(const torch::Tensor& state);
-
 // checkpoint_dir/step_00000012.pt
 std::string step_checkpoint_path(const std::string& checkpoint_dir, int64_t step);
 // What resuming needs besides the model: the optimizer's state, the loss scaler's and the
-// random generator's.
+// random generators' (the CPU's, and on CUDA the device's).
 void write_resume_state(torch::serialize::OutputArchive& archive,
-                        torch::optim::Optimizer& optimizer, const engine::LossScaler& scaler);
+                        torch::optim::Optimizer& optimizer, const engine::LossScaler& scaler,
+                        torch::Device device);
 void read_resume_state(torch::serialize::InputArchive& archive, torch::optim::Optimizer& optimizer,
-                       engine::LossScaler& scaler);
+                       engine::LossScaler& scaler, torch::Device device);
 
 engine::OptimizerOptions optimizer_options(const TrainConfig& train);
 

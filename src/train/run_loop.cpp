@@ -289,6 +289,7 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
     if (on_event) on_event(e);
   };
   const auto& tc = config.train;
+  const torch::Device device(config.device);
   const std::string checkpoint_dir = tc.out_dir + "/checkpoints";
   JsonlLog log(tc.out_dir + "/log.jsonl", progress.step, resumed);
   TrainResult result;
@@ -322,7 +323,7 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
   auto save = [&](const RunPosition& at, const std::string& path, bool resumable) {
     torch::serialize::OutputArchive archive;
     hooks.write(with_time(at), archive);
-    if (resumable) write_resume_state(archive, *hooks.optimizer, *hooks.scaler);
+    if (resumable) write_resume_state(archive, *hooks.optimizer, *hooks.scaler, device);
     save_atomically(archive, path);
   };
   auto checkpoint = [&](const RunPosition& at) {
@@ -347,7 +348,7 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
 
   bool data_bound_warned = false;
   LossWatch loss_watch;
-  auto& tracker = memory::Tracker::of(torch::Device(config.device));
+  auto& tracker = memory::Tracker::of(device);
   memory::LeakDetectorOptions leak_options;
   leak_options.min_growth_bytes = int64_t(1) << 20;
   memory::LeakDetector leaks(leak_options);

@@ -1404,7 +1404,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     load_module(module, resumed->archive, "network", resume_from,
                 "the config this run resumes with");
     module.to(device);
-    read_resume_state(resumed->archive, *optimizer, step.scaler());
+    read_resume_state(resumed->archive, *optimizer, step.scaler(), device);
   }
 
   const int64_t step_samples = progress.batch * tc.accumulate;

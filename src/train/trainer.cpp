@@ -1235,7 +1235,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
     read_tool_head(resumed->archive, model, resume_from, built_from);
     model.encoder_module().to(device);
     model.head->to(device);
-    read_resume_state(resumed->archive, *optimizer, step.scaler());
+    read_resume_state(resumed->archive, *optimizer, step.scaler(), device);
   }
 
   const int64_t videos = train_set.size();

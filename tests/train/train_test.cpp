@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 
 #include "test_util.h"
 
@@ -528,6 +529,109 @@ TEST(Schedule, WarmupStepAndCosine) {
   EXPECT_DOUBLE_EQ(train::learning_rate(s, 50, 100), 1.0);
 }
 
+namespace {
+
+std::vector<torch::Tensor> weights(const train::Model& m) {
+  std::vector<torch::Tensor> out;
+  for (auto& [name, t] : train::export_state_dict(m)) out.push_back(t.clone());
+  return out;
+}
+
+bool identical(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!torch::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+// Videos of per-frame features for a head alone (MS-TCN, TeCNO): 6 per frame, phases a, b, c
+// in thirds, each phase raising its own feature dimension. Training on features reads no video,
+// so it runs in every build, the GPU check's (no FFmpeg) included.
+struct FeatureVideo {
+  std::string name, split;
+  torch::Tensor features, labels;  // [T,6] float32, [T]
+};
+
+void write_phase_labels(const std::string& path, const torch::Tensor& labels) {
+  std::ofstream out(path);
+  out << "Frame\tPhase\n";
+  for (int64_t t = 0; t < labels.size(0); ++t)
+    out << t << "\t" << static_cast<char>('a' + labels[t].item<int64_t>()) << "\n";
+}
+
+// Five videos, the last for validation: dir/NAME.txt (labels), dir/NAME.pt (features) and
+// dir/manifest.csv listing them.
+std::vector<FeatureVideo> write_feature_videos(const std::string& dir) {
+  std::filesystem::create_directories(dir);
+  torch::manual_seed(7);
+  std::vector<FeatureVideo> videos;
+  std::string manifest = "name,labels,split,features\n";
+  for (int v = 0; v < 5; ++v) {
+    const int64_t frames = 30 + 7 * v;
+    const auto labels = torch::div(torch::arange(frames) * 3, frames, "floor");
+    auto features = torch::randn({frames, 6}) * 0.5;
+    features.index_put_({torch::arange(frames), labels},
+                        features.index({torch::arange(frames), labels}) + 2);
+    FeatureVideo video{"v" + std::to_string(v), v < 4 ? "train" : "val", features, labels};
+    write_phase_labels(dir + "/" + video.name + ".txt", labels);
+    models::write_tensor(features, dir + "/" + video.name + ".pt");
+    manifest += video.name + "," + video.name + ".txt," + video.split + "," + video.name + ".pt\n";
+    videos.push_back(std::move(video));
+  }
+  std::ofstream(dir + "/manifest.csv") << manifest;
+  return videos;
+}
+
+}  // namespace
+
+TEST(Training, ResumedRunOnFeaturesEndsWithTheUninterruptedWeightsOnEveryDevice) {
+  // The TCN head's dropout draws from the run's device: on CUDA from the device's generator,
+  // which step checkpoints keep beside the CPU's. Uninterrupted: 5 steps; interrupted after
+  // step 2, then resumed to 5 with every generator scrambled, as a new process would start.
+  const std::string dir = "/tmp/framefit_resume_features_" + std::to_string(::getpid());
+  test_util::remove_tree(dir);
+  write_feature_videos(dir);
+  const std::string manifest = dir + "/manifest.csv";
+  std::vector<std::string> devices = {"cpu"};
+  if (torch::cuda::is_available()) devices.push_back("cuda");
+  for (const auto& device : devices) {
+    SCOPED_TRACE(device);
+    const auto config = [&](const std::string& run, int64_t max_steps) {
+      return train::parse_config(
+          "device: " + device +
+              "\n"
+              "model: {encoder: features, head: tcn, tcn_stages: 2, tcn_layers: 3}\n"
+              "data: {manifest: " +
+              manifest +
+              ", classes: [a, b, c]}\n"
+              "train: {lr: 0.01, schedule: constant, checkpoint_every: 1, max_steps: " +
+              std::to_string(max_steps) + ", out_dir: " + dir + "/" + device + "_" + run + "}\n",
+          "test");
+    };
+    const auto step_5 = [&](const std::string& run) {
+      return weights(
+          train::load_model(dir + "/" + device + "_" + run + "/checkpoints/step_00000005.pt"));
+    };
+    train::train(config("whole", 5));
+    train::train(config("parts", 2));
+    torch::manual_seed(12345);  // the CPU's generator and every CUDA device's
+    EXPECT_EQ(train::train(config("parts", 5), "auto").steps, 5);
+    const auto uninterrupted = step_5("whole"), resumed = step_5("parts");
+    if (device == "cpu") {
+      EXPECT_TRUE(identical(uninterrupted, resumed));
+    } else {
+      // cuDNN may sum a convolution's weight gradient in another order from run to run; other
+      // dropout masks would change the weights by far more than this.
+      ASSERT_EQ(uninterrupted.size(), resumed.size());
+      for (size_t i = 0; i < resumed.size(); ++i)
+        EXPECT_TRUE(torch::allclose(uninterrupted[i], resumed[i], 1e-5, 1e-7)) << i;
+      std::cout << "CUDA resume bit-identical: " << identical(uninterrupted, resumed) << "\n";
+    }
+  }
+  test_util::remove_tree(dir);
+}
+
 #ifdef FRAMEFIT_WITH_FFMPEG
 namespace {
 
@@ -566,20 +670,6 @@ train::Config tiny_config(const std::string& name) {
   c.train.out_dir = out_dir;
   test_util::remove_tree(out_dir);
   return c;
-}
-
-std::vector<torch::Tensor> weights(const train::Model& m) {
-  std::vector<torch::Tensor> out;
-  for (auto& [name, t] : train::export_state_dict(m)) out.push_back(t.clone());
-  return out;
-}
-
-bool identical(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!torch::equal(a[i], b[i])) return false;
-  }
-  return true;
 }
 
 }  // namespace
@@ -1083,35 +1173,19 @@ TEST(Training, HeadTrainsOnPrecomputedFeaturesInEitherLayout) {
   const std::string dir = "/tmp/framefit_features_training";
   test_util::remove_tree(dir);
   std::filesystem::create_directories(dir + "/runs");
-  torch::manual_seed(7);
-  std::string time_first = "name,labels,split,features\n";
-  std::string features_first = time_first;
-  std::string halved = time_first;  // rows 0, 2, 4, ... written out, with their labels
-  for (int v = 0; v < 5; ++v) {
-    const int64_t frames = 30 + 7 * v;
-    const auto labels = torch::div(torch::arange(frames) * 3, frames, "floor");
-    auto features = torch::randn({frames, 6}) * 0.5;
-    features.index_put_({torch::arange(frames), labels},
-                        features.index({torch::arange(frames), labels}) + 2);
-    const std::string name = "v" + std::to_string(v);
-    std::ofstream out(dir + "/" + name + ".txt");
-    out << "Frame\tPhase\n";
-    for (int64_t t = 0; t < frames; ++t)
-      out << t << "\t" << std::string(1, static_cast<char>('a' + labels[t].item<int64_t>()))
-          << "\n";
-    models::write_tensor(features, dir + "/" + name + "_td.pt");
-    models::write_tensor(features.t().to(torch::kFloat64), dir + "/" + name + "_dt.pt");
-    models::write_tensor(features.slice(0, 0, frames, 2).contiguous(),
-                         dir + "/" + name + "_half.pt");
-    std::ofstream half_labels(dir + "/" + name + "_half.txt");
-    for (int64_t t = 0; t < frames; t += 2)
-      half_labels << t / 2 << "\t" << static_cast<char>('a' + labels[t].item<int64_t>()) << "\n";
-    const std::string split = v < 4 ? "train" : "val";
-    time_first += name + "," + name + ".txt," + split + "," + name + "_td.pt\n";
-    features_first += name + "," + name + ".txt," + split + "," + name + "_dt.pt\n";
-    halved += name + "," + name + "_half.txt," + split + "," + name + "_half.pt\n";
+  // manifest.csv: [T,D] float32 files. dt.csv: MS-TCN's [D,T], float64. half.csv: rows 0, 2, 4,
+  // ... written out, with their labels.
+  std::string features_first = "name,labels,split,features\n";
+  std::string halved = features_first;
+  for (const auto& v : write_feature_videos(dir)) {
+    const int64_t frames = v.features.size(0);
+    models::write_tensor(v.features.t().to(torch::kFloat64), dir + "/" + v.name + "_dt.pt");
+    models::write_tensor(v.features.slice(0, 0, frames, 2).contiguous(),
+                         dir + "/" + v.name + "_half.pt");
+    write_phase_labels(dir + "/" + v.name + "_half.txt", v.labels.slice(0, 0, frames, 2));
+    features_first += v.name + "," + v.name + ".txt," + v.split + "," + v.name + "_dt.pt\n";
+    halved += v.name + "," + v.name + "_half.txt," + v.split + "," + v.name + "_half.pt\n";
   }
-  std::ofstream(dir + "/td.csv") << time_first;
   std::ofstream(dir + "/half.csv") << halved;
   std::ofstream(dir + "/dt.csv") << features_first;
   const auto config = [&](const std::string& manifest) {
@@ -1126,7 +1200,7 @@ TEST(Training, HeadTrainsOnPrecomputedFeaturesInEitherLayout) {
         "test");
   };
   std::vector<std::string> infos;
-  const auto result = train::train(config("td.csv"), "", [&](const train::Event& e) {
+  const auto result = train::train(config("manifest.csv"), "", [&](const train::Event& e) {
     if (e.kind == train::Event::Kind::Info) infos.push_back(e.message);
   });
   EXPECT_GT(result.best.accuracy, 0.9);  // chance: a third
@@ -1149,7 +1223,7 @@ TEST(Training, HeadTrainsOnPrecomputedFeaturesInEitherLayout) {
   const auto metrics = train::evaluate(
       model, val, {}, nullptr, [&](int64_t, const train::Prediction& p) { evaluated = p.labels; });
   EXPECT_DOUBLE_EQ(metrics.accuracy, result.best.accuracy);
-  const auto predicted = train::predict_features(model, models::read_tensor(dir + "/v4_td.pt"));
+  const auto predicted = train::predict_features(model, models::read_tensor(dir + "/v4.pt"));
   EXPECT_TRUE(torch::equal(predicted.labels, evaluated));
   EXPECT_NE(test_util::error_message([&] {
               train::predict(model, torch::zeros({2, 3, 8, 8}, torch::kUInt8));
@@ -1161,7 +1235,7 @@ TEST(Training, HeadTrainsOnPrecomputedFeaturesInEitherLayout) {
   EXPECT_TRUE(identical(weights(model), weights(train::load_model(transposed.best_checkpoint))));
   // data.features_stride 2 (MS-TCN's sample_rate) trains on rows 0, 2, 4, ... and their labels:
   // the weights of training on files holding only those rows.
-  auto strided = config("td.csv");
+  auto strided = config("manifest.csv");
   strided.data.features_stride = 2;
   strided.train.out_dir = dir + "/runs/strided";
   const auto every_other = train::train(strided);
@@ -1170,14 +1244,14 @@ TEST(Training, HeadTrainsOnPrecomputedFeaturesInEitherLayout) {
                         weights(train::load_model(written_out.best_checkpoint))));
   EXPECT_DOUBLE_EQ(every_other.best.accuracy, written_out.best.accuracy);
   // Settings for an encoder are refused.
-  auto with_weights = config("td.csv");
+  auto with_weights = config("manifest.csv");
   with_weights.model.weights = "resnet18.pt";
   with_weights.train.out_dir = dir + "/runs/refused";
   EXPECT_NE(test_util::error_message([&] {
               train::train(with_weights);
             }).find("model.weights and model.freeze are for an encoder"),
             std::string::npos);
-  auto clips = config("td.csv");
+  auto clips = config("manifest.csv");
   clips.task = "clips";
   const auto findings = train::diagnose_label_settings(clips);
   ASSERT_EQ(findings.size(), 1u);
