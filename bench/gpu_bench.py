@@ -7,9 +7,12 @@ with that machine's python3 (PyTorch with CUDA) for the peers:
 
 Rows: seeds/000's model (ResNet-50 + LSTM(512) + Linear(7), 224x224, chunk 32, AdamW, BatchNorm
 in train mode) at T = 256 (where naive training fits) and T = 2,000 (full size), fp32 and bf16;
-framefit's planner under a 24 GiB budget (the card seeds/000 ran out of memory on); and a UNet's
-step with and without layer checkpointing. Each row is one process: one warm-up step, then the
-median of its measured steps. Peak tensor bytes are the CUDA caching allocator's peak of
+framefit's planner under a 24 GiB budget (the card seeds/000 ran out of memory on); a UNet's
+step with and without layer checkpointing, and the largest UNet batch the planner finds within
+8 GiB (--rows unet); seeds/001's corrected clip classifier at full size, its largest batch within
+12 GiB, and R3D-18's step with and without layer checkpointing (--rows clips). Each row is one
+process: one warm-up step, then the median of its measured steps. The batch plans leave the CUDA
+allocator a tenth of the budget and run under all of it, with and without expandable segments. Peak tensor bytes are the CUDA caching allocator's peak of
 allocated bytes for both framefit and PyTorch.
 """
 import argparse
@@ -68,7 +71,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny sizes, to check the script")
     ap.add_argument("--rows", default="",
                     help="regular expression: run only the rows whose 'T precision name' matches "
-                         "('unet' for layer checkpointing)")
+                         "('unet', 'clips' for layer checkpointing and batch plans)")
     ap.add_argument("--name", default="gpu", help="output files NAME.json and NAME.md")
     ap.add_argument("--from-json", help="only write NAME.md again from a NAME.json of a run")
     a = ap.parse_args()
@@ -138,7 +141,7 @@ def main():
         peer("PyTorch checkpoint", "checkpoint", short_t, precision, 3)
         peer("PyTorch checkpoint, channels-last", "checkpoint", short_t, precision, 3, True)
         peer("PyTorch ETAD", "etad", short_t, precision, 3)
-    if wanted("unet"):
+    if wanted("unet") or wanted("clips"):
         layers = layer_checkpointing(a, run, device)
         save()
     # Last: calibration makes it the longest run.
@@ -148,18 +151,47 @@ def main():
 
 
 def layer_checkpointing(a, run, device):
-    """A UNet step: plain, the planner at half the activation memory, every stage recomputed;
-    three rounds, interleaved; slowdown = median over rounds of the same-round ratio. The CUDA
-    budget caps the caching allocator's reserved bytes while plans count allocated bytes:
-    expandable segments keep the two close (without them a plan at exactly the budget ran out
-    of memory from fragmentation)."""
+    """Layer checkpointing on the GPU: a UNet and torchvision's R3D-18 (cost at a fixed batch),
+    the batch planner's CUDA margin (the UNet's largest batch within 8 GiB), and seeds/001's
+    corrected clip classifier at full size within 12 GiB (issue #6's target). The CUDA budget caps
+    the caching allocator's reserved bytes while plans count allocated bytes: expandable segments
+    keep the two close (without them a plan at exactly the budget ran out of memory from
+    fragmentation)."""
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    shape, batch = ("3,64,64", "2") if a.quick else ("3,256,256", "32")
-    common = [a.framefit, "bench-layers", "--json", "--net", "unet", "--input", shape, "--width",
-              "32", "--depth", "4", "--classes", "2", "--batch", batch, "--repeat", "5",
-              "--device", device]
+    bench = [a.framefit, "bench-layers", "--json", "--device", device]
+    unet_shape, unet_batch = ("3,64,64", "2") if a.quick else ("3,256,256", "32")
+    unet = bench + ["--net", "unet", "--input", unet_shape, "--width", "32", "--depth", "4",
+                    "--classes", "2"]
+    result = {"input": unet_shape, "batch": int(unet_batch), "modes": {}, "largest": [],
+              "nets": []}
+    # The batch plans first: they check the planner, the costs below only measure.
+    if wanted_rows(a, "unet"):
+        result["largest"] = largest_batches(run, unet, "256MiB" if a.quick else "8GiB", env)
+    if wanted_rows(a, "clips"):
+        clip_shape, clip_budget = ("3,8,64,64", "256MiB") if a.quick else ("3,60,230,230", "12GiB")
+        result["seed001"] = {"input": clip_shape, "largest": largest_batches(
+            run, bench + ["--net", "clip3d", "--input", clip_shape, "--classes", "20"], clip_budget,
+            env)}
+        r3d_shape, r3d_batch = ("3,4,32,32", "2") if a.quick else ("3,16,112,112", "16")
+        r3d = checkpointing_cost(run, bench + ["--net", "r3d_18", "--input", r3d_shape, "--classes",
+                                               "400", "--batch", r3d_batch], env)
+        result["nets"].append({"net": "r3d_18", "input": r3d_shape, "batch": int(r3d_batch), **r3d})
+    if wanted_rows(a, "unet"):
+        result.update(checkpointing_cost(run, unet + ["--batch", unet_batch], env))
+    print("layers:", json.dumps(result), flush=True)
+    return result
+
+
+def wanted_rows(a, key):
+    return re.search(a.rows, key) is not None
+
+
+def checkpointing_cost(run, common, env, rounds=3):
+    """No checkpointing, the planner at half the activation memory, every stage recomputed;
+    interleaved rounds of 5 steps; slowdown = median over rounds of the same-round ratio."""
+    common = common + ["--repeat", "5"]
     modes = {"off": [], "half": [], "all": []}
-    for _ in range(3):
+    for _ in range(rounds):
         plain = run(common, env=env)
         if "error" in plain:
             return {"error": plain["error"]}
@@ -168,7 +200,7 @@ def layer_checkpointing(a, run, device):
         modes["half"].append(run(common + ["--checkpoint", "auto", "--budget", str(half_budget)],
                                  env=env))
         modes["all"].append(run(common + ["--checkpoint", "all"], env=env))
-    result = {"input": shape, "batch": int(batch), "modes": {}}
+    result = {}
     for mode, runs in modes.items():
         ok = [r for r in runs if "error" not in r]
         if not ok:
@@ -178,33 +210,70 @@ def layer_checkpointing(a, run, device):
                 error = f"no plan fits (least predicted peak {mib(first.get('predicted_peak_bytes'))} MiB)"
             elif first.get("plan_fits"):  # the model or the allocator's margin was wrong
                 error = f"out of memory with a plan predicted to fit: {first.get('error')}"
-            result["modes"][mode] = {"error": error}
+            result[mode] = {"error": error}
             continue
         ratios = [r["step_seconds"] / p["step_seconds"] for r, p in zip(runs, modes["off"])
                   if "error" not in r]
-        result["modes"][mode] = {"activation_bytes": ok[0]["activation_bytes"],
-                                 "step_seconds": statistics.median(r["step_seconds"] for r in ok),
-                                 "time_ratio": statistics.median(ratios),
-                                 "recomputed": ok[0].get("recomputed")}
-    # The planner's CUDA margin (plan::allocator_margin_bytes): the largest batch it plans within a
-    # budget must run there, with and without expandable segments. The budget caps the caching
-    # allocator's reserved bytes; plans count allocated bytes.
-    budget = "256MiB" if a.quick else "8GiB"
-    result["largest"] = []
+        result[mode] = {"activation_bytes": ok[0]["activation_bytes"],
+                        "step_seconds": statistics.median(r["step_seconds"] for r in ok),
+                        "time_ratio": statistics.median(ratios),
+                        "recomputed": ok[0].get("recomputed")}
+    return {"modes": result}
+
+
+def largest_batches(run, common, budget, env):
+    """The planner's CUDA margin (plan::allocator_margin_bytes): the largest batch it plans within
+    a budget must run there, with and without expandable segments."""
+    rows = []
     for label, alloc_env in (("default allocator", {}), ("expandable segments", env)):
-        out = run(common[:common.index("--batch")] + ["--batch", "0", "--budget", budget,
-                                                      "--checkpoint", "auto", "--repeat", "1",
-                                                      "--device", device], env=alloc_env)
+        out = run(common + ["--batch", "0", "--budget", budget, "--checkpoint", "auto", "--repeat",
+                            "1"], env=alloc_env, timeout=300)
         tries = out.get("tries") or [{}]
-        result["largest"].append({"allocator": label, "budget": budget,
-                                  "error": out.get("error"),
-                                  "plan_budget_bytes": out.get("plan_budget_bytes"),
-                                  "planned_batch": out.get("planned_batch"),
-                                  "planned_batch_ran": tries[0].get("fits"),
-                                  "peak_bytes_at_planned": tries[0].get("peak_bytes"),
-                                  "largest_batch": out.get("largest_batch")})
-    print("unet:", json.dumps(result), flush=True)
-    return result
+        rows.append({"allocator": label, "budget": budget, "error": out.get("error"),
+                     "plan_budget_bytes": out.get("plan_budget_bytes"),
+                     "planned_batch": out.get("planned_batch"),
+                     "planned_batch_ran": tries[0].get("fits"),
+                     "peak_bytes_at_planned": tries[0].get("peak_bytes"),
+                     "largest_batch": out.get("largest_batch"),
+                     "peak_bytes_at_largest": out.get("peak_bytes"),
+                     "predicted_at_largest": out.get("predicted_peak_bytes"),
+                     "step_seconds": out.get("step_seconds")})
+    return rows
+
+
+def cost_table(modes, shape, batch):
+    lines = [f"Input {shape}, batch {batch}, fp32; 3 interleaved rounds of 5 steps; slowdown = median "
+             "over rounds of the same-round ratio to no checkpointing.", "",
+             "| checkpointing | activations (MiB) | less memory | step (s) | slowdown |",
+             "|---|---:|---:|---:|---:|"]
+    base = modes.get("off", {})
+    for mode, label in (("off", "off"), ("half", "planner at half the activations"),
+                        ("all", "every stage")):
+        m = modes.get(mode, {})
+        if "error" in m or not m or "activation_bytes" not in base:
+            lines.append(f"| {label} | {m.get('error', 'missing')} | | | |")
+            continue
+        less = base["activation_bytes"] / m["activation_bytes"] if m["activation_bytes"] else 0
+        lines.append(f"| {label} | {mib(m['activation_bytes'])} | {less:.2f}x | "
+                     f"{m['step_seconds']:.3f} | {m['time_ratio']:.2f}x |")
+    return lines
+
+
+def largest_table(rows):
+    lines = ["| allocator | budget | planned within (MiB) | planner's batch | it ran | its peak (MiB) "
+             "| largest batch that ran | its peak (MiB) | predicted for it (MiB) | its step (s) |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("error") and not r.get("planned_batch"):
+            lines.append(f"| {r['allocator']} | {r['budget']} | {r['error']} | | | | | | | |")
+            continue
+        step = f"{r['step_seconds']:.2f}" if r.get("step_seconds") else "n/a"
+        lines.append(f"| {r['allocator']} | {r['budget']} | {mib(r['plan_budget_bytes'])} | "
+                     f"{r['planned_batch']} | {'yes' if r['planned_batch_ran'] else 'no'} | "
+                     f"{mib(r['peak_bytes_at_planned'])} | {r['largest_batch']} | "
+                     f"{mib(r.get('peak_bytes_at_largest'))} | {mib(r.get('predicted_at_largest'))} | "
+                     f"{step} |")
+    return lines
 
 
 def mib(b):
@@ -241,38 +310,31 @@ def write_markdown(out, basename, machine_line, rows, layers, model, size, chunk
                    if peers else "n/a")
         vs_naive = f"{r['step_seconds'] / naive['step_seconds']:.2f}x" if naive else "n/a"
         lines.append(f"| {T} | {precision} | {vs_peer} | {vs_naive} |")
-    lines += ["", "## Layer checkpointing (UNet, width 32, depth 4; allocator with expandable segments)", ""]
     if "error" in layers:
-        lines.append(f"failed: {layers['error']}")
+        lines += ["", "## Layer checkpointing", "", f"failed: {layers['error']}"]
     else:
-        lines += [f"Input {layers['input']}, batch {layers['batch']}, fp32; 3 interleaved rounds of 5 "
-                  "steps; slowdown = median over rounds of the same-round ratio to no checkpointing.", "",
-                  "| checkpointing | activations (MiB) | less memory | step (s) | slowdown |",
-                  "|---|---:|---:|---:|---:|"]
-        base = layers["modes"].get("off", {})
-        for mode, label in (("off", "off"), ("half", "planner at half the activations"),
-                            ("all", "every stage")):
-            m = layers["modes"].get(mode, {})
-            if "error" in m or not m:
-                lines.append(f"| {label} | {m.get('error', 'missing')} | | | |")
-                continue
-            less = base["activation_bytes"] / m["activation_bytes"] if m["activation_bytes"] else 0
-            lines.append(f"| {label} | {mib(m['activation_bytes'])} | {less:.2f}x | "
-                         f"{m['step_seconds']:.3f} | {m['time_ratio']:.2f}x |")
-    if layers.get("largest"):
-        lines += ["", "### Largest batch within a budget (the batch planner's CUDA margin: 10%)", "",
-                  f"Input {layers['input']}, `bench-layers --batch 0 --checkpoint auto`: the planner's "
-                  "batch for the budget less the margin, run under the whole budget, then larger "
-                  "batches (or bisection below it).", "",
-                  "| allocator | budget | planned within (MiB) | planner's batch | it ran | its peak (MiB) "
-                  "| largest batch that ran |", "|---|---|---:|---:|---|---:|---:|"]
-        for r in layers["largest"]:
-            if r.get("error") and not r.get("planned_batch"):
-                lines.append(f"| {r['allocator']} | {r['budget']} | {r['error']} | | | | |")
-                continue
-            lines.append(f"| {r['allocator']} | {r['budget']} | {mib(r['plan_budget_bytes'])} | "
-                         f"{r['planned_batch']} | {'yes' if r['planned_batch_ran'] else 'no'} | "
-                         f"{mib(r['peak_bytes_at_planned'])} | {r['largest_batch']} |")
+        if layers.get("modes"):
+            lines += ["", "## Layer checkpointing (UNet, width 32, depth 4; allocator with expandable "
+                      "segments)", ""]
+            lines += cost_table(layers["modes"], layers["input"], layers["batch"])
+        if layers.get("largest"):
+            lines += ["", "### Largest batch within a budget (the batch planner's CUDA margin: 10%)", "",
+                      f"UNet, input {layers['input']}, `bench-layers --batch 0 --checkpoint auto`: the "
+                      "planner's batch for the budget less the margin, run under the whole budget, then "
+                      "larger batches (or bisection below it).", ""]
+            lines += largest_table(layers["largest"])
+        for net in layers.get("nets", []):
+            lines += ["", f"## Layer checkpointing ({net['net']}, allocator with expandable segments)", "",
+                      "Target (issue #6): >= 2x less activation memory for <= 1.35x the step time.", ""]
+            lines += (cost_table(net["modes"], net["input"], net["batch"]) if "modes" in net
+                      else [f"failed: {net.get('error')}"])
+        if layers.get("seed001"):
+            seed = layers["seed001"]
+            lines += ["", f"## seeds/001 corrected (clip3d): {seed['input']} clips, 20 classes", "",
+                      "`bench-layers --net clip3d --batch 0 --checkpoint auto`: the planner's batch for "
+                      "the budget less the CUDA margin, run under the whole budget, then larger batches "
+                      "(or bisection below it).", ""]
+            lines += largest_table(seed["largest"])
     with open(os.path.join(out, basename + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
