@@ -123,7 +123,8 @@ Planned plan_step(const Args& args) {
   // Fixed settings need no plan; without a budget or with --no-retry no re-planning either.
   if (!auto_chunk && (tracker.budget_bytes() == 0 || args.on("no-retry"))) return planned;
   // The doctor's static minimum needs no calibration: an impossible budget fails right away.
-  const auto sizes = plan::static_sizes(request.model);
+  auto sizes = plan::static_sizes(request.model);
+  sizes.library_bytes = plan::library_bytes_on(request.model.device);
   const int64_t minimum = plan::static_minimum_bytes(sizes, request.frames);
   if (minimum > budget) {
     // The doctor's finding says what would lower the minimum; chunking cannot.

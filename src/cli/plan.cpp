@@ -64,6 +64,7 @@ plan::PlanRequest plan_request(const Args& args) {
 Calibrated calibrate_for(const Args& args, const plan::PlanRequest& request) {
   Calibrated result;
   result.sizes = plan::static_sizes(request.model);
+  result.sizes.library_bytes = plan::library_bytes_on(request.model.device);
   plan::CalibrationCache cache(args.has("calibration") ? args.text("calibration")
                                                        : plan::CalibrationCache::default_path());
   result.costs = plan::calibrated_costs(

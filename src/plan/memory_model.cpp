@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "framefit/memory/tracker.h"
 #include "framefit/models/heads.h"
 #include "framefit/models/resnet.h"
 
@@ -83,6 +84,10 @@ StaticSizes static_sizes(const ModelSpec& spec, const torch::nn::Module& encoder
   for (const auto& b : encoder.buffers()) sizes.parameter_bytes += static_cast<int64_t>(b.nbytes());
   sizes.min_input_size = 1;
   return with_head(sizes, spec, feature_dim, largest);
+}
+
+int64_t library_bytes_on(torch::Device device) {
+  return device.is_cuda() ? memory::Tracker::of(device).library_bytes() : 0;
 }
 
 Linear Linear::through(double n1, double y1, double n2, double y2) {
@@ -219,7 +224,8 @@ Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepS
   const int64_t frames_in = s.videos_per_call * T * sizes.resident_bytes_per_frame();
   for (const auto& m : moments) {
     const int64_t activations = std::max<int64_t>(0, std::llround(m.activations));
-    const int64_t workspace = std::max<int64_t>(0, std::llround(m.workspace)) + m.extra_workspace;
+    const int64_t workspace =
+        std::max<int64_t>(0, std::llround(m.workspace)) + m.extra_workspace + sizes.library_bytes;
     const int64_t total = sizes.parameter_bytes + sizes.trained_bytes() + m.extra_gradients +
                           sizes.optimizer_state_bytes + frames_in + m.features + activations +
                           workspace;

@@ -155,7 +155,8 @@ std::string budget_beyond_device(int64_t budget_bytes, torch::Device device,
 
 int64_t static_minimum_bytes(const StaticSizes& sizes, int64_t frames) {
   return sizes.parameter_bytes + sizes.trained_bytes() + sizes.optimizer_state_bytes +
-         frames * sizes.resident_bytes_per_frame() + 2 * frames * sizes.feature_bytes;
+         frames * sizes.resident_bytes_per_frame() + 2 * frames * sizes.feature_bytes +
+         sizes.library_bytes;
 }
 
 Plan fit(const PlanRequest& request, const StaticSizes& sizes,

@@ -934,6 +934,7 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
   }
   result.sizes = probe_script ? plan::static_sizes(request.model, *probe_script, script_features)
                               : plan::static_sizes(request.model);
+  result.sizes.library_bytes = plan::library_bytes_on(device);
   if (probe_script) {
     for (const auto precision : request.precisions) {
       info("calibrating the TorchScript encoder at " + engine::to_string(precision) +

@@ -233,6 +233,30 @@ TEST(MemoryModel, VideoFramesOnCudaAreInHostMemoryAndOutsideThePrediction) {
             1000 * on_cpu.frame_bytes);
 }
 
+TEST(MemoryModel, LibraryWorkspacesCountInEveryPhaseAndTheMinimum) {
+  // cuBLAS's workspaces (CUDA) stay allocated through the step: every phase's peak, the
+  // breakdown's workspace part and the doctor's minimum hold them once. The CPU has none.
+  const auto spec = tiny_spec();
+  EXPECT_EQ(plan::library_bytes_on(torch::kCPU), 0);
+  const auto plain = plan::static_sizes(spec);
+  auto with_libraries = plain;
+  with_libraries.library_bytes = 32 << 20;
+  plan::StepSettings s;
+  s.frames = 1000;
+  s.chunk = 64;
+  const auto costs = synthetic_costs();
+  const auto a = plan::predict(plain, costs, s);
+  const auto b = plan::predict(with_libraries, costs, s);
+  EXPECT_EQ(b.peak_bytes - a.peak_bytes, 32 << 20);
+  EXPECT_EQ(b.workspace - a.workspace, 32 << 20);
+  ASSERT_EQ(a.phase_peaks.size(), b.phase_peaks.size());
+  for (const auto& [phase, peak] : a.phase_peaks)
+    EXPECT_EQ(b.phase_peaks.at(phase) - peak, 32 << 20);
+  EXPECT_EQ(
+      plan::static_minimum_bytes(with_libraries, 1000) - plan::static_minimum_bytes(plain, 1000),
+      32 << 20);
+}
+
 TEST(Planner, ChoosesTheFastestThatFitsAndRespectsFixedSettings) {
   plan::PlanRequest request;
   request.model = tiny_spec();

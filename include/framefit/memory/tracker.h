@@ -71,6 +71,8 @@ class Backend {
   virtual int64_t capacity_bytes() const = 0;
   // Of current_bytes, those allocated on data-loading threads (PipelineThreadScope).
   virtual int64_t pipeline_bytes() const { return 0; }
+  // Of current_bytes, what the device's math libraries took when first used and keep (CUDA).
+  virtual int64_t library_bytes() const { return 0; }
 };
 
 // Marks the calling thread as a data-loading thread while alive (the prefetching workers): the
@@ -156,6 +158,12 @@ class Tracker {
   int64_t allocation_count() const { return backend_->allocation_count(); }
   // Of current_bytes, the data pipeline's (PipelineThreadScope).
   int64_t pipeline_bytes() const { return backend_->pipeline_bytes(); }
+  // What the device's math libraries keep once used, for the process's life: on CUDA the
+  // cuBLAS/cuBLASLt workspaces LibTorch takes from the caching allocator per handle and stream
+  // (32 MiB each on Hopper), measured when the tracker is made by running them once; 0 on the
+  // CPU. Workspaces taken before (by code that ran matrix products before framefit asked for
+  // the tracker) are not seen.
+  int64_t library_bytes() const { return backend_->library_bytes(); }
   int64_t peak_bytes() const;  // since construction or reset_peak()
   void reset_peak();           // only when no window is open
   Snapshot snapshot() const;

@@ -62,8 +62,14 @@ struct StaticSizes {
   int64_t feature_dim = 0;
   int64_t min_input_size = 0;
   int64_t frozen_stages = 0;
+  // What the device's math libraries hold for the process's life (memory::Tracker::
+  // library_bytes: cuBLAS workspaces on CUDA, 32 MiB each on Hopper): in the budget, in no
+  // tensor of the step. Set by who plans for a device (library_bytes_on); 0 for the doctor.
+  int64_t library_bytes = 0;
   int64_t trained_bytes() const { return trained_encoder_bytes + trained_head_bytes; }
 };
+// The device's library_bytes: runs its libraries once if its tracker is new (CUDA); 0 on the CPU.
+int64_t library_bytes_on(torch::Device device);
 StaticSizes static_sizes(const ModelSpec& spec);
 // The same for an encoder given as a module (a TorchScript network) of `feature_dim` features per
 // frame, counted from its tensors; spec supplies the head, frame size, optimizer and dtype.
@@ -112,7 +118,7 @@ struct Breakdown {
   int64_t input_frames = 0;  // uint8 frames (CPU) and labels of the videos in memory
   int64_t features = 0;      // per-frame features and their gradient
   int64_t activations = 0;   // per-frame terms: the chunks' saved activations
-  int64_t workspace = 0;     // per-chunk constant terms: kernels' buffers, head
+  int64_t workspace = 0;     // per-chunk constant terms (kernels' buffers, head), library_bytes
   int64_t peak_bytes = 0;    // the sum of the above
   std::string peak_phase;    // encode | head | recompute | optimizer
   std::map<std::string, int64_t> phase_peaks;
