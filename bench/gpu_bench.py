@@ -268,9 +268,13 @@ def largest_table(rows):
             lines.append(f"| {r['allocator']} | {r['budget']} | {r['error']} | | | | | | | |")
             continue
         step = f"{r['step_seconds']:.2f}" if r.get("step_seconds") else "n/a"
+        # The search's steps ran at the largest batch; the measured steps after them may not.
+        largest = r["largest_batch"]
+        if r.get("error"):
+            largest = f"{largest} (then out of memory when measured)"
         lines.append(f"| {r['allocator']} | {r['budget']} | {mib(r['plan_budget_bytes'])} | "
                      f"{r['planned_batch']} | {'yes' if r['planned_batch_ran'] else 'no'} | "
-                     f"{mib(r['peak_bytes_at_planned'])} | {r['largest_batch']} | "
+                     f"{mib(r['peak_bytes_at_planned'])} | {largest} | "
                      f"{mib(r.get('peak_bytes_at_largest'))} | {mib(r.get('predicted_at_largest'))} | "
                      f"{step} |")
     return lines
