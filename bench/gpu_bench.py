@@ -90,7 +90,7 @@ def main():
     threads = str(os.cpu_count())
     rows = []
     layers = {"error": "not run"}
-    wanted = lambda key: re.search(a.rows, key) is not None
+    wanted = lambda key: wanted_rows(a, key)
 
     machine_line = machine()
 
@@ -183,6 +183,7 @@ def layer_checkpointing(a, run, device):
 
 
 def wanted_rows(a, key):
+    """Whether --rows selects the row named `key`."""
     return re.search(a.rows, key) is not None
 
 
