@@ -141,11 +141,10 @@ MultiStage as_multi(const Stage& stage) {
 }
 
 // Gradients of `output` (seeded with `grad`) for `wrt`, as torch::autograd::grad with
-// allow_unused, but with `output` itself released before backward runs: autograd::grad holds its
-// outputs until it returns, and a recomputed stage's output is as large as its largest
-// activation; released, it is freed as soon as the graph is done with it.
-torch::autograd::variable_list grad_releasing_output(torch::Tensor output,
-                                                     const torch::Tensor& grad,
+// allow_unused, but holding neither `output` nor `grad` while backward runs: autograd::grad holds
+// both until it returns, and each is as large as the stage's output. Released, the output is
+// freed as soon as the graph is done with it, and the seed once the output's node has used it.
+torch::autograd::variable_list grad_releasing_output(torch::Tensor output, torch::Tensor grad,
                                                      const std::vector<torch::Tensor>& wrt) {
   using namespace torch::autograd;
   TORCH_CHECK(output.requires_grad(), "checkpoint: the recomputed stage's output needs no grad");
@@ -156,8 +155,15 @@ torch::autograd::variable_list grad_releasing_output(torch::Tensor output,
     // A tensor the graph does not reach: its gradient comes back undefined.
     wanted.emplace_back(node ? Edge(node, w.output_nr()) : Edge(std::make_shared<Identity>(), 0));
   }
+  // The engine reads the seed list once, when it starts, and keeps the caller's list alive
+  // until it returns; a hook on the output's node, which runs after that read, empties it.
+  auto seeds = std::make_shared<variable_list>(variable_list{std::move(grad)});
+  output.register_hook([seeds](const torch::Tensor&) {
+    seeds->clear();
+    return torch::Tensor();  // the gradient unchanged
+  });
   output.reset();
-  return Engine::get_default_engine().execute(roots, {grad}, /*keep_graph=*/false,
+  return Engine::get_default_engine().execute(roots, *seeds, /*keep_graph=*/false,
                                               /*create_graph=*/false, /*accumulate_grad=*/false,
                                               wanted);
 }
@@ -167,7 +173,22 @@ struct CheckpointState : torch::CustomClassHolder {
   detail::RngState rng;
   AutocastState autocast;
   std::vector<bool> input_requires_grad;
+  // The gradient of the checkpoint's output, taken from the engine by a hook (take_incoming).
+  torch::Tensor incoming;
 };
+
+// A recomputed stage needs its output's gradient only for its last operation, but a custom
+// autograd function's backward() gets it from a list its node holds until backward returns:
+// through the whole recompute, one output's bytes more than a stored stage holds. A hook on
+// the output (run by the engine just before the node) takes the gradient and hands the node a
+// stand-in of one element's storage, so backward holds the only reference and can let it go.
+void take_incoming(torch::Tensor& output, const c10::intrusive_ptr<CheckpointState>& state) {
+  output.register_hook([state](const torch::Tensor& grad) {
+    if (!grad.defined()) return torch::Tensor();
+    state->incoming = grad;
+    return torch::zeros({}, grad.options()).expand(grad.sizes());
+  });
+}
 
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
  public:
@@ -211,8 +232,12 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       torch::AutoGradMode grad_mode(true);
       at::autocast::clear_cache();
       auto out = s.stage.forward(inputs);
-      const auto grad = grad_outputs.at(0).to(out.scalar_type());
-      grads = grad_releasing_output(std::move(out), grad, wrt);
+      // The hook's gradient (the node's is a stand-in) unless the hook did not run.
+      auto grad = s.incoming.defined() ? std::move(s.incoming) : grad_outputs.at(0);
+      s.incoming.reset();
+      grad_outputs.clear();
+      grad = grad.to(out.scalar_type());
+      grads = grad_releasing_output(std::move(out), std::move(grad), wrt);
     }
     // One entry per forward argument, lists flattened: the state, each input, each parameter.
     torch::autograd::variable_list result{torch::Tensor()};
@@ -258,7 +283,10 @@ torch::Tensor checkpoint(const MultiStage& stage, const std::vector<torch::Tenso
   auto state = c10::make_intrusive<CheckpointState>();
   state->stage = stage;
   for (const auto& x : inputs) state->input_requires_grad.push_back(x.requires_grad());
-  return CheckpointFunction::apply(state, at::TensorList(inputs), at::TensorList(stage.parameters));
+  auto out =
+      CheckpointFunction::apply(state, at::TensorList(inputs), at::TensorList(stage.parameters));
+  take_incoming(out, state);
+  return out;
 }
 
 torch::Tensor checkpoint(const Stage& stage, const torch::Tensor& input) {
@@ -329,7 +357,6 @@ StageCost measure_stage(const MultiStage& stage, const std::vector<torch::Tensor
       auto seeded = (y * torch::ones_like(y)).sum();
       y.reset();
       grad_releasing_output(std::move(seeded), torch::ones_like(seeded), wrt);
-      cost.held_gradient_bytes = cost.output_bytes;
     }
   }
   cost.peak_bytes = window.peak_bytes() - window.entry_bytes();
@@ -358,8 +385,6 @@ std::vector<StageCost> scale_costs(const std::vector<StageCost>& costs, double f
     c.kept_bytes = static_cast<int64_t>(static_cast<double>(c.kept_bytes) * factor);
     c.output_bytes = static_cast<int64_t>(static_cast<double>(c.output_bytes) * factor);
     c.peak_bytes = static_cast<int64_t>(static_cast<double>(c.peak_bytes) * factor);
-    c.held_gradient_bytes =
-        static_cast<int64_t>(static_cast<double>(c.held_gradient_bytes) * factor);
     c.seconds *= factor;
   }
   return scaled;
@@ -398,15 +423,15 @@ struct Prefix {
 };
 
 // Backward's transient above what a stage keeps (gradients of its input, output and
-// intermediates), the largest over a segment, plus the segment's incoming gradient, which its
-// checkpoint holds throughout.
+// intermediates), the largest over a segment: a recomputed segment frees its incoming gradient
+// as a stored stage does (take_incoming).
 int64_t backward_extra(const std::vector<StageCost>& costs, int64_t b, int64_t e) {
   int64_t extra = 0;
   for (int64_t i = b; i < e; ++i) {
     extra = std::max(
         extra, costs[static_cast<size_t>(i)].peak_bytes - costs[static_cast<size_t>(i)].kept_bytes);
   }
-  return extra + costs[static_cast<size_t>(e - 1)].held_gradient_bytes;
+  return extra;
 }
 
 }  // namespace
@@ -475,8 +500,7 @@ double least_recompute(const std::vector<StageCost>& costs, int64_t budget, int6
         const auto& last = costs[static_cast<size_t>(e - 1)];
         extra = std::max(extra, last.peak_bytes - last.kept_bytes);
         const int64_t segment = kept + prefix.segment_kept(i, e) + extra;
-        if (segment > budget) break;                                // only grows with e
-        if (segment + last.held_gradient_bytes > budget) continue;  // as backward_extra
+        if (segment > budget) break;  // only grows with e
         const int64_t next = m + units(last.output_bytes);
         const double t = time[i][m] + prefix.segment_seconds(i, e);
         if (next <= kUnits && t < time[e][next]) {

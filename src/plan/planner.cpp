@@ -365,7 +365,6 @@ std::vector<engine::StageCost> BatchCosts::at(int64_t batch) const {
     costs[i].kept_bytes += fixed[i].kept_bytes;
     costs[i].output_bytes += fixed[i].output_bytes;
     costs[i].peak_bytes += fixed[i].peak_bytes;
-    costs[i].held_gradient_bytes += fixed[i].held_gradient_bytes;
     costs[i].seconds += fixed[i].seconds;
   }
   if (batch == 1 && single.size() == costs.size()) {
@@ -375,7 +374,6 @@ std::vector<engine::StageCost> BatchCosts::at(int64_t batch) const {
       c.kept_bytes = std::max(c.kept_bytes, s.kept_bytes);
       c.output_bytes = std::max(c.output_bytes, s.output_bytes);
       c.peak_bytes = std::max(c.peak_bytes, s.peak_bytes);
-      c.held_gradient_bytes = std::max(c.held_gradient_bytes, s.held_gradient_bytes);
       c.seconds = std::max(c.seconds, s.seconds);
     }
   }
@@ -409,8 +407,6 @@ BatchCosts BatchCosts::through(int64_t b1, const std::vector<engine::StageCost>&
     bytes(c1[i].kept_bytes, c2[i].kept_bytes, slope.kept_bytes, intercept.kept_bytes);
     bytes(c1[i].output_bytes, c2[i].output_bytes, slope.output_bytes, intercept.output_bytes);
     bytes(c1[i].peak_bytes, c2[i].peak_bytes, slope.peak_bytes, intercept.peak_bytes);
-    bytes(c1[i].held_gradient_bytes, c2[i].held_gradient_bytes, slope.held_gradient_bytes,
-          intercept.held_gradient_bytes);
     const auto seconds = line(c1[i].seconds, c2[i].seconds);
     slope.seconds = seconds.slope;
     intercept.seconds = seconds.intercept;

@@ -377,6 +377,30 @@ TEST(Checkpoint, BackwardDoesNotHoldTheRecomputedOutput) {
   EXPECT_TRUE(torch::allclose(x.grad(), torch::full({n}, 3.0f)));
 }
 
+TEST(Checkpoint, BackwardFreesTheIncomingGradientOnceUsed) {
+  // A stage of three in-place products: recomputing it holds one tensor, and its backward
+  // produces a new gradient per product. A stored stage's graph frees each incoming gradient
+  // once the next is made (two tensors at a time); the checkpoint must not hold the first
+  // through the whole recompute (three).
+  const int64_t n = int64_t{1} << 20;  // 4 MiB of float
+  const auto x = torch::randn({n}).requires_grad_();
+  const auto weight = torch::rand({n});
+  const engine::Stage products{
+      "products", [](const torch::Tensor& t) { return (t * 3).mul_(2).mul_(5); }, {}, {}};
+  auto& tracker = memory::Tracker::cpu();
+  const int64_t base = tracker.current_bytes();
+  tracker.reset_peak();
+  {
+    // The incoming gradient is made inside the graph (weight's product), so nothing else
+    // holds it.
+    auto loss = (engine::checkpoint(products, x) * weight).sum();
+    loss.backward();
+  }
+  // x.grad stays; at most two tensors of n floats at a time above the base.
+  EXPECT_LT(tracker.peak_bytes() - base, n * 4 * 5 / 2);
+  EXPECT_TRUE(torch::allclose(x.grad(), weight * 30));
+}
+
 TEST(Checkpoint, BadSegmentsAreRejected) {
   auto net = models::Network(models::NetworkOptions(test_layers(), {3, 8, 8}));
   const auto stages = engine::network_stages(net.ptr());

@@ -62,15 +62,14 @@ torch::Tensor checkpoint(const MultiStage& stage, const std::vector<torch::Tenso
 // What one stage costs, measured on the device of the input: bytes the stage leaves allocated
 // when run with grad in the chain (its output and what its graph saves), its output's bytes,
 // forward seconds, and the peak of running it alone forward and backward (above its input:
-// what it keeps plus backward's gradients) as a stored stage. A recomputed stage's checkpoint
-// holds its incoming gradient through its backward: held_gradient_bytes more (0 where the peak
-// was measured holding it).
+// what it keeps plus backward's gradients) as a stored stage. Recomputed, a stage's backward
+// holds the same: its checkpoint lets its incoming gradient go once the stage's last operation
+// has used it, as a stored stage's graph does.
 struct StageCost {
   int64_t kept_bytes = 0;
   int64_t output_bytes = 0;
   double seconds = 0;
   int64_t peak_bytes = 0;
-  int64_t held_gradient_bytes = 0;
 };
 std::vector<StageCost> measure_stages(const std::vector<Stage>& stages, const torch::Tensor& input);
 // Costs at `factor` times the measured batch (activations and time grow with the batch).
