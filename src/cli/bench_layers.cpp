@@ -209,6 +209,7 @@ int run_bench_layers(const Args& args) {
                         {"plan_budget_bytes", plan_budget},
                         {"stages", n},
                         {"static_bytes", costs.static_bytes},
+                        {"library_bytes", costs.library_bytes},
                         {"machine", machine_info().describe()}};
   int64_t batch = args.integer("batch");
   int64_t predicted = 0;
@@ -274,7 +275,7 @@ int run_bench_layers(const Args& args) {
     out["recomputed"] = segments_json(segments);
     out["predicted_peak_bytes"] = predicted;
     out["peak_bytes"] = result.peak_bytes;
-    out["activation_bytes"] = result.peak_bytes - costs.static_bytes;
+    out["activation_bytes"] = result.peak_bytes - costs.static_bytes - costs.library_bytes;
     out["rss_peak_bytes"] = rss.rss_peak_bytes;
     out["step_seconds"] = result.seconds;
     out["samples_per_second"] = result.seconds > 0 ? batch / result.seconds : 0.0;

@@ -371,6 +371,7 @@ BatchCosts lines_toward_budget(const std::function<std::vector<engine::StageCost
                            const std::vector<engine::StageCost>& c2) {
     auto costs = BatchCosts::through(b1, c1, b2, c2);
     costs.static_bytes = base.static_bytes;
+    costs.library_bytes = base.library_bytes;
     costs.input_bytes_per_sample = base.input_bytes_per_sample;
     costs.max_segment_stages = base.max_segment_stages;
     return costs;
@@ -418,6 +419,7 @@ BatchCosts calibrate_batch(const engine::ChainNetwork& network,
   };
   BatchCosts base;
   base.static_bytes = static_bytes;
+  base.library_bytes = library_bytes_on(device);
   base.input_bytes_per_sample = input_bytes_per_sample;
   base.max_segment_stages = network.max_segment_stages();
   return lines_toward_budget(at, base, budget_bytes, 4096);
@@ -450,6 +452,7 @@ BatchCosts calibrate_inference(const engine::ChainNetwork& network,
   };
   BatchCosts base;
   base.static_bytes = static_bytes;
+  base.library_bytes = library_bytes_on(device);
   base.input_bytes_per_sample = input_bytes_per_sample;
   base.max_segment_stages = 1;
   const auto costs = lines_toward_budget(at, base, budget_bytes, max_batch);

@@ -417,7 +417,8 @@ BatchCosts BatchCosts::through(int64_t b1, const std::vector<engine::StageCost>&
 }
 
 int64_t batch_peak_bytes(const BatchCosts& costs, int64_t batch, const engine::ChainPlan& chain) {
-  return costs.static_bytes + batch * costs.input_bytes_per_sample + chain.predicted_bytes;
+  return costs.static_bytes + costs.library_bytes + batch * costs.input_bytes_per_sample +
+         chain.predicted_bytes;
 }
 
 Recompute parse_recompute(const std::string& checkpointing) {
@@ -431,7 +432,8 @@ engine::ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64
                                    Recompute recompute, int64_t micro_batches) {
   TORCH_CHECK(micro_batches >= 1, "plan_batch_chain: micro_batches must be >= 1");
   const auto scaled = costs.at((batch + micro_batches - 1) / micro_batches);
-  const int64_t room = budget_bytes - costs.static_bytes - batch * costs.input_bytes_per_sample;
+  const int64_t room = budget_bytes - costs.static_bytes - costs.library_bytes -
+                       batch * costs.input_bytes_per_sample;
   const auto stages = static_cast<int64_t>(scaled.size());
   auto fixed = engine::evaluate_chain(scaled, recompute == Recompute::EveryStage
                                                   ? engine::recompute_every(stages, 1)
@@ -451,7 +453,7 @@ BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute re
   };
   BatchPlan result;
   result.minimum_bytes_one_sample =
-      costs.static_bytes + costs.input_bytes_per_sample +
+      costs.static_bytes + costs.library_bytes + costs.input_bytes_per_sample +
       engine::plan_chain(costs.at(1), 1, costs.max_segment_stages).minimum_bytes;
   if (max_batch < 1 || !fits(1)) return result;
   // Memory grows with the batch, so the largest batch that fits is found by bisection.

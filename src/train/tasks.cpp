@@ -586,6 +586,7 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
     p.segments = chain.segments;
     const auto evaluated = engine::evaluate_chain(costs.at(micro_batch), p.segments);
     p.input_bytes = costs.input_bytes_per_sample * p.batch;
+    p.library_bytes = costs.library_bytes;
     p.activation_bytes = evaluated.predicted_bytes;
     p.predicted_peak_bytes = plan::batch_peak_bytes(costs, p.batch, evaluated);
     return p;
@@ -1209,7 +1210,9 @@ std::string BatchTaskPlan::describe() const {
       cuda_budget ? c10::str(" less ", memory::format_bytes(budget_bytes - step_budget_bytes),
                              " for CUDA's caching allocator")
                   : std::string(" less decoded data"),
-      "): static ", memory::format_bytes(static_bytes), ", inputs ",
+      "): static ", memory::format_bytes(static_bytes),
+      library_bytes > 0 ? c10::str(", CUDA libraries ", memory::format_bytes(library_bytes)) : "",
+      ", inputs ",
       memory::format_bytes(input_bytes), ", activations ", memory::format_bytes(activation_bytes),
       evaluation);
 }

@@ -396,6 +396,27 @@ TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
   EXPECT_THROW(plan::parse_recompute("some"), c10::Error);
 }
 
+TEST(BatchPlanner, LibraryWorkspacesCountInEveryBatchAndTheMinimum) {
+  // On CUDA the math libraries keep workspaces in the budget (65 MiB on an H200); a UNet planned
+  // without them for a 64 MiB budget ran out of memory in its first step.
+  auto costs = six_stage_costs();
+  const int64_t budget = 10'000;
+  const auto without = plan::plan_batch(costs, budget, plan::Recompute::AsNeeded);
+  costs.library_bytes = 2'000;
+  const auto with = plan::plan_batch(costs, budget, plan::Recompute::AsNeeded);
+  ASSERT_GT(with.batch, 0);
+  EXPECT_LT(with.batch, without.batch);
+  EXPECT_LE(with.predicted_peak_bytes, budget);
+  EXPECT_EQ(with.predicted_peak_bytes,
+            plan::batch_peak_bytes(costs, with.batch, with.chain));
+  EXPECT_EQ(with.minimum_bytes_one_sample, without.minimum_bytes_one_sample + 2'000);
+  // A budget the libraries alone fill: not one sample.
+  costs.library_bytes = budget;
+  const auto none = plan::plan_batch(costs, budget, plan::Recompute::AsNeeded);
+  EXPECT_EQ(none.batch, 0);
+  EXPECT_GT(none.minimum_bytes_one_sample, budget);
+}
+
 TEST(BatchPlanner, TableGivesThePeakOfEachBatchAroundTheLargest) {
   const auto costs = six_stage_costs();
   const int64_t budget = 10'000;

@@ -125,6 +125,7 @@ int64_t static_minimum_bytes(const StaticSizes& sizes, int64_t frames);
 // of measured costs.
 struct BatchCosts {
   int64_t static_bytes = 0;            // parameters, buffers, gradients, optimizer state
+  int64_t library_bytes = 0;           // the device's math libraries' workspaces (CUDA)
   int64_t input_bytes_per_sample = 0;  // the batch's input and labels
   // Stage costs at a batch of b samples: fixed + b x per_sample (from two measured batches;
   // fixed holds what does not grow with the batch, such as autocast's weight copies).

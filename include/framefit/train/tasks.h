@@ -117,6 +117,7 @@ struct BatchTaskPlan {
   // samples and labels of the accumulated batches, on CUDA only the running batch's copy of
   // them, and the float input of one) + activations (the chain plan's); 0 when not planned.
   int64_t static_bytes = 0, input_bytes = 0, activation_bytes = 0, predicted_peak_bytes = 0;
+  int64_t library_bytes = 0;  // CUDA's math libraries' workspaces, in the predicted peak
   int64_t minimum_bytes_one_sample = 0;  // with everything recomputed
   // Validation's batch (eval mode, no grad: plan::calibrate_inference) and its predicted peak
   // (0 when train.eval_batch is a count).
