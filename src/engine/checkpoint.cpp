@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <utility>
 
 #include "framefit/engine/amp.h"
 #include "framefit/memory/tracker.h"
@@ -233,9 +234,8 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       at::autocast::clear_cache();
       auto out = s.stage.forward(inputs);
       // The hook's gradient (the node's is a stand-in) unless the hook did not run.
-      auto grad = s.incoming.defined() ? std::move(s.incoming) : grad_outputs.at(0);
-      s.incoming.reset();
-      grad_outputs.clear();
+      auto grad = std::exchange(s.incoming, torch::Tensor());
+      if (!grad.defined()) grad = grad_outputs.at(0);
       grad = grad.to(out.scalar_type());
       grads = grad_releasing_output(std::move(out), std::move(grad), wrt);
     }
