@@ -388,6 +388,7 @@ int plan_config(const Args& args) {
         {"budget_bytes", plan.budget_bytes},
         {"step_budget_bytes", plan.step_budget_bytes},
         {"static_bytes", plan.static_bytes},
+        {"library_bytes", plan.library_bytes},
         {"input_bytes", plan.input_bytes},
         {"activation_bytes", plan.activation_bytes},
         {"predicted_peak_bytes", plan.predicted_peak_bytes},

@@ -64,7 +64,8 @@ cat plan.json
 import json
 p = json.load(open('plan.json'))
 assert p['fits'] and p['planned'] and p['batch'] >= 1, p
-assert p['predicted_peak_bytes'] == p['static_bytes'] + p['input_bytes'] + p['activation_bytes'], p
+assert p['predicted_peak_bytes'] == (p['static_bytes'] + p['library_bytes'] + p['input_bytes']
+                                    + p['activation_bytes']), p
 assert p['predicted_peak_bytes'] <= p['step_budget_bytes'] <= p['budget_bytes'], p
 # Evaluation (no grad) planned on its own: at least the training batch, within the same budget.
 assert p['eval_batch'] >= p['batch'], p
