@@ -177,10 +177,11 @@ class Bench {
   std::unique_ptr<torch::optim::Adam> optimizer_;
 };
 
-nlohmann::json segments_json(const std::vector<engine::ChainSegment>& segments) {
+// [begin, end) of the segments recomputed, or of those among them that are nested.
+nlohmann::json segments_json(const std::vector<engine::ChainSegment>& segments, bool nested) {
   nlohmann::json out = nlohmann::json::array();
   for (const auto& s : segments) {
-    if (s.recompute) out.push_back({s.begin, s.end});
+    if (s.recompute && (!nested || s.nested)) out.push_back({s.begin, s.end});
   }
   return out;
 }
@@ -272,7 +273,8 @@ int run_bench_layers(const Args& args) {
     // is the budget being too small, one with a plan that did is the model being wrong.
     out["plan_fits"] = budget <= 0 || predicted <= plan_budget;
     out["fits"] = result.fits;
-    out["recomputed"] = segments_json(segments);
+    out["recomputed"] = segments_json(segments, false);
+    out["nested"] = segments_json(segments, true);
     out["predicted_peak_bytes"] = predicted;
     out["peak_bytes"] = result.peak_bytes;
     out["activation_bytes"] = result.peak_bytes - costs.static_bytes - costs.library_bytes;

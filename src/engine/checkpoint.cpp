@@ -250,6 +250,22 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
   }
 };
 
+Stage merge(const std::vector<Stage>& stages, int64_t begin, int64_t end);
+
+// A nested segment as one stage: its forward checkpoints every stage but the last, so when the
+// outer checkpoint recomputes it with grad, only the stages' inputs are kept and each stage is
+// recomputed again in its own backward.
+Stage nest(const std::vector<Stage>& stages, int64_t begin, int64_t end) {
+  Stage nested = merge(stages, begin, end);
+  std::vector<Stage> inner(stages.begin() + begin, stages.begin() + end);
+  nested.forward = [inner](const torch::Tensor& input) {
+    auto x = input;
+    for (size_t i = 0; i + 1 < inner.size(); ++i) x = checkpoint(inner[i], x);
+    return inner.back().forward(x);
+  };
+  return nested;
+}
+
 Stage merge(const std::vector<Stage>& stages, int64_t begin, int64_t end) {
   if (end - begin == 1) return stages[static_cast<size_t>(begin)];
   Stage merged;
@@ -305,7 +321,8 @@ torch::Tensor run_chain(const std::vector<Stage>& stages, const std::vector<Chai
                 expected);
     expected = seg.end;
     if (seg.recompute) {
-      x = checkpoint(merge(stages, seg.begin, seg.end), x);
+      x = checkpoint(
+          seg.nested ? nest(stages, seg.begin, seg.end) : merge(stages, seg.begin, seg.end), x);
     } else {
       for (int64_t i = seg.begin; i < seg.end; ++i) x = stages[static_cast<size_t>(i)].forward(x);
     }
@@ -327,6 +344,7 @@ StageCost measure_stage(const MultiStage& stage, const std::vector<torch::Tensor
   torch::AutoGradMode grad_mode(true);
   const auto rng = detail::RngState::capture(inputs.front().device());
   StageCost cost;
+  for (const auto& p : stage.parameters) cost.parameter_grad_bytes += p.numel() * p.element_size();
   {
     const int64_t before = tracker.current_bytes();
     const auto start = std::chrono::steady_clock::now();
@@ -385,7 +403,7 @@ std::vector<StageCost> scale_costs(const std::vector<StageCost>& costs, double f
     c.kept_bytes = static_cast<int64_t>(static_cast<double>(c.kept_bytes) * factor);
     c.output_bytes = static_cast<int64_t>(static_cast<double>(c.output_bytes) * factor);
     c.peak_bytes = static_cast<int64_t>(static_cast<double>(c.peak_bytes) * factor);
-    c.seconds *= factor;
+    c.seconds *= factor;  // parameter_grad_bytes: the same at any batch
   }
   return scaled;
 }
@@ -422,16 +440,29 @@ struct Prefix {
   double segment_seconds(int64_t b, int64_t e) const { return seconds[e] - seconds[b]; }
 };
 
-// Backward's transient above what a stage keeps (gradients of its input, output and
-// intermediates), the largest over a segment: a recomputed segment frees its incoming gradient
-// as a stored stage does (take_incoming).
-int64_t backward_extra(const std::vector<StageCost>& costs, int64_t b, int64_t e) {
-  int64_t extra = 0;
-  for (int64_t i = b; i < e; ++i) {
-    extra = std::max(
-        extra, costs[static_cast<size_t>(i)].peak_bytes - costs[static_cast<size_t>(i)].kept_bytes);
+// What a recomputed segment's backward holds above the memory kept before it, built up one
+// stage at a time from its first (`add` the next). Backward runs its stages last first; at each,
+// the gradients of the later stages' parameters are still held (StageCost::parameter_grad_bytes).
+// - extra_bytes: a recomputed segment's, above its stages' kept bytes: the largest backward
+//   transient of a stage (gradients of its input, output and intermediates; the incoming
+//   gradient is freed as a stored stage frees it: take_incoming) plus those parameter gradients.
+// - nested_bytes: a nested segment's whole: at each stage, the outputs of the stages before it,
+//   its own peak and the later stages' parameter gradients.
+struct SegmentBackward {
+  int64_t extra_bytes = 0, nested_bytes = 0;
+  int64_t outputs_bytes = 0;  // of the stages added so far
+  void add(const StageCost& c) {
+    extra_bytes = std::max(extra_bytes + c.parameter_grad_bytes, c.peak_bytes - c.kept_bytes);
+    nested_bytes = std::max(nested_bytes + c.parameter_grad_bytes,
+                            outputs_bytes + std::max(c.peak_bytes, c.kept_bytes));
+    outputs_bytes += c.output_bytes;
   }
-  return extra;
+};
+
+SegmentBackward segment_backward(const std::vector<StageCost>& costs, int64_t b, int64_t e) {
+  SegmentBackward backward;
+  for (int64_t i = b; i < e; ++i) backward.add(costs[static_cast<size_t>(i)]);
+  return backward;
 }
 
 }  // namespace
@@ -446,9 +477,12 @@ ChainPlan evaluate_chain(const std::vector<StageCost>& costs, std::vector<ChainS
   int64_t kept = 0, peak = 0;
   for (const auto& s : segments) {
     if (s.recompute) {
+      const auto backward = segment_backward(costs, s.begin, s.end);
       peak = std::max(
-          peak, kept + prefix.segment_kept(s.begin, s.end) + backward_extra(costs, s.begin, s.end));
+          peak, kept + (s.nested ? backward.nested_bytes
+                                 : prefix.segment_kept(s.begin, s.end) + backward.extra_bytes));
       kept += costs[static_cast<size_t>(s.end - 1)].output_bytes;
+      if (s.nested) plan.recompute_seconds += prefix.segment_seconds(s.begin, s.end - 1);
       plan.recompute_seconds += prefix.segment_seconds(s.begin, s.end);
     } else {
       for (int64_t i = s.begin; i < s.end; ++i) {
@@ -479,7 +513,7 @@ double least_recompute(const std::vector<StageCost>& costs, int64_t budget, int6
   const double inf = std::numeric_limits<double>::infinity();
   struct Step {
     int64_t begin = -1, units = -1;
-    bool recompute = false;
+    bool recompute = false, nested = false;
   };
   std::vector<std::vector<double>> time(n + 1, std::vector<double>(kUnits + 1, inf));
   std::vector<std::vector<Step>> from(n + 1, std::vector<Step>(kUnits + 1));
@@ -495,17 +529,30 @@ double least_recompute(const std::vector<StageCost>& costs, int64_t budget, int6
         time[i + 1][stored] = time[i][m];
         from[i + 1][stored] = {i, m, false};
       }
-      int64_t extra = 0;
+      // Segments [i, e) recomputed (their stages at once) or nested (one at a time).
+      SegmentBackward backward;
       for (int64_t e = i + 1; e <= std::min(n, i + longest); ++e) {
         const auto& last = costs[static_cast<size_t>(e - 1)];
-        extra = std::max(extra, last.peak_bytes - last.kept_bytes);
-        const int64_t segment = kept + prefix.segment_kept(i, e) + extra;
-        if (segment > budget) break;  // only grows with e
+        backward.add(last);
+        const bool flat_fits = kept + prefix.segment_kept(i, e) + backward.extra_bytes <= budget;
+        const bool nested_fits = e - i >= 2 && kept + backward.nested_bytes <= budget;
+        if (!flat_fits && kept + backward.nested_bytes > budget) break;  // both grow with e
         const int64_t next = m + units(last.output_bytes);
-        const double t = time[i][m] + prefix.segment_seconds(i, e);
-        if (next <= kUnits && t < time[e][next]) {
-          time[e][next] = t;
-          from[e][next] = {i, m, true};
+        if (next > kUnits) continue;
+        if (flat_fits) {
+          const double t = time[i][m] + prefix.segment_seconds(i, e);
+          if (t < time[e][next]) {
+            time[e][next] = t;
+            from[e][next] = {i, m, true, false};
+          }
+        }
+        if (nested_fits) {
+          const double t =
+              time[i][m] + prefix.segment_seconds(i, e) + prefix.segment_seconds(i, e - 1);
+          if (t < time[e][next]) {
+            time[e][next] = t;
+            from[e][next] = {i, m, true, true};
+          }
         }
       }
     }
@@ -522,7 +569,7 @@ double least_recompute(const std::vector<StageCost>& costs, int64_t budget, int6
       if (!step.recompute && !out->empty() && !out->back().recompute) {
         out->back().begin = step.begin;  // consecutive stored stages: one segment
       } else {
-        out->push_back({step.begin, e, step.recompute});
+        out->push_back({step.begin, e, step.recompute, step.nested});
       }
       e = step.begin;
       m = step.units;

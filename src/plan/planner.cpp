@@ -366,6 +366,7 @@ std::vector<engine::StageCost> BatchCosts::at(int64_t batch) const {
     costs[i].output_bytes += fixed[i].output_bytes;
     costs[i].peak_bytes += fixed[i].peak_bytes;
     costs[i].seconds += fixed[i].seconds;
+    costs[i].parameter_grad_bytes += fixed[i].parameter_grad_bytes;
   }
   if (batch == 1 && single.size() == costs.size()) {
     for (size_t i = 0; i < costs.size(); ++i) {
@@ -410,6 +411,7 @@ BatchCosts BatchCosts::through(int64_t b1, const std::vector<engine::StageCost>&
     const auto seconds = line(c1[i].seconds, c2[i].seconds);
     slope.seconds = seconds.slope;
     intercept.seconds = seconds.intercept;
+    intercept.parameter_grad_bytes = c2[i].parameter_grad_bytes;  // the same at any batch
     costs.per_sample.push_back(slope);
     costs.fixed.push_back(intercept);
   }

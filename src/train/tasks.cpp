@@ -340,9 +340,9 @@ void write_progress(torch::serialize::OutputArchive& archive, const BatchProgres
                                static_cast<int64_t>(p.lean_backward), p.eval_batch, p.stale_epochs},
                               torch::kLong));
   archive.write("progress_real", torch::tensor({p.best_score, p.seconds}, torch::kDouble));
-  std::vector<int64_t> segments;  // [S,3]: begin, end, recompute
+  std::vector<int64_t> segments;  // [S,3]: begin, end, 0 stored, 1 recomputed, 2 nested
   for (const auto& g : p.segments) {
-    segments.insert(segments.end(), {g.begin, g.end, static_cast<int64_t>(g.recompute)});
+    segments.insert(segments.end(), {g.begin, g.end, g.recompute ? (g.nested ? 2 : 1) : 0});
   }
   archive.write("segments", torch::tensor(segments, torch::kLong).view({-1, 3}));
 }
@@ -368,7 +368,7 @@ BatchProgress read_progress(torch::serialize::InputArchive& archive) {
   progress.stale_epochs = p.numel() > 9 ? v[9] : 0;  // ... and had no train.patience
   const auto rows = segments.accessor<int64_t, 2>();
   for (int64_t i = 0; i < rows.size(0); ++i)
-    progress.segments.push_back({rows[i][0], rows[i][1], rows[i][2] != 0});
+    progress.segments.push_back({rows[i][0], rows[i][1], rows[i][2] != 0, rows[i][2] == 2});
   progress.best_score = r[0].item<double>();
   progress.seconds = r[1].item<double>();
   return progress;
@@ -1187,7 +1187,8 @@ std::string BatchTaskPlan::describe() const {
   if (batch == 0) {
     return c10::str("training does not fit in train.budget ", memory::format_bytes(budget_bytes),
                     ": one sample needs at least ", memory::format_bytes(minimum_bytes_one_sample),
-                    " with every stage recomputed; raise train.budget or shrink the input");
+                    " with the checkpointing plan that holds the least; raise train.budget or "
+                    "shrink the input");
   }
   const std::string accumulated =
       (micro_batches > 1 ? c10::str(" in ", micro_batches, " micro-batches") : std::string()) +
@@ -1222,8 +1223,11 @@ namespace {
 // "batch 8, 2 of 5 stages recomputed in 2 micro-batches, lean convolution backward".
 std::string describe_step(const BatchProgress& p) {
   const auto recompute = engine::recomputed(p.segments);
+  int64_t nested = 0;
+  for (const auto& s : p.segments) nested += s.nested ? s.end - s.begin : 0;
   return c10::str("batch ", p.batch, ", ", std::count(recompute.begin(), recompute.end(), true),
                   " of ", recompute.size(), " stages recomputed",
+                  nested > 0 ? c10::str(" (", nested, " in nested segments)") : "",
                   p.micro_batches > 1 ? c10::str(" in ", p.micro_batches, " micro-batches") : "",
                   p.lean_backward ? ", lean convolution backward" : "");
 }

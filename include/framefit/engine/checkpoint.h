@@ -70,6 +70,10 @@ struct StageCost {
   int64_t output_bytes = 0;
   double seconds = 0;
   int64_t peak_bytes = 0;
+  // Its trained parameters' gradients. A recomputed segment returns its parameters' gradients
+  // when its backward ends, so while it recomputes a stage it holds those of the later stages
+  // in it (a stored stage's go straight into .grad). The same at any batch.
+  int64_t parameter_grad_bytes = 0;
 };
 std::vector<StageCost> measure_stages(const std::vector<Stage>& stages, const torch::Tensor& input);
 // Costs at `factor` times the measured batch (activations and time grow with the batch).
@@ -78,6 +82,13 @@ std::vector<StageCost> scale_costs(const std::vector<StageCost>& costs, double f
 struct ChainSegment {
   int64_t begin = 0, end = 0;  // stages [begin, end)
   bool recompute = false;
+  // Recomputed at two levels, as Revolve does: the forward keeps only the segment's input, as
+  // a recomputed segment does, but its backward recomputes the stages one at a time (it reruns
+  // all but the last without grad to get their inputs back, then each with grad, last first).
+  // The segment's own outputs are then never held while later segments run backward, and its
+  // backward holds one stage's recompute at a time, for one more forward of all its stages but
+  // the last.
+  bool nested = false;
 };
 
 struct ChainPlan {
@@ -93,9 +104,10 @@ struct ChainPlan {
 };
 
 // The plan with the least recompute time whose activation memory fits `budget_bytes` (0: no
-// budget, nothing recomputed). When none fits, fits is false and the plan is the one with the
-// least memory. `max_segment_stages` > 0 limits how many stages one recomputed segment spans
-// (1 for networks that are not a chain, such as a UNet: each stage recomputed on its own).
+// budget, nothing recomputed), among segments stored, recomputed and nested. When none fits,
+// fits is false and the plan is the one with the least memory. `max_segment_stages` > 0 limits
+// how many stages one recomputed segment spans (1 for networks that are not a chain, such as a
+// UNet: each stage recomputed on its own).
 ChainPlan plan_chain(const std::vector<StageCost>& costs, int64_t budget_bytes,
                      int64_t max_segment_stages = 0);
 // The activation memory and recompute time of a given plan under the same model.
