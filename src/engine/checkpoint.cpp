@@ -250,22 +250,6 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
   }
 };
 
-Stage merge(const std::vector<Stage>& stages, int64_t begin, int64_t end);
-
-// A nested segment as one stage: its forward checkpoints every stage but the last, so when the
-// outer checkpoint recomputes it with grad, only the stages' inputs are kept and each stage is
-// recomputed again in its own backward.
-Stage nest(const std::vector<Stage>& stages, int64_t begin, int64_t end) {
-  Stage nested = merge(stages, begin, end);
-  std::vector<Stage> inner(stages.begin() + begin, stages.begin() + end);
-  nested.forward = [inner](const torch::Tensor& input) {
-    auto x = input;
-    for (size_t i = 0; i + 1 < inner.size(); ++i) x = checkpoint(inner[i], x);
-    return inner.back().forward(x);
-  };
-  return nested;
-}
-
 Stage merge(const std::vector<Stage>& stages, int64_t begin, int64_t end) {
   if (end - begin == 1) return stages[static_cast<size_t>(begin)];
   Stage merged;
@@ -284,6 +268,20 @@ Stage merge(const std::vector<Stage>& stages, int64_t begin, int64_t end) {
     return x;
   };
   return merged;
+}
+
+// A nested segment as one stage: its forward checkpoints every stage but the last, so when the
+// outer checkpoint recomputes it with grad, only the stages' inputs are kept and each stage is
+// recomputed again in its own backward.
+Stage nest(const std::vector<Stage>& stages, int64_t begin, int64_t end) {
+  Stage nested = merge(stages, begin, end);
+  std::vector<Stage> inner(stages.begin() + begin, stages.begin() + end);
+  nested.forward = [inner](const torch::Tensor& input) {
+    auto x = input;
+    for (size_t i = 0; i + 1 < inner.size(); ++i) x = checkpoint(inner[i], x);
+    return inner.back().forward(x);
+  };
+  return nested;
 }
 
 }  // namespace
