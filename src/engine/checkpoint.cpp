@@ -423,65 +423,59 @@ int64_t ChainPlan::recomputed_stages() const {
 
 namespace {
 
-// Prefix sums so a segment's kept bytes and time are O(1).
-struct Prefix {
-  std::vector<int64_t> kept;
-  std::vector<double> seconds;
-  explicit Prefix(const std::vector<StageCost>& costs)
-      : kept(costs.size() + 1), seconds(costs.size() + 1) {
-    for (size_t i = 0; i < costs.size(); ++i) {
-      kept[i + 1] = kept[i] + costs[i].kept_bytes;
-      seconds[i + 1] = seconds[i] + costs[i].seconds;
-    }
-  }
-  int64_t segment_kept(int64_t b, int64_t e) const { return kept[e] - kept[b]; }
-  double segment_seconds(int64_t b, int64_t e) const { return seconds[e] - seconds[b]; }
-};
-
-// What a recomputed segment's backward holds above the memory kept before it, built up one
-// stage at a time from its first (`add` the next). Backward runs its stages last first; at each,
-// the gradients of the later stages' parameters are still held (StageCost::parameter_grad_bytes).
-// - extra_bytes: a recomputed segment's, above its stages' kept bytes: the largest backward
-//   transient of a stage (gradients of its input, output and intermediates; the incoming
-//   gradient is freed as a stored stage frees it: take_incoming) plus those parameter gradients.
-// - nested_bytes: a nested segment's whole: at each stage, the outputs of the stages before it,
-//   its own peak and the later stages' parameter gradients.
-struct SegmentBackward {
-  int64_t extra_bytes = 0, nested_bytes = 0;
-  int64_t outputs_bytes = 0;  // of the stages added so far
+// A recomputed segment's cost, built up one stage at a time from its first (`add` the next):
+// what its backward holds above the memory kept before it, and the time its recompute adds.
+// Backward runs its stages last first; at each, the gradients of the later stages' parameters
+// are still held (StageCost::parameter_grad_bytes).
+struct SegmentCost {
+  int64_t kept_bytes = 0;  // what its stages keep, recomputed at once
+  // Above kept_bytes, the largest backward transient of a stage (gradients of its input, output
+  // and intermediates; the incoming gradient is freed as a stored stage frees it:
+  // take_incoming) plus those parameter gradients.
+  int64_t extra_bytes = 0;
+  // Nested, the whole: at each stage, the outputs of the stages before it (recomputed), its own
+  // peak and the later stages' parameter gradients.
+  int64_t nested_bytes = 0;
+  int64_t outputs_bytes = 0;       // of the stages added so far
+  double seconds = 0;              // one forward of every stage
+  double seconds_before_last = 0;  // ... but the last
   void add(const StageCost& c) {
+    kept_bytes += c.kept_bytes;
     extra_bytes = std::max(extra_bytes + c.parameter_grad_bytes, c.peak_bytes - c.kept_bytes);
     nested_bytes = std::max(nested_bytes + c.parameter_grad_bytes,
                             outputs_bytes + std::max(c.peak_bytes, c.kept_bytes));
     outputs_bytes += c.output_bytes;
+    seconds_before_last = seconds;
+    seconds += c.seconds;
+  }
+  int64_t held_bytes(bool nested) const { return nested ? nested_bytes : kept_bytes + extra_bytes; }
+  // Its stages run once more; nested, all but the last once again to get their inputs back.
+  double recompute_seconds(bool nested) const {
+    return seconds + (nested ? seconds_before_last : 0.0);
   }
 };
 
-SegmentBackward segment_backward(const std::vector<StageCost>& costs, int64_t b, int64_t e) {
-  SegmentBackward backward;
-  for (int64_t i = b; i < e; ++i) backward.add(costs[static_cast<size_t>(i)]);
-  return backward;
+SegmentCost segment_cost(const std::vector<StageCost>& costs, int64_t b, int64_t e) {
+  SegmentCost segment;
+  for (int64_t i = b; i < e; ++i) segment.add(costs[static_cast<size_t>(i)]);
+  return segment;
 }
 
 }  // namespace
 
 // Backward runs the segments last to first; when it reaches a segment, the later ones have been
 // freed and the earlier ones still hold what they keep (`kept` below). A stored stage then adds
-// its backward peak; a recomputed segment its recomputed activations plus the largest backward
-// transient in it. The forward pass's peak is everything kept.
+// its backward peak; a recomputed segment what its backward holds (SegmentCost). The forward
+// pass's peak is everything kept.
 ChainPlan evaluate_chain(const std::vector<StageCost>& costs, std::vector<ChainSegment> segments) {
-  const Prefix prefix(costs);
   ChainPlan plan;
   int64_t kept = 0, peak = 0;
   for (const auto& s : segments) {
     if (s.recompute) {
-      const auto backward = segment_backward(costs, s.begin, s.end);
-      peak = std::max(
-          peak, kept + (s.nested ? backward.nested_bytes
-                                 : prefix.segment_kept(s.begin, s.end) + backward.extra_bytes));
+      const auto segment = segment_cost(costs, s.begin, s.end);
+      peak = std::max(peak, kept + segment.held_bytes(s.nested));
       kept += costs[static_cast<size_t>(s.end - 1)].output_bytes;
-      if (s.nested) plan.recompute_seconds += prefix.segment_seconds(s.begin, s.end - 1);
-      plan.recompute_seconds += prefix.segment_seconds(s.begin, s.end);
+      plan.recompute_seconds += segment.recompute_seconds(s.nested);
     } else {
       for (int64_t i = s.begin; i < s.end; ++i) {
         const auto& c = costs[static_cast<size_t>(i)];
@@ -503,7 +497,6 @@ double least_recompute(const std::vector<StageCost>& costs, int64_t budget, int6
                        std::vector<ChainSegment>* out) {
   constexpr int64_t kUnits = 256;
   const auto n = static_cast<int64_t>(costs.size());
-  const Prefix prefix(costs);
   const double unit = std::max(1.0, static_cast<double>(budget) / kUnits);
   const auto units = [&](int64_t bytes) {
     return static_cast<int64_t>(std::ceil(static_cast<double>(bytes) / unit));
@@ -528,28 +521,20 @@ double least_recompute(const std::vector<StageCost>& costs, int64_t budget, int6
         from[i + 1][stored] = {i, m, false};
       }
       // Segments [i, e) recomputed (their stages at once) or nested (one at a time).
-      SegmentBackward backward;
+      SegmentCost segment;
       for (int64_t e = i + 1; e <= std::min(n, i + longest); ++e) {
         const auto& last = costs[static_cast<size_t>(e - 1)];
-        backward.add(last);
-        const bool flat_fits = kept + prefix.segment_kept(i, e) + backward.extra_bytes <= budget;
-        const bool nested_fits = e - i >= 2 && kept + backward.nested_bytes <= budget;
-        if (!flat_fits && kept + backward.nested_bytes > budget) break;  // both grow with e
+        segment.add(last);
+        // Both only grow with e.
+        if (kept + std::min(segment.held_bytes(false), segment.held_bytes(true)) > budget) break;
         const int64_t next = m + units(last.output_bytes);
         if (next > kUnits) continue;
-        if (flat_fits) {
-          const double t = time[i][m] + prefix.segment_seconds(i, e);
-          if (t < time[e][next]) {
+        for (const bool nested : {false, true}) {
+          if (nested && e - i < 2) continue;  // one stage nested is one stage recomputed
+          const double t = time[i][m] + segment.recompute_seconds(nested);
+          if (kept + segment.held_bytes(nested) <= budget && t < time[e][next]) {
             time[e][next] = t;
-            from[e][next] = {i, m, true, false};
-          }
-        }
-        if (nested_fits) {
-          const double t =
-              time[i][m] + prefix.segment_seconds(i, e) + prefix.segment_seconds(i, e - 1);
-          if (t < time[e][next]) {
-            time[e][next] = t;
-            from[e][next] = {i, m, true, true};
+            from[e][next] = {i, m, true, nested};
           }
         }
       }
