@@ -67,10 +67,10 @@ LayerNet build_net(const Args& args, const std::vector<int64_t>& input) {
             .ptr());
   } else if (name == "r3d_18" || name == "r2plus1d_18") {
     TORCH_CHECK(input.size() == 4 && input[0] == 3, "--net ", name, " takes --input 3,T,H,W");
-    net.chain = engine::chain_network(
-        models::VideoResNet(models::VideoResNetOptions(name).num_classes(classes).lean_backward(
-                                !args.on("onednn-backward")))
-            .ptr());
+    models::VideoResNet model(models::VideoResNetOptions(name).num_classes(classes).lean_backward(
+        !args.on("onednn-backward")));
+    if (args.on("onednn-backward")) models::set_split_backward(*model, false);
+    net.chain = engine::chain_network(model.ptr());
   } else {
     net.chain = engine::chain_network(
         models::Network(models::NetworkOptions(

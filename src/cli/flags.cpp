@@ -428,9 +428,11 @@ const std::vector<Flag>& flag_table() {
       {"onednn-backward",
        {"bench-layers"},
        FlagType::Switch,
-       "R3D-18 / R(2+1)D-18 on the CPU: every convolution's backward through oneDNN, as in "
-       "LibTorch, instead of LibTorch's own kernel where oneDNN's workspace is many times the "
-       "weight (few output positions: layer4 on 112-pixel clips; models/conv3d.h).",
+       "R3D-18 / R(2+1)D-18 on the CPU: every convolution's backward through oneDNN in one "
+       "call over the whole batch, as in LibTorch, instead of LibTorch's own kernel where "
+       "oneDNN's workspace is many times the weight (few output positions: layer4 on 112-pixel "
+       "clips) and oneDNN's backward split into passes and samples where its buffers are "
+       "activation-sized (many: layer1; models/conv3d.h).",
        ""},
       {"plain-pooling",
        {"bench-layers"},

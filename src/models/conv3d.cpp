@@ -35,11 +35,13 @@ class LeanConv3dFunction : public torch::autograd::Function<LeanConv3dFunction> 
   // `bias`: none or one tensor (a custom function takes no undefined tensor).
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight, at::TensorList bias,
-                               std::vector<int64_t> stride, std::vector<int64_t> padding) {
+                               std::vector<int64_t> stride, std::vector<int64_t> padding,
+                               bool split) {
     ctx->save_for_backward({x, weight});
     ctx->saved_data["stride"] = stride;
     ctx->saved_data["padding"] = padding;
     ctx->saved_data["bias"] = !bias.empty();
+    ctx->saved_data["split"] = split;
     return at::convolution(x, weight, bias.empty() ? torch::Tensor() : bias[0], stride, padding,
                            /*dilation=*/{1, 1, 1},
                            /*transposed=*/false, /*output_padding=*/{0, 0, 0}, /*groups=*/1);
@@ -54,16 +56,54 @@ class LeanConv3dFunction : public torch::autograd::Function<LeanConv3dFunction> 
     const std::array<bool, 3> wanted = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                         has_bias && ctx->needs_input_grad(2)};
     const std::vector<int64_t> bias_sizes = {weight.size(0)};
-    OneDnnOff one_dnn_off;
-    auto [grad_x, grad_weight, grad_bias] = at::convolution_backward(
-        grads[0], x, weight, has_bias ? c10::OptionalIntArrayRef(bias_sizes) : c10::nullopt,
-        ctx->saved_data["stride"].toIntVector(), ctx->saved_data["padding"].toIntVector(),
-        /*dilation=*/{1, 1, 1}, /*transposed=*/false, /*output_padding=*/{0, 0, 0}, /*groups=*/1,
-        wanted);
+    const auto stride = ctx->saved_data["stride"].toIntVector();
+    const auto padding = ctx->saved_data["padding"].toIntVector();
+    const auto backward_of = [&](const torch::Tensor& grad, const torch::Tensor& input,
+                                 std::array<bool, 3> passes) {
+      return at::convolution_backward(
+          grad, input, weight, has_bias ? c10::OptionalIntArrayRef(bias_sizes) : c10::nullopt,
+          stride, padding, /*dilation=*/{1, 1, 1}, /*transposed=*/false,
+          /*output_padding=*/{0, 0, 0}, /*groups=*/1, passes);
+    };
+    torch::Tensor grad_x, grad_weight, grad_bias;
+    if (ctx->saved_data["split"].toBool()) {
+      // Run together, oneDNN's passes hold the input's gradient and both operands reordered
+      // (three input-sized buffers); one after the other, two. Over several slices the input's
+      // gradient is written in place, beside a slice's result and reordered output gradient.
+      // Slices of two samples (an odd batch's last of three): at one sample LibTorch may leave
+      // oneDNN for its own kernel, whose columns are 27 times the input for a 3x3x3 kernel.
+      const int64_t samples = x.size(0);
+      std::vector<std::pair<int64_t, int64_t>> slices;  // start, length
+      for (int64_t start = 0; start < samples; start += slices.back().second) {
+        slices.emplace_back(start, samples - start <= 3 ? samples - start : 2);
+      }
+      for (const auto& [start, length] : slices) {
+        if (!wanted[1] && !wanted[2]) break;
+        auto [unused, slice_weight, slice_bias] =
+            backward_of(grads[0].narrow(0, start, length), x.narrow(0, start, length),
+                        {false, wanted[1], wanted[2]});
+        if (wanted[1]) grad_weight = start == 0 ? slice_weight : grad_weight.add_(slice_weight);
+        if (wanted[2]) grad_bias = start == 0 ? slice_bias : grad_bias.add_(slice_bias);
+      }
+      for (const auto& [start, length] : slices) {
+        if (!wanted[0]) break;
+        auto slice_x = std::get<0>(backward_of(grads[0].narrow(0, start, length),
+                                               x.narrow(0, start, length), {true, false, false}));
+        if (slices.size() == 1) {
+          grad_x = std::move(slice_x);  // a copy would hold the input's gradient twice
+        } else {
+          if (start == 0) grad_x = torch::empty_like(x);
+          grad_x.narrow(0, start, length).copy_(slice_x);
+        }
+      }
+    } else {
+      OneDnnOff one_dnn_off;
+      std::tie(grad_x, grad_weight, grad_bias) = backward_of(grads[0], x, wanted);
+    }
     // One gradient per forward argument, the bias list flattened.
     torch::autograd::variable_list result = {grad_x, grad_weight};
     if (has_bias) result.push_back(grad_bias);
-    result.insert(result.end(), {torch::Tensor(), torch::Tensor()});
+    result.insert(result.end(), {torch::Tensor(), torch::Tensor(), torch::Tensor()});
     return result;
   }
 };
@@ -77,18 +117,19 @@ bool cpu_autocast_enabled() {
 #endif
 }
 
-std::vector<int64_t> output_size(const torch::nn::detail::ConvNdOptions<3>& o,
-                                 const torch::Tensor& x) {
-  std::vector<int64_t> out;
+int64_t output_positions(const LeanConv3dImpl& conv, const torch::Tensor& x) {
+  const auto& o = conv.options;
+  int64_t positions = 1;
   for (int64_t d = 0; d < 3; ++d) {
     const int64_t padding = get<torch::ExpandingArray<3>>(o.padding())->at(d);
-    out.push_back((x.size(2 + d) + 2 * padding - o.kernel_size()->at(d)) / o.stride()->at(d) + 1);
+    positions *= (x.size(2 + d) + 2 * padding - o.kernel_size()->at(d)) / o.stride()->at(d) + 1;
   }
-  return out;
+  return positions;
 }
 
-// takes_lean_backward without the switch.
-bool lean_backward_applies(const LeanConv3dImpl& conv, const torch::Tensor& x) {
+// Whether either lean backward could take x: a CPU float32 input outside autocast whose gradient
+// or the weight's is needed, a plain convolution (one group, no dilation, zero padding).
+bool lean_backward_possible(const LeanConv3dImpl& conv, const torch::Tensor& x) {
   const auto& o = conv.options;
   if (!x.defined() || x.dim() != 5 || !x.device().is_cpu() || x.scalar_type() != torch::kFloat32 ||
       cpu_autocast_enabled() || !torch::GradMode::is_enabled() ||
@@ -100,9 +141,17 @@ bool lean_backward_applies(const LeanConv3dImpl& conv, const torch::Tensor& x) {
   for (int64_t d = 0; d < 3; ++d) {
     if (o.dilation()->at(d) != 1) return false;
   }
-  int64_t positions = 1;
-  for (const int64_t size : output_size(o, x)) positions *= size;
-  return positions <= kLeanBackwardMaxPositions;
+  return true;
+}
+
+// takes_lean_backward without the switch.
+bool lean_backward_applies(const LeanConv3dImpl& conv, const torch::Tensor& x) {
+  return lean_backward_possible(conv, x) && output_positions(conv, x) <= kLeanBackwardMaxPositions;
+}
+
+// takes_split_backward without the switch.
+bool split_backward_applies(const LeanConv3dImpl& conv, const torch::Tensor& x) {
+  return lean_backward_possible(conv, x) && output_positions(conv, x) >= kSplitBackwardMinPositions;
 }
 
 }  // namespace
@@ -111,11 +160,26 @@ bool takes_lean_backward(const LeanConv3dImpl& conv, const torch::Tensor& x) {
   return conv.lean_backward && lean_backward_applies(conv, x);
 }
 
+bool takes_split_backward(const LeanConv3dImpl& conv, const torch::Tensor& x) {
+  return conv.split_backward && split_backward_applies(conv, x);
+}
+
 int64_t set_lean_backward(torch::nn::Module& module, bool on) {
   int64_t count = 0;
   for (const auto& child : module.modules()) {
     if (auto* conv = child->as<LeanConv3dImpl>()) {
       conv->lean_backward = on;
+      ++count;
+    }
+  }
+  return count;
+}
+
+int64_t set_split_backward(torch::nn::Module& module, bool on) {
+  int64_t count = 0;
+  for (const auto& child : module.modules()) {
+    if (auto* conv = child->as<LeanConv3dImpl>()) {
+      conv->split_backward = on;
       ++count;
     }
   }
@@ -131,16 +195,17 @@ int64_t lean_applicable_calls(const torch::nn::Module& module) {
 }
 
 torch::Tensor LeanConv3dImpl::forward(const torch::Tensor& x) {
-  if (!lean_backward_applies(*this, x)) return Conv3dImpl::forward(x);
-  ++lean_applicable_calls;
-  if (!lean_backward) return Conv3dImpl::forward(x);
+  const bool columns = lean_backward_applies(*this, x);
+  if (columns) ++lean_applicable_calls;
+  const bool split = takes_split_backward(*this, x);
+  if (!(columns && lean_backward) && !split) return Conv3dImpl::forward(x);
   const auto& padding = get<torch::ExpandingArray<3>>(options.padding());
   std::vector<torch::Tensor> biases;
   if (bias.defined()) biases.push_back(bias);
   return LeanConv3dFunction::apply(
       x, weight, at::TensorList(biases),
       std::vector<int64_t>(options.stride()->begin(), options.stride()->end()),
-      std::vector<int64_t>(padding->begin(), padding->end()));
+      std::vector<int64_t>(padding->begin(), padding->end()), split);
 }
 
 }  // namespace framefit::models

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <map>
 #include <set>
 
 #include "test_util.h"
@@ -261,6 +262,80 @@ TEST(LeanConv3d, BackwardHoldsOneWeightGradientAndItsColumns) {
   const int64_t column_bytes = 2 * 256 * 27 * (2 * 7 * 7) * 4;
   const int64_t input_bytes = x.numel() * 4;
   EXPECT_LE(tracker.peak_bytes() - before, weight_bytes + column_bytes + input_bytes + (1 << 20));
+}
+
+// A 16 -> 16 3x3x3 convolution for 16x32x32 per sample: 16,384 output positions, the least for
+// which the split backward is taken.
+torch::nn::Conv3dOptions split_test_options(bool bias) {
+  return torch::nn::Conv3dOptions(16, 16, 3).padding(1).bias(bias);
+}
+
+TEST(LeanConv3d, SplitBackwardHoldsTwoInputSizesInsteadOfThree) {
+  // oneDNN's backward in one call holds three input-sized buffers (the input's gradient and its
+  // reordered operands); split into passes, two: at batch 2 (one slice) a pass's result and an
+  // operand, at batch 4 (slices of two samples) the input's gradient and two of a slice's. With
+  // 16 channels LibTorch leaves oneDNN for its own kernel at batch 1 (columns: 27 input sizes),
+  // so slices of one sample fail this test.
+  auto& tracker = framefit::memory::Tracker::cpu();
+  for (const int64_t batch : {2, 4}) {
+    std::map<bool, int64_t> held;
+    for (const bool split : {true, false}) {
+      torch::manual_seed(0);
+      LeanConv3d conv(split_test_options(/*bias=*/false));
+      conv->split_backward = split;
+      const auto x = torch::randn({batch, 16, 16, 32, 32}).requires_grad_(true);
+      EXPECT_EQ(takes_split_backward(*conv, x), split);
+      const auto y = conv(x);
+      EXPECT_EQ(graph_has_node(y, "LeanConv3dFunction"), split);
+      const auto grad = torch::ones_like(y);
+      const int64_t before = tracker.current_bytes();
+      tracker.reset_peak();
+      y.backward(grad);
+      held[split] = tracker.peak_bytes() - before;
+    }
+    const int64_t input_bytes = batch * 16 * 16 * 32 * 32 * 4;
+    const int64_t weight_bytes = 16 * 16 * 27 * 4;  // the gradient and a slice's
+    EXPECT_LE(held[true], input_bytes * 2 + 2 * weight_bytes + (64 << 10))
+        << "batch " << batch << ", in one call " << held[false];
+    EXPECT_GE(held[false], input_bytes * 3) << "batch " << batch << ", split " << held[true];
+  }
+}
+
+TEST(LeanConv3d, SplitBackwardChangesNoGradientBeyondRounding) {
+  // Against a plain Conv3d, with a bias, and with only the input's or only the parameters'
+  // gradients wanted (the first layer's input; frozen weights).
+  for (const auto& [input_grad, weight_grad] :
+       {std::pair{true, true}, {false, true}, {true, false}}) {
+    torch::manual_seed(0);
+    LeanConv3d conv(split_test_options(/*bias=*/true));
+    torch::nn::Conv3d plain(split_test_options(/*bias=*/true));
+    {
+      torch::NoGradGuard no_grad;
+      plain->weight.copy_(conv->weight);
+      plain->bias.copy_(conv->bias);
+    }
+    for (auto* c : {static_cast<torch::nn::Conv3dImpl*>(conv.get()), plain.get()}) {
+      c->weight.requires_grad_(weight_grad);
+      c->bias.requires_grad_(weight_grad);
+    }
+    const auto x = torch::randn({5, 16, 16, 32, 32});  // slices of two and three samples
+    std::vector<torch::Tensor> grads[2];
+    for (int run = 0; run < 2; ++run) {
+      const auto input = x.clone().requires_grad_(input_grad);
+      const auto y = run == 0 ? conv(input) : plain(input);
+      EXPECT_EQ(graph_has_node(y, "LeanConv3dFunction"), run == 0);
+      y.pow(2).sum().backward();
+      auto* c = run == 0 ? static_cast<torch::nn::Conv3dImpl*>(conv.get()) : plain.get();
+      grads[run] = {input.grad(), c->weight.grad(), c->bias.grad()};
+    }
+    for (size_t i = 0; i < 3; ++i) {
+      const bool wanted = i == 0 ? input_grad : weight_grad;
+      ASSERT_EQ(grads[0][i].defined(), wanted) << i;
+      if (!wanted) continue;
+      const double scale = grads[1][i].abs().max().item<double>();
+      EXPECT_LE((grads[0][i] - grads[1][i]).abs().max().item<double>(), 1e-4 * scale) << i;
+    }
+  }
 }
 
 TEST(VideoResNet, LeanBackwardChangesNoGradientBeyondRounding) {

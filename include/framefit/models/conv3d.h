@@ -8,6 +8,13 @@
 // 3x16x112x112 (bench/results/layers.md): peak 866 MiB instead of 1,077, activations 357 MiB
 // instead of 568, for 9-12% more step time. The forward pass is unchanged (oneDNN), and so are
 // the gradients, up to floating-point rounding.
+// Convolutions with many output positions (the stem and layer1 on 112-pixel clips, 16x56x56 per
+// sample) keep oneDNN but split its backward: the parameters' pass, then the input's, over slices
+// of two samples. In one call its passes hold three input-sized buffers at once (the input's
+// gradient and both operands reordered); split, two: a pass's result and one operand, or both
+// operands (at batches of four or more, the input's gradient plus a slice's two). R3D-18 at
+// batch 2 (3x16x112x112): its least-memory checkpointing plan holds 25 MB less, which is what
+// halving its activation memory took (docs/layers.md); the passes take the same time.
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
@@ -20,6 +27,8 @@ class LeanConv3dImpl : public torch::nn::Conv3dImpl {
   torch::Tensor forward(const torch::Tensor& x);
   // Whether forward(x) takes the lean backward: on by default; off runs a plain Conv3d.
   bool lean_backward = true;
+  // Whether forward(x) takes the split backward: on by default; off runs a plain Conv3d.
+  bool split_backward = true;
   // Calls of forward() whose input the lean backward applies to, on or off: none after a
   // training step means switching it on changes nothing.
   int64_t lean_applicable_calls = 0;
@@ -37,8 +46,19 @@ constexpr int64_t kLeanBackwardMaxPositions = 128;
 // most kLeanBackwardMaxPositions output positions per sample.
 bool takes_lean_backward(const LeanConv3dImpl& conv, const torch::Tensor& x);
 
+// Output positions per sample from which oneDNN's backward is split: the stem and layer1 of the
+// video ResNets on 16-frame 112-pixel clips (16x56x56). Not layer3 (4x14x14), where oneDNN's
+// buffers are small and one sample at a time made it three times slower.
+constexpr int64_t kSplitBackwardMinPositions = 16384;
+
+// Whether `conv` (split_backward on) splits x's backward: the conditions of takes_lean_backward
+// but the number of positions, at least kSplitBackwardMinPositions output positions per sample.
+bool takes_split_backward(const LeanConv3dImpl& conv, const torch::Tensor& x);
+
 // Sets lean_backward on every LeanConv3d in `module`; returns how many there are.
 int64_t set_lean_backward(torch::nn::Module& module, bool on);
+// Sets split_backward on every LeanConv3d in `module`; returns how many there are.
+int64_t set_split_backward(torch::nn::Module& module, bool on);
 // The LeanConv3d calls in `module` whose input the lean backward applies to (whether on or off).
 int64_t lean_applicable_calls(const torch::nn::Module& module);
 
