@@ -4,12 +4,28 @@
 
 #include <algorithm>
 #include <chrono>
+#include <tuple>
 
 #include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
 #include "replay.h"
 
 namespace framefit::engine {
+
+namespace {
+
+// The recomputed segments (begin, end, nested): plans with the same ones run the same, however
+// their stored stages are grouped.
+std::vector<std::tuple<int64_t, int64_t, bool>> recomputed_segments(
+    const std::vector<ChainSegment>& segments) {
+  std::vector<std::tuple<int64_t, int64_t, bool>> result;
+  for (const auto& s : segments) {
+    if (s.recompute) result.emplace_back(s.begin, s.end, s.nested);
+  }
+  return result;
+}
+
+}  // namespace
 
 BatchTrainingStep::BatchTrainingStep(ChainNetwork network,
                                      std::shared_ptr<torch::optim::Optimizer> optimizer,
@@ -111,13 +127,14 @@ BatchStepReport BatchTrainingStep::step(const torch::Tensor& samples, const torc
       // The partial step's gradients, statistics and random draws; its graph went with the error.
       optimizer_->zero_grad();
       start_state.restore();
-      const auto everything = recompute_every(network_.stage_count(), 1);
-      const auto flags = recomputed(options_.segments);
-      const bool all_recomputed = std::all_of(flags.begin(), flags.end(), [](bool f) { return f; });
+      const bool given = !options_.fallback_segments.empty();
+      const auto fallback =
+          given ? options_.fallback_segments : recompute_every(network_.stage_count(), 1);
       std::string change;
-      if (!all_recomputed && network_.stage_count() > 1) {
-        options_.segments = everything;
-        change = "every stage recomputed";
+      if (recomputed_segments(options_.segments) != recomputed_segments(fallback) &&
+          network_.stage_count() > 1) {
+        options_.segments = fallback;
+        change = given ? "the checkpointing plan that holds the least" : "every stage recomputed";
       } else if (options_.micro_batches < samples.size(0)) {
         options_.micro_batches = std::min<int64_t>(2 * options_.micro_batches, samples.size(0));
         change = c10::str("the batch of ", samples.size(0), " split into ", options_.micro_batches,

@@ -318,6 +318,7 @@ struct BatchProgress : RunPosition {  // position: samples of the epoch's order 
   int64_t micro_batches = 1;
   engine::Precision precision = engine::Precision::FP32;
   std::vector<engine::ChainSegment> segments;  // the recomputation the step runs with
+  std::vector<engine::ChainSegment> fallback_segments;  // after out of memory, as planned
   bool lean_backward = false;                  // models/conv3d.h, as planned
   int64_t eval_batch = 0;                      // validation's batch, as planned
 };
@@ -333,6 +334,23 @@ void write_network(torch::serialize::OutputArchive& archive, const BatchModel& m
     write_script(archive, *script);
 }
 
+// [S,3]: begin, end, 0 stored, 1 recomputed, 2 nested.
+torch::Tensor segments_tensor(const std::vector<engine::ChainSegment>& segments) {
+  std::vector<int64_t> rows;
+  for (const auto& g : segments) {
+    rows.insert(rows.end(), {g.begin, g.end, g.recompute ? (g.nested ? 2 : 1) : 0});
+  }
+  return torch::tensor(rows, torch::kLong).view({-1, 3});
+}
+
+std::vector<engine::ChainSegment> segments_from(const torch::Tensor& tensor) {
+  std::vector<engine::ChainSegment> segments;
+  const auto rows = tensor.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < rows.size(0); ++i)
+    segments.push_back({rows[i][0], rows[i][1], rows[i][2] != 0, rows[i][2] == 2});
+  return segments;
+}
+
 void write_progress(torch::serialize::OutputArchive& archive, const BatchProgress& p) {
   archive.write("progress",
                 torch::tensor({p.step, p.epoch, p.position, p.skipped, p.batch, p.micro_batches,
@@ -340,11 +358,8 @@ void write_progress(torch::serialize::OutputArchive& archive, const BatchProgres
                                static_cast<int64_t>(p.lean_backward), p.eval_batch, p.stale_epochs},
                               torch::kLong));
   archive.write("progress_real", torch::tensor({p.best_score, p.seconds}, torch::kDouble));
-  std::vector<int64_t> segments;  // [S,3]: begin, end, 0 stored, 1 recomputed, 2 nested
-  for (const auto& g : p.segments) {
-    segments.insert(segments.end(), {g.begin, g.end, g.recompute ? (g.nested ? 2 : 1) : 0});
-  }
-  archive.write("segments", torch::tensor(segments, torch::kLong).view({-1, 3}));
+  archive.write("segments", segments_tensor(p.segments));
+  archive.write("fallback_segments", segments_tensor(p.fallback_segments));
 }
 
 BatchProgress read_progress(torch::serialize::InputArchive& archive) {
@@ -366,9 +381,12 @@ BatchProgress read_progress(torch::serialize::InputArchive& archive) {
   // ... and evaluated at the training batch.
   progress.eval_batch = p.numel() > 8 ? v[8] : progress.batch;
   progress.stale_epochs = p.numel() > 9 ? v[9] : 0;  // ... and had no train.patience
-  const auto rows = segments.accessor<int64_t, 2>();
-  for (int64_t i = 0; i < rows.size(0); ++i)
-    progress.segments.push_back({rows[i][0], rows[i][1], rows[i][2] != 0, rows[i][2] == 2});
+  progress.segments = segments_from(segments);
+  // Checkpoints from before it fell back on every stage recomputed.
+  torch::Tensor fallback;
+  if (archive.try_read("fallback_segments", fallback)) {
+    progress.fallback_segments = segments_from(fallback);
+  }
   progress.best_score = r[0].item<double>();
   progress.seconds = r[1].item<double>();
   return progress;
@@ -584,6 +602,9 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
     fits = chain.fits;
     const int64_t micro_batch = (p.batch + p.micro_batches - 1) / p.micro_batches;
     p.segments = chain.segments;
+    // With a budget nothing fits, plan_chain answers with the plan that holds the least.
+    p.fallback_segments =
+        engine::plan_chain(costs.at(micro_batch), 1, costs.max_segment_stages).segments;
     const auto evaluated = engine::evaluate_chain(costs.at(micro_batch), p.segments);
     p.input_bytes = costs.input_bytes_per_sample * p.batch;
     p.library_bytes = costs.library_bytes;
@@ -1273,6 +1294,7 @@ void replan_if_budget_changed(BatchProgress& progress, const std::string& change
   }
   progress.micro_batches = plan.micro_batches;
   progress.segments = plan.segments;
+  progress.fallback_segments = plan.fallback_segments;
   progress.lean_backward = plan.lean_backward;
   note(Event::Kind::Warning,
        predicted + (held.evaluated ? ", more than " + step_budget_text : std::string()) +
@@ -1373,6 +1395,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     progress.batch = plan.batch;
     progress.micro_batches = plan.micro_batches;
     progress.segments = plan.segments;
+    progress.fallback_segments = plan.fallback_segments;
     progress.lean_backward = plan.lean_backward;
     progress.eval_batch = plan.eval_batch;
   }
@@ -1392,6 +1415,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   options.device = device;
   options.precision = progress.precision;
   options.segments = progress.segments;
+  options.fallback_segments = progress.fallback_segments;
   // The train.accumulate batches of an optimizer step run as micro-batches of the step.
   options.micro_batches = progress.micro_batches * tc.accumulate;
   options.clip_grad_norm = tc.clip_grad_norm;

@@ -133,6 +133,29 @@ TEST(BatchStep, OutOfMemoryRetriesWithRecomputeThenMicroBatches) {
   EXPECT_THROW(run_step(plain, 4 * 1024), c10::Error);
 }
 
+TEST(BatchStep, OutOfMemoryRetriesWithTheFallbackPlanFirst) {
+  engine::BatchStepOptions plain;
+  const auto reference = run_step(plain);
+  const int64_t stages = engine::chain_network(small_network().ptr()).stage_count();
+  engine::BatchStepOptions with_fallback = plain;
+  with_fallback.fallback_segments = {engine::ChainSegment{0, stages, true, true}};  // nested
+  const auto retried = run_step(with_fallback, reference.peak_bytes * 6 / 10);
+  ASSERT_FALSE(retried.replans.empty());
+  EXPECT_NE(retried.replans.front().find("the checkpointing plan that holds the least"),
+            std::string::npos)
+      << retried.replans.front();
+  EXPECT_LT(largest_difference(reference.gradients, retried.gradients), 1e-12);
+  // A step that already runs its fallback goes on to micro-batches.
+  engine::BatchStepOptions at_fallback = with_fallback;
+  at_fallback.segments = at_fallback.fallback_segments;
+  const auto nested = run_step(at_fallback);
+  const auto split = run_step(at_fallback, nested.peak_bytes * 9 / 10);
+  ASSERT_FALSE(split.replans.empty());
+  EXPECT_NE(split.replans.front().find("micro-batches"), std::string::npos)
+      << split.replans.front();
+  EXPECT_LT(largest_difference(reference.gradients, split.gradients), 1e-12);
+}
+
 TEST(BatchStep, RetryAfterOutOfMemoryLeavesTheStatisticsOfOneStep) {
   // The failed attempt's BatchNorm layer updated its running statistics before memory ran out;
   // the retried step ends as one run with every stage recomputed from the start.

@@ -1,9 +1,9 @@
 #pragma once
 // One training step of a batch network (clip classifier, UNet): micro-batches through the
 // network with its checkpointed stages, cross-entropy (one label per sample, or per pixel),
-// loss scaling, clipping, optimizer. On out-of-memory the step is undone and retried with every
-// stage recomputed, then with the batch split into twice as many micro-batches (BatchNorm
-// statistics and random numbers as before the failed attempt).
+// loss scaling, clipping, optimizer. On out-of-memory the step is undone and retried with the
+// fallback segments (every stage recomputed unless given), then with the batch split into twice
+// as many micro-batches (BatchNorm statistics and random numbers as before the failed attempt).
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
@@ -21,6 +21,10 @@ struct BatchStepOptions {
   torch::Device device = torch::kCPU;
   Precision precision = Precision::FP32;
   std::vector<ChainSegment> segments;  // what to recompute; empty: nothing
+  // What a step that ran out of memory is retried with first: a planner's plan that holds the
+  // least (with nested segments it holds less than every stage recomputed); empty: every stage
+  // recomputed.
+  std::vector<ChainSegment> fallback_segments;
   // The batch runs as this many micro-batches whose gradients are summed, weighted by their
   // share of the samples: equal to the whole batch at once unless the network has train-mode
   // BatchNorm (statistics per micro-batch).

@@ -107,6 +107,9 @@ struct BatchTaskPlan {
   engine::Precision precision = engine::Precision::FP32;
   std::string checkpointing;
   std::vector<engine::ChainSegment> segments;  // what to recompute (engine/checkpoint.h)
+  // What a step that runs out of memory is retried with first (engine/batch_step.h): the plan
+  // that holds the least at this batch; empty (not planned): every stage recomputed.
+  std::vector<engine::ChainSegment> fallback_segments;
   // The video ResNets' lean convolution backward (models/conv3d.h, model.lean_backward).
   bool lean_backward = false;
   int64_t budget_bytes = 0, step_budget_bytes = 0;
