@@ -154,6 +154,19 @@ bool split_backward_applies(const LeanConv3dImpl& conv, const torch::Tensor& x) 
   return lean_backward_possible(conv, x) && output_positions(conv, x) >= kSplitBackwardMinPositions;
 }
 
+// Sets a switch (a member of LeanConv3dImpl) on every LeanConv3d in `module`; returns how many
+// there are.
+int64_t set_on_every_lean_conv(torch::nn::Module& module, bool LeanConv3dImpl::*flag, bool on) {
+  int64_t count = 0;
+  for (const auto& child : module.modules()) {
+    if (auto* conv = child->as<LeanConv3dImpl>()) {
+      conv->*flag = on;
+      ++count;
+    }
+  }
+  return count;
+}
+
 }  // namespace
 
 bool takes_lean_backward(const LeanConv3dImpl& conv, const torch::Tensor& x) {
@@ -165,25 +178,11 @@ bool takes_split_backward(const LeanConv3dImpl& conv, const torch::Tensor& x) {
 }
 
 int64_t set_lean_backward(torch::nn::Module& module, bool on) {
-  int64_t count = 0;
-  for (const auto& child : module.modules()) {
-    if (auto* conv = child->as<LeanConv3dImpl>()) {
-      conv->lean_backward = on;
-      ++count;
-    }
-  }
-  return count;
+  return set_on_every_lean_conv(module, &LeanConv3dImpl::lean_backward, on);
 }
 
 int64_t set_split_backward(torch::nn::Module& module, bool on) {
-  int64_t count = 0;
-  for (const auto& child : module.modules()) {
-    if (auto* conv = child->as<LeanConv3dImpl>()) {
-      conv->split_backward = on;
-      ++count;
-    }
-  }
-  return count;
+  return set_on_every_lean_conv(module, &LeanConv3dImpl::split_backward, on);
 }
 
 int64_t lean_applicable_calls(const torch::nn::Module& module) {

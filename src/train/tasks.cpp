@@ -382,7 +382,7 @@ BatchProgress read_progress(torch::serialize::InputArchive& archive) {
   progress.eval_batch = p.numel() > 8 ? v[8] : progress.batch;
   progress.stale_epochs = p.numel() > 9 ? v[9] : 0;  // ... and had no train.patience
   progress.segments = segments_from(segments);
-  // Checkpoints from before it fell back on every stage recomputed.
+  // Older checkpoints have none: their runs fell back on every stage recomputed.
   torch::Tensor fallback;
   if (archive.try_read("fallback_segments", fallback)) {
     progress.fallback_segments = segments_from(fallback);
