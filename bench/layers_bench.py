@@ -73,6 +73,7 @@ def main():
     # 1. Cost of checkpointing at a fixed batch.
     nets = [("unet", "3,128,128", ["--width", "32", "--depth", "4", "--classes", "2"], "8"),
             ("r3d_18", "3,16,112,112", ["--classes", "20"], "2"),
+            ("r2plus1d_18", "3,16,112,112", ["--classes", "20"], "2"),
             # tiny clips: layer2-4 take the lean convolution backward, whose cost shows there
             ("r3d_18", "3,4,32,32", ["--classes", "20"], "4"),
             ("clip3d", "3,30,115,115", ["--classes", "20"], "2"),
@@ -96,6 +97,7 @@ def main():
     # convolution backward through oneDNN throughout (models/conv3d.h), as LibTorch runs it.
     # seeds/001's net with PyTorch's max pooling, which keeps its input (models/pooling.h).
     other_modes = {"r3d_18": [("off, oneDNN backward", ["--onednn-backward"])],
+                   "r2plus1d_18": [("off, oneDNN backward", ["--onednn-backward"])],
                    "clip3d": [("off, PyTorch's max pooling", ["--plain-pooling"])]}
     for net, shape, extra, batch in nets:
         common = ["--net", net, "--input", shape, *extra, "--batch", batch, "--repeat", repeat]
