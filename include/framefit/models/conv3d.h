@@ -6,8 +6,9 @@
 // the peak of the whole step. LibTorch's own kernel holds one weight gradient and the input's
 // columns (test: LeanConv3d.BackwardHoldsOneWeightGradientAndItsColumns). R3D-18, batch 2 at
 // 3x16x112x112 (bench/results/layers.md): peak 866 MiB instead of 1,077, activations 357 MiB
-// instead of 568, for 9-12% more step time. The forward pass is unchanged (oneDNN), and so are
-// the gradients, up to floating-point rounding.
+// instead of 568, for 9-22% more step time over the runs. The forward pass is unchanged
+// (oneDNN), and so are the gradients, up to floating-point rounding.
+//
 // Convolutions with many output positions (the stem and layer1 on 112-pixel clips, 16x56x56 per
 // sample) keep oneDNN but split its backward: the parameters' pass, then the input's, over slices
 // of two samples. In one call its passes hold three input-sized buffers at once (the input's
