@@ -445,6 +445,11 @@ engine::ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64
   return engine::plan_chain(scaled, room, costs.max_segment_stages);
 }
 
+engine::ChainPlan least_memory_chain(const BatchCosts& costs, int64_t samples) {
+  // With a budget nothing fits, plan_chain answers with the plan that holds the least.
+  return engine::plan_chain(costs.at(samples), 1, costs.max_segment_stages);
+}
+
 BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute recompute,
                      int64_t max_batch) {
   TORCH_CHECK(!costs.per_sample.empty(), "plan_batch: no stage costs");
@@ -454,9 +459,9 @@ BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute re
     return plan_batch_chain(costs, batch, budget_bytes, recompute).fits;
   };
   BatchPlan result;
-  result.minimum_bytes_one_sample =
-      costs.static_bytes + costs.library_bytes + costs.input_bytes_per_sample +
-      engine::plan_chain(costs.at(1), 1, costs.max_segment_stages).minimum_bytes;
+  result.minimum_bytes_one_sample = costs.static_bytes + costs.library_bytes +
+                                    costs.input_bytes_per_sample +
+                                    least_memory_chain(costs, 1).minimum_bytes;
   if (max_batch < 1 || !fits(1)) return result;
   // Memory grows with the batch, so the largest batch that fits is found by bisection.
   int64_t low = 1, high = 2;

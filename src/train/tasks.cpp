@@ -602,9 +602,7 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
     fits = chain.fits;
     const int64_t micro_batch = (p.batch + p.micro_batches - 1) / p.micro_batches;
     p.segments = chain.segments;
-    // With a budget nothing fits, plan_chain answers with the plan that holds the least.
-    p.fallback_segments =
-        engine::plan_chain(costs.at(micro_batch), 1, costs.max_segment_stages).segments;
+    p.fallback_segments = plan::least_memory_chain(costs, micro_batch).segments;
     const auto evaluated = engine::evaluate_chain(costs.at(micro_batch), p.segments);
     p.input_bytes = costs.input_bytes_per_sample * p.batch;
     p.library_bytes = costs.library_bytes;

@@ -165,6 +165,9 @@ BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute re
 // (ceil(batch / micro_batches) samples) beside the whole batch's inputs.
 engine::ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
                                    Recompute recompute, int64_t micro_batches = 1);
+// The chain plan that holds the least activation memory for `samples` at once (any time): what
+// one sample needs at the least, and what a step that ran out of memory falls back on.
+engine::ChainPlan least_memory_chain(const BatchCosts& costs, int64_t samples);
 
 // Predicted peak memory per batch size (seeds/003's table), without checkpointing and with the
 // chain plan `recompute` allows for the budget, at batches 1, 2, 4, ... up to twice `largest`
