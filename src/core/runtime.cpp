@@ -1,6 +1,7 @@
 #include "framefit/core/runtime.h"
 
 #include <ATen/Parallel.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
@@ -99,6 +100,11 @@ std::string device_unavailable(const std::string& name) {
   return "there " + std::string(count == 1 ? "is " : "are ") + std::to_string(count) +
          " CUDA device" + (count == 1 ? "" : "s") + " here (cuda:0" +
          (count > 1 ? " to cuda:" + std::to_string(count - 1) : std::string()) + ")";
+}
+
+bool autocast_enabled(bool cuda) {
+  return !c10::impl::tls_is_dispatch_key_excluded(cuda ? c10::DispatchKey::AutocastCUDA
+                                                       : c10::DispatchKey::AutocastCPU);
 }
 
 MachineInfo machine_info() {

@@ -1,10 +1,10 @@
 #include "framefit/models/conv3d.h"
 
-#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
-#include <torch/version.h>
 
 #include <variant>
+
+#include "framefit/core/runtime.h"
 
 namespace framefit::models {
 
@@ -36,12 +36,12 @@ class LeanConv3dFunction : public torch::autograd::Function<LeanConv3dFunction> 
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight, at::TensorList bias,
                                std::vector<int64_t> stride, std::vector<int64_t> padding,
-                               bool split) {
+                               int64_t kind) {
     ctx->save_for_backward({x, weight});
     ctx->saved_data["stride"] = stride;
     ctx->saved_data["padding"] = padding;
     ctx->saved_data["bias"] = !bias.empty();
-    ctx->saved_data["split"] = split;
+    ctx->saved_data["kind"] = kind;
     return at::convolution(x, weight, bias.empty() ? torch::Tensor() : bias[0], stride, padding,
                            /*dilation=*/{1, 1, 1},
                            /*transposed=*/false, /*output_padding=*/{0, 0, 0}, /*groups=*/1);
@@ -50,56 +50,12 @@ class LeanConv3dFunction : public torch::autograd::Function<LeanConv3dFunction> 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto& x = saved[0];
-    const auto& weight = saved[1];
     const bool has_bias = ctx->saved_data["bias"].toBool();
-    const std::array<bool, 3> wanted = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                        has_bias && ctx->needs_input_grad(2)};
-    const std::vector<int64_t> bias_sizes = {weight.size(0)};
-    const auto stride = ctx->saved_data["stride"].toIntVector();
-    const auto padding = ctx->saved_data["padding"].toIntVector();
-    const auto backward_of = [&](const torch::Tensor& grad, const torch::Tensor& input,
-                                 std::array<bool, 3> passes) {
-      return at::convolution_backward(
-          grad, input, weight, has_bias ? c10::OptionalIntArrayRef(bias_sizes) : c10::nullopt,
-          stride, padding, /*dilation=*/{1, 1, 1}, /*transposed=*/false,
-          /*output_padding=*/{0, 0, 0}, /*groups=*/1, passes);
-    };
-    torch::Tensor grad_x, grad_weight, grad_bias;
-    if (ctx->saved_data["split"].toBool()) {
-      // Run together, oneDNN's passes hold the input's gradient and both operands reordered
-      // (three input-sized buffers); one after the other, two. Over several slices the input's
-      // gradient is written in place, beside a slice's result and reordered output gradient.
-      // Slices of two samples (an odd batch's last of three): at one sample LibTorch may leave
-      // oneDNN for its own kernel, whose columns are 27 times the input for a 3x3x3 kernel.
-      const int64_t samples = x.size(0);
-      std::vector<std::pair<int64_t, int64_t>> slices;  // start, length
-      for (int64_t start = 0; start < samples; start += slices.back().second) {
-        slices.emplace_back(start, samples - start <= 3 ? samples - start : 2);
-      }
-      for (const auto& [start, length] : slices) {
-        if (!wanted[1] && !wanted[2]) break;
-        auto [unused, slice_weight, slice_bias] =
-            backward_of(grads[0].narrow(0, start, length), x.narrow(0, start, length),
-                        {false, wanted[1], wanted[2]});
-        if (wanted[1]) grad_weight = start == 0 ? slice_weight : grad_weight.add_(slice_weight);
-        if (wanted[2]) grad_bias = start == 0 ? slice_bias : grad_bias.add_(slice_bias);
-      }
-      for (const auto& [start, length] : slices) {
-        if (!wanted[0]) break;
-        auto slice_x = std::get<0>(backward_of(grads[0].narrow(0, start, length),
-                                               x.narrow(0, start, length), {true, false, false}));
-        if (slices.size() == 1) {
-          grad_x = std::move(slice_x);  // a copy would hold the input's gradient twice
-        } else {
-          if (start == 0) grad_x = torch::empty_like(x);
-          grad_x.narrow(0, start, length).copy_(slice_x);
-        }
-      }
-    } else {
-      OneDnnOff one_dnn_off;
-      std::tie(grad_x, grad_weight, grad_bias) = backward_of(grads[0], x, wanted);
-    }
+    auto [grad_x, grad_weight, grad_bias] = convolution_backward(
+        static_cast<ConvBackward>(ctx->saved_data["kind"].toInt()), grads[0], saved[0], saved[1],
+        has_bias, ctx->saved_data["stride"].toIntVector(), ctx->saved_data["padding"].toIntVector(),
+        /*dilation=*/{1, 1, 1}, /*groups=*/1,
+        {ctx->needs_input_grad(0), ctx->needs_input_grad(1), has_bias && ctx->needs_input_grad(2)});
     // One gradient per forward argument, the bias list flattened.
     torch::autograd::variable_list result = {grad_x, grad_weight};
     if (has_bias) result.push_back(grad_bias);
@@ -107,15 +63,6 @@ class LeanConv3dFunction : public torch::autograd::Function<LeanConv3dFunction> 
     return result;
   }
 };
-
-// The autocast API moved from per-backend functions to device-type arguments in LibTorch 2.4.
-bool cpu_autocast_enabled() {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-  return at::autocast::is_autocast_enabled(at::kCPU);
-#else
-  return at::autocast::is_cpu_enabled();
-#endif
-}
 
 int64_t output_positions(const LeanConv3dImpl& conv, const torch::Tensor& x) {
   const auto& o = conv.options;
@@ -132,7 +79,7 @@ int64_t output_positions(const LeanConv3dImpl& conv, const torch::Tensor& x) {
 bool lean_backward_possible(const LeanConv3dImpl& conv, const torch::Tensor& x) {
   const auto& o = conv.options;
   if (!x.defined() || x.dim() != 5 || !x.device().is_cpu() || x.scalar_type() != torch::kFloat32 ||
-      cpu_autocast_enabled() || !torch::GradMode::is_enabled() ||
+      autocast_enabled(/*cuda=*/false) || !torch::GradMode::is_enabled() ||
       !(x.requires_grad() || conv.weight.requires_grad()) || o.groups() != 1 ||
       !holds_alternative<torch::ExpandingArray<3>>(o.padding()) ||
       !holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
@@ -185,6 +132,55 @@ int64_t set_split_backward(torch::nn::Module& module, bool on) {
   return set_on_every_lean_conv(module, &LeanConv3dImpl::split_backward, on);
 }
 
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> convolution_backward(
+    ConvBackward kind, const torch::Tensor& grad, const torch::Tensor& x,
+    const torch::Tensor& weight, bool has_bias, at::IntArrayRef stride, at::IntArrayRef padding,
+    at::IntArrayRef dilation, int64_t groups, std::array<bool, 3> wanted) {
+  const std::vector<int64_t> bias_sizes = {weight.size(0)};
+  const std::vector<int64_t> output_padding(stride.size(), 0);
+  const auto backward_of = [&](const torch::Tensor& g, const torch::Tensor& input,
+                               std::array<bool, 3> passes) {
+    return at::convolution_backward(
+        g, input, weight, has_bias ? c10::OptionalIntArrayRef(bias_sizes) : c10::nullopt, stride,
+        padding, dilation, /*transposed=*/false, output_padding, groups, passes);
+  };
+  if (kind == ConvBackward::Plain) return backward_of(grad, x, wanted);
+  if (kind == ConvBackward::Lean) {
+    OneDnnOff one_dnn_off;
+    return backward_of(grad, x, wanted);
+  }
+  // Run together, oneDNN's passes hold the input's gradient and both operands reordered (three
+  // input-sized buffers); one after the other, two. Over several slices the input's gradient is
+  // written in place, beside a slice's result and reordered output gradient. Slices of two
+  // samples (an odd batch's last of three): at one sample LibTorch may leave oneDNN for its own
+  // kernel, whose columns are 27 times the input for a 3x3x3 kernel.
+  torch::Tensor grad_x, grad_weight, grad_bias;
+  const int64_t samples = x.size(0);
+  std::vector<std::pair<int64_t, int64_t>> slices;  // start, length
+  for (int64_t start = 0; start < samples; start += slices.back().second) {
+    slices.emplace_back(start, samples - start <= 3 ? samples - start : 2);
+  }
+  for (const auto& [start, length] : slices) {
+    if (!wanted[1] && !wanted[2]) break;
+    auto [unused, slice_weight, slice_bias] = backward_of(
+        grad.narrow(0, start, length), x.narrow(0, start, length), {false, wanted[1], wanted[2]});
+    if (wanted[1]) grad_weight = start == 0 ? slice_weight : grad_weight.add_(slice_weight);
+    if (wanted[2]) grad_bias = start == 0 ? slice_bias : grad_bias.add_(slice_bias);
+  }
+  for (const auto& [start, length] : slices) {
+    if (!wanted[0]) break;
+    auto slice_x = std::get<0>(backward_of(grad.narrow(0, start, length),
+                                           x.narrow(0, start, length), {true, false, false}));
+    if (slices.size() == 1) {
+      grad_x = std::move(slice_x);  // a copy would hold the input's gradient twice
+    } else {
+      if (start == 0) grad_x = torch::empty_like(x);
+      grad_x.narrow(0, start, length).copy_(slice_x);
+    }
+  }
+  return {grad_x, grad_weight, grad_bias};
+}
+
 int64_t lean_applicable_calls(const torch::nn::Module& module) {
   int64_t calls = 0;
   for (const auto& child : module.modules()) {
@@ -193,18 +189,23 @@ int64_t lean_applicable_calls(const torch::nn::Module& module) {
   return calls;
 }
 
-torch::Tensor LeanConv3dImpl::forward(const torch::Tensor& x) {
+ConvBackward LeanConv3dImpl::backward_for(const torch::Tensor& x) {
   const bool columns = lean_backward_applies(*this, x);
   if (columns) ++lean_applicable_calls;
-  const bool split = takes_split_backward(*this, x);
-  if (!(columns && lean_backward) && !split) return Conv3dImpl::forward(x);
+  if (columns && lean_backward) return ConvBackward::Lean;
+  return takes_split_backward(*this, x) ? ConvBackward::Split : ConvBackward::Plain;
+}
+
+torch::Tensor LeanConv3dImpl::forward(const torch::Tensor& x) {
+  const auto kind = backward_for(x);
+  if (kind == ConvBackward::Plain) return Conv3dImpl::forward(x);
   const auto& padding = get<torch::ExpandingArray<3>>(options.padding());
   std::vector<torch::Tensor> biases;
   if (bias.defined()) biases.push_back(bias);
   return LeanConv3dFunction::apply(
       x, weight, at::TensorList(biases),
       std::vector<int64_t>(options.stride()->begin(), options.stride()->end()),
-      std::vector<int64_t>(padding->begin(), padding->end()), split);
+      std::vector<int64_t>(padding->begin(), padding->end()), static_cast<int64_t>(kind));
 }
 
 }  // namespace framefit::models

@@ -1,9 +1,10 @@
 #include "framefit/models/heads.h"
 
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
 
 #include <cmath>
+
+#include "framefit/core/runtime.h"
 
 namespace framefit::models {
 
@@ -28,12 +29,6 @@ torch::Tensor LinearHeadImpl::forward(const torch::Tensor& features) {
 }
 
 namespace {
-
-// The check behind at::autocast::is_cpu_enabled(), which LibTorch 2.4 renamed: CPU autocast is on
-// while its dispatch key is not excluded on this thread.
-bool cpu_autocast_enabled() {
-  return !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutocastCPU);
-}
 
 // ---------------------------------------------------------------------------------------------
 // LSTM layer for the CPU with a batched weight gradient.
@@ -169,7 +164,7 @@ torch::Tensor LSTMHeadImpl::forward(const torch::Tensor& features) {
   const auto dtype = params["weight_ih_l0"].scalar_type();
   const bool own_layer = features.device().is_cpu() && features.scalar_type() == dtype &&
                          (dtype == torch::kFloat || dtype == torch::kDouble) &&
-                         !cpu_autocast_enabled();
+                         !autocast_enabled(/*cuda=*/false);
   if (!own_layer) {  // CUDA (cuDNN fuses the recurrence), autocast, other dtypes
     auto out = std::get<0>(lstm(features.unsqueeze(0)));  // [1,T,H]
     return fc(dropout(out));                              // [1,T,C]

@@ -27,6 +27,10 @@ MachineInfo configure_runtime(const RuntimeOptions& options = {});
 
 MachineInfo machine_info();
 
+// Whether autocast is on for CUDA (`cuda`) or the CPU on this thread: its dispatch key is not
+// excluded (the check behind at::autocast::is_enabled/is_cpu_enabled, renamed in LibTorch 2.4).
+bool autocast_enabled(bool cuda);
+
 // Whether `name` is a device name framefit takes: cpu, cuda or cuda:N.
 bool is_device_name(const std::string& name);
 // Why the device `name` cannot be used on this machine ("" when it can): a CUDA device where this

@@ -20,12 +20,22 @@
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
+#include <array>
+#include <tuple>
+
 namespace framefit::models {
+
+// How a convolution's backward runs: as LibTorch runs it (oneDNN on the CPU, in one call over
+// the batch), with LibTorch's own kernel (the lean backward), or split into passes and slices.
+enum class ConvBackward { Plain, Lean, Split };
 
 class LeanConv3dImpl : public torch::nn::Conv3dImpl {
  public:
   explicit LeanConv3dImpl(torch::nn::Conv3dOptions options) : Conv3dImpl(std::move(options)) {}
   torch::Tensor forward(const torch::Tensor& x);
+  // The backward forward(x) takes (counted in lean_applicable_calls, as a call of forward):
+  // for code that runs this convolution inside its own backward (models/norm_relu_conv.h).
+  ConvBackward backward_for(const torch::Tensor& x);
   // Whether forward(x) takes the lean backward: on by default; off runs a plain Conv3d.
   bool lean_backward = true;
   // Whether forward(x) takes the split backward: on by default; off runs a plain Conv3d.
@@ -55,6 +65,13 @@ constexpr int64_t kSplitBackwardMinPositions = 16384;
 // Whether `conv` (split_backward on) splits x's backward: the conditions of takes_lean_backward
 // but the number of positions, at least kSplitBackwardMinPositions output positions per sample.
 bool takes_split_backward(const LeanConv3dImpl& conv, const torch::Tensor& x);
+
+// The gradients of a convolution (no transposition, no output padding) of x by `weight`, those
+// `wanted` of x, weight and bias, run as `kind` says (Lean and Split: 3d, as takes_*_backward).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> convolution_backward(
+    ConvBackward kind, const torch::Tensor& grad, const torch::Tensor& x,
+    const torch::Tensor& weight, bool has_bias, at::IntArrayRef stride, at::IntArrayRef padding,
+    at::IntArrayRef dilation, int64_t groups, std::array<bool, 3> wanted);
 
 // Sets lean_backward on every LeanConv3d in `module`; returns how many there are.
 int64_t set_lean_backward(torch::nn::Module& module, bool on);
