@@ -14,6 +14,7 @@
 #include "framefit/engine/checkpoint.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/network.h"
+#include "framefit/models/norm_relu_conv.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/unet.h"
 #include "framefit/models/video_resnet.h"
@@ -78,6 +79,10 @@ LayerNet build_net(const Args& args, const std::vector<int64_t>& input) {
                             .lean_pooling(!args.on("plain-pooling")))
             .ptr());
   }
+  const auto recompute_norm = args.text("recompute-norm");
+  models::set_recompute_norm(
+      *net.chain.module,
+      recompute_norm == "on" || (recompute_norm == "auto" && args.text("checkpoint") != "off"));
   return net;
 }
 

@@ -417,6 +417,15 @@ const std::vector<Flag>& flag_table() {
        "off",
        false,
        {"off", "auto", "all"}},
+      {"recompute-norm",
+       {"bench-layers"},
+       FlagType::Choice,
+       "BatchNorm and ReLU between two convolutions recomputed in the second's backward "
+       "(R3D-18, R(2+1)D-18, UNet; models/norm_relu_conv.h): auto = with --checkpoint auto or "
+       "all, not with off.",
+       "auto",
+       false,
+       {"auto", "on", "off"}},
       {"repeat",
        {"bench-layers"},
        FlagType::Int,

@@ -36,7 +36,8 @@ DoubleConvImpl::DoubleConvImpl(int64_t in_channels, int64_t out_channels,
 torch::Tensor DoubleConvImpl::forward(const torch::Tensor& x) { return after_conv1(conv1(x)); }
 
 torch::Tensor DoubleConvImpl::after_conv1(const torch::Tensor& h) {
-  return torch::relu(norm2(conv2(torch::relu(norm1(h)))));
+  const auto c = recompute_norm ? norm_relu_conv(h, *norm1, *conv2) : conv2(torch::relu(norm1(h)));
+  return torch::relu(norm2(c));
 }
 
 UNetUpImpl::UNetUpImpl(int64_t in_channels, int64_t skip_channels, bool bilinear,

@@ -69,8 +69,10 @@ Conv2Plus1dImpl::Conv2Plus1dImpl(int64_t in_channels, int64_t out_channels, int6
                                                  .bias(false)));
 }
 
-torch::Tensor Conv2Plus1dImpl::forward(const torch::Tensor& x) {
-  return temporal(relu(norm(spatial(x))));
+torch::Tensor Conv2Plus1dImpl::forward(const torch::Tensor& x) { return after_spatial(spatial(x)); }
+
+torch::Tensor Conv2Plus1dImpl::after_spatial(const torch::Tensor& h) {
+  return recompute_norm ? norm_relu_conv(h, *norm, *temporal) : temporal(relu(norm(h)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -98,7 +100,22 @@ VideoBasicBlockImpl::VideoBasicBlockImpl(VideoArch arch, int64_t in_channels, in
 }
 
 torch::Tensor VideoBasicBlockImpl::forward(const torch::Tensor& x) {
-  auto out = conv2->forward(conv1->forward(x));
+  torch::Tensor out;
+  if (recompute_norm) {
+    const auto& first = conv1->ptr(0);
+    const auto h = first->as<LeanConv3dImpl>() ? first->as<LeanConv3dImpl>()->forward(x)
+                                               : first->as<Conv2Plus1dImpl>()->forward(x);
+    auto& norm = *conv1->ptr(1)->as<torch::nn::BatchNorm3dImpl>();
+    if (auto* simple = conv2->ptr(0)->as<LeanConv3dImpl>()) {
+      out = norm_relu_conv(h, norm, *simple);
+    } else {
+      auto* factored = conv2->ptr(0)->as<Conv2Plus1dImpl>();
+      out = factored->after_spatial(norm_relu_conv(h, norm, *factored->spatial));
+    }
+    out = conv2->ptr(1)->as<torch::nn::BatchNorm3dImpl>()->forward(out);
+  } else {
+    out = conv2->forward(conv1->forward(x));
+  }
   out.add_(downsample ? downsample->forward(x) : x);  // in place on a BatchNorm output
   return out.relu_();
 }
@@ -194,7 +211,12 @@ torch::Tensor VideoResNetImpl::forward_blocks(const torch::Tensor& input, int64_
   if (begin == 0) check_input(input);
   auto x = input;
   for (int64_t i = begin; i < end; ++i) {
-    if (i == 0) {
+    if (i == 0 && recompute_norm && arch_ == VideoArch::R2Plus1D_18) {
+      const auto h = stem->ptr(0)->as<LeanConv3dImpl>()->forward(x);
+      x = norm_relu_conv(h, *stem->ptr(1)->as<torch::nn::BatchNorm3dImpl>(),
+                         *stem->ptr(3)->as<LeanConv3dImpl>());
+      x = stem->ptr(4)->as<torch::nn::BatchNorm3dImpl>()->forward(x).relu_();
+    } else if (i == 0) {
       x = stem->forward(x);
     } else if (i == count - 1) {
       x = torch::adaptive_avg_pool3d(x, {1, 1, 1}).flatten(1);

@@ -10,8 +10,10 @@
 #include "framefit/engine/chunked.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/network.h"
+#include "framefit/models/norm_relu_conv.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/unet.h"
+#include "framefit/models/video_resnet.h"
 
 using namespace framefit;
 using engine::ChainSegment;
@@ -198,6 +200,13 @@ TEST(Checkpoint, UNetStagesWithSkipConnections) {
   const auto want = pass({});
   expect_same(pass(std::vector<bool>(names.size(), true)), want, 1e-12, "every stage");
   expect_same(pass({true, false, true, false, true, false}), want, 1e-12, "alternate stages");
+  // With BatchNorm and ReLU recomputed inside the stages too (models/norm_relu_conv.h): the
+  // same up to rounding, the statistics still updated once.
+  models::set_recompute_norm(*unet, true);
+  expect_same(pass({}), want, 1e-10, "BatchNorm recomputed");
+  expect_same(pass({true, false, true, false, true, false}), want, 1e-10,
+              "BatchNorm recomputed, alternate stages");
+  models::set_recompute_norm(*unet, false);
   // unet_forward without checkpointing is the module's forward.
   torch::NoGradGuard no_grad;
   unet->eval();
@@ -346,6 +355,27 @@ struct ConvChain {
 };
 
 }  // namespace
+
+TEST(Checkpoint, VideoResNetBlocksWithBatchNormRecomputed) {
+  // R(2+1)D-18's blocks checkpointed, with BatchNorm and ReLU recomputed inside them
+  // (models/norm_relu_conv.h), against the plain network: float64, statistics updated once.
+  torch::manual_seed(2);
+  auto video = models::VideoResNet(models::VideoResNetOptions("r2plus1d_18").num_classes(4));
+  video->to(torch::kDouble);
+  video->train();
+  const auto stages = engine::video_resnet_stages(video.ptr());
+  const auto n = static_cast<int64_t>(stages.size());
+  const auto input = torch::randn({2, 3, 2, 32, 32}, torch::kDouble);
+  const auto start = snapshot(*video);
+  const auto want = run(video.ptr(), stages, engine::store_all(n), input, start);
+  EXPECT_EQ(models::set_recompute_norm(*video, true), 1 + 8 + 16);
+  expect_same(run(video.ptr(), stages, engine::store_all(n), input, start), want, 1e-10,
+              "nothing recomputed");
+  expect_same(run(video.ptr(), stages, engine::recompute_every(n, 2), input, start), want, 1e-10,
+              "every two blocks");
+  const std::vector<ChainSegment> nested = {{0, 3, true, true}, {3, n, false}};
+  expect_same(run(video.ptr(), stages, nested, input, start), want, 1e-10, "nested");
+}
 
 TEST(Checkpoint, MeasuredPeakStaysWithinThePlannedBudget) {
   ConvChain chain;

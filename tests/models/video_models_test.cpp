@@ -515,3 +515,152 @@ TEST(UNet, GradientReachesEveryParameter) {
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// norm_relu_conv: BatchNorm and ReLU recomputed in the convolution's backward
+
+namespace {
+// Gradients of sum(out^2) over x and the parameters of `module`, with the output.
+std::vector<torch::Tensor> gradients_of(const torch::Tensor& out, const torch::Tensor& x,
+                                        torch::nn::Module& module) {
+  out.pow(2).sum().backward();
+  std::vector<torch::Tensor> grads = {out.detach(), x.grad()};
+  for (const auto& p : module.parameters()) grads.push_back(p.grad());
+  for (const auto& b : module.buffers()) grads.push_back(b.clone());  // statistics, counters
+  return grads;
+}
+
+void expect_close(const std::vector<torch::Tensor>& fused, const std::vector<torch::Tensor>& plain,
+                  double tolerance, const std::string& what) {
+  ASSERT_EQ(fused.size(), plain.size()) << what;
+  for (size_t i = 0; i < fused.size(); ++i) {
+    ASSERT_EQ(fused[i].defined(), plain[i].defined()) << what << " " << i;
+    if (!fused[i].defined()) continue;
+    const double scale = plain[i].abs().max().item<double>();
+    EXPECT_LE((fused[i] - plain[i]).abs().max().item<double>(), tolerance * (scale + 1e-30))
+        << what << " " << i;
+  }
+}
+}  // namespace
+
+TEST(NormReluConv, GradientsAndStatisticsAreThoseOfThePlainSequence) {
+  // Float64: batch statistics (twice, so the running ones are averaged in) and frozen ones,
+  // Norm2d + Conv2d (with a bias) and BatchNorm3d + LeanConv3d (momentum None: a cumulative
+  // average, as BatchNorm computes it).
+  for (const bool frozen : {false, true}) {
+    std::vector<torch::Tensor> results[2];
+    for (const bool recompute : {true, false}) {
+      torch::manual_seed(0);
+      Norm2d norm(Norm2dOptions(6));
+      torch::nn::Conv2d conv(torch::nn::Conv2dOptions(6, 5, 3).padding(1).stride(2));
+      torch::nn::Sequential module(norm, conv);
+      module->to(torch::kDouble);
+      {
+        torch::NoGradGuard no_grad;
+        norm->weight.uniform_(0.5, 1.5), norm->bias.uniform_(-0.5, 0.5);
+      }
+      if (frozen) norm->freeze();
+      for (int step = 0; step < 2; ++step) {
+        const auto x = torch::randn({3, 6, 9, 8}, torch::kDouble).requires_grad_(true);
+        const auto y = recompute ? norm_relu_conv(x, *norm, *conv) : conv(torch::relu(norm(x)));
+        EXPECT_EQ(graph_has_node(y, "NormReluConvFunction"), recompute);
+        if (step == 1)
+          results[recompute] = gradients_of(y, x, *module);
+        else
+          y.sum().backward();
+      }
+    }
+    expect_close(results[1], results[0], 1e-10, frozen ? "2d frozen" : "2d");
+  }
+  for (const bool training : {true, false}) {
+    std::vector<torch::Tensor> results[2];
+    for (const bool recompute : {true, false}) {
+      torch::manual_seed(0);
+      torch::nn::BatchNorm3d norm(torch::nn::BatchNormOptions(4).momentum(c10::nullopt));
+      LeanConv3d conv(torch::nn::Conv3dOptions(4, 6, {3, 1, 1}).padding({1, 0, 0}).bias(false));
+      torch::nn::Sequential module(norm, conv);
+      module->to(torch::kDouble);
+      module->train(training);
+      for (int step = 0; step < 2; ++step) {
+        const auto x = torch::randn({2, 4, 5, 6, 7}, torch::kDouble).requires_grad_(true);
+        const auto y = recompute ? norm_relu_conv(x, *norm, *conv) : conv(norm(x).relu_());
+        EXPECT_EQ(graph_has_node(y, "NormReluConvFunction"), recompute);
+        if (step == 1)
+          results[recompute] = gradients_of(y, x, *module);
+        else
+          y.sum().backward();
+      }
+    }
+    expect_close(results[1], results[0], 1e-10, training ? "3d" : "3d eval");
+  }
+}
+
+TEST(NormReluConv, KeepsOnlyTheNormalisedInput) {
+  // Plainly the graph keeps x (BatchNorm's input) and relu's output (the convolution's input);
+  // fused, x alone: one activation-sized tensor less after forward.
+  auto& tracker = framefit::memory::Tracker::cpu();
+  std::map<bool, int64_t> kept;
+  for (const bool recompute : {true, false}) {
+    torch::manual_seed(0);
+    Norm2d norm(Norm2dOptions(16));
+    torch::nn::Conv2d conv(torch::nn::Conv2dOptions(16, 16, 3).padding(1).bias(false));
+    auto x = torch::randn({4, 16, 64, 64}).requires_grad_(true);
+    const int64_t before = tracker.current_bytes();
+    auto y = recompute ? norm_relu_conv(x, *norm, *conv) : conv(torch::relu(norm(x)));
+    kept[recompute] = tracker.current_bytes() - before - static_cast<int64_t>(y.nbytes());
+    y.sum().backward();
+  }
+  const int64_t activation = 4 * 16 * 64 * 64 * 4;
+  EXPECT_LE(kept[true], 4096) << "plain " << kept[false];  // x is the caller's
+  EXPECT_GE(kept[false], activation) << "fused " << kept[true];
+}
+
+TEST(NormReluConv, ModelsGiveThePlainGradientsAndKeepLess) {
+  // R(2+1)D-18 (its stem, every (2+1)D convolution's middle and every block), R3D-18 and the
+  // UNet, float64 gradients against recompute_norm off; and float32 activations held after
+  // forward.
+  struct Case {
+    std::string name;
+    std::function<std::shared_ptr<torch::nn::Module>()> make;
+    std::vector<int64_t> input;
+    int64_t switches;  // modules with recompute_norm
+  };
+  const std::vector<Case> cases = {
+      {"r2plus1d_18",
+       [] { return VideoResNet(VideoResNetOptions("r2plus1d_18").num_classes(3)).ptr(); },
+       {1, 3, 2, 32, 32},
+       1 + 8 + 16},
+      {"r3d_18",
+       [] { return VideoResNet(VideoResNetOptions("r3d_18").num_classes(3)).ptr(); },
+       {1, 3, 2, 32, 32},
+       1 + 8},
+      {"unet", [] { return UNet(UNetOptions().width(4).depth(2)).ptr(); }, {2, 3, 16, 16}, 5}};
+  for (const auto& c : cases) {
+    std::vector<torch::Tensor> results[2];
+    int64_t kept[2] = {0, 0};
+    for (const bool recompute : {true, false}) {
+      for (const auto dtype : {torch::kDouble, torch::kFloat}) {
+        torch::manual_seed(0);
+        auto model = c.make();
+        model->to(dtype);
+        EXPECT_EQ(set_recompute_norm(*model, recompute), c.switches) << c.name;
+        const auto x = torch::randn(c.input, dtype).requires_grad_(true);
+        auto& tracker = framefit::memory::Tracker::cpu();
+        const int64_t before = tracker.current_bytes();
+        torch::Tensor y;
+        if (auto* video = model->as<VideoResNetImpl>()) y = video->forward(x);
+        if (auto* unet = model->as<UNetImpl>()) y = unet->forward(x);
+        if (dtype == torch::kFloat) {
+          kept[recompute] = tracker.current_bytes() - before;
+          y.sum().backward();
+          continue;
+        }
+        EXPECT_EQ(graph_has_node(y, "NormReluConvFunction"), recompute) << c.name;
+        results[recompute] = gradients_of(y, x, *model);
+      }
+    }
+    expect_close(results[1], results[0], 1e-10, c.name);
+    EXPECT_LT(kept[1], kept[0] * 9 / 10)
+        << c.name << ": fused " << kept[1] << ", plain " << kept[0];
+  }
+}

@@ -8,6 +8,7 @@
 
 #include <vector>
 
+#include "framefit/models/norm_relu_conv.h"
 #include "framefit/models/resnet.h"  // Norm2d, NormKind
 
 namespace framefit::models {
@@ -31,8 +32,9 @@ struct UNetSize {
 };
 UNetSize unet_size(const UNetOptions& options);
 
-// conv3x3 - norm - ReLU, twice. Convolutions have no bias: the norm that follows has one.
-class DoubleConvImpl : public torch::nn::Module {
+// conv3x3 - norm - ReLU, twice. Convolutions have no bias: the norm that follows has one. With
+// recompute_norm on, the first norm and ReLU are recomputed in conv2's backward.
+class DoubleConvImpl : public torch::nn::Module, public RecomputesNorm {
  public:
   DoubleConvImpl(int64_t in_channels, int64_t out_channels, const Norm2dOptions& norm);
   torch::Tensor forward(const torch::Tensor& x);

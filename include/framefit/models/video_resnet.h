@@ -11,6 +11,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "framefit/models/conv3d.h"
+#include "framefit/models/norm_relu_conv.h"
 
 #include <string>
 #include <utility>
@@ -48,10 +49,14 @@ VideoResNetSize video_resnet_size(const VideoResNetOptions& options);
 // torchvision's Conv2Plus1D: a (1,3,3) spatial convolution to `mid` channels, BatchNorm, ReLU,
 // then a (3,1,1) temporal convolution. Children "0", "1", "2", "3" as in torchvision's
 // nn.Sequential, so its keys read conv1.0.0.weight, conv1.0.1.running_mean, conv1.0.3.weight.
-class Conv2Plus1dImpl : public torch::nn::Module {
+// With recompute_norm on, the BatchNorm and ReLU are recomputed in the temporal convolution's
+// backward (models/norm_relu_conv.h).
+class Conv2Plus1dImpl : public torch::nn::Module, public RecomputesNorm {
  public:
   Conv2Plus1dImpl(int64_t in_channels, int64_t out_channels, int64_t mid_channels, int64_t stride);
   torch::Tensor forward(const torch::Tensor& x);
+  // The rest of forward given the spatial convolution's output.
+  torch::Tensor after_spatial(const torch::Tensor& h);
 
   LeanConv3d spatial{nullptr}, temporal{nullptr};
   torch::nn::BatchNorm3d norm{nullptr};
@@ -60,8 +65,10 @@ class Conv2Plus1dImpl : public torch::nn::Module {
 TORCH_MODULE(Conv2Plus1d);
 
 // torchvision's video BasicBlock: conv1 = [conv, BatchNorm3d, ReLU], conv2 = [conv, BatchNorm3d],
-// optional downsample = [1x1x1 conv, BatchNorm3d]; conv is Conv3d (3x3x3) or Conv2Plus1d.
-class VideoBasicBlockImpl : public torch::nn::Module {
+// optional downsample = [1x1x1 conv, BatchNorm3d]; conv is Conv3d (3x3x3) or Conv2Plus1d. With
+// recompute_norm on, conv1's BatchNorm and ReLU are recomputed in the backward of conv2's first
+// convolution.
+class VideoBasicBlockImpl : public torch::nn::Module, public RecomputesNorm {
  public:
   VideoBasicBlockImpl(VideoArch arch, int64_t in_channels, int64_t channels, int64_t stride);
   torch::Tensor forward(const torch::Tensor& x);
@@ -70,7 +77,9 @@ class VideoBasicBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(VideoBasicBlock);
 
-class VideoResNetImpl : public torch::nn::Module {
+// recompute_norm (set_recompute_norm sets it on the blocks too): R(2+1)D-18's stem recomputes its
+// inner BatchNorm and ReLU in its temporal convolution's backward.
+class VideoResNetImpl : public torch::nn::Module, public RecomputesNorm {
  public:
   explicit VideoResNetImpl(const VideoResNetOptions& options = {});
 
