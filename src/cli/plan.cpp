@@ -383,6 +383,7 @@ int plan_config(const Args& args) {
         {"input", plan.input},
         {"precision", engine::to_string(plan.precision)},
         {"lean_backward", plan.lean_backward},
+        {"recompute_norm", plan.recompute_norm},
         {"recomputed_stages", std::count(flags.begin(), flags.end(), true)},
         {"stages", flags.size()},
         {"budget_bytes", plan.budget_bytes},

@@ -22,6 +22,7 @@
 #include "framefit/memory/tracker.h"
 #include "framefit/models/conv3d.h"
 #include "framefit/models/network.h"
+#include "framefit/models/norm_relu_conv.h"
 #include "framefit/models/resnet.h"
 #include "framefit/models/torchscript.h"
 #include "framefit/models/unet.h"
@@ -320,6 +321,7 @@ struct BatchProgress : RunPosition {  // position: samples of the epoch's order 
   std::vector<engine::ChainSegment> segments;  // the recomputation the step runs with
   std::vector<engine::ChainSegment> fallback_segments;  // after out of memory, as planned
   bool lean_backward = false;                  // models/conv3d.h, as planned
+  bool recompute_norm = false;                 // models/norm_relu_conv.h, as planned
   int64_t eval_batch = 0;                      // validation's batch, as planned
 };
 
@@ -352,11 +354,11 @@ std::vector<engine::ChainSegment> segments_from(const torch::Tensor& tensor) {
 }
 
 void write_progress(torch::serialize::OutputArchive& archive, const BatchProgress& p) {
-  archive.write("progress",
-                torch::tensor({p.step, p.epoch, p.position, p.skipped, p.batch, p.micro_batches,
-                               static_cast<int64_t>(p.precision),
-                               static_cast<int64_t>(p.lean_backward), p.eval_batch, p.stale_epochs},
-                              torch::kLong));
+  archive.write("progress", torch::tensor({p.step, p.epoch, p.position, p.skipped, p.batch,
+                                           p.micro_batches, static_cast<int64_t>(p.precision),
+                                           static_cast<int64_t>(p.lean_backward), p.eval_batch,
+                                           p.stale_epochs, static_cast<int64_t>(p.recompute_norm)},
+                                          torch::kLong));
   archive.write("progress_real", torch::tensor({p.best_score, p.seconds}, torch::kDouble));
   archive.write("segments", segments_tensor(p.segments));
   archive.write("fallback_segments", segments_tensor(p.fallback_segments));
@@ -381,6 +383,7 @@ BatchProgress read_progress(torch::serialize::InputArchive& archive) {
   // ... and evaluated at the training batch.
   progress.eval_batch = p.numel() > 8 ? v[8] : progress.batch;
   progress.stale_epochs = p.numel() > 9 ? v[9] : 0;  // ... and had no train.patience
+  progress.recompute_norm = p.numel() > 10 && v[10] != 0;  // ... and kept every BatchNorm input
   progress.segments = segments_from(segments);
   // Older checkpoints have none: their runs fell back on every stage recomputed.
   torch::Tensor fallback;
@@ -527,11 +530,13 @@ struct HeldSettings {
   int64_t peak = 0;
 };
 
-// The training batch, recomputation and convolution backward (plan_for).
-BatchTaskPlan plan_training(const Config& config, const TaskData& data,
-                            const std::vector<int64_t>& input, torch::Device device, int64_t budget,
-                            int64_t step_budget, BatchModel& probe, HeldSettings* held) {
+// plan_training with BatchNorm recomputation as `recompute_norm` says (set on the probe).
+BatchTaskPlan plan_training_with(bool recompute_norm, const Config& config, const TaskData& data,
+                                 const std::vector<int64_t>& input, torch::Device device,
+                                 int64_t budget, int64_t step_budget, BatchModel& probe,
+                                 HeldSettings* held) {
   const auto& tc = config.train;
+  models::set_recompute_norm(*probe.network.module, recompute_norm);
   const auto fixed_batch = fixed_count(tc.batch);
   TORCH_CHECK(!fixed_batch || *fixed_batch > 0,
               "train.batch: 0 samples per batch; use auto or a count");
@@ -544,6 +549,7 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
   plan.step_budget_bytes = step_budget;
   plan.cuda_budget = device.is_cuda();
   plan.checkpointing = tc.checkpointing;
+  plan.recompute_norm = recompute_norm;
   const int64_t stages = probe.network.stage_count();
   plan.static_bytes = plan::training_static_bytes(*probe.network.module, tc.optimizer);
   const bool has_lean =
@@ -571,7 +577,8 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
     // The largest batch that fits: the plan's unless train.batch fixes it; the table's either way.
     const auto planned = plan::plan_batch(costs, step_budget, recompute);
     p.table = plan::batch_table(costs, step_budget, recompute, planned.batch);
-    if (held && held->progress.lean_backward == probe_lean) {
+    if (held && held->progress.lean_backward == probe_lean &&
+        held->progress.recompute_norm == recompute_norm) {
       const auto& h = held->progress;
       const auto chain = engine::evaluate_chain(
           costs.at((h.batch + h.micro_batches - 1) / h.micro_batches), h.segments);
@@ -630,6 +637,31 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
   const bool take_lean =
       lean.batch >= 2 * std::max<int64_t>(1, fast.batch) || (fixed_batch && fits && !fast_fits);
   return take_lean ? lean : fast;
+}
+
+// The training batch, recomputation and convolution backward (plan_for). BatchNorm and ReLU are
+// recomputed (models/norm_relu_conv.h) with train.checkpointing all, and with auto unless a
+// fixed batch fits without recomputing anything: it costs one elementwise pass per such layer.
+BatchTaskPlan plan_training(const Config& config, const TaskData& data,
+                            const std::vector<int64_t>& input, torch::Device device, int64_t budget,
+                            int64_t step_budget, BatchModel& probe, HeldSettings* held) {
+  const auto& tc = config.train;
+  const bool norm_steps =
+      tc.checkpointing != "off" && models::set_recompute_norm(*probe.network.module, false) > 0;
+  const auto plan_with = [&](bool recompute_norm) {
+    return plan_training_with(recompute_norm, config, data, input, device, budget, step_budget,
+                              probe, held);
+  };
+  if (!norm_steps) return plan_with(false);
+  if (tc.checkpointing == "auto" && fixed_count(tc.batch)) {
+    auto plain = plan_with(false);
+    const auto flags = engine::recomputed(plain.segments);
+    if (plain.micro_batches == 1 && std::count(flags.begin(), flags.end(), true) == 0 &&
+        plain.predicted_peak_bytes <= step_budget) {
+      return plain;
+    }
+  }
+  return plan_with(true);
 }
 
 // The batch and checkpointing for `config` on `data`'s samples, and the evaluation batch:
@@ -1218,13 +1250,15 @@ std::string BatchTaskPlan::describe() const {
                           : c10::str("; evaluation batch ", eval_batch);
   if (!planned) {
     return c10::str("settings: batch ", batch, accumulated, ", checkpointing ", checkpointing, " (",
-                    count, " of ", recompute.size(),
-                    " stages recomputed; fixed by the config, not planned)", evaluation);
+                    count, " of ", recompute.size(), " stages recomputed",
+                    recompute_norm ? ", BatchNorm recomputed" : "",
+                    "; fixed by the config, not planned)", evaluation);
   }
   return c10::str(
       "plan: batch ", batch, accumulated, ", ", count, " of ", recompute.size(),
       " stages recomputed, ", engine::to_string(precision),
-      lean_backward ? ", lean convolution backward" : "", ", predicted peak ",
+      lean_backward ? ", lean convolution backward" : "",
+      recompute_norm ? ", BatchNorm recomputed" : "", ", predicted peak ",
       memory::format_bytes(predicted_peak_bytes), " of ", memory::format_bytes(step_budget_bytes),
       " (budget ", memory::format_bytes(budget_bytes),
       cuda_budget ? c10::str(" less ", memory::format_bytes(budget_bytes - step_budget_bytes),
@@ -1232,14 +1266,14 @@ std::string BatchTaskPlan::describe() const {
                   : std::string(" less decoded data"),
       "): static ", memory::format_bytes(static_bytes),
       library_bytes > 0 ? c10::str(", CUDA libraries ", memory::format_bytes(library_bytes)) : "",
-      ", inputs ",
-      memory::format_bytes(input_bytes), ", activations ", memory::format_bytes(activation_bytes),
-      evaluation);
+      ", inputs ", memory::format_bytes(input_bytes), ", activations ",
+      memory::format_bytes(activation_bytes), evaluation);
 }
 
 namespace {
 
-// "batch 8, 2 of 5 stages recomputed in 2 micro-batches, lean convolution backward".
+// "batch 8, 2 of 5 stages recomputed in 2 micro-batches, lean convolution backward, BatchNorm
+// recomputed".
 std::string describe_step(const BatchProgress& p) {
   const auto recompute = engine::recomputed(p.segments);
   int64_t nested = 0;
@@ -1248,7 +1282,8 @@ std::string describe_step(const BatchProgress& p) {
                   " of ", recompute.size(), " stages recomputed",
                   nested > 0 ? c10::str(" (", nested, " in nested segments)") : "",
                   p.micro_batches > 1 ? c10::str(" in ", p.micro_batches, " micro-batches") : "",
-                  p.lean_backward ? ", lean convolution backward" : "");
+                  p.lean_backward ? ", lean convolution backward" : "",
+                  p.recompute_norm ? ", BatchNorm recomputed" : "");
 }
 
 // A run resumed under another train.budget (`change` says which) holds its batch and precision,
@@ -1294,6 +1329,7 @@ void replan_if_budget_changed(BatchProgress& progress, const std::string& change
   progress.segments = plan.segments;
   progress.fallback_segments = plan.fallback_segments;
   progress.lean_backward = plan.lean_backward;
+  progress.recompute_norm = plan.recompute_norm;
   note(Event::Kind::Warning,
        predicted + (held.evaluated ? ", more than " + step_budget_text : std::string()) +
            "; re-planned to " + describe_step(progress) + " (predicted " +
@@ -1395,6 +1431,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     progress.segments = plan.segments;
     progress.fallback_segments = plan.fallback_segments;
     progress.lean_backward = plan.lean_backward;
+    progress.recompute_norm = plan.recompute_norm;
     progress.eval_batch = plan.eval_batch;
   }
   progress.eval_batch = evaluation_batch(config, progress);
@@ -1404,6 +1441,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   model.batch = progress.eval_batch;
   auto& module = *model.network.module;
   models::set_lean_backward(module, progress.lean_backward);
+  models::set_recompute_norm(module, progress.recompute_norm);
   std::vector<torch::Tensor> parameters;
   for (const auto& p : module.parameters()) {
     if (p.requires_grad()) parameters.push_back(p);

@@ -1469,6 +1469,55 @@ TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {
   test_util::remove_tree(config.train.out_dir);
 }
 
+TEST(SegmentationTraining, BatchNormIsRecomputedWhereCheckpointingIsAndResumesExactly) {
+  // models/norm_relu_conv.h: with train.checkpointing all, and auto unless a fixed batch needs
+  // no recomputation; never with off.
+  auto config = segmentation_config("/tmp/framefit_segmentation_norm");
+  config.train.budget = 4 << 20;
+  config.data.prefetch_bytes = 512 << 10;
+  const auto planned = train::plan_batch_task(config);  // auto: the largest batch
+  EXPECT_TRUE(planned.recompute_norm);
+  EXPECT_NE(planned.describe().find(", BatchNorm recomputed"), std::string::npos)
+      << planned.describe();
+  auto roomy = config;
+  roomy.train.budget = 512 << 20;
+  roomy.train.batch = "2";
+  const auto fits = train::plan_batch_task(roomy);
+  const auto flags = engine::recomputed(fits.segments);
+  EXPECT_EQ(std::count(flags.begin(), flags.end(), true), 0);
+  EXPECT_FALSE(fits.recompute_norm);
+  roomy.train.checkpointing = "all";
+  EXPECT_TRUE(train::plan_batch_task(roomy).recompute_norm);
+  config.train.checkpointing = "off";
+  EXPECT_FALSE(train::plan_batch_task(config).recompute_norm);
+
+  // A run with it, interrupted after step 3 and resumed, ends with the uninterrupted run's
+  // weights and BatchNorm statistics.
+  config.train.checkpointing = "auto";
+  config.train.schedule = "constant";  // cosine spans train.max_steps, which stops the first part
+  config.train.epochs = 2;
+  config.train.checkpoint_every = 1;
+  const auto full = train::train(config);
+  ASSERT_GT(full.steps, 3);
+  char last[32];
+  std::snprintf(last, sizeof(last), "/step_%08lld.pt", static_cast<long long>(full.steps));
+  const auto uninterrupted = checkpoint_weights(config.train.out_dir + "/checkpoints" + last);
+  auto first = config;
+  first.train.out_dir = segmentation_config("/tmp/framefit_segmentation_norm_b").train.out_dir;
+  first.train.max_steps = 3;
+  train::train(first);
+  auto rest = first;
+  rest.train.max_steps = 0;
+  torch::manual_seed(12345);  // as another process would start
+  EXPECT_EQ(train::train(rest, "auto").steps, full.steps);
+  const auto weights = checkpoint_weights(first.train.out_dir + "/checkpoints" + last);
+  ASSERT_EQ(weights.size(), uninterrupted.size());
+  for (size_t i = 0; i < weights.size(); ++i)
+    EXPECT_TRUE(torch::equal(weights[i], uninterrupted[i])) << i;
+  test_util::remove_tree(config.train.out_dir);
+  test_util::remove_tree(first.train.out_dir);
+}
+
 TEST(SegmentationTraining, FixedBatchOverTheBudgetIsPlannedAsMicroBatches) {
   // The budget in which the planner chose fewer than 10 images per batch (test above), with a
   // fixed train.batch beyond the 10 training images: capped at them, and run as the fewest

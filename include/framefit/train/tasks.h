@@ -112,6 +112,10 @@ struct BatchTaskPlan {
   std::vector<engine::ChainSegment> fallback_segments;
   // The video ResNets' lean convolution backward (models/conv3d.h, model.lean_backward).
   bool lean_backward = false;
+  // BatchNorm and ReLU between convolutions recomputed in backward (models/norm_relu_conv.h):
+  // the cheapest recomputation, with train.checkpointing all, or auto unless a fixed batch
+  // needs none (R3D-18, R(2+1)D-18, UNet).
+  bool recompute_norm = false;
   int64_t budget_bytes = 0, step_budget_bytes = 0;
   // The budget is a CUDA device's: the decoded data is in host memory, and the step budget is
   // the budget less plan::allocator_margin_bytes.
