@@ -72,7 +72,8 @@ class NormReluConvFunction : public torch::autograd::Function<NormReluConvFuncti
         {norm_grads, ctx->needs_input_grad(3), has_bias && ctx->needs_input_grad(4)});
     torch::Tensor grad_x, grad_norm_weight, grad_norm_bias;
     if (norm_grads) {
-      grad_rectified.masked_fill_(rectified.le(0), 0);  // ReLU's backward
+      // ReLU's backward, in place: one pass (a mask and masked_fill_ took two and more memory).
+      at::threshold_backward_out(grad_rectified, grad_rectified, rectified, 0);
       rectified = torch::Tensor();
       std::tie(grad_x, grad_norm_weight, grad_norm_bias) = at::native_batch_norm_backward(
           grad_rectified, x, norm_weight, batch_stats ? torch::Tensor() : mean,
