@@ -543,32 +543,43 @@ void expect_close(const std::vector<torch::Tensor>& fused, const std::vector<tor
 }
 }  // namespace
 
+// Two training steps (float64) of conv(relu(norm(x))), fused or plain, on inputs of `shape`: the
+// second step's output, gradients and buffers.
+template <typename Norm, typename Conv>
+std::vector<torch::Tensor> second_step_of(Norm norm, Conv conv, bool recompute,
+                                          at::IntArrayRef shape) {
+  torch::nn::Sequential module(norm, conv);
+  module->to(torch::kDouble);
+  std::vector<torch::Tensor> result;
+  for (int step = 0; step < 2; ++step) {
+    const auto x = torch::randn(shape, torch::kDouble).requires_grad_(true);
+    const auto y = recompute ? norm_relu_conv(x, *norm, *conv) : conv(torch::relu(norm(x)));
+    EXPECT_EQ(graph_has_node(y, "NormReluConvFunction"), recompute);
+    if (step == 1) {
+      result = gradients_of(y, x, *module);
+    } else {
+      y.sum().backward();
+    }
+  }
+  return result;
+}
+
 TEST(NormReluConv, GradientsAndStatisticsAreThoseOfThePlainSequence) {
   // Float64: batch statistics (twice, so the running ones are averaged in) and frozen ones,
   // Norm2d + Conv2d (with a bias) and BatchNorm3d + LeanConv3d (momentum None: a cumulative
-  // average, as BatchNorm computes it).
+  // average, as BatchNorm computes it) in training and eval.
   for (const bool frozen : {false, true}) {
     std::vector<torch::Tensor> results[2];
     for (const bool recompute : {true, false}) {
       torch::manual_seed(0);
       Norm2d norm(Norm2dOptions(6));
-      torch::nn::Conv2d conv(torch::nn::Conv2dOptions(6, 5, 3).padding(1).stride(2));
-      torch::nn::Sequential module(norm, conv);
-      module->to(torch::kDouble);
       {
         torch::NoGradGuard no_grad;
         norm->weight.uniform_(0.5, 1.5), norm->bias.uniform_(-0.5, 0.5);
       }
       if (frozen) norm->freeze();
-      for (int step = 0; step < 2; ++step) {
-        const auto x = torch::randn({3, 6, 9, 8}, torch::kDouble).requires_grad_(true);
-        const auto y = recompute ? norm_relu_conv(x, *norm, *conv) : conv(torch::relu(norm(x)));
-        EXPECT_EQ(graph_has_node(y, "NormReluConvFunction"), recompute);
-        if (step == 1)
-          results[recompute] = gradients_of(y, x, *module);
-        else
-          y.sum().backward();
-      }
+      torch::nn::Conv2d conv(torch::nn::Conv2dOptions(6, 5, 3).padding(1).stride(2));
+      results[recompute] = second_step_of(norm, conv, recompute, {3, 6, 9, 8});
     }
     expect_close(results[1], results[0], 1e-10, frozen ? "2d frozen" : "2d");
   }
@@ -577,19 +588,9 @@ TEST(NormReluConv, GradientsAndStatisticsAreThoseOfThePlainSequence) {
     for (const bool recompute : {true, false}) {
       torch::manual_seed(0);
       torch::nn::BatchNorm3d norm(torch::nn::BatchNormOptions(4).momentum(c10::nullopt));
+      norm->train(training);
       LeanConv3d conv(torch::nn::Conv3dOptions(4, 6, {3, 1, 1}).padding({1, 0, 0}).bias(false));
-      torch::nn::Sequential module(norm, conv);
-      module->to(torch::kDouble);
-      module->train(training);
-      for (int step = 0; step < 2; ++step) {
-        const auto x = torch::randn({2, 4, 5, 6, 7}, torch::kDouble).requires_grad_(true);
-        const auto y = recompute ? norm_relu_conv(x, *norm, *conv) : conv(norm(x).relu_());
-        EXPECT_EQ(graph_has_node(y, "NormReluConvFunction"), recompute);
-        if (step == 1)
-          results[recompute] = gradients_of(y, x, *module);
-        else
-          y.sum().backward();
-      }
+      results[recompute] = second_step_of(norm, conv, recompute, {2, 4, 5, 6, 7});
     }
     expect_close(results[1], results[0], 1e-10, training ? "3d" : "3d eval");
   }

@@ -544,6 +544,36 @@ std::vector<torch::Tensor> checkpoint_weights(const std::string& path) {
   return out;
 }
 
+// Trains `base` uninterrupted, then in `interrupted_dir` stopped after `stop_after` steps and
+// resumed (as another process would: its own random seed), and expects the resumed run's last
+// checkpoint to equal the uninterrupted one's. Returns the uninterrupted run's result; the
+// resumed run's warnings go to `warnings` when given.
+train::TrainResult expect_exact_resume(const train::Config& base,
+                                       const std::string& interrupted_dir, int64_t stop_after,
+                                       std::vector<std::string>* warnings = nullptr) {
+  const auto full = train::train(base);
+  EXPECT_GT(full.steps, stop_after);  // steps left for the resumed run
+  char last[32];
+  std::snprintf(last, sizeof(last), "/step_%08lld.pt", static_cast<long long>(full.steps));
+  const auto uninterrupted = checkpoint_weights(base.train.out_dir + "/checkpoints" + last);
+  auto first = base;
+  first.train.out_dir = interrupted_dir;
+  first.train.max_steps = stop_after;
+  train::train(first);
+  auto rest = first;
+  rest.train.max_steps = 0;
+  torch::manual_seed(12345);  // as another process would start
+  const auto resumed = train::train(rest, "auto", [&](const train::Event& e) {
+    if (warnings && e.kind == train::Event::Kind::Warning) warnings->push_back(e.message);
+  });
+  EXPECT_EQ(resumed.steps, full.steps);
+  const auto weights = checkpoint_weights(first.train.out_dir + "/checkpoints" + last);
+  EXPECT_EQ(weights.size(), uninterrupted.size());
+  for (size_t i = 0; i < std::min(weights.size(), uninterrupted.size()); ++i)
+    EXPECT_TRUE(torch::equal(weights[i], uninterrupted[i])) << i;
+  return full;
+}
+
 }  // namespace
 
 TEST(ModelWeights, StartTheEncoderOrVideoNetworkFromAStateDictUnderAnyPrefix) {
@@ -607,32 +637,14 @@ TEST(ClipTraining, ResumedRunEndsWithIdenticalWeights) {
     base.train.checkpoint_every = 1;
     base.train.accumulate = accumulate;
     if (accumulate > 1) base.train.batch = "2";
-    const auto full = train::train(base);
-    ASSERT_GT(full.steps, 4);
-    char last[32];
-    std::snprintf(last, sizeof(last), "/step_%08lld.pt", static_cast<long long>(full.steps));
-    const auto uninterrupted = checkpoint_weights(base.train.out_dir + "/checkpoints" + last);
-
-    auto first = base;
-    first.train.out_dir = clips_config("/tmp/framefit_clips_b").train.out_dir;  // emptied
-    first.train.max_steps = 3;
-    train::train(first);
-    auto rest = first;
-    rest.train.max_steps = 0;
-    torch::manual_seed(12345);  // as another process would start
+    // Emptied by clips_config.
+    const auto interrupted_dir = clips_config("/tmp/framefit_clips_b").train.out_dir;
     std::vector<std::string> warnings;
-    const auto resumed = train::train(rest, "auto", [&](const train::Event& e) {
-      if (e.kind == train::Event::Kind::Warning) warnings.push_back(e.message);
-    });
-    EXPECT_EQ(resumed.steps, full.steps);
+    const auto full = expect_exact_resume(base, interrupted_dir, 3, &warnings);
     // The one key changed for the rest of the run is named.
     EXPECT_EQ(warnings, (std::vector<std::string>{
                             "the config differs from the checkpoint's; training goes on with the "
                             "new values: train.max_steps: 3 -> 0"}));
-    const auto weights = checkpoint_weights(first.train.out_dir + "/checkpoints" + last);
-    ASSERT_EQ(weights.size(), uninterrupted.size());
-    for (size_t i = 0; i < weights.size(); ++i)
-      EXPECT_TRUE(torch::equal(weights[i], uninterrupted[i]));
 
     if (accumulate == 1) {
       // Evaluation counts clips: the validation video's clips, all of them.
@@ -675,7 +687,7 @@ TEST(ClipTraining, ResumedRunEndsWithIdenticalWeights) {
                 std::string::npos);
     }
     test_util::remove_tree(base.train.out_dir);
-    test_util::remove_tree(first.train.out_dir);
+    test_util::remove_tree(interrupted_dir);
   }
 }
 
@@ -1497,25 +1509,11 @@ TEST(SegmentationTraining, BatchNormIsRecomputedWhereCheckpointingIsAndResumesEx
   config.train.schedule = "constant";  // cosine spans train.max_steps, which stops the first part
   config.train.epochs = 2;
   config.train.checkpoint_every = 1;
-  const auto full = train::train(config);
-  ASSERT_GT(full.steps, 3);
-  char last[32];
-  std::snprintf(last, sizeof(last), "/step_%08lld.pt", static_cast<long long>(full.steps));
-  const auto uninterrupted = checkpoint_weights(config.train.out_dir + "/checkpoints" + last);
-  auto first = config;
-  first.train.out_dir = segmentation_config("/tmp/framefit_segmentation_norm_b").train.out_dir;
-  first.train.max_steps = 3;
-  train::train(first);
-  auto rest = first;
-  rest.train.max_steps = 0;
-  torch::manual_seed(12345);  // as another process would start
-  EXPECT_EQ(train::train(rest, "auto").steps, full.steps);
-  const auto weights = checkpoint_weights(first.train.out_dir + "/checkpoints" + last);
-  ASSERT_EQ(weights.size(), uninterrupted.size());
-  for (size_t i = 0; i < weights.size(); ++i)
-    EXPECT_TRUE(torch::equal(weights[i], uninterrupted[i])) << i;
+  const auto interrupted_dir =
+      segmentation_config("/tmp/framefit_segmentation_norm_b").train.out_dir;
+  expect_exact_resume(config, interrupted_dir, 3);
   test_util::remove_tree(config.train.out_dir);
-  test_util::remove_tree(first.train.out_dir);
+  test_util::remove_tree(interrupted_dir);
 }
 
 TEST(SegmentationTraining, FixedBatchOverTheBudgetIsPlannedAsMicroBatches) {
@@ -1531,6 +1529,7 @@ TEST(SegmentationTraining, FixedBatchOverTheBudgetIsPlannedAsMicroBatches) {
   EXPECT_EQ(plan.batch, 10);
   EXPECT_EQ(plan.samples, 10);
   EXPECT_GT(plan.micro_batches, 1);
+  EXPECT_TRUE(plan.recompute_norm);  // a fixed batch that needs recomputation
   EXPECT_LE(plan.predicted_peak_bytes, plan.step_budget_bytes);
   EXPECT_NE(plan.describe().find(c10::str("batch 10 in ", plan.micro_batches, " micro-batches")),
             std::string::npos)
