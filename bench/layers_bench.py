@@ -7,7 +7,9 @@
 
 1. Cost of checkpointing: the same batch trained without checkpointing, with the planner's
    choice for a budget that halves the activation memory (where none does, also at the least
-   memory any plan reaches), and with every stage recomputed.
+   memory any plan reaches), and with every stage recomputed. Checkpointing (auto, all) also
+   recomputes BatchNorm and ReLU between convolutions (models/norm_relu_conv.h: R3D-18,
+   R(2+1)D-18, UNet); "off, BatchNorm recomputed" is that alone.
    Activation memory = tracked peak - static (parameters, gradients, Adam state).
    Target: <= 1.35x the time for >= 2x less activation memory.
 2. UNet (seeds/003): the largest batch a fixed budget allows, fp32 without checkpointing vs bf16
@@ -96,8 +98,11 @@ def main():
     # Settings other than checkpointing, run plain in the same rounds: the video ResNets'
     # convolution backward through oneDNN throughout (models/conv3d.h), as LibTorch runs it.
     # seeds/001's net with PyTorch's max pooling, which keeps its input (models/pooling.h).
-    other_modes = {"r3d_18": [("off, oneDNN backward", ["--onednn-backward"])],
-                   "r2plus1d_18": [("off, oneDNN backward", ["--onednn-backward"])],
+    # BatchNorm and ReLU recomputed with nothing else (the checkpointing modes include it).
+    norm_alone = ("off, BatchNorm recomputed", ["--recompute-norm", "on"])
+    other_modes = {"unet": [norm_alone],
+                   "r3d_18": [norm_alone, ("off, oneDNN backward", ["--onednn-backward"])],
+                   "r2plus1d_18": [norm_alone, ("off, oneDNN backward", ["--onednn-backward"])],
                    "clip3d": [("off, PyTorch's max pooling", ["--plain-pooling"])]}
     for net, shape, extra, batch in nets:
         common = ["--net", net, "--input", shape, *extra, "--batch", batch, "--repeat", repeat]

@@ -606,7 +606,8 @@ const std::vector<Entry>& entries() {
                        "each video's features after the first epoch and train the head on them",
                        FRAMEFIT_MEMBER(std::string, train.cache_features), {"auto", "off"}));
     t.push_back(choice("train.checkpointing",
-                       "clips/segmentation: layer checkpointing; auto: only what the batch needs",
+                       "clips/segmentation: layer checkpointing (with BatchNorm recomputed between "
+                       "convolutions); auto: only what the batch needs",
                        FRAMEFIT_MEMBER(std::string, train.checkpointing), {"auto", "off", "all"}));
     t.push_back(choice("task", "what is learned", FRAMEFIT_MEMBER(std::string, task),
                        {"phases", "clips", "segmentation"}));
