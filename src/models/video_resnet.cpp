@@ -102,9 +102,7 @@ VideoBasicBlockImpl::VideoBasicBlockImpl(VideoArch arch, int64_t in_channels, in
 torch::Tensor VideoBasicBlockImpl::forward(const torch::Tensor& x) {
   torch::Tensor out;
   if (recompute_norm) {
-    const auto& first = conv1->ptr(0);
-    const auto h = first->as<LeanConv3dImpl>() ? first->as<LeanConv3dImpl>()->forward(x)
-                                               : first->as<Conv2Plus1dImpl>()->forward(x);
+    const auto h = conv1->begin()->forward(x);  // conv1's convolution, whichever kind
     auto& norm = *conv1->ptr(1)->as<torch::nn::BatchNorm3dImpl>();
     if (auto* simple = conv2->ptr(0)->as<LeanConv3dImpl>()) {
       out = norm_relu_conv(h, norm, *simple);
