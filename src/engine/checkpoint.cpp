@@ -631,7 +631,10 @@ torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const 
   const int64_t depth = unet->depth();
   size_t index = 0;
   // Runs stage `index` over `inputs`, checkpointed when flagged, measured when asked.
-  const auto run = [&](const torch::nn::Module& module,
+  // `held_gradient`: the output has two consumers (an encoder stage's, pooled and skipped), so
+  // the first part of its gradient waits for the second; the others' comes whole and is freed
+  // once used.
+  const auto run = [&](const torch::nn::Module& module, bool held_gradient,
                        std::function<torch::Tensor(const std::vector<torch::Tensor>&)> forward,
                        const std::vector<torch::Tensor>& inputs) {
     const size_t i = index++;
@@ -643,30 +646,28 @@ torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const 
     if (costs == nullptr) return forward(inputs);
     const auto stage = make_stage(names[i], module, {});
     torch::Tensor y;
-    // Held: a stage's output gradient comes in parts (the next stage's and a skip's), and the
-    // first part waits for the others, so the stored-stage measure of a chain would undercount.
     costs->push_back(measure_stage(
         MultiStage{names[i], std::move(forward), stage.parameters, stage.buffers}, inputs, y,
-        /*held_gradient=*/true));
+        held_gradient));
     return y;
   };
   std::vector<torch::Tensor> skips;
   auto h = x;
   for (int64_t i = 0; i <= depth; ++i) {
     h = run(
-        *unet->down[static_cast<size_t>(i)],
+        *unet->down[static_cast<size_t>(i)], /*held_gradient=*/i < depth,
         [unet, i](const std::vector<torch::Tensor>& in) { return unet->encoder_stage(i, in[0]); },
         {h});
     if (i < depth) skips.push_back(h);
   }
   for (int64_t j = 0; j < depth; ++j) {
-    h = run(*unet->up[static_cast<size_t>(j)],
+    h = run(*unet->up[static_cast<size_t>(j)], /*held_gradient=*/false,
             [unet, j](const std::vector<torch::Tensor>& in) {
               return unet->decoder_stage(j, in[0], in[1]);
             },
             {h, skips[static_cast<size_t>(depth - 1 - j)]});
   }
-  return run(*unet->out, [unet](const std::vector<torch::Tensor>& in) { return unet->head(in[0]); },
+  return run(*unet->out, /*held_gradient=*/false, [unet](const std::vector<torch::Tensor>& in) { return unet->head(in[0]); },
              {h});
 }
 
