@@ -100,7 +100,7 @@ def main():
     # seeds/001's net with PyTorch's max pooling, which keeps its input (models/pooling.h).
     # BatchNorm and ReLU recomputed with nothing else (the checkpointing modes include it).
     norm_alone = ("off, BatchNorm recomputed", ["--recompute-norm", "on"])
-    other_modes = {"unet": [norm_alone],
+    other_modes = {"unet": [norm_alone], "resnet50": [norm_alone],
                    "r3d_18": [norm_alone, ("off, oneDNN backward", ["--onednn-backward"])],
                    "r2plus1d_18": [norm_alone, ("off, oneDNN backward", ["--onednn-backward"])],
                    "clip3d": [("off, PyTorch's max pooling", ["--plain-pooling"])]}

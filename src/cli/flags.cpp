@@ -418,11 +418,12 @@ const std::vector<Flag>& flag_table() {
        false,
        {"off", "auto", "all"}},
       {"recompute-norm",
-       {"bench-layers"},
+       with({"bench-layers"}, step),
        FlagType::Choice,
        "BatchNorm and ReLU between two convolutions recomputed in the second's backward "
-       "(R3D-18, R(2+1)D-18, UNet; models/norm_relu_conv.h): auto = with --checkpoint auto or "
-       "all, not with off.",
+       "(R3D-18, R(2+1)D-18, UNet, ResNet blocks; models/norm_relu_conv.h): auto = with "
+       "bench-layers --checkpoint auto or all, off otherwise (bench-step, plan, doctor, "
+       "bench-memory: the per-frame ResNet, as model.recompute_norm).",
        "auto",
        false,
        {"auto", "on", "off"}},

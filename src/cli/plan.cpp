@@ -34,6 +34,7 @@ plan::ModelSpec model_spec(const Args& args) {
                              models::parse_norm_kind(spec.norm), spec.device.type());
   spec.channels_last = layout.channels_last;
   spec.nchw_from = layout.nchw_from;
+  spec.recompute_norm = args.text("recompute-norm") == "on";
   return spec;
 }
 

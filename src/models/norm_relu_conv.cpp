@@ -5,6 +5,7 @@
 #include <variant>
 
 #include "framefit/core/runtime.h"
+#include "framefit/models/resnet.h"
 
 namespace framefit::models {
 
@@ -140,12 +141,15 @@ torch::Tensor fused(const torch::Tensor& x, const torch::Tensor& weight, const t
 
 int64_t set_recompute_norm(torch::nn::Module& module, bool on) {
   int64_t count = 0;
-  for (const auto& child : module.modules()) {
-    if (auto* recomputing = dynamic_cast<RecomputesNorm*>(child.get())) {
+  const auto set = [&](torch::nn::Module* m) {
+    if (auto* recomputing = dynamic_cast<RecomputesNorm*>(m)) {
       recomputing->recompute_norm = on;
       ++count;
     }
-  }
+  };
+  // Itself apart: modules() with itself needs it held by a shared_ptr (not yet, in a constructor).
+  set(&module);
+  for (const auto& child : module.modules(/*include_self=*/false)) set(child.get());
   return count;
 }
 

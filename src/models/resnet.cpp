@@ -130,10 +130,16 @@ ResidualBlockImpl::ResidualBlockImpl(int64_t in_channels, int64_t width, int64_t
 }
 
 torch::Tensor ResidualBlockImpl::forward(const torch::Tensor& x) {
-  // In place where autograd allows it, as torchvision does: no norm's backward needs its output.
-  auto out = bn1(conv1(x)).relu_();
-  out = bn2(conv2(out));
-  if (conv3) out = bn3(conv3(out.relu_()));
+  torch::Tensor out;
+  if (recompute_norm) {
+    out = norm_relu_conv(conv1(x), *bn1, *conv2);
+    out = conv3 ? bn3(norm_relu_conv(out, *bn2, *conv3)) : bn2(out);
+  } else {
+    // In place where autograd allows it, as torchvision does: no norm's backward needs its output.
+    out = bn1(conv1(x)).relu_();
+    out = bn2(conv2(out));
+    if (conv3) out = bn3(conv3(out.relu_()));
+  }
   const auto identity = downsample ? downsample->forward(x) : x;
   // Under autocast a float32 identity cannot be added into a bf16/fp16 output in place.
   if (out.scalar_type() == identity.scalar_type()) return out.add_(identity).relu_();
@@ -214,6 +220,7 @@ ResNetImpl::ResNetImpl(const ResNetOptions& options) : options_(options) {
                 options.nchw_from(), "'");
     first_nchw_stage_ = it - names.begin();
   }
+  if (options.recompute_norm()) set_recompute_norm(*this, true);
   if (options.channels_last()) {
     torch::NoGradGuard no_grad;
     for (int64_t stage = 0; stage < first_nchw_stage_; ++stage) {

@@ -15,7 +15,8 @@ std::string ModelSpec::calibration_key(engine::Precision precision) const {
   return c10::str(model, "/", norm, norm == "group_norm" ? c10::str(groups) : "",
                   "/freeze=", freeze.empty() ? "none" : freeze, drop_layer4 ? "/no-layer4" : "",
                   channels_last ? "/channels-last" : "",
-                  channels_last && !nchw_from.empty() ? "/nchw-from-" + nchw_from : "", "/", head,
+                  channels_last && !nchw_from.empty() ? "/nchw-from-" + nchw_from : "",
+                  recompute_norm ? "/norm-recomputed" : "", "/", head,
                   head_settings.describe(head).empty() ? "" : " " + head_settings.describe(head),
                   "/", size, "px/", dtype, "/", engine::to_string(precision), "/",
                   device.type() == torch::kCPU ? "cpu" : "cuda");
@@ -29,7 +30,8 @@ models::ResNetOptions ModelSpec::encoder_options() const {
       .freeze(freeze)
       .drop_layer4(drop_layer4)
       .channels_last(channels_last)
-      .nchw_from(nchw_from);
+      .nchw_from(nchw_from)
+      .recompute_norm(recompute_norm);
 }
 
 namespace {

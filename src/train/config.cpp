@@ -321,6 +321,12 @@ const std::vector<Entry>& entries() {
                        "frozen_bn (layer4 in NCHW on the CPU), NCHW with group_norm",
                        FRAMEFIT_MEMBER(std::string, model.layout),
                        {"auto", "nchw", "channels_last"}));
+    t.push_back(field<bool>(
+        "model.recompute_norm",
+        "ResNet encoder with bn or frozen_bn: each block's BatchNorm and ReLU between convolutions "
+        "recomputed in backward instead of kept (a fifth to a quarter less activation memory per "
+        "chunk for a few percent more time; planned with it)",
+        FRAMEFIT_MEMBER(bool, model.recompute_norm), "true or false"));
     {
       Entry e;
       e.key = {"model.layers",

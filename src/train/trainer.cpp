@@ -59,6 +59,7 @@ plan::ModelSpec model_spec(const Config& config, int64_t size, torch::Device dev
   const auto layout = stage_layout(config, device);
   spec.channels_last = layout.channels_last;
   spec.nchw_from = layout.nchw_from;
+  spec.recompute_norm = config.model.recompute_norm;
   spec.size = size;
   spec.optimizer = config.train.optimizer;
   spec.device = device;

@@ -59,9 +59,11 @@ struct Case {
   NormKind norm;
   torch::ScalarType dtype;
   double tolerance;
+  bool recompute_norm = false;  // the blocks' BatchNorm and ReLU recomputed in backward
 };
 void PrintTo(const Case& c, std::ostream* out) {
-  *out << models::to_string(c.norm) << ", " << c.dtype << ", tolerance " << c.tolerance;
+  *out << models::to_string(c.norm) << ", " << c.dtype << ", tolerance " << c.tolerance
+       << (c.recompute_norm ? ", BatchNorm recomputed" : "");
 }
 
 class ChunkedExactness : public ::testing::TestWithParam<Case> {};
@@ -71,7 +73,8 @@ class ChunkedExactness : public ::testing::TestWithParam<Case> {};
 TEST_P(ChunkedExactness, GradientsEqualNaiveTraining) {
   const auto c = GetParam();
   torch::manual_seed(0);
-  ResNet net(ResNetOptions(18).num_classes(0).norm(c.norm).groups(8));
+  ResNet net(
+      ResNetOptions(18).num_classes(0).norm(c.norm).groups(8).recompute_norm(c.recompute_norm));
   net->to(c.dtype);
   net->train();
   const auto encoder = engine::frame_encoder(net.ptr());
@@ -96,10 +99,13 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{NormKind::FrozenBatchNorm, torch::kFloat64, 1e-10},
                       Case{NormKind::GroupNorm, torch::kFloat64, 1e-10},
                       Case{NormKind::FrozenBatchNorm, torch::kFloat32, 1e-4},
-                      Case{NormKind::GroupNorm, torch::kFloat32, 1e-4}),
+                      Case{NormKind::GroupNorm, torch::kFloat32, 1e-4},
+                      Case{NormKind::FrozenBatchNorm, torch::kFloat64, 1e-10, true},
+                      Case{NormKind::FrozenBatchNorm, torch::kFloat32, 1e-4, true}),
     [](const auto& info) {
       return models::to_string(info.param.norm) +
-             (info.param.dtype == torch::kFloat64 ? "_float64" : "_float32");
+             (info.param.dtype == torch::kFloat64 ? "_float64" : "_float32") +
+             (info.param.recompute_norm ? "_norm_recomputed" : "");
     });
 
 TEST(Chunked, FrozenStagesCachedOrRecomputedGiveTheSameGradients) {
@@ -140,12 +146,11 @@ ChunkByChunk chunk_by_chunk(const std::function<torch::Tensor(const torch::Tenso
   auto grads = torch::autograd::grad({readout_loss(features)}, params, {}, false, false, true);
   return {grads, features.detach()};
 }
-}  // namespace
 
-TEST(Chunked, TrainModeBatchNormMatchesChunkByChunkAndUpdatesStatisticsOnce) {
+void train_mode_batch_norm_matches_chunk_by_chunk(bool recompute_norm) {
   torch::manual_seed(0);
   ResNet reference_net(ResNetOptions(18).num_classes(0));
-  ResNet net(ResNetOptions(18).num_classes(0));
+  ResNet net(ResNetOptions(18).num_classes(0).recompute_norm(recompute_norm));
   reference_net->to(torch::kFloat64);
   net->to(torch::kFloat64);
   {
@@ -174,6 +179,16 @@ TEST(Chunked, TrainModeBatchNormMatchesChunkByChunkAndUpdatesStatisticsOnce) {
   for (size_t i = 0; i < ours.size(); ++i) {
     EXPECT_TRUE(torch::allclose(ours[i].to(torch::kFloat64), theirs[i].to(torch::kFloat64), 1e-12, 1e-12))
         << "buffer " << i;
+  }
+}
+}  // namespace
+
+TEST(Chunked, TrainModeBatchNormMatchesChunkByChunkAndUpdatesStatisticsOnce) {
+  // Also with the blocks' BatchNorm and ReLU recomputed (models/norm_relu_conv.h), which updates
+  // the statistics itself, in forward: still once per chunk.
+  for (const bool recompute_norm : {false, true}) {
+    SCOPED_TRACE(recompute_norm ? "BatchNorm recomputed" : "plain");
+    train_mode_batch_norm_matches_chunk_by_chunk(recompute_norm);
   }
 }
 

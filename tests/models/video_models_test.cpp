@@ -12,6 +12,7 @@
 #include "framefit/engine/amp.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/conv3d.h"
+#include "framefit/models/resnet.h"
 #include "framefit/models/unet.h"
 #include "framefit/models/video_resnet.h"
 #include "framefit/models/weights.h"
@@ -617,9 +618,9 @@ TEST(NormReluConv, KeepsOnlyTheNormalisedInput) {
 }
 
 TEST(NormReluConv, ModelsGiveThePlainGradientsAndKeepLess) {
-  // R(2+1)D-18 (its stem, every (2+1)D convolution's middle and every block), R3D-18 and the
-  // UNet, float64 gradients against recompute_norm off; and float32 activations held after
-  // forward.
+  // R(2+1)D-18 (its stem, every (2+1)D convolution's middle and every block), R3D-18, the UNet
+  // and the 2D ResNets' blocks (channels-last and NCHW), float64 gradients against
+  // recompute_norm off; and float32 activations held after forward.
   struct Case {
     std::string name;
     std::function<std::shared_ptr<torch::nn::Module>()> make;
@@ -635,7 +636,15 @@ TEST(NormReluConv, ModelsGiveThePlainGradientsAndKeepLess) {
        [] { return VideoResNet(VideoResNetOptions("r3d_18").num_classes(3)).ptr(); },
        {1, 3, 2, 32, 32},
        1 + 8},
-      {"unet", [] { return UNet(UNetOptions().width(4).depth(2)).ptr(); }, {2, 3, 16, 16}, 5}};
+      {"unet", [] { return UNet(UNetOptions().width(4).depth(2)).ptr(); }, {2, 3, 16, 16}, 5},
+      {"resnet18 channels-last",
+       [] { return ResNet(ResNetOptions(18).num_classes(3).channels_last(true)).ptr(); },
+       {2, 3, 32, 32},
+       8},
+      {"resnet50",
+       [] { return ResNet(ResNetOptions(50).num_classes(3)).ptr(); },
+       {2, 3, 32, 32},
+       16}};
   for (const auto& c : cases) {
     std::vector<torch::Tensor> results[2];
     int64_t kept[2] = {0, 0};
@@ -651,6 +660,7 @@ TEST(NormReluConv, ModelsGiveThePlainGradientsAndKeepLess) {
         torch::Tensor y;
         if (auto* video = model->as<VideoResNetImpl>()) y = video->forward(x);
         if (auto* unet = model->as<UNetImpl>()) y = unet->forward(x);
+        if (auto* resnet = model->as<ResNetImpl>()) y = resnet->forward(x);
         if (dtype == torch::kFloat) {
           kept[recompute] = tracker.current_bytes() - before;
           y.sum().backward();

@@ -176,6 +176,23 @@ TEST(ModelSizes, AnalyticCountsMatchBuiltModels) {
             std::string::npos);
 }
 
+TEST(MemoryModel, BatchNormRecomputedIsCalibratedApartAndBuildsTheBlocksWithIt) {
+  plan::ModelSpec spec;
+  spec.norm = "bn";
+  const auto plain_key = spec.calibration_key(engine::Precision::FP32);
+  spec.recompute_norm = true;
+  EXPECT_NE(spec.calibration_key(engine::Precision::FP32), plain_key);
+  models::ResNet net(spec.encoder_options());
+  int64_t blocks = 0;
+  for (const auto& m : net->modules()) {
+    if (const auto* block = m->as<models::ResidualBlock>()) {
+      EXPECT_TRUE(block->recompute_norm);
+      ++blocks;
+    }
+  }
+  EXPECT_EQ(blocks, 8);
+}
+
 TEST(MemoryModel, StaticSizesAndShapeOfPrediction) {
   auto spec = tiny_spec();
   const auto sizes = plan::static_sizes(spec);

@@ -4,8 +4,9 @@
 // elementwise pass), for one activation-sized tensor less per step. Plainly run, this sequence
 // keeps x for BatchNorm and relu's output for ReLU and the convolution; every conv-BN-ReLU-conv
 // of R(2+1)D-18 (each (2+1)D convolution's middle, and between a block's two convolutions), of
-// R3D-18's blocks and of the UNet's double convolutions has one, so these models keep fewer
-// activations with it on (docs/layers.md has the measured effect).
+// R3D-18's blocks, of the UNet's double convolutions and of the 2D ResNets' blocks (one per
+// basic block, two per bottleneck) has one, so these models keep fewer activations with it on
+// (docs/layers.md has the measured effect).
 //
 // Gradients are those of the plain sequence up to floating-point rounding (the normalisation is
 // computed as x * scale + shift per channel); BatchNorm's running statistics are updated once,
@@ -18,9 +19,10 @@
 #include <torch/types.h>
 
 #include "framefit/models/conv3d.h"
-#include "framefit/models/resnet.h"  // Norm2d
 
 namespace framefit::models {
+
+class Norm2dImpl;  // models/resnet.h, whose blocks use this
 
 // A module whose forward has norm-ReLU-convolution steps: with recompute_norm on it runs them
 // through norm_relu_conv.

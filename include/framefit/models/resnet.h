@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "framefit/models/norm_relu_conv.h"
+
 namespace framefit::models {
 
 enum class NormKind {
@@ -65,8 +67,10 @@ class Norm2dImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Norm2d);
 
-// torchvision's BasicBlock (ResNet-18/34) or Bottleneck (ResNet-50), same names.
-class ResidualBlockImpl : public torch::nn::Module {
+// torchvision's BasicBlock (ResNet-18/34) or Bottleneck (ResNet-50), same names. With
+// recompute_norm on, bn1 and its ReLU (and a bottleneck's bn2 and its ReLU) are recomputed in the
+// next convolution's backward.
+class ResidualBlockImpl : public torch::nn::Module, public RecomputesNorm {
  public:
   ResidualBlockImpl(int64_t in_channels, int64_t width, int64_t stride, bool bottleneck,
                     const Norm2dOptions& norm);
@@ -92,6 +96,9 @@ struct ResNetOptions {
   TORCH_ARG(bool, drop_layer4) = false;     // slim variant: features from layer3
   TORCH_ARG(bool, channels_last) = false;   // NHWC activations (see resolve_layout) ...
   TORCH_ARG(std::string, nchw_from) = "";   // ... up to this stage; a dropped layer4 is ignored
+  // Each block's BatchNorm and ReLU between convolutions recomputed in backward (set on the
+  // blocks; set_recompute_norm changes it later).
+  TORCH_ARG(bool, recompute_norm) = false;
 };
 
 // Parses "resnet18" | "resnet34" | "resnet50" into a depth.

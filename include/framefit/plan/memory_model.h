@@ -34,6 +34,7 @@ struct ModelSpec {
   bool drop_layer4 = false;
   bool channels_last = false;  // NHWC activations (models::StageLayout) ...
   std::string nchw_from;       // ... up to this stage
+  bool recompute_norm = false;  // the blocks' BatchNorm and ReLU recomputed (ResNetOptions)
   int64_t size = 112;  // frame height and width
   torch::ScalarType dtype = torch::kFloat32;
   std::string optimizer = "adamw";  // sgd | adam | adamw
