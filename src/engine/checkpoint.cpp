@@ -646,9 +646,9 @@ torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const 
     if (costs == nullptr) return forward(inputs);
     const auto stage = make_stage(names[i], module, {});
     torch::Tensor y;
-    costs->push_back(measure_stage(
-        MultiStage{names[i], std::move(forward), stage.parameters, stage.buffers}, inputs, y,
-        held_gradient));
+    costs->push_back(
+        measure_stage(MultiStage{names[i], std::move(forward), stage.parameters, stage.buffers},
+                      inputs, y, held_gradient));
     return y;
   };
   std::vector<torch::Tensor> skips;
@@ -667,8 +667,8 @@ torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const 
             },
             {h, skips[static_cast<size_t>(depth - 1 - j)]});
   }
-  return run(*unet->out, /*held_gradient=*/false, [unet](const std::vector<torch::Tensor>& in) { return unet->head(in[0]); },
-             {h});
+  return run(*unet->out, /*held_gradient=*/false,
+             [unet](const std::vector<torch::Tensor>& in) { return unet->head(in[0]); }, {h});
 }
 
 int64_t ChainNetwork::stage_count() const {

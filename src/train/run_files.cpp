@@ -249,9 +249,9 @@ Config config_with_overrides(const Config& stored, const std::string& checkpoint
   TORCH_CHECK(unavailable.empty(), "checkpoint ", checkpoint, ": device ", config.device,
               overrides.empty() ? " (as it was trained)" : "", " cannot be used: ", unavailable,
               "; add --set device=cpu");
-  static const std::set<std::string> free_keys = {"model.layout", "model.lean_backward",
-                                                  "model.weights", "model.weights_prefix",
-                                                  "model.freeze"};
+  static const std::set<std::string> free_keys = {
+      "model.layout", "model.lean_backward", "model.recompute_norm", "model.weights",
+      "model.weights_prefix", "model.freeze"};
   std::vector<std::string> fixed;
   for (const auto& change : config_differences(stored, config)) {
     const auto key = change.substr(0, change.find(':'));
@@ -260,8 +260,8 @@ Config config_with_overrides(const Config& stored, const std::string& checkpoint
   }
   TORCH_CHECK(fixed.empty(), "checkpoint ", checkpoint,
               " holds a trained model, which --set cannot change: ", c10::Join("; ", fixed),
-              " (of the model keys, only model.layout and model.lean_backward, which choose how "
-              "it runs, may be set here)");
+              " (of the model keys, only model.layout, model.lean_backward and "
+              "model.recompute_norm, which choose how it runs, may be set here)");
   return config;
 }
 
