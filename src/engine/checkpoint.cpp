@@ -366,6 +366,7 @@ StageCost measure_stage(const MultiStage& stage, const std::vector<torch::Tensor
   }
   wrt.insert(wrt.end(), stage.parameters.begin(), stage.parameters.end());
   auto y = stage.forward(alone);
+  cost.forward_peak_bytes = window.peak_bytes() - window.entry_bytes();
   if (!wrt.empty() && y.requires_grad()) {
     if (held_gradient) {
       torch::autograd::grad({y}, wrt, {torch::ones_like(y)}, false, false, /*allow_unused=*/true);
@@ -401,6 +402,7 @@ std::vector<StageCost> scale_costs(const std::vector<StageCost>& costs, double f
     c.kept_bytes = static_cast<int64_t>(static_cast<double>(c.kept_bytes) * factor);
     c.output_bytes = static_cast<int64_t>(static_cast<double>(c.output_bytes) * factor);
     c.peak_bytes = static_cast<int64_t>(static_cast<double>(c.peak_bytes) * factor);
+    c.forward_peak_bytes = static_cast<int64_t>(static_cast<double>(c.forward_peak_bytes) * factor);
     c.seconds *= factor;  // parameter_grad_bytes: the same at any batch
   }
   return scaled;
@@ -437,18 +439,30 @@ struct SegmentCost {
   // peak and the later stages' parameter gradients.
   int64_t nested_bytes = 0;
   int64_t outputs_bytes = 0;       // of the stages added so far
+  // The recompute's forward, beside the segment's incoming gradient (the last stage's output
+  // size): the highest of what the stages before keep plus a stage's forward peak.
+  int64_t forward_bytes = 0;
+  int64_t last_output_bytes = 0;
   double seconds = 0;              // one forward of every stage
   double seconds_before_last = 0;  // ... but the last
   void add(const StageCost& c) {
+    forward_bytes = std::max(forward_bytes, kept_bytes + c.forward_peak_bytes);
     kept_bytes += c.kept_bytes;
     extra_bytes = std::max(extra_bytes + c.parameter_grad_bytes, c.peak_bytes - c.kept_bytes);
     nested_bytes = std::max(nested_bytes + c.parameter_grad_bytes,
-                            outputs_bytes + std::max(c.peak_bytes, c.kept_bytes));
+                            outputs_bytes + std::max({c.peak_bytes, c.kept_bytes,
+                                                      c.forward_peak_bytes + c.output_bytes}));
     outputs_bytes += c.output_bytes;
+    last_output_bytes = c.output_bytes;
     seconds_before_last = seconds;
     seconds += c.seconds;
   }
-  int64_t held_bytes(bool nested) const { return nested ? nested_bytes : kept_bytes + extra_bytes; }
+  int64_t held_bytes(bool nested) const {
+    return nested ? nested_bytes
+                  : std::max(kept_bytes + extra_bytes, forward_bytes + last_output_bytes);
+  }
+  // Not above held_bytes(nested) for either, and never falling as stages are added.
+  int64_t held_lower_bound() const { return std::min(kept_bytes + extra_bytes, nested_bytes); }
   // Its stages run once more; nested, all but the last once again to get their inputs back.
   double recompute_seconds(bool nested) const {
     return seconds + (nested ? seconds_before_last : 0.0);
@@ -525,8 +539,8 @@ double least_recompute(const std::vector<StageCost>& costs, int64_t budget, int6
       for (int64_t e = i + 1; e <= std::min(n, i + longest); ++e) {
         const auto& last = costs[static_cast<size_t>(e - 1)];
         segment.add(last);
-        // Both only grow with e.
-        if (kept + std::min(segment.held_bytes(false), segment.held_bytes(true)) > budget) break;
+        // No longer segment from i fits once this bound passes the budget.
+        if (kept + segment.held_lower_bound() > budget) break;
         const int64_t next = m + units(last.output_bytes);
         if (next > kUnits) continue;
         for (const bool nested : {false, true}) {

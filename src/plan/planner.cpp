@@ -365,6 +365,7 @@ std::vector<engine::StageCost> BatchCosts::at(int64_t batch) const {
     costs[i].kept_bytes += fixed[i].kept_bytes;
     costs[i].output_bytes += fixed[i].output_bytes;
     costs[i].peak_bytes += fixed[i].peak_bytes;
+    costs[i].forward_peak_bytes += fixed[i].forward_peak_bytes;
     costs[i].seconds += fixed[i].seconds;
     costs[i].parameter_grad_bytes += fixed[i].parameter_grad_bytes;
   }
@@ -375,6 +376,7 @@ std::vector<engine::StageCost> BatchCosts::at(int64_t batch) const {
       c.kept_bytes = std::max(c.kept_bytes, s.kept_bytes);
       c.output_bytes = std::max(c.output_bytes, s.output_bytes);
       c.peak_bytes = std::max(c.peak_bytes, s.peak_bytes);
+      c.forward_peak_bytes = std::max(c.forward_peak_bytes, s.forward_peak_bytes);
       c.seconds = std::max(c.seconds, s.seconds);
     }
   }
@@ -408,6 +410,8 @@ BatchCosts BatchCosts::through(int64_t b1, const std::vector<engine::StageCost>&
     bytes(c1[i].kept_bytes, c2[i].kept_bytes, slope.kept_bytes, intercept.kept_bytes);
     bytes(c1[i].output_bytes, c2[i].output_bytes, slope.output_bytes, intercept.output_bytes);
     bytes(c1[i].peak_bytes, c2[i].peak_bytes, slope.peak_bytes, intercept.peak_bytes);
+    bytes(c1[i].forward_peak_bytes, c2[i].forward_peak_bytes, slope.forward_peak_bytes,
+          intercept.forward_peak_bytes);
     const auto seconds = line(c1[i].seconds, c2[i].seconds);
     slope.seconds = seconds.slope;
     intercept.seconds = seconds.intercept;

@@ -70,6 +70,9 @@ struct StageCost {
   int64_t output_bytes = 0;
   double seconds = 0;
   int64_t peak_bytes = 0;
+  // Of peak_bytes, the highest during the forward alone. A recomputed stage runs its forward
+  // again while the gradient of its output is already held, which its own measure does not see.
+  int64_t forward_peak_bytes = 0;
   // Its trained parameters' gradients. A recomputed segment returns its parameters' gradients
   // when its backward ends, so while it recomputes a stage it holds those of the later stages
   // in it (a stored stage's go straight into .grad). The same at any batch.
