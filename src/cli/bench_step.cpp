@@ -34,6 +34,7 @@ struct Settings {
   int64_t keep = 1;
   bool cache_frozen = false;
   engine::Precision precision = engine::Precision::FP32;
+  bool recompute_norm = false;  // the encoder's BatchNorm and ReLU (--recompute-norm, or planned)
 };
 
 // Autocast lowers float32 operations only: a float64 model would run in float64 throughout.
@@ -50,7 +51,8 @@ BenchModel build(const Args& args, const Settings& settings) {
   check_autocast_dtype(args, settings.precision);
   torch::manual_seed(static_cast<uint64_t>(args.integer("seed")));
   BenchModel m;
-  const auto spec = model_spec(args);
+  auto spec = model_spec(args);
+  spec.recompute_norm = settings.recompute_norm;
   m.encoder = models::ResNet(spec.encoder_options());
   m.head = models::make_head(args.text("head"), m.encoder->feature_dim(), args.integer("classes"));
   m.encoder->to(device, dtype);
@@ -114,6 +116,7 @@ Planned plan_step(const Args& args) {
   auto& tracker = memory::Tracker::of(request.model.device);
   const bool auto_chunk = !request.chunk.has_value();
   planned.settings.precision = request.precisions.front();
+  planned.settings.recompute_norm = request.model.recompute_norm;
   if (!auto_chunk) {
     planned.settings.chunk = *request.chunk;
     planned.settings.keep = args.integer("keep");
@@ -139,11 +142,11 @@ Planned plan_step(const Args& args) {
                                        memory::format_bytes(minimum),
                                    false, advice);
   }
-  const auto calibrated = calibrate_for(args, request);
+  auto calibrated = calibrate_for(args, request);
   const double margin = args.number("margin");
   const auto precision = request.precisions.front();
   if (auto_chunk) {
-    const auto chosen = plan::fit(request, calibrated.sizes, calibrated.costs, budget, margin);
+    const auto chosen = fit_for(args, request, calibrated, budget, margin);
     if (!chosen.fits) {
       throw memory::OutOfMemoryError(request.model.device, chosen.breakdown.peak_bytes, budget, 0,
                                      "plan: does not fit: " + chosen.advice, false,
@@ -152,6 +155,7 @@ Planned plan_step(const Args& args) {
     planned.settings.chunk = chosen.settings.naive() ? 0 : chosen.settings.chunk;
     planned.settings.keep = chosen.settings.keep;
     planned.settings.cache_frozen = chosen.settings.cache_frozen;
+    planned.settings.recompute_norm = chosen.settings.recompute_norm;
     planned.notes.push_back(c10::str("planned for ", memory::format_bytes(budget), ": ",
                                      plan::describe(chosen.settings), ", predicted peak ",
                                      memory::format_bytes(chosen.breakdown.peak_bytes)));
@@ -247,6 +251,7 @@ int run_bench_step(const Args& args) {
             [](const auto& a, const auto& b) { return a.seconds < b.seconds; });
   auto report = reports[reports.size() / 2];  // median time
   const int64_t chunk = model.step->options().chunked.chunk;  // after any re-planning
+  const int64_t keep = model.step->options().chunked.keep;
   for (const auto& r : reports) retries.insert(retries.end(), r.replans.begin(), r.replans.end());
   for (const auto& r : reports) report.peak_bytes = std::max(report.peak_bytes, r.peak_bytes);
   const auto rss = memory::process_memory();
@@ -260,18 +265,29 @@ int run_bench_step(const Args& args) {
                       {"peak_increase_bytes", stats.peak_increase_bytes},
                       {"calls", stats.calls}};
     }
-    nlohmann::json out = {
-        {"model", args.text("model")}, {"head", args.text("head")},
-        {"frames", args.integer("frames")}, {"size", args.integer("size")},
-        {"chunk", chunk}, {"keep", args.integer("keep")},
-        {"precision", args.text("precision")}, {"dtype", args.text("dtype")},
-        {"norm", args.text("norm")}, {"freeze", args.has("freeze") ? args.text("freeze") : ""},
-        {"device", device.str()}, {"budget_bytes", args.bytes("budget")},
-        {"peak_bytes", report.peak_bytes}, {"rss_peak_bytes", rss.rss_peak_bytes},
-        {"step_seconds", report.seconds}, {"frames_per_second", fps},
-        {"loss", report.loss}, {"phases", phases}, {"retries", retries},
-        {"steps", args.integer("steps")}, {"warmup", warmup},
-        {"machine", machine_info().describe()}};
+    nlohmann::json out = {{"model", args.text("model")},
+                          {"head", args.text("head")},
+                          {"frames", args.integer("frames")},
+                          {"size", args.integer("size")},
+                          {"chunk", chunk},
+                          {"keep", keep},
+                          {"recompute_norm", planned.settings.recompute_norm},
+                          {"precision", args.text("precision")},
+                          {"dtype", args.text("dtype")},
+                          {"norm", args.text("norm")},
+                          {"freeze", args.has("freeze") ? args.text("freeze") : ""},
+                          {"device", device.str()},
+                          {"budget_bytes", args.bytes("budget")},
+                          {"peak_bytes", report.peak_bytes},
+                          {"rss_peak_bytes", rss.rss_peak_bytes},
+                          {"step_seconds", report.seconds},
+                          {"frames_per_second", fps},
+                          {"loss", report.loss},
+                          {"phases", phases},
+                          {"retries", retries},
+                          {"steps", args.integer("steps")},
+                          {"warmup", warmup},
+                          {"machine", machine_info().describe()}};
     if (naive) {
       out["naive_step_seconds"] = median_of(naive_seconds);
       out["pairs"] = pairs;
@@ -305,13 +321,14 @@ double median_of(std::vector<double> values) {
   return values.empty() ? 0.0 : values[values.size() / 2];
 }
 
-plan::ChunkTrial measure_step(const Args& args, int64_t chunk) {
+plan::ChunkTrial measure_step(const Args& args, int64_t chunk, bool recompute_norm) {
   const auto request = plan_request(args);
   Settings settings;
   settings.chunk = chunk;
   settings.keep = request.keep.value_or(1);
   settings.cache_frozen = request.cache_frozen.value_or(false);
   settings.precision = request.precisions.front();
+  settings.recompute_norm = recompute_norm;
   auto& tracker = memory::Tracker::of(request.model.device);
   plan::ChunkTrial trial;
   try {
@@ -366,7 +383,8 @@ int run_bench_memory(const Args& args) {
                "measured", "error", "peak RSS", "pred. s", "step s");
   }
   for (const int64_t chunk : chunks) {
-    Settings settings{chunk, args.integer("keep"), args.on("cache-frozen"), precision};
+    Settings settings{chunk, args.integer("keep"), args.on("cache-frozen"), precision,
+                      request.model.recompute_norm};
     plan::StepSettings step_settings;
     step_settings.frames = request.frames;
     step_settings.chunk = chunk;

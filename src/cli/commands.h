@@ -31,10 +31,15 @@ struct Calibrated {
 };
 // From the calibration cache, probing what is missing (announced on stderr).
 Calibrated calibrate_for(const Args& args, const plan::PlanRequest& request);
+// plan::fit, or with --recompute-norm auto plan::fit_recompute_norm (its costs calibrated here
+// where the encoder takes it); `calibrated.costs` and request.model.recompute_norm become those
+// of the choice.
+plan::Plan fit_for(const Args& args, plan::PlanRequest& request, Calibrated& calibrated,
+                   int64_t budget_bytes, double margin);
 
 // One real training step (after a warm-up) with this chunk under the tracker's budget, for the
 // largest-chunk finder (bench_step.cpp).
-plan::ChunkTrial measure_step(const Args& args, int64_t chunk);
+plan::ChunkTrial measure_step(const Args& args, int64_t chunk, bool recompute_norm);
 
 // The median of timings: the upper middle one of an even count; 0 for none.
 double median_of(std::vector<double> values);

@@ -421,9 +421,10 @@ const std::vector<Flag>& flag_table() {
        with({"bench-layers"}, step),
        FlagType::Choice,
        "BatchNorm and ReLU between two convolutions recomputed in the second's backward "
-       "(R3D-18, R(2+1)D-18, UNet, ResNet blocks; models/norm_relu_conv.h): auto = with "
-       "bench-layers --checkpoint auto or all, off otherwise (bench-step, plan, doctor, "
-       "bench-memory: the per-frame ResNet, as model.recompute_norm).",
+       "(R3D-18, R(2+1)D-18, UNet, ResNet blocks; models/norm_relu_conv.h). auto: bench-layers "
+       "with --checkpoint auto or all; plan and bench-step --chunk auto: the planner's choice "
+       "for the per-frame ResNet, as model.recompute_norm auto; off otherwise (doctor, "
+       "bench-memory, a fixed --chunk).",
        "auto",
        false,
        {"auto", "on", "off"}},

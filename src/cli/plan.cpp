@@ -2,6 +2,8 @@
 #include <fmt/core.h>
 #include <torch/torch.h>
 
+#include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -62,17 +64,46 @@ plan::PlanRequest plan_request(const Args& args) {
   return request;
 }
 
+namespace {
+
+plan::CalibrationCache calibration_cache(const Args& args) {
+  return plan::CalibrationCache(args.has("calibration") ? args.text("calibration")
+                                                        : plan::CalibrationCache::default_path());
+}
+
+std::function<void(const std::string&)> announce(const Args& args) {
+  return [command = args.command()](const std::string& message) {
+    fmt::print(stderr, "framefit {}: {}\n", command, message);
+  };
+}
+
+}  // namespace
+
 Calibrated calibrate_for(const Args& args, const plan::PlanRequest& request) {
   Calibrated result;
   result.sizes = plan::static_sizes(request.model);
   result.sizes.library_bytes = plan::library_bytes_on(request.model.device);
-  plan::CalibrationCache cache(args.has("calibration") ? args.text("calibration")
-                                                       : plan::CalibrationCache::default_path());
-  result.costs = plan::calibrated_costs(
-      request.model, request.precisions, cache, [&](const std::string& message) {
-        fmt::print(stderr, "framefit {}: {}\n", args.command(), message);
-      });
+  auto cache = calibration_cache(args);
+  result.costs = plan::calibrated_costs(request.model, request.precisions, cache, announce(args));
   return result;
+}
+
+plan::Plan fit_for(const Args& args, plan::PlanRequest& request, Calibrated& calibrated,
+                   int64_t budget_bytes, double margin) {
+  std::map<engine::Precision, plan::ChunkCosts> recomputed;
+  if (args.text("recompute-norm") == "auto") {
+    auto cache = calibration_cache(args);
+    recomputed =
+        plan::recomputed_norm_costs(request.model, request.precisions, cache, announce(args));
+  }
+  if (recomputed.empty()) {
+    return plan::fit(request, calibrated.sizes, calibrated.costs, budget_bytes, margin);
+  }
+  auto chosen = plan::fit_recompute_norm(request, calibrated.sizes, calibrated.costs, recomputed,
+                                         budget_bytes, margin);
+  request.model.recompute_norm = chosen.settings.recompute_norm;
+  if (chosen.settings.recompute_norm) calibrated.costs = std::move(recomputed);
+  return chosen;
 }
 
 namespace {
@@ -90,11 +121,9 @@ nlohmann::json breakdown_json(const plan::Breakdown& b) {
 }
 
 nlohmann::json settings_json(const plan::StepSettings& s) {
-  return {{"chunk", s.naive() ? 0 : s.chunk},
-          {"keep", s.keep},
-          {"cache_frozen", s.cache_frozen},
-          {"precision", engine::to_string(s.precision)},
-          {"videos_per_call", s.videos_per_call}};
+  return {{"chunk", s.naive() ? 0 : s.chunk},   {"keep", s.keep},
+          {"cache_frozen", s.cache_frozen},     {"precision", engine::to_string(s.precision)},
+          {"recompute_norm", s.recompute_norm}, {"videos_per_call", s.videos_per_call}};
 }
 
 void print_breakdown(const plan::Breakdown& b, int64_t margin) {
@@ -438,7 +467,7 @@ int plan_config(const Args& args) {
 
 int run_plan(const Args& args) {
   if (args.has("config")) return plan_config(args);
-  const auto request = plan_request(args);
+  auto request = plan_request(args);
   const auto device = request.model.device;
   auto& tracker = memory::Tracker::of(device);
   const int64_t budget =
@@ -449,17 +478,17 @@ int run_plan(const Args& args) {
   // Problems the planner cannot plan around come first, before any probe allocates.
   auto findings = plan::diagnose(request, budget);
   if (plan::has_errors(findings)) return print_findings(args, findings);
-  const auto calibrated = calibrate_for(args, request);
+  auto calibrated = calibrate_for(args, request);
   if (args.on("table")) return print_table(args, request, calibrated, budget, margin);
 
-  const auto chosen = plan::fit(request, calibrated.sizes, calibrated.costs, budget, margin);
+  const auto chosen = fit_for(args, request, calibrated, budget, margin);
   std::optional<plan::LargestChunk> largest;
   if (args.on("find")) {
     tracker.set_budget(budget);
-    largest = plan::find_largest_chunk(request, calibrated.sizes,
-                                       calibrated.costs.at(chosen.settings.precision),
-                                       chosen.settings.precision, budget, args.number("headroom"),
-                                       [&](int64_t chunk) { return measure_step(args, chunk); });
+    largest = plan::find_largest_chunk(
+        request, calibrated.sizes, calibrated.costs.at(chosen.settings.precision),
+        chosen.settings.precision, budget, args.number("headroom"),
+        [&](int64_t chunk) { return measure_step(args, chunk, chosen.settings.recompute_norm); });
   }
   if (args.on("json")) {
     nlohmann::json out = {{"fits", chosen.fits},
@@ -469,6 +498,7 @@ int run_plan(const Args& args) {
                           {"keep", chosen.settings.keep},
                           {"cache_frozen", chosen.settings.cache_frozen},
                           {"precision", engine::to_string(chosen.settings.precision)},
+                          {"recompute_norm", chosen.settings.recompute_norm},
                           {"accumulate", chosen.accumulate},
                           {"videos_per_call", chosen.settings.videos_per_call},
                           {"budget_bytes", budget},

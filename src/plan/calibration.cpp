@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -340,6 +341,15 @@ std::map<engine::Precision, ChunkCosts> calibrated_costs(
   }
   if (changed) cache.save();
   return result;
+}
+
+std::map<engine::Precision, ChunkCosts> recomputed_norm_costs(
+    ModelSpec spec, const std::vector<engine::Precision>& precisions, CalibrationCache& cache,
+    const std::function<void(const std::string&)>& on_probe, const CalibrationOptions& options) {
+  const bool fp32 = std::count(precisions.begin(), precisions.end(), engine::Precision::FP32) > 0;
+  if (!spec.takes_recompute_norm() || !fp32) return {};
+  spec.recompute_norm = true;
+  return calibrated_costs(spec, {engine::Precision::FP32}, cache, on_probe, options);
 }
 
 int64_t training_static_bytes(const torch::nn::Module& module, const std::string& optimizer) {

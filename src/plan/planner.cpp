@@ -105,6 +105,7 @@ int64_t for_each_candidate(const PlanRequest& request, const StaticSizes& sizes,
             c.settings.keep = keep;
             c.settings.cache_frozen = cache;
             c.settings.precision = precision;
+            c.settings.recompute_norm = request.model.recompute_norm;
             c.accumulate = accumulate;
             c.breakdown = predict(sizes, it->second, c.settings);
             c.seconds = c.breakdown.seconds * static_cast<double>(accumulate);
@@ -129,6 +130,7 @@ std::string describe(const StepSettings& s, int64_t accumulate) {
       s.naive() ? "naive (all frames at once)" : c10::str("chunk ", s.chunk, ", keep ", s.keep);
   if (s.cache_frozen) text += ", frozen outputs cached";
   text += ", " + engine::to_string(s.precision);
+  if (s.recompute_norm) text += ", BatchNorm recomputed";
   if (accumulate > 1)
     text += c10::str(", accumulate ", accumulate, " (", s.videos_per_call, " video(s) per call)");
   return text;
@@ -203,6 +205,37 @@ Plan fit(const PlanRequest& request, const StaticSizes& sizes,
     }
   }
   return plan;
+}
+
+Plan fit_recompute_norm(const PlanRequest& request, const StaticSizes& sizes,
+                        const std::map<engine::Precision, ChunkCosts>& plain,
+                        const std::map<engine::Precision, ChunkCosts>& recomputed,
+                        int64_t budget_bytes, double margin) {
+  PlanRequest without = request;
+  without.model.recompute_norm = false;
+  auto plan = fit(without, sizes, plain, budget_bytes, margin);
+  PlanRequest with = request;
+  with.model.recompute_norm = true;
+  with.precisions.clear();
+  for (const auto precision : request.precisions) {
+    if (recomputed.count(precision)) with.precisions.push_back(precision);
+  }
+  if (with.precisions.empty()) return plan;
+  auto other = fit(with, sizes, recomputed, budget_bytes, margin);
+  const int64_t candidates = plan.candidates + other.candidates;
+  // Both timed by the plain calibration: the same settings take the same time, as far as two
+  // probe runs can tell, so only a larger chunk or keep can make the recomputed plan faster.
+  // (Each calibration's own time lines differed by 6% at equal settings, from noise alone.)
+  const auto plain_seconds = [&](const Plan& p) {
+    return predict(sizes, plain.at(p.settings.precision), p.settings).seconds *
+           static_cast<double>(p.accumulate);
+  };
+  const bool take_other =
+      other.fits ? !plan.fits || plain_seconds(other) < (1 - kRecomputeNormGain) * plan.step_seconds
+                 : !plan.fits && other.minimum_budget_bytes < plan.minimum_budget_bytes;
+  auto& chosen = take_other ? other : plan;
+  chosen.candidates = candidates;
+  return std::move(chosen);
 }
 
 std::vector<TableRow> plan_table(const PlanRequest& request, const StaticSizes& sizes,

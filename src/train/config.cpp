@@ -321,12 +321,14 @@ const std::vector<Entry>& entries() {
                        "frozen_bn (layer4 in NCHW on the CPU), NCHW with group_norm",
                        FRAMEFIT_MEMBER(std::string, model.layout),
                        {"auto", "nchw", "channels_last"}));
-    t.push_back(field<bool>(
+    t.push_back(choice(
         "model.recompute_norm",
         "ResNet encoder with bn or frozen_bn: each block's BatchNorm and ReLU between convolutions "
         "recomputed in backward instead of kept (ResNet-18 at 112 px: an eighth less activation "
-        "memory per chunk; calibrated and planned with it)",
-        FRAMEFIT_MEMBER(bool, model.recompute_norm), "true or false"));
+        "memory per chunk, for an elementwise pass per block); auto: the planner calibrates both "
+        "and takes it where only it fits or the larger chunk it allows is predicted 5% faster (off "
+        "where chunk, keep and precision are all fixed)",
+        FRAMEFIT_MEMBER(std::string, model.recompute_norm), {"auto", "true", "false"}));
     {
       Entry e;
       e.key = {"model.layers",

@@ -16,6 +16,7 @@
 #include "framefit/engine/chunked.h"
 #include "framefit/engine/step.h"
 #include "framefit/memory/tracker.h"
+#include "framefit/models/norm_relu_conv.h"
 #include "framefit/models/torchscript.h"
 #include "framefit/models/weights.h"
 #include "framefit/plan/calibration.h"
@@ -59,7 +60,7 @@ plan::ModelSpec model_spec(const Config& config, int64_t size, torch::Device dev
   const auto layout = stage_layout(config, device);
   spec.channels_last = layout.channels_last;
   spec.nchw_from = layout.nchw_from;
-  spec.recompute_norm = config.model.recompute_norm;
+  spec.recompute_norm = config.model.recompute_norm == "true";  // auto: as planned (plan_step)
   spec.size = size;
   spec.optimizer = config.train.optimizer;
   spec.device = device;
@@ -109,10 +110,11 @@ void write_model(torch::serialize::OutputArchive& archive, const Model& model) {
 }
 
 torch::Tensor settings_tensor(const Progress& p) {
-  return torch::tensor({p.step, p.epoch, p.position, p.skipped, p.settings.chunk, p.settings.keep,
-                        static_cast<int64_t>(p.settings.cache_frozen),
-                        static_cast<int64_t>(p.settings.precision), p.stale_epochs},
-                       torch::kLong);
+  return torch::tensor(
+      {p.step, p.epoch, p.position, p.skipped, p.settings.chunk, p.settings.keep,
+       static_cast<int64_t>(p.settings.cache_frozen), static_cast<int64_t>(p.settings.precision),
+       p.stale_epochs, static_cast<int64_t>(p.settings.recompute_norm)},
+      torch::kLong);
 }
 
 void write_progress(torch::serialize::OutputArchive& archive, const Progress& progress) {
@@ -136,6 +138,7 @@ Progress read_progress(torch::serialize::InputArchive& archive) {
   progress.settings.cache_frozen = v[6] != 0;
   progress.settings.precision = static_cast<engine::Precision>(v[7]);
   progress.stale_epochs = p.numel() > 8 ? v[8] : 0;  // older checkpoints: patience starts over
+  progress.settings.recompute_norm = p.numel() > 9 && v[9] != 0;
   progress.best_score = r[0].item<double>();
   progress.seconds = r[1].item<double>();
   return progress;
@@ -905,11 +908,14 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
     settings.precision = engine::Precision::FP32;
     return result;
   }
+  // model.recompute_norm auto: the checkpoint's choice, else the planner's (below).
+  const bool auto_norm = config.model.recompute_norm == "auto";
   if (fixed) {
     request.chunk = fixed->chunk;
     request.keep = fixed->keep;
     request.cache_frozen = fixed->cache_frozen;
     request.precisions = {fixed->precision};
+    if (auto_norm) request.model.recompute_norm = fixed->recompute_norm;
   }
   // With chunk, keep and precision all fixed there is nothing to choose: no calibration, and an
   // out-of-memory step falls back to halving the chunk. Otherwise the planner decides.
@@ -923,12 +929,14 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
     chosen.settings.keep = *request.keep;
     chosen.settings.cache_frozen = request.cache_frozen.value_or(false);
     chosen.settings.precision = request.precisions.front();
+    chosen.settings.recompute_norm = request.model.recompute_norm;
     return result;
   }
   // A TorchScript encoder is sized and calibrated on a copy loaded again from its file (probes
   // move BatchNorm statistics); its costs are not cached, as the file may change under its name.
   std::shared_ptr<models::TorchScriptEncoderImpl> probe_script;
   int64_t script_features = 0;
+  std::map<engine::Precision, plan::ChunkCosts> recomputed;  // BatchNorm recomputed, for auto
   if (is_script_encoder(config)) {
     probe_script = load_script_encoder(config, device);
     script_features = script_feature_dim(*probe_script, config, device);
@@ -946,8 +954,19 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
   } else {
     plan::CalibrationCache cache(plan::CalibrationCache::default_path());
     result.costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
+    if (auto_norm && !fixed) {
+      recomputed = plan::recomputed_norm_costs(request.model, request.precisions, cache, info);
+    }
   }
-  chosen = plan::fit(request, result.sizes, result.costs, result.step_budget, kStepMargin);
+  if (recomputed.empty()) {
+    chosen = plan::fit(request, result.sizes, result.costs, result.step_budget, kStepMargin);
+  } else {
+    chosen = plan::fit_recompute_norm(request, result.sizes, result.costs, recomputed,
+                                      result.step_budget, kStepMargin);
+    // The replanner's costs and the encoder are those of the choice.
+    request.model.recompute_norm = chosen.settings.recompute_norm;
+    if (chosen.settings.recompute_norm) result.costs = std::move(recomputed);
+  }
   if (fixed && check_fixed) {
     result.resumed = chosen;
     const auto& tc = config.train;
@@ -1122,6 +1141,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   if (saved) progress = *saved;
   progress.settings = chosen.settings;
   progress.settings.frames = longest;
+  models::set_recompute_norm(model.encoder_module(), progress.settings.recompute_norm);
   if (step_plan.resumed) {
     const auto& kept = *step_plan.resumed;
     const std::string change = budget_changed + ": the checkpoint's " +

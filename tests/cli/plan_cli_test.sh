@@ -12,6 +12,11 @@ model=("${shape[@]}" --size 64)
 # Plan with plenty of memory: fits; JSON has the documented fields; the calibration is cached.
 "$framefit" plan "${model[@]}" --frames 128 --budget 4GiB --json > plan.json
 test -s cache/calibration.json
+# A BatchNorm encoder: the planner calibrates its blocks with BatchNorm recomputed too, and with
+# room for any chunk keeps the plain ones.
+"$framefit" plan --model resnet18 --head linear --optimizer sgd --norm bn --size 64 --frames 128 \
+  --budget 4GiB --json > bn.json
+grep -q "norm-recomputed" cache/calibration.json
 # Does not fit: exit code 2, the minimum and how to get there.
 if "$framefit" plan "${model[@]}" --frames 128 --budget 230MiB --chunk 0 --json > small.json; then
   echo "a naive plan fitted 230 MiB"; exit 1
@@ -36,6 +41,9 @@ plan = json.load(open("plan.json"))
 for key in ("fits", "predicted_peak_bytes", "chunk", "breakdown", "predicted_step_seconds"):
     assert key in plan, key
 assert plan["fits"] and plan["predicted_peak_bytes"] > 0
+assert plan["recompute_norm"] is False, plan  # group_norm: nothing to recompute
+bn = json.load(open("bn.json"))
+assert bn["fits"] and bn["recompute_norm"] is False, bn
 b = plan["breakdown"]
 assert sum(b[k] for k in ("parameters", "gradients", "optimizer_state", "input_frames", "features",
                           "activations", "workspace")) == plan["predicted_peak_bytes"], b
@@ -50,6 +58,7 @@ for r in bench:
     assert abs(r["relative_error"]) <= 0.05, f"memory model off by more than 5%: {r}"
 step = json.load(open("step.json"))
 assert step["peak_bytes"] <= 300 * 2**20 and step["chunk"] > 0, step
+assert step["recompute_norm"] is False and step["keep"] >= 0, step
 assert any("planned for" in note for note in step["retries"]), step["retries"]
 forced = json.load(open("forced.json"))
 assert forced["peak_bytes"] <= 300 * 2**20 and forced["chunk"] > 0, forced

@@ -46,7 +46,8 @@ Model build(const plan::ModelSpec& spec, const plan::StepSettings& settings) {
                                  .num_classes(0)
                                  .norm(models::parse_norm_kind(spec.norm))
                                  .groups(spec.groups)
-                                 .freeze(spec.freeze));
+                                 .freeze(spec.freeze)
+                                 .recompute_norm(spec.recompute_norm));
   m.head = models::make_head(spec.head, m.encoder->feature_dim(), spec.classes);
   auto encoder = engine::frame_encoder(m.encoder.ptr());
   auto params = encoder.parameters;
@@ -309,6 +310,128 @@ TEST(Planner, ChoosesTheFastestThatFitsAndRespectsFixedSettings) {
   const auto batch = plan::fit(request, sizes, costs, budget, 0.1);
   ASSERT_TRUE(batch.fits);
   EXPECT_EQ(batch.accumulate * batch.settings.videos_per_call >= 4, true);
+}
+
+// Costs with BatchNorm recomputed, made up like synthetic_costs: `kept` of the activations per
+// frame for `slower` times the encoder's time per frame.
+plan::ChunkCosts recomputed_costs(double kept, double slower) {
+  auto c = synthetic_costs();
+  for (auto* line : {&c.grad_peak, &c.saved, &c.backward_peak, &c.accumulate_peak}) {
+    line->slope *= kept;
+  }
+  for (auto* line : {&c.grad_seconds, &c.backward_seconds}) line->slope *= slower;
+  return c;
+}
+
+TEST(Planner, ChoosesBatchNormRecomputationWhereOnlyItFitsOrItIsFaster) {
+  plan::PlanRequest request;
+  request.model = tiny_spec();
+  request.frames = 1000;
+  const auto sizes = plan::static_sizes(request.model);
+  const std::map<Precision, plan::ChunkCosts> plain = {{Precision::FP32, synthetic_costs()}};
+  const std::map<Precision, plan::ChunkCosts> recomputed = {
+      {Precision::FP32, recomputed_costs(0.8, 1.03)}};
+  const auto choose = [&](int64_t budget) {
+    return plan::fit_recompute_norm(request, sizes, plain, recomputed, budget, 0.1);
+  };
+  const auto plain_fit = [&](int64_t budget) {
+    return plan::fit(request, sizes, plain, budget, 0.1);
+  };
+  // Room for any chunk: the same settings either way, so not taken; not even where its own
+  // probes timed it 10% faster (noise: it does more work).
+  const int64_t roomy = int64_t{100} << 30;
+  const auto generous = choose(roomy);
+  ASSERT_TRUE(generous.fits);
+  EXPECT_FALSE(generous.settings.recompute_norm);
+  EXPECT_EQ(generous.settings.chunk, plain_fit(roomy).settings.chunk);
+  EXPECT_EQ(generous.candidates, 2 * plain_fit(roomy).candidates);  // both were searched
+  EXPECT_EQ(plan::describe(generous.settings).find("BatchNorm"), std::string::npos);
+  const std::map<Precision, plan::ChunkCosts> timed_faster = {
+      {Precision::FP32, recomputed_costs(0.8, 0.9)}};
+  EXPECT_FALSE(plan::fit_recompute_norm(request, sizes, plain, timed_faster, roomy, 0.1)
+                   .settings.recompute_norm);
+
+  // Between the two minimums: only the recomputed plan fits.
+  const int64_t plain_minimum = plain_fit(1).minimum_budget_bytes;
+  const auto least = choose(1);
+  EXPECT_FALSE(least.fits);
+  EXPECT_TRUE(least.settings.recompute_norm);  // it needs less: its minimum is the answer
+  ASSERT_LT(least.minimum_budget_bytes, plain_minimum);
+  const auto only = choose((least.minimum_budget_bytes + plain_minimum) / 2);
+  ASSERT_TRUE(only.fits) << only.advice;
+  EXPECT_TRUE(only.settings.recompute_norm);
+  EXPECT_NE(plan::describe(only.settings).find(", BatchNorm recomputed"), std::string::npos);
+
+  // Where the plain plan's chunks are small, the larger chunks recomputation allows are worth
+  // its 3% (the per-chunk time falls), and a budget somewhat above the minimum shows it; at
+  // every budget the choice is the plain plan unless the other is 5% faster or alone fits.
+  bool faster_seen = false;
+  for (int64_t budget = plain_minimum; budget < plain_minimum + (int64_t{64} << 20);
+       budget += int64_t{1} << 20) {
+    const auto chosen = choose(budget);
+    const auto without = plain_fit(budget);
+    ASSERT_TRUE(chosen.fits && without.fits);
+    if (chosen.settings.recompute_norm) {
+      const double plain_seconds =
+          plan::predict(sizes, plain.at(Precision::FP32), chosen.settings).seconds;
+      EXPECT_LT(plain_seconds, 0.95 * without.step_seconds) << budget;
+      EXPECT_TRUE(chosen.settings.chunk > without.settings.chunk ||
+                  chosen.settings.keep > without.settings.keep)
+          << budget;
+      faster_seen = true;
+    } else {
+      EXPECT_EQ(chosen.settings.chunk, without.settings.chunk) << budget;
+      EXPECT_EQ(chosen.step_seconds, without.step_seconds) << budget;
+    }
+  }
+  EXPECT_TRUE(faster_seen);
+
+  // Only fp32 is calibrated with it (autocast runs the plain sequence): bf16 is planned plain.
+  request.precisions = {Precision::BF16};
+  const std::map<Precision, plan::ChunkCosts> bf16 = {{Precision::BF16, synthetic_costs(0.5)}};
+  const auto lowered = plan::fit_recompute_norm(request, sizes, bf16, recomputed, roomy, 0.1);
+  EXPECT_TRUE(lowered.fits);
+  EXPECT_FALSE(lowered.settings.recompute_norm);
+}
+
+// With real calibrations of a BatchNorm ResNet-18: recomputing keeps less per frame, the
+// planner takes it where only it fits, and its step's peak is the one predicted.
+TEST(Planner, BatchNormRecomputationIsPlannedFromItsOwnCalibration) {
+  auto spec = tiny_spec();
+  spec.norm = "bn";
+  auto with = spec;
+  with.recompute_norm = true;
+  const auto sizes = plan::static_sizes(spec);
+  const std::map<Precision, plan::ChunkCosts> plain = {
+      {Precision::FP32, plan::calibrate(spec, Precision::FP32, quick_calibration())}};
+  const std::map<Precision, plan::ChunkCosts> recomputed = {
+      {Precision::FP32, plan::calibrate(with, Precision::FP32, quick_calibration())}};
+  EXPECT_LT(recomputed.at(Precision::FP32).saved.slope,
+            0.95 * plain.at(Precision::FP32).saved.slope);
+  plan::PlanRequest request;
+  request.model = spec;
+  request.frames = 24;
+  const int64_t plain_minimum = plan::fit(request, sizes, plain, 1, 0.1).minimum_budget_bytes;
+  const int64_t least =
+      plan::fit_recompute_norm(request, sizes, plain, recomputed, 1, 0.1).minimum_budget_bytes;
+  ASSERT_LT(least, plain_minimum);
+  const int64_t budget = (least + plain_minimum) / 2;
+  const auto chosen = plan::fit_recompute_norm(request, sizes, plain, recomputed, budget, 0.1);
+  ASSERT_TRUE(chosen.fits) << chosen.advice;
+  ASSERT_TRUE(chosen.settings.recompute_norm);
+  EXPECT_FALSE(plan::fit(request, sizes, plain, budget, 0.1).fits);
+
+  // The same settings run with and without it: it holds less, and as much as predicted.
+  const auto v = video(request.frames, spec.size, spec.classes);
+  const auto measured_peak = [&](const plan::ModelSpec& model_spec) {
+    auto model = build(model_spec, chosen.settings);
+    model.step->step({v});
+    return model.step->step({v}).peak_bytes;  // steady state: the optimizer's state exists
+  };
+  const auto recomputed_peak = static_cast<double>(measured_peak(with));
+  EXPECT_LT(recomputed_peak, static_cast<double>(measured_peak(spec)));
+  EXPECT_NEAR(static_cast<double>(chosen.breakdown.peak_bytes), recomputed_peak,
+              0.05 * recomputed_peak);
 }
 
 TEST(BatchPlanner, CostLinesGiveTheMeasurementsAndNeverFallBelowThem) {

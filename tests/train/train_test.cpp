@@ -1074,6 +1074,61 @@ TEST(Training, ResumedUnderAnotherBudgetKeepsTheSettingsThatFitAndReplansThoseTh
   test_util::remove_tree(config.train.out_dir);
 }
 
+TEST(Training, BatchNormRecomputationIsPlannedWhereOnlyItFitsAndKeptOnResume) {
+  auto config = tiny_config("/tmp/framefit_recompute_norm");
+  config.model.norm = "bn";
+  config.data.resize = 128;  // activations that outweigh the weights and Adam's moments
+  config.train.chunk = "auto";
+  config.train.keep = "auto";
+  config.train.max_steps = 2;
+  config.train.checkpoint_every = 1;
+  const auto fits = [&](int64_t budget) {
+    auto c = config;
+    c.train.budget = budget;
+    return train::plan_phases(c).fits;
+  };
+  // The smallest budget anything fits, to 64 KiB: only the recomputed blocks fit there.
+  int64_t too_small = int64_t{32} << 20, enough = config.train.budget;
+  ASSERT_TRUE(fits(enough));
+  ASSERT_FALSE(fits(too_small));
+  while (enough - too_small > (int64_t{64} << 10)) {
+    const int64_t middle = too_small + (enough - too_small) / 2;
+    (fits(middle) ? enough : too_small) = middle;
+  }
+  config.train.budget = enough;
+  const auto least = train::plan_phases(config);
+  ASSERT_TRUE(least.fits);
+  EXPECT_TRUE(least.settings.recompute_norm) << plan::describe(least.settings);
+  auto plain = config;
+  plain.model.recompute_norm = "false";
+  EXPECT_FALSE(train::plan_phases(plain).fits);
+  // A roomy budget: chunks large enough that it is not worth its time.
+  auto roomy = config;
+  roomy.train.budget = int64_t{8} << 30;
+  EXPECT_FALSE(train::plan_phases(roomy).settings.recompute_norm);
+
+  std::vector<std::string> notes;
+  const auto run = [&](train::Config c, int64_t max_steps, const std::string& resume) {
+    c.train.max_steps = max_steps;
+    notes.clear();
+    return train::train(c, resume, [&](const train::Event& e) {
+      if (e.kind != train::Event::Kind::Step) notes.push_back(e.message);
+    });
+  };
+  const auto said = [&](const std::string& text) {
+    return std::any_of(notes.begin(), notes.end(),
+                       [&](const std::string& n) { return n.find(text) != std::string::npos; });
+  };
+  const std::string settings = plan::describe(least.settings);
+  EXPECT_EQ(run(config, 2, "").steps, 2);
+  EXPECT_TRUE(said("plan: " + settings + ", predicted peak")) << c10::Join("\n", notes);
+  EXPECT_FALSE(said("out of memory")) << c10::Join("\n", notes);
+  // The checkpoint keeps the choice: a resumed run goes on with it, not planned again.
+  EXPECT_EQ(run(config, 3, "auto").steps, 3);
+  EXPECT_TRUE(said("settings: " + settings + " (from the checkpoint)")) << c10::Join("\n", notes);
+  test_util::remove_tree(config.train.out_dir);
+}
+
 namespace {
 std::vector<nlohmann::json> epoch_records(const std::string& out_dir) {
   std::vector<nlohmann::json> out;

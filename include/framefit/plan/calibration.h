@@ -60,6 +60,14 @@ std::map<engine::Precision, ChunkCosts> calibrated_costs(
     CalibrationCache& cache, const std::function<void(const std::string&)>& on_probe = {},
     const CalibrationOptions& options = {});
 
+// For fit_recompute_norm: the costs of `spec` with BatchNorm recomputed at the precisions among
+// `precisions` where it runs (fp32; under autocast the plain sequence runs), from the cache or
+// calibrated; empty where it changes nothing (spec.takes_recompute_norm() false).
+std::map<engine::Precision, ChunkCosts> recomputed_norm_costs(
+    ModelSpec spec, const std::vector<engine::Precision>& precisions, CalibrationCache& cache,
+    const std::function<void(const std::string&)>& on_probe = {},
+    const CalibrationOptions& options = {});
+
 // Bytes that training `module` holds whatever the batch: parameters, buffers, gradients of the
 // trained parameters and the optimizer's state (sgd: momentum, one copy; adam/adamw: two).
 int64_t training_static_bytes(const torch::nn::Module& module, const std::string& optimizer);

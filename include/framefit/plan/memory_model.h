@@ -45,6 +45,8 @@ struct ModelSpec {
   std::string calibration_key(engine::Precision precision) const;
   // The encoder this describes, in feature mode (what static sizes, probes and the CLI build).
   models::ResNetOptions encoder_options() const;
+  // Whether recompute_norm changes anything: its blocks have a BatchNorm (not group_norm).
+  bool takes_recompute_norm() const { return norm != "group_norm"; }
 };
 
 // Sizes known from the description alone (no allocation).
@@ -108,6 +110,9 @@ struct StepSettings {
   int64_t keep = 1;
   bool cache_frozen = false;
   engine::Precision precision = engine::Precision::FP32;
+  // The encoder's BatchNorm and ReLU recomputed (ModelSpec::recompute_norm): the costs the plan
+  // was made with, which the encoder must be built with.
+  bool recompute_norm = false;
   bool naive() const { return chunk == 0 || chunk >= frames; }
 };
 

@@ -66,10 +66,25 @@ int64_t allocator_margin_bytes(int64_t budget_bytes, torch::Device device);
 std::string budget_beyond_device(int64_t budget_bytes, torch::Device device,
                                  const std::string& what);
 
-// margin: the fraction of the budget kept free (0.1 = plan for 90% of it).
+// margin: the fraction of the budget kept free (0.1 = plan for 90% of it). The costs are those
+// calibrated for request.model (its recompute_norm is copied into the settings).
 Plan fit(const PlanRequest& request, const StaticSizes& sizes,
          const std::map<engine::Precision, ChunkCosts>& costs, int64_t budget_bytes,
          double margin = 0.1);
+
+// BatchNorm recomputation (ModelSpec::recompute_norm) chosen by the planner, from the costs
+// calibrated without it (`plain`) and with it (`recomputed`; its precisions only: under autocast
+// the plain sequence runs, so only fp32 is worth calibrating). Recomputing keeps about an eighth
+// less per chunk for one elementwise pass per block: its plan is taken where it fits and the
+// plain one does not, or where the larger chunk or keep it allows is predicted at least
+// kRecomputeNormGain faster, both timed by the plain costs (probes cannot tell its elementwise
+// pass from noise); where neither fits, the one needing less. request.model.recompute_norm is not
+// read; settings.recompute_norm says which.
+constexpr double kRecomputeNormGain = 0.05;
+Plan fit_recompute_norm(const PlanRequest& request, const StaticSizes& sizes,
+                        const std::map<engine::Precision, ChunkCosts>& plain,
+                        const std::map<engine::Precision, ChunkCosts>& recomputed,
+                        int64_t budget_bytes, double margin = 0.1);
 
 // Peak and time across chunk sizes and precisions (keep, caching and accumulation as requested,
 // or 1 / off / 1), for `framefit plan --table`.

@@ -25,7 +25,9 @@ struct ModelConfig {
   // The weights' key prefix in that file ("encoder." for a framefit export); "" finds it.
   std::string weights_prefix;
   std::string layout = "auto";  // auto | nchw | channels_last (models::ActivationLayout)
-  bool recompute_norm = false;  // the ResNet blocks' BatchNorm and ReLU recomputed in backward
+  // The ResNet blocks' BatchNorm and ReLU recomputed in backward: auto | true | false (auto: the
+  // planner's choice where it plans the step).
+  std::string recompute_norm = "auto";
   // A network written as a list of layers (models/network.h) and its input per sample,
   // [C,H,W] or [C,T,H,W]; checked by `framefit doctor --config`.
   std::vector<models::LayerSpec> layers;
