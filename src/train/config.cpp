@@ -825,6 +825,13 @@ int64_t step_budget_bytes(const Config& config, int64_t budget, int64_t largest_
   }
   const int64_t ahead = std::max(prefetch_reserve_bytes(config, budget), largest_unit_bytes);
   const int64_t batched = is_batch_task(config) ? largest_unit_bytes : 0;
+  // Otherwise the planner's "needs a budget (> 0 bytes)" was all a user read.
+  TORCH_CHECK(budget > ahead + batched, "train.budget ", memory::format_bytes(budget),
+              " leaves nothing for the training step: decoded data takes ",
+              memory::format_bytes(ahead + batched), " of the budget (the largest ",
+              config.task == "segmentation" ? "image and mask" : "video", " decoded ahead",
+              batched > 0 ? ", and the one being batched" : "",
+              "); raise train.budget well above that");
   return budget - ahead - batched;
 }
 

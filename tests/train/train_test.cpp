@@ -154,6 +154,13 @@ TEST(Config, StepBudgetLeavesTheDecodedDataOnTheCpuAndTheAllocatorsMarginOnCuda)
   EXPECT_EQ(train::step_budget_bytes(config("segmentation", "cuda:1"), budget, video),
             budget - margin);
   EXPECT_EQ(plan::allocator_margin_bytes(budget, torch::kCPU), 0);
+  // A budget the decoded data alone fills is named, with the bytes it needs.
+  EXPECT_NE(test_util::error_message(
+                [&] { train::step_budget_bytes(config("phases", "cpu"), video, video); })
+                .find("train.budget 300.00 MiB leaves nothing for the training step: decoded data "
+                      "takes 300.00 MiB of the budget (the largest video decoded ahead); raise "
+                      "train.budget"),
+            std::string::npos);
 }
 
 TEST(Config, BackgroundNamesClassesOfAPhasesTask) {
