@@ -90,20 +90,12 @@ Calibrated calibrate_for(const Args& args, const plan::PlanRequest& request) {
 
 plan::Plan fit_for(const Args& args, plan::PlanRequest& request, Calibrated& calibrated,
                    int64_t budget_bytes, double margin) {
-  std::map<engine::Precision, plan::ChunkCosts> recomputed;
-  if (args.text("recompute-norm") == "auto") {
-    auto cache = calibration_cache(args);
-    recomputed =
-        plan::recomputed_norm_costs(request.model, request.precisions, cache, announce(args));
-  }
-  if (recomputed.empty()) {
+  if (args.text("recompute-norm") != "auto") {
     return plan::fit(request, calibrated.sizes, calibrated.costs, budget_bytes, margin);
   }
-  auto chosen = plan::fit_recompute_norm(request, calibrated.sizes, calibrated.costs, recomputed,
-                                         budget_bytes, margin);
-  request.model.recompute_norm = chosen.settings.recompute_norm;
-  if (chosen.settings.recompute_norm) calibrated.costs = std::move(recomputed);
-  return chosen;
+  auto cache = calibration_cache(args);
+  return plan::fit_choosing_recompute_norm(request, calibrated.sizes, calibrated.costs, cache,
+                                           budget_bytes, margin, announce(args));
 }
 
 namespace {

@@ -343,13 +343,22 @@ std::map<engine::Precision, ChunkCosts> calibrated_costs(
   return result;
 }
 
-std::map<engine::Precision, ChunkCosts> recomputed_norm_costs(
-    ModelSpec spec, const std::vector<engine::Precision>& precisions, CalibrationCache& cache,
-    const std::function<void(const std::string&)>& on_probe, const CalibrationOptions& options) {
-  const bool fp32 = std::count(precisions.begin(), precisions.end(), engine::Precision::FP32) > 0;
-  if (!spec.takes_recompute_norm() || !fp32) return {};
+Plan fit_choosing_recompute_norm(PlanRequest& request, const StaticSizes& sizes,
+                                 std::map<engine::Precision, ChunkCosts>& costs,
+                                 CalibrationCache& cache, int64_t budget_bytes, double margin,
+                                 const std::function<void(const std::string&)>& on_probe) {
+  const auto& allowed = request.precisions;
+  const bool fp32 = std::count(allowed.begin(), allowed.end(), engine::Precision::FP32) > 0;
+  if (!request.model.takes_recompute_norm() || !fp32) {
+    return fit(request, sizes, costs, budget_bytes, margin);
+  }
+  auto spec = request.model;
   spec.recompute_norm = true;
-  return calibrated_costs(spec, {engine::Precision::FP32}, cache, on_probe, options);
+  auto recomputed = calibrated_costs(spec, {engine::Precision::FP32}, cache, on_probe);
+  auto chosen = fit_recompute_norm(request, sizes, costs, recomputed, budget_bytes, margin);
+  request.model.recompute_norm = chosen.settings.recompute_norm;
+  if (chosen.settings.recompute_norm) costs = std::move(recomputed);
+  return chosen;
 }
 
 int64_t training_static_bytes(const torch::nn::Module& module, const std::string& optimizer) {

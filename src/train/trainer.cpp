@@ -936,11 +936,11 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
   // move BatchNorm statistics); its costs are not cached, as the file may change under its name.
   std::shared_ptr<models::TorchScriptEncoderImpl> probe_script;
   int64_t script_features = 0;
-  std::map<engine::Precision, plan::ChunkCosts> recomputed;  // BatchNorm recomputed, for auto
   if (is_script_encoder(config)) {
     probe_script = load_script_encoder(config, device);
     script_features = script_feature_dim(*probe_script, config, device);
   }
+  const bool choose_norm = auto_norm && !fixed && !probe_script;
   result.sizes = probe_script ? plan::static_sizes(request.model, *probe_script, script_features)
                               : plan::static_sizes(request.model);
   result.sizes.library_bytes = plan::library_bytes_on(device);
@@ -954,18 +954,14 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
   } else {
     plan::CalibrationCache cache(plan::CalibrationCache::default_path());
     result.costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
-    if (auto_norm && !fixed) {
-      recomputed = plan::recomputed_norm_costs(request.model, request.precisions, cache, info);
+    if (choose_norm) {
+      // request.model.recompute_norm and the costs (the replanner's) become those chosen.
+      chosen = plan::fit_choosing_recompute_norm(request, result.sizes, result.costs, cache,
+                                                 result.step_budget, kStepMargin, info);
     }
   }
-  if (recomputed.empty()) {
+  if (!choose_norm) {
     chosen = plan::fit(request, result.sizes, result.costs, result.step_budget, kStepMargin);
-  } else {
-    chosen = plan::fit_recompute_norm(request, result.sizes, result.costs, recomputed,
-                                      result.step_budget, kStepMargin);
-    // The replanner's costs and the encoder are those of the choice.
-    request.model.recompute_norm = chosen.settings.recompute_norm;
-    if (chosen.settings.recompute_norm) result.costs = std::move(recomputed);
   }
   if (fixed && check_fixed) {
     result.resumed = chosen;

@@ -60,13 +60,15 @@ std::map<engine::Precision, ChunkCosts> calibrated_costs(
     CalibrationCache& cache, const std::function<void(const std::string&)>& on_probe = {},
     const CalibrationOptions& options = {});
 
-// For fit_recompute_norm: the costs of `spec` with BatchNorm recomputed at the precisions among
-// `precisions` where it runs (fp32; under autocast the plain sequence runs), from the cache or
-// calibrated; empty where it changes nothing (spec.takes_recompute_norm() false).
-std::map<engine::Precision, ChunkCosts> recomputed_norm_costs(
-    ModelSpec spec, const std::vector<engine::Precision>& precisions, CalibrationCache& cache,
-    const std::function<void(const std::string&)>& on_probe = {},
-    const CalibrationOptions& options = {});
+// The plan with BatchNorm recomputation chosen too (fit_recompute_norm), where the encoder takes
+// it (spec.takes_recompute_norm()) and `request` allows fp32 (under autocast the plain sequence
+// runs): the costs with it from the cache or calibrated. `costs` are request.model's (plain);
+// request.model.recompute_norm and `costs` become those of the choice, which the encoder is built
+// with and the out-of-memory replanner plans with. Elsewhere plain fit().
+Plan fit_choosing_recompute_norm(PlanRequest& request, const StaticSizes& sizes,
+                                 std::map<engine::Precision, ChunkCosts>& costs,
+                                 CalibrationCache& cache, int64_t budget_bytes, double margin,
+                                 const std::function<void(const std::string&)>& on_probe = {});
 
 // Bytes that training `module` holds whatever the batch: parameters, buffers, gradients of the
 // trained parameters and the optimizer's state (sgd: momentum, one copy; adam/adamw: two).
