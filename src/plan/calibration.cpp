@@ -223,6 +223,12 @@ ChunkCosts calibrate(const ModelSpec& spec, const engine::FrameEncoder& encoder,
     if (t->slope < 0) *t = Linear{std::max(0.0, t->intercept + t->slope * n), 0.0};
     if (t->intercept < 0) *t = Linear{0.0, std::max(0.0, t->intercept + t->slope * n) / n};
   }
+  // One-frame chunks, timed apart: no line through larger chunks gives them (ChunkCosts).
+  const auto one = chunk_frames[0] == 1   ? chunk[0]
+                   : chunk_frames[1] == 1 ? chunk[1]
+                                          : probe_chunk(spec, precision, encoder, 1, options);
+  costs.one_frame = {one.nograd_seconds, one.grad_seconds, one.backward_seconds,
+                     one.frozen_seconds};
   return costs;
 }
 
@@ -285,6 +291,13 @@ CalibrationCache::CalibrationCache(std::string path) : path_(std::move(path)) {
       complete = pair.is_array() && pair.size() == 2 && pair[0].is_number() && pair[1].is_number();
       if (complete) (costs.*field) = Linear{pair[0].get<double>(), pair[1].get<double>()};
     }
+    const auto one = complete ? entry.value("one_frame_seconds", nlohmann::json()) : nullptr;
+    complete = complete && one.is_array() && one.size() == 4 &&
+               std::all_of(one.begin(), one.end(), [](const auto& v) { return v.is_number(); });
+    if (complete) {
+      costs.one_frame = {one[0].get<double>(), one[1].get<double>(), one[2].get<double>(),
+                         one[3].get<double>()};
+    }
     if (complete) entries_[key] = costs;  // a damaged entry is recalibrated
   }
 }
@@ -306,6 +319,8 @@ void CalibrationCache::save() const {
     for (const auto& [name, field] : cost_fields()) {
       entry[name] = {(costs.*field).intercept, (costs.*field).slope};
     }
+    const auto& one = costs.one_frame;
+    entry["one_frame_seconds"] = {one.nograd, one.grad, one.backward, one.frozen};
     entries[key] = entry;
   }
   const nlohmann::json file = {

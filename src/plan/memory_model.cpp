@@ -120,6 +120,13 @@ void add(Moment& m, const Linear& cost, int64_t frames, double sign = 1) {
 
 }  // namespace
 
+ChunkSeconds ChunkCosts::seconds_at(int64_t n) const {
+  const bool measured = one_frame.nograd > 0 || one_frame.grad > 0;
+  if (n == 1 && measured) return one_frame;
+  const auto x = static_cast<double>(n);
+  return {nograd_seconds.at(x), grad_seconds.at(x), backward_seconds.at(x), frozen_seconds.at(x)};
+}
+
 Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepSettings& s) {
   TORCH_CHECK(s.frames >= 1 && s.videos_per_call >= 1 && s.chunk >= 0 && s.keep >= 0,
               "predict: frames and videos per call must be >= 1, chunk and keep >= 0");
@@ -144,7 +151,8 @@ Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepS
     backward.features = features;  // the features' gradient
     add(backward, costs.accumulate_peak, T);
     moments.push_back(backward);
-    seconds = costs.grad_seconds.at(T) + costs.backward_seconds.at(T);
+    const auto pass = costs.seconds_at(T);
+    seconds = pass.grad + pass.backward;
   } else {
     std::vector<int64_t> chunk_frames;
     for (int64_t begin = 0; begin < T; begin += s.chunk) {
@@ -159,14 +167,14 @@ Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepS
       m.features = features;
       m.activations = cached.activations + kept_saved.activations;
       m.workspace = cached.workspace + kept_saved.workspace;
+      const auto pass = costs.seconds_at(chunk_frames[i]);
       if (i < first_kept) {
         add(m, costs.nograd_peak, chunk_frames[i]);
-        seconds += costs.nograd_seconds.at(chunk_frames[i]);
+        seconds += pass.nograd;
       } else {
         add(m, costs.grad_peak, chunk_frames[i]);
         add(kept_saved, costs.saved, chunk_frames[i]);
-        seconds +=
-            costs.grad_seconds.at(chunk_frames[i]) + costs.backward_seconds.at(chunk_frames[i]);
+        seconds += pass.grad + pass.backward;
       }
       moments.push_back(m);
       if (cache) add(cached, costs.frozen_output, chunk_frames[i]);
@@ -203,9 +211,8 @@ Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepS
         // recompute less the cached frozen stages, which measured lines must not make negative
         // (an all-frozen encoder's noise once made every extra chunk "save" time).
         if (sizes.trained_encoder_bytes > 0) {
-          const double frozen = cache ? costs.frozen_seconds.at(chunk_frames[i]) : 0.0;
-          seconds += std::max(0.0, costs.grad_seconds.at(chunk_frames[i]) +
-                                       costs.backward_seconds.at(chunk_frames[i]) - frozen);
+          const auto pass = costs.seconds_at(chunk_frames[i]);
+          seconds += std::max(0.0, pass.grad + pass.backward - (cache ? pass.frozen : 0.0));
         }
       }
       if (cache) {

@@ -689,6 +689,47 @@ TEST(BatchPlanner, EvaluationBatchIsPlannedFromItsOwnForwardPass) {
       << "batch " << planned.batch;
 }
 
+// LibTorch's slow convolution path for single samples made one-frame chunks 5x slower per frame
+// than two-frame ones (ChunkCosts::one_frame), which the lines through larger chunks did not
+// show: a tight budget got one-frame chunks where two-frame ones fitted too.
+TEST(Planner, OneFrameChunksAreTimedAsMeasured) {
+  plan::PlanRequest request;
+  request.model = tiny_spec();
+  request.frames = 512;
+  request.keep = 0;
+  const auto sizes = plan::static_sizes(request.model);
+  // Lines by which smaller chunks are faster per frame, so that one-frame chunks are planned.
+  auto costs = synthetic_costs();
+  costs.nograd_seconds = {-0.0005, 0.0015};
+  costs.grad_seconds = {-0.001, 0.003};
+  costs.backward_seconds = {-0.002, 0.006};
+  std::map<Precision, plan::ChunkCosts> by_precision = {{Precision::FP32, costs}};
+  const auto [smallest, naive_peak] = smallest_budget_and_naive_peak(request, sizes, by_precision);
+  const int64_t budget = (smallest + naive_peak) / 2;
+  const auto by_lines = plan::fit(request, sizes, by_precision, budget, 0.1);
+  ASSERT_TRUE(by_lines.fits);
+  EXPECT_EQ(by_lines.settings.chunk, 1) << plan::describe(by_lines.settings);
+
+  // Measured at one frame: 5x the per-frame time of two-frame chunks.
+  const auto pair = costs.seconds_at(2);
+  costs.one_frame = {2.5 * pair.nograd, 2.5 * pair.grad, 2.5 * pair.backward, 2.5 * pair.frozen};
+  EXPECT_DOUBLE_EQ(costs.seconds_at(1).grad, costs.one_frame.grad);
+  EXPECT_DOUBLE_EQ(costs.seconds_at(3).grad, costs.grad_seconds.at(3));  // the lines elsewhere
+  by_precision[Precision::FP32] = costs;
+  const auto measured = plan::fit(request, sizes, by_precision, budget, 0.1);
+  ASSERT_TRUE(measured.fits);
+  EXPECT_EQ(measured.settings.chunk, 2) << plan::describe(measured.settings);
+  auto one = measured.settings;
+  one.chunk = 1;
+  EXPECT_GT(plan::predict(sizes, costs, one).seconds, 2 * measured.step_seconds);
+
+  // Calibration measures it: the real encoder's one-frame pass, apart from the lines.
+  const auto& real = tiny_costs();
+  EXPECT_GT(real.one_frame.grad, 0);
+  EXPECT_GT(real.one_frame.backward, 0);
+  EXPECT_DOUBLE_EQ(real.seconds_at(1).backward, real.one_frame.backward);
+}
+
 TEST(Planner, DoesNotFitNamesTheMinimumAndHowToGetThere) {
   plan::PlanRequest request;
   request.model = tiny_spec();
@@ -727,7 +768,9 @@ TEST(Calibration, CacheRoundTripAndVersion) {
   {
     plan::CalibrationCache cache(path);
     EXPECT_FALSE(cache.find("k").has_value());
-    cache.put("k", synthetic_costs(2.0));
+    auto costs = synthetic_costs(2.0);
+    costs.one_frame = {0.5, 0.6, 0.7, 0.1};
+    cache.put("k", costs);
     cache.save();
   }
   plan::CalibrationCache again(path);
@@ -735,6 +778,8 @@ TEST(Calibration, CacheRoundTripAndVersion) {
   ASSERT_TRUE(costs.has_value());
   EXPECT_DOUBLE_EQ(costs->grad_peak.slope, 2e6);
   EXPECT_DOUBLE_EQ(costs->head_seconds.intercept, 0.001);
+  EXPECT_DOUBLE_EQ(costs->one_frame.grad, 0.6);
+  EXPECT_DOUBLE_EQ(costs->one_frame.frozen, 0.1);
   {
     std::ofstream old(path);
     old << R"({"format": "framefit-calibration", "version": 0, "entries": {"k": {}}})";

@@ -36,8 +36,8 @@ ChunkCosts calibrate(const ModelSpec& spec, const engine::FrameEncoder& encoder,
 class CalibrationCache {
  public:
   // 2: accumulate_peak; 3: time lines clamped at 0; 4: the LSTM head's own CPU layer and bf16
-  // BatchNorm inputs changed what the head and a bf16 chunk cost.
-  static constexpr int kVersion = 4;
+  // BatchNorm inputs changed what the head and a bf16 chunk cost; 5: one_frame_seconds.
+  static constexpr int kVersion = 5;
   // The default file: $FRAMEFIT_CACHE_DIR/calibration.json, else
   // $XDG_CACHE_HOME/framefit/calibration.json, else ~/.cache/framefit/calibration.json.
   static std::string default_path();

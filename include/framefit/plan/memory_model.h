@@ -88,6 +88,11 @@ struct Linear {
   static Linear through(double n1, double y1, double n2, double y2);
 };
 
+// An encoder pass's seconds for one chunk.
+struct ChunkSeconds {
+  double nograd = 0, grad = 0, backward = 0, frozen = 0;
+};
+
 // What the probes measure for one (model, size, precision, device), per chunk of n frames:
 // bytes above the bytes in use when the chunk starts, and seconds.
 struct ChunkCosts {
@@ -100,6 +105,14 @@ struct ChunkCosts {
   Linear frozen_output;    // the frozen stages' output (what --cache-frozen keeps per chunk)
   Linear head_peak;        // head forward, loss and backward over n frames' features
   Linear nograd_seconds, grad_seconds, backward_seconds, frozen_seconds, head_seconds;
+  // The encoder's seconds measured at a one-frame chunk, which no line through larger chunks
+  // gives: LibTorch runs a 3x3 convolution of a single sample whose input has at most 20,480
+  // elements (a ResNet's layer3 and layer4 at 112 px) through its slow non-oneDNN path, and
+  // ResNet-18 at 112 x 112 took 131 ms a frame in one-frame chunks against 27 in two-frame ones
+  // (2 threads). All 0: not measured; the lines hold there too.
+  ChunkSeconds one_frame;
+  // The encoder's seconds for a chunk of n frames.
+  ChunkSeconds seconds_at(int64_t n) const;
 };
 
 // One way to run the step: the settings the planner chooses.
