@@ -106,8 +106,9 @@ struct ChunkCosts {
   Linear head_peak;        // head forward, loss and backward over n frames' features
   Linear nograd_seconds, grad_seconds, backward_seconds, frozen_seconds, head_seconds;
   // The encoder's seconds measured at a one-frame chunk, which no line through larger chunks
-  // gives: LibTorch runs a 3x3 convolution of a single sample whose input has at most 20,480
-  // elements (a ResNet's layer3 and layer4 at 112 px) through its slow non-oneDNN path, and
+  // gives: LibTorch runs a convolution with a kernel of at most 3x3 on a single sample whose
+  // input has at most 20,480 elements (a ResNet's layer3 and layer4 at 112 px) through its slow
+  // non-oneDNN path (ConvParams::use_mkldnn: "for some case, native is faster"), and
   // ResNet-18 at 112 x 112 took 131 ms a frame in one-frame chunks against 27 in two-frame ones
   // (2 threads). All 0: not measured; the lines hold there too.
   ChunkSeconds one_frame;
