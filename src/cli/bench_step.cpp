@@ -159,6 +159,7 @@ Planned plan_step(const Args& args) {
     planned.notes.push_back(c10::str("planned for ", memory::format_bytes(budget), ": ",
                                      plan::describe(chosen.settings), ", predicted peak ",
                                      memory::format_bytes(chosen.breakdown.peak_bytes)));
+    if (!chosen.reason.empty()) planned.notes.push_back(chosen.reason);
   }
   if (!args.on("no-retry")) {
     planned.replan = plan::make_replanner(request, calibrated.sizes, calibrated.costs.at(precision),

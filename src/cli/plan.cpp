@@ -491,6 +491,7 @@ int run_plan(const Args& args) {
                           {"cache_frozen", chosen.settings.cache_frozen},
                           {"precision", engine::to_string(chosen.settings.precision)},
                           {"recompute_norm", chosen.settings.recompute_norm},
+                          {"reason", chosen.reason},
                           {"accumulate", chosen.accumulate},
                           {"videos_per_call", chosen.settings.videos_per_call},
                           {"budget_bytes", budget},
@@ -522,6 +523,7 @@ int run_plan(const Args& args) {
              request.model.size, request.videos, memory::format_bytes(budget));
   if (chosen.fits) {
     fmt::print("  plan: {}\n", plan::describe(chosen.settings, chosen.accumulate));
+    if (!chosen.reason.empty()) fmt::print("  {}\n", chosen.reason);
   } else {
     fmt::print("  does not fit: {}\n  smallest: {}\n", chosen.advice,
                plan::describe(chosen.settings, chosen.accumulate));

@@ -234,6 +234,15 @@ Plan fit_recompute_norm(const PlanRequest& request, const StaticSizes& sizes,
       other.fits ? !plan.fits || plain_seconds(other) < (1 - kRecomputeNormGain) * plan.step_seconds
                  : !plan.fits && other.minimum_budget_bytes < plan.minimum_budget_bytes;
   auto& chosen = take_other ? other : plan;
+  if (take_other && plan.fits) {
+    chosen.reason =
+        c10::str("BatchNorm recomputed: predicted ", std::round(plain_seconds(other) * 100) / 100,
+                 " s a step, the plain blocks' best plan (", describe(plan.settings), ") ",
+                 std::round(plan.step_seconds * 100) / 100, " s");
+  } else if (take_other) {
+    chosen.reason = c10::str("BatchNorm recomputed: without it nothing fits (",
+                             plan.advice.substr(0, plan.advice.find(';')), ")");
+  }
   chosen.candidates = candidates;
   return std::move(chosen);
 }

@@ -963,6 +963,7 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
   if (!choose_norm) {
     chosen = plan::fit(request, result.sizes, result.costs, result.step_budget, kStepMargin);
   }
+  if (!chosen.reason.empty()) info(chosen.reason);
   if (fixed && check_fixed) {
     result.resumed = chosen;
     const auto& tc = config.train;

@@ -346,6 +346,7 @@ TEST(Planner, ChoosesBatchNormRecomputationWhereOnlyItFitsOrItIsFaster) {
   EXPECT_EQ(generous.settings.chunk, plain_fit(roomy).settings.chunk);
   EXPECT_EQ(generous.candidates, 2 * plain_fit(roomy).candidates);  // both were searched
   EXPECT_EQ(plan::describe(generous.settings).find("BatchNorm"), std::string::npos);
+  EXPECT_EQ(generous.reason, "");
   const std::map<Precision, plan::ChunkCosts> timed_faster = {
       {Precision::FP32, recomputed_costs(0.8, 0.9)}};
   EXPECT_FALSE(plan::fit_recompute_norm(request, sizes, plain, timed_faster, roomy, 0.1)
@@ -361,6 +362,9 @@ TEST(Planner, ChoosesBatchNormRecomputationWhereOnlyItFitsOrItIsFaster) {
   ASSERT_TRUE(only.fits) << only.advice;
   EXPECT_TRUE(only.settings.recompute_norm);
   EXPECT_NE(plan::describe(only.settings).find(", BatchNorm recomputed"), std::string::npos);
+  EXPECT_NE(only.reason.find("BatchNorm recomputed: without it nothing fits (needs at least "),
+            std::string::npos)
+      << only.reason;
 
   // Where the plain plan's chunks are small, the larger chunks recomputation allows are worth
   // its 3% (the per-chunk time falls), and a budget somewhat above the minimum shows it; at
@@ -375,6 +379,10 @@ TEST(Planner, ChoosesBatchNormRecomputationWhereOnlyItFitsOrItIsFaster) {
       const double plain_seconds =
           plan::predict(sizes, plain.at(Precision::FP32), chosen.settings).seconds;
       EXPECT_LT(plain_seconds, 0.95 * without.step_seconds) << budget;
+      EXPECT_NE(chosen.reason.find("s a step, the plain blocks' best plan (" +
+                                   plan::describe(without.settings) + ")"),
+                std::string::npos)
+          << chosen.reason;
       EXPECT_TRUE(chosen.settings.chunk > without.settings.chunk ||
                   chosen.settings.keep > without.settings.keep)
           << budget;

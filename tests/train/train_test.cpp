@@ -1129,6 +1129,8 @@ TEST(Training, BatchNormRecomputationIsPlannedWhereOnlyItFitsAndKeptOnResume) {
   const std::string settings = plan::describe(least.settings);
   EXPECT_EQ(run(config, 2, "").steps, 2);
   EXPECT_TRUE(said("plan: " + settings + ", predicted peak")) << c10::Join("\n", notes);
+  EXPECT_TRUE(said("BatchNorm recomputed: without it nothing fits (needs at least "))
+      << c10::Join("\n", notes);
   EXPECT_FALSE(said("out of memory")) << c10::Join("\n", notes);
   // The checkpoint keeps the choice: a resumed run goes on with it, not planned again.
   EXPECT_EQ(run(config, 3, "auto").steps, 3);

@@ -44,6 +44,8 @@ struct Plan {
   // When it does not fit: the smallest budget that would, and how.
   int64_t minimum_budget_bytes = 0;
   std::string advice;
+  // Why BatchNorm recomputation was taken (fit_recompute_norm), for the log; "" otherwise.
+  std::string reason;
   int64_t candidates = 0;  // settings evaluated
 };
 
