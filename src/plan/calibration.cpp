@@ -294,11 +294,11 @@ CalibrationCache::CalibrationCache(std::string path) : path_(std::move(path)) {
     const auto one = complete ? entry.value("one_frame_seconds", nlohmann::json()) : nullptr;
     complete = complete && one.is_array() && one.size() == 4 &&
                std::all_of(one.begin(), one.end(), [](const auto& v) { return v.is_number(); });
-    if (complete) {
+    if (complete) {  // a damaged entry is recalibrated
       costs.one_frame = {one[0].get<double>(), one[1].get<double>(), one[2].get<double>(),
                          one[3].get<double>()};
+      entries_[key] = costs;
     }
-    if (complete) entries_[key] = costs;  // a damaged entry is recalibrated
   }
 }
 

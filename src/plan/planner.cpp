@@ -226,17 +226,16 @@ Plan fit_recompute_norm(const PlanRequest& request, const StaticSizes& sizes,
   // Both timed by the plain calibration: the same settings take the same time, as far as two
   // probe runs can tell, so only a larger chunk or keep can make the recomputed plan faster.
   // (Each calibration's own time lines differed by 6% at equal settings, from noise alone.)
-  const auto plain_seconds = [&](const Plan& p) {
-    return predict(sizes, plain.at(p.settings.precision), p.settings).seconds *
-           static_cast<double>(p.accumulate);
-  };
+  const double other_seconds =
+      predict(sizes, plain.at(other.settings.precision), other.settings).seconds *
+      static_cast<double>(other.accumulate);
   const bool take_other =
-      other.fits ? !plan.fits || plain_seconds(other) < (1 - kRecomputeNormGain) * plan.step_seconds
+      other.fits ? !plan.fits || other_seconds < (1 - kRecomputeNormGain) * plan.step_seconds
                  : !plan.fits && other.minimum_budget_bytes < plan.minimum_budget_bytes;
   auto& chosen = take_other ? other : plan;
   if (take_other && plan.fits) {
     chosen.reason =
-        c10::str("BatchNorm recomputed: predicted ", std::round(plain_seconds(other) * 100) / 100,
+        c10::str("BatchNorm recomputed: predicted ", std::round(other_seconds * 100) / 100,
                  " s a step, the plain blocks' best plan (", describe(plan.settings), ") ",
                  std::round(plan.step_seconds * 100) / 100, " s");
   } else if (take_other) {
