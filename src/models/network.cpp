@@ -293,12 +293,14 @@ NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers, const std::vect
         break;
       }
       if (spec.type == "maxpool") {
-        out.saved_index_bytes = product(next) * 8;  // int64 indices
-        // PyTorch's keeps its input too; the lean one only ReLU's mask, its own output.
+        // PyTorch's keeps int64 indices and its input; the lean one each argmax's offset in its
+        // window (a byte up to 256 positions, pooling.h) and a byte of ReLU's mask.
+        const int64_t volume = product(k);
+        const int64_t offset_bytes = volume <= 256 ? 1 : volume <= 32768 ? 2 : 8;
         const bool after_relu = i > 0 && relu_pools_next(layers, i - 1, lean_pooling);
-        out.saved_elements =
-            !lean_pooling ? (kept ? 0 : product(shape)) : (after_relu ? product(next) : 0);
-        kept = lean_pooling && after_relu;
+        out.saved_index_bytes =
+            product(next) * (lean_pooling ? offset_bytes + (after_relu ? 1 : 0) : 8);
+        out.saved_elements = !lean_pooling && !kept ? product(shape) : 0;
       } else {
         out.saved_elements = kept ? 0 : product(shape);
       }
@@ -346,8 +348,8 @@ NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers, const std::vect
     trains_before = trains_before || out.parameters > 0;
     if (spec.type == "relu") {
       kept = true;
-    } else if (spec.type != "flatten" && spec.type != "maxpool") {
-      kept = false;  // a new tensor (flatten is a view of the same one); maxpool set it above
+    } else if (spec.type != "flatten") {
+      kept = false;  // a new tensor (flatten is a view of the same one)
     }
     result.layers.push_back(out);
   }

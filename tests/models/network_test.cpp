@@ -352,28 +352,42 @@ TEST(Network, LeanMaxPoolingGivesPyTorchsValuesAndGradients) {
 
 TEST(Network, LeanMaxPoolingOnTiesAndNegativeWindows) {
   // Integer inputs with many equal values, whole windows at or below zero: the argmax PyTorch
-  // picks and ReLU's mask agree with pool-then-ReLU, 2d and 3d, with and without the ReLU.
+  // picks and ReLU's mask agree with pool-then-ReLU, 2d and 3d, with and without the ReLU, for
+  // windows whose argmax offsets take one byte (up to 256 positions) and two (a 17x17 or 7x7x7
+  // window). What the lean pooling keeps is exactly those offsets, plus a byte of ReLU's mask.
   torch::manual_seed(0);
+  auto& tracker = memory::Tracker::cpu();
+  struct Window {
+    int64_t kernel, stride, padding, offset_bytes;
+  };
   for (const int64_t dims : {2, 3}) {
-    std::vector<int64_t> shape = {2, 3, 6, 7};
-    if (dims == 3) shape.push_back(5);
-    const auto options = models::MaxPoolOptions({3}).stride({2}).padding({1});
-    for (const bool relu_first : {false, true}) {
-      const auto data = torch::randint(-3, 2, shape, torch::kFloat64);
-      const auto x_lean = data.clone().requires_grad_(), x_plain = data.clone().requires_grad_();
-      const auto y_lean = models::max_pool(x_lean, options, relu_first);
-      const auto y_plain =
-          models::max_pool(x_plain, models::MaxPoolOptions(options).lean(false), relu_first);
-      const auto reference = dims == 3
-                                 ? torch::max_pool3d(relu_first ? data.relu() : data, 3, 2, 1)
-                                 : torch::max_pool2d(relu_first ? data.relu() : data, 3, 2, 1);
-      EXPECT_TRUE(torch::equal(y_lean, reference));
-      EXPECT_TRUE(torch::equal(y_plain, reference));
-      const auto weights = torch::randn_like(reference);
-      (y_lean * weights).sum().backward();
-      (y_plain * weights).sum().backward();
-      EXPECT_LE((x_lean.grad() - x_plain.grad()).abs().max().item<double>(), 1e-12)
-          << dims << "d relu " << relu_first;
+    const Window big = dims == 3 ? Window{7, 3, 3, 2} : Window{17, 5, 8, 2};
+    for (const auto& w : {Window{3, 2, 1, 1}, big}) {
+      std::vector<int64_t> shape = {2, 3, 16, 19};
+      if (dims == 3) shape.push_back(11);
+      const auto options =
+          models::MaxPoolOptions({w.kernel}).stride({w.stride}).padding({w.padding});
+      for (const bool relu_first : {false, true}) {
+        const auto data = torch::randint(-3, 2, shape, torch::kFloat64);
+        const auto x_lean = data.clone().requires_grad_(), x_plain = data.clone().requires_grad_();
+        const int64_t before = tracker.current_bytes();
+        const auto y_lean = models::max_pool(x_lean, options, relu_first);
+        EXPECT_EQ(tracker.current_bytes() - before,
+                  y_lean.numel() * (8 + w.offset_bytes + (relu_first ? 1 : 0)))
+            << dims << "d window " << w.kernel << " relu " << relu_first;
+        const auto y_plain =
+            models::max_pool(x_plain, models::MaxPoolOptions(options).lean(false), relu_first);
+        const auto in = relu_first ? data.relu() : data;
+        const auto reference = dims == 3 ? torch::max_pool3d(in, w.kernel, w.stride, w.padding)
+                                         : torch::max_pool2d(in, w.kernel, w.stride, w.padding);
+        EXPECT_TRUE(torch::equal(y_lean, reference));
+        EXPECT_TRUE(torch::equal(y_plain, reference));
+        const auto weights = torch::randn_like(reference);
+        (y_lean * weights).sum().backward();
+        (y_plain * weights).sum().backward();
+        EXPECT_LE((x_lean.grad() - x_plain.grad()).abs().max().item<double>(), 1e-12)
+            << dims << "d window " << w.kernel << " relu " << relu_first;
+      }
     }
   }
   EXPECT_THROW(models::max_pool(torch::zeros({2, 3, 4}), models::MaxPoolOptions({2})), c10::Error);

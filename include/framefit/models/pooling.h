@@ -1,12 +1,14 @@
 #pragma once
-// Max pooling that keeps only its argmax indices for backward.
+// Max pooling that keeps only where each maximum was for backward.
 //
 // PyTorch's max pooling keeps its whole input for backward as well as the indices, though its
 // gradient only scatters into the argmax positions. After a convolution (whose backward needs its
 // input, not its output) that input is kept for nothing: on seeds/001's clips, conv1's output is
 // 32 x 60 x 230 x 230 floats, 406 MB per clip. Pooling first and applying a preceding ReLU to the
-// pooled output instead (max and ReLU commute: ReLU does not decrease) keeps the pooled output
-// and the indices, a quarter of that or less.
+// pooled output instead (max and ReLU commute: ReLU does not decrease) keeps each maximum's offset
+// in its window (a byte for windows of up to 256 positions, where PyTorch keeps int64 indices)
+// and ReLU's mask (a byte): 2 bytes per pooled output, a sixteenth of the input's floats for
+// 2 x 2 x 2 windows.
 //
 // Values and gradients equal PyTorch's conv -> relu -> maxpool exactly for finite inputs:
 // each input position receives the gradient of the windows whose argmax it is, and ReLU's mask
@@ -32,8 +34,8 @@ struct MaxPoolOptions {
 };
 
 // max_pool{2,3}d of x [N,C,H,W] or [N,C,T,H,W]; with `relu_first`, the result of
-// max_pool(relu(x)), computed as relu(max_pool(x)). When lean, the backward keeps the indices
-// (and, with relu_first, the pooled output for ReLU's mask).
+// max_pool(relu(x)), computed as relu(max_pool(x)). When lean, the backward keeps the window
+// offsets (and, with relu_first, ReLU's mask).
 torch::Tensor max_pool(const torch::Tensor& x, const MaxPoolOptions& options,
                        bool relu_first = false);
 
