@@ -199,13 +199,28 @@ ConvBackward LeanConv3dImpl::backward_for(const torch::Tensor& x) {
 torch::Tensor LeanConv3dImpl::forward(const torch::Tensor& x) {
   const auto kind = backward_for(x);
   if (kind == ConvBackward::Plain) return Conv3dImpl::forward(x);
-  const auto& padding = get<torch::ExpandingArray<3>>(options.padding());
+  return run(x, kind, *get<torch::ExpandingArray<3>>(options.padding()));
+}
+
+torch::Tensor LeanConv3dImpl::forward_padded(const torch::Tensor& x, at::IntArrayRef padding) {
+  TORCH_CHECK(holds_alternative<torch::enumtype::kZeros>(options.padding_mode()),
+              "LeanConv3d::forward_padded pads with zeros; this convolution's padding mode is not");
+  const auto kind = backward_for(x);
+  if (kind == ConvBackward::Plain) {
+    return torch::conv3d(x, weight, bias, options.stride(), padding, options.dilation(),
+                         options.groups());
+  }
+  return run(x, kind, padding);
+}
+
+torch::Tensor LeanConv3dImpl::run(const torch::Tensor& x, ConvBackward kind,
+                                  at::IntArrayRef padding) {
   std::vector<torch::Tensor> biases;
   if (bias.defined()) biases.push_back(bias);
   return LeanConv3dFunction::apply(
       x, weight, at::TensorList(biases),
-      std::vector<int64_t>(options.stride()->begin(), options.stride()->end()),
-      std::vector<int64_t>(padding->begin(), padding->end()), static_cast<int64_t>(kind));
+      std::vector<int64_t>(options.stride()->begin(), options.stride()->end()), padding.vec(),
+      static_cast<int64_t>(kind));
 }
 
 }  // namespace framefit::models

@@ -388,6 +388,17 @@ class SeparableConvImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     return depthwise3 ? pointwise3(depthwise3(x)) : pointwise2(depthwise2(x));
   }
+  // forward(x) with the depthwise part padded by `padding` instead of its own.
+  torch::Tensor forward_padded(const torch::Tensor& x, at::IntArrayRef padding) {
+    if (depthwise3) {
+      const auto& o = depthwise3->options;
+      return pointwise3(torch::conv3d(x, depthwise3->weight, depthwise3->bias, o.stride(), padding,
+                                      o.dilation(), o.groups()));
+    }
+    const auto& o = depthwise2->options;
+    return pointwise2(torch::conv2d(x, depthwise2->weight, depthwise2->bias, o.stride(), padding,
+                                    o.dilation(), o.groups()));
+  }
 
  private:
   torch::nn::Conv3d depthwise3{nullptr}, pointwise3{nullptr};
@@ -509,9 +520,152 @@ NetworkImpl::NetworkImpl(const NetworkOptions& options)
   }
 }
 
+namespace {
+
+// A layer's window along the first spatial dimension: the rows of its input an output row
+// reads (a ReLU: its own).
+struct RowWindow {
+  int64_t kernel = 1, stride = 1, padding = 0;
+};
+
+RowWindow row_window(const LayerSpec& spec, const std::string& name, int64_t spatial) {
+  RowWindow w;
+  if (is_conv(spec.type) || is_sepconv(spec.type)) {
+    const int64_t dims = conv_dims(spec.type);
+    w.kernel = expand(spec.kernel, dims, 3, name, "kernel")[0];
+    w.stride = expand(spec.stride, dims, 1, name, "stride")[0];
+    w.padding = expand(spec.padding, dims, 0, name, "padding")[0];
+  } else if (is_pool(spec.type)) {
+    w.kernel = expand(spec.kernel, spatial, 2, name, "kernel")[0];
+    w.stride = spec.stride.empty() ? w.kernel : expand(spec.stride, spatial, 1, name, "stride")[0];
+    w.padding = expand(spec.padding, spatial, 0, name, "padding")[0];
+  }
+  return w;
+}
+
+}  // namespace
+
+void NetworkImpl::set_time_slices(int64_t slices) {
+  TORCH_CHECK(slices >= 0, "time slices must be 0 (off) or more; got ", slices);
+  time_slices_ = slices;
+}
+
+bool NetworkImpl::sliceable() const {
+  for (int64_t i = 0; i < layer_count(); ++i) {
+    if (sliced_run_end(i, layer_count()) > i) return true;
+  }
+  return false;
+}
+
+int64_t NetworkImpl::sliced_run_end(int64_t head, int64_t end) const {
+  const auto& specs = options_.layers();
+  const auto& type = specs[static_cast<size_t>(head)].type;
+  if (!is_conv(type) && !is_sepconv(type)) return head;
+  // Up to the last pooling layer among the ReLUs and poolings after it: a run without pooling
+  // would keep its whole output anyway (a ReLU's) and add the concatenation of the slices.
+  int64_t run_end = head;
+  for (int64_t i = head + 1; i < end; ++i) {
+    const auto& spec = specs[static_cast<size_t>(i)];
+    if (spec.type == "relu") continue;
+    const int64_t spatial = static_cast<int64_t>(shapes_.layers[i - 1].output.size()) - 1;
+    if (!is_pool(spec.type) || row_window(spec, shapes_.layers[i].name, spatial).padding != 0) {
+      break;
+    }
+    run_end = i + 1;
+  }
+  if (run_end == head) return head;
+  // At least two rows of output to slice.
+  const auto& output = shapes_.layers[run_end - 1].output;
+  return output.size() >= 2 && output[1] >= 2 ? run_end : head;
+}
+
+torch::Tensor NetworkImpl::conv_padded(int64_t index, const torch::Tensor& x,
+                                       at::IntArrayRef padding) {
+  const auto& module = layers_[static_cast<size_t>(index)].ptr();
+  if (auto* lean = module->as<LeanConv3dImpl>()) return lean->forward_padded(x, padding);
+  if (auto* sep = module->as<SeparableConvImpl>()) return sep->forward_padded(x, padding);
+  if (auto* conv = module->as<torch::nn::Conv3dImpl>()) {
+    const auto& o = conv->options;
+    return torch::conv3d(x, conv->weight, conv->bias, o.stride(), padding, o.dilation(),
+                         o.groups());
+  }
+  auto* conv = module->as<torch::nn::Conv2dImpl>();
+  TORCH_INTERNAL_ASSERT(conv != nullptr, "layer ", index, " is not a convolution");
+  const auto& o = conv->options;
+  return torch::conv2d(x, conv->weight, conv->bias, o.stride(), padding, o.dilation(), o.groups());
+}
+
+torch::Tensor NetworkImpl::forward_sliced(const torch::Tensor& x, int64_t head, int64_t run_end) {
+  const auto& specs = options_.layers();
+  const auto window = [&](int64_t i) {
+    const auto& in = i == 0 ? options_.input() : shapes_.layers[i - 1].output;
+    return row_window(specs[static_cast<size_t>(i)], shapes_.layers[i].name,
+                      static_cast<int64_t>(in.size()) - 1);
+  };
+  const auto conv = window(head);
+  const auto& conv_spec = specs[static_cast<size_t>(head)];
+  const auto padding = expand(conv_spec.padding, conv_dims(conv_spec.type), 0, "", "padding");
+  auto inner_padding = padding;  // a slice between two others reads real rows only
+  inner_padding[0] = 0;
+  const int64_t in_rows = x.size(2);
+  const int64_t out_rows = shapes_.layers[run_end - 1].output[1];
+  const int64_t count = std::min(time_slices_, out_rows);
+  std::vector<torch::Tensor> outputs;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t rows_begin = j * out_rows / count, rows_end = (j + 1) * out_rows / count;
+    // The rows of the convolution's output the slice needs: walked back through the pooling.
+    int64_t lo = rows_begin, hi = rows_end;
+    for (int64_t i = run_end - 1; i > head; --i) {
+      const auto w = window(i);
+      lo = lo * w.stride;
+      hi = (hi - 1) * w.stride + w.kernel;
+    }
+    // ... and of its input, its padding counted as rows before and after the input.
+    const int64_t first = lo * conv.stride - conv.padding;
+    const int64_t last = (hi - 1) * conv.stride - conv.padding + conv.kernel;
+    torch::Tensor y;
+    if (first >= 0 && last <= in_rows) {
+      y = conv_padded(head, x.narrow(2, first, last - first), inner_padding);
+    } else {
+      // A slice at the border runs with the convolution's own padding, which is real there and
+      // made-up on the side facing the next slice: the rows read from there are cut off. (A
+      // padded copy of the slice would be kept by the convolution for backward.) Row r of the
+      // output reads input rows from begin + r * stride - padding: the rows wanted start at
+      // row `skip`, the first whose window starts at `begin` or after.
+      int64_t skip = (conv.padding + conv.stride - 1) / conv.stride;
+      int64_t begin = first + conv.padding - skip * conv.stride;
+      if (begin < 0) {
+        begin = 0;
+        skip = lo;
+      }
+      const int64_t end = std::min(last, in_rows);
+      y = conv_padded(head, x.narrow(2, begin, end - begin), padding).narrow(2, skip, hi - lo);
+    }
+    y = forward_unsliced(std::move(y), head + 1, run_end);
+    TORCH_INTERNAL_ASSERT(y.size(2) == rows_end - rows_begin, "time slice of layer ",
+                          shapes_.layers[head].name, " has ", y.size(2), " rows, not ",
+                          rows_end - rows_begin);
+    outputs.push_back(std::move(y));
+  }
+  return torch::cat(outputs, 2);
+}
+
 torch::Tensor NetworkImpl::forward_layers(torch::Tensor x, int64_t begin, int64_t end) {
   TORCH_CHECK(0 <= begin && begin <= end && end <= layer_count(), "layers [", begin, ", ", end,
               ") are outside the network's ", layer_count(), " layers");
+  if (time_slices_ < 2) return forward_unsliced(std::move(x), begin, end);
+  int64_t from = begin;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t run_end = sliced_run_end(i, end);
+    if (run_end == i) continue;
+    x = forward_sliced(forward_unsliced(std::move(x), from, i), i, run_end);
+    from = run_end;
+    i = run_end - 1;
+  }
+  return forward_unsliced(std::move(x), from, end);
+}
+
+torch::Tensor NetworkImpl::forward_unsliced(torch::Tensor x, int64_t begin, int64_t end) {
   const auto& specs = options_.layers();
   for (int64_t i = begin; i < end; ++i) {
     const auto at = static_cast<size_t>(i);
@@ -533,6 +687,21 @@ torch::Tensor NetworkImpl::forward(const torch::Tensor& x) {
   TORCH_CHECK(matches, "the network was built for inputs [N, ", format_shape(in), "]; got ",
               x.sizes(), ". Rebuild it with the input shape of your data (model.input)");
   return forward_layers(x, 0, layer_count());
+}
+
+int64_t set_time_slices(torch::nn::Module& module, int64_t slices) {
+  int64_t count = 0;
+  for (const auto& child : module.modules(/*include_self=*/false)) {
+    if (auto* network = child->as<NetworkImpl>()) {
+      network->set_time_slices(slices);
+      count += network->sliceable() ? 1 : 0;
+    }
+  }
+  if (auto* network = module.as<NetworkImpl>()) {
+    network->set_time_slices(slices);
+    count += network->sliceable() ? 1 : 0;
+  }
+  return count;
 }
 
 std::vector<LayerSpec> clip3d_layers(int64_t classes, bool separable, bool as_written) {

@@ -323,6 +323,114 @@ TEST(Network, PeakEstimateMatchesTheMeasuredTrainingStep) {
   }
 }
 
+TEST(Network, TimeSlicesGiveTheWholeTensorsValuesAndGradients) {
+  // float64: the network's output, its input's gradient and every parameter's, with and without
+  // slicing, over slice counts that divide the output rows, do not, and exceed them. Odd sizes,
+  // strides and paddings along the sliced dimension (time for clips, rows for images), pooling
+  // that drops the last rows, both poolings, and layers that stop a slice (BatchNorm, dropout).
+  using models::LayerSpec;
+  const std::vector<LayerSpec> strided = {
+      {"conv3d", "conv1", 0, 6, {5, 3, 3}, {2, 1, 1}, {2, 1, 1}},
+      {"relu"},
+      {"avgpool", "", 0, 0, {3, 2, 2}, {2, 2, 2}},
+      {"conv3d", "conv2", 0, 8, {3}, {1}, {0, 1, 1}, 2},
+      {"maxpool", "", 0, 0, {2, 1, 1}},
+      {"relu"},
+      {"flatten"},
+      {"linear", "fc", 0, 3}};
+  const std::vector<LayerSpec> image = {{"conv2d", "conv1", 0, 6, {3}, {1}, {1, 2}},
+                                        {"relu"},
+                                        {"maxpool", "", 0, 0, {3}, {2}},
+                                        {"sepconv2d", "conv2", 0, 8, {3}, {}, {1}},
+                                        {"bn", "bn2"},
+                                        {"relu"},
+                                        {"maxpool", "", 0, 0, {2}},
+                                        {"conv2d", "conv3", 0, 8, {1}},
+                                        {"dropout"},
+                                        {"avgpool", "", 0, 0, {2}},
+                                        {"flatten"},
+                                        {"linear", "fc", 0, 3}};
+  struct Case {
+    std::string name;
+    std::vector<LayerSpec> layers;
+    std::vector<int64_t> input;
+    bool sliceable;
+  };
+  const std::vector<Case> cases = {
+      {"clip3d", models::clip3d_layers(4), {3, 9, 10, 10}, true},
+      {"separable", models::clip3d_layers(4, true), {3, 12, 9, 9}, true},
+      {"strided", strided, {2, 17, 8, 8}, true},
+      {"image", image, {3, 22, 13}, true},
+      {"bn after every conv",
+       {{"conv3d", "c", 0, 4, {3}, {}, {1}}, {"bn", "n"}, {"maxpool", "", 0, 0, {2}}},
+       {2, 6, 6, 6},
+       false}};
+  for (const auto& c : cases) {
+    for (const bool lean : {true, false}) {
+      torch::manual_seed(0);
+      models::Network net(models::NetworkOptions(c.layers, c.input).lean_pooling(lean));
+      net->to(torch::kFloat64);
+      EXPECT_EQ(net->sliceable(), c.sliceable) << c.name;
+      EXPECT_EQ(models::set_time_slices(*net, 0), c.sliceable ? 1 : 0) << c.name;
+      std::vector<int64_t> shape = {3};
+      shape.insert(shape.end(), c.input.begin(), c.input.end());
+      const auto x = torch::randn(shape, torch::kFloat64).requires_grad_();
+      const auto run = [&](int64_t slices) {
+        net->set_time_slices(slices);
+        net->zero_grad();
+        x.mutable_grad() = torch::Tensor();
+        torch::manual_seed(1);  // dropout's masks
+        auto out = net->forward(x);
+        (out * torch::linspace(-1, 2, out.numel(), torch::kFloat64).view_as(out)).sum().backward();
+        std::vector<torch::Tensor> result = {out.detach(), x.grad().clone()};
+        for (const auto& p : net->parameters()) result.push_back(p.grad().clone());
+        return result;
+      };
+      const auto whole = run(0);
+      for (const int64_t slices : {2, 3, 5, 100}) {
+        const auto sliced = run(slices);
+        ASSERT_EQ(sliced.size(), whole.size());
+        for (size_t i = 0; i < whole.size(); ++i) {
+          EXPECT_TRUE(torch::allclose(sliced[i], whole[i], 1e-10, 1e-12))
+              << c.name << ", lean pooling " << lean << ", " << slices << " slices, tensor " << i
+              << ": max difference " << (sliced[i] - whole[i]).abs().max().item<double>();
+        }
+      }
+    }
+  }
+  models::Network net(models::NetworkOptions(models::clip3d_layers(4), {3, 4, 8, 8}));
+  EXPECT_THROW(net->set_time_slices(-1), c10::Error);
+}
+
+TEST(Network, TimeSlicesHoldTheFullResolutionConvolutionASliceAtATime) {
+  // seeds/001's network: conv1's 32-channel full-resolution output and its gradient are the
+  // largest tensors of the step. Sliced in eight, the step's peak above its input falls to less
+  // than half, and the forward pass keeps about as much (the slices' pooled outputs, and their
+  // concatenation, which is small).
+  torch::manual_seed(0);
+  const std::vector<int64_t> input = {3, 16, 48, 48};
+  models::Network net(models::NetworkOptions(models::clip3d_layers(20), input));
+  const auto x = torch::randn({2, 3, 16, 48, 48});
+  auto& tracker = memory::Tracker::cpu();
+  const auto step = [&](int64_t slices, int64_t& kept) {
+    net->set_time_slices(slices);
+    auto window = tracker.mark();
+    auto out = net->forward(x);
+    kept = tracker.current_bytes() - window.entry_bytes();
+    torch::nn::functional::cross_entropy(out, torch::zeros({2}, torch::kLong)).backward();
+    out.reset();
+    return window.peak_bytes() - window.entry_bytes();
+  };
+  int64_t kept_whole = 0, kept_sliced = 0;
+  step(0, kept_whole);  // oneDNN's first calls
+  const int64_t whole = step(0, kept_whole);
+  const int64_t sliced = step(models::kTimeSlices, kept_sliced);
+  const int64_t conv1_output = 2 * 32 * 16 * 48 * 48 * 4;
+  EXPECT_LT(sliced, whole / 2) << sliced << " vs " << whole;
+  EXPECT_LT(sliced, conv1_output) << sliced;
+  EXPECT_LT(kept_sliced, kept_whole * 13 / 10) << kept_sliced << " vs " << kept_whole;
+}
+
 TEST(Network, LeanMaxPoolingGivesPyTorchsValuesAndGradients) {
   // float64; overlapping padded windows (the 2d net's 3/2/1 stem pool, BN before the ReLU,
   // dropout replayed by seed) and non-overlapping 3d ones (seeds/001's).

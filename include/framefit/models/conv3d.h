@@ -33,6 +33,9 @@ class LeanConv3dImpl : public torch::nn::Conv3dImpl {
  public:
   explicit LeanConv3dImpl(torch::nn::Conv3dOptions options) : Conv3dImpl(std::move(options)) {}
   torch::Tensor forward(const torch::Tensor& x);
+  // forward(x) with `padding` in place of the options' (a slice of a clip padded by hand where
+  // it borders other slices, models/network.h).
+  torch::Tensor forward_padded(const torch::Tensor& x, at::IntArrayRef padding);
   // The backward forward(x) takes (counted in lean_applicable_calls, as a call of forward):
   // for code that runs this convolution inside its own backward (models/norm_relu_conv.h).
   ConvBackward backward_for(const torch::Tensor& x);
@@ -43,6 +46,9 @@ class LeanConv3dImpl : public torch::nn::Conv3dImpl {
   // Calls of forward() whose input the lean backward applies to, on or off: none after a
   // training step means switching it on changes nothing.
   int64_t lean_applicable_calls = 0;
+
+ private:
+  torch::Tensor run(const torch::Tensor& x, ConvBackward kind, at::IntArrayRef padding);
 };
 TORCH_MODULE(LeanConv3d);
 

@@ -124,12 +124,45 @@ class NetworkImpl : public torch::nn::Module {
   torch::Tensor forward_layers(torch::Tensor x, int64_t begin, int64_t end);
   int64_t layer_count() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Time slicing: each convolution, with the ReLU and pooling layers after it, runs over up to
+  // `slices` slices of its output along the first spatial dimension (time for clips, rows for
+  // images), each slice reading its input rows and the few around them its kernel needs.
+  // Layers that act on nearby rows only compute each output row once either way, so values and
+  // gradients are those of the whole tensor (up to the order of floating-point sums), but a
+  // full-resolution convolution's output and its gradient - the largest tensors of seeds/001's
+  // step, passed to pooling or ReLU and freed - exist one slice at a time, in forward and in
+  // backward (autograd runs the slices' backward one after the other, last first). A
+  // convolution followed by BatchNorm, GroupNorm or dropout is not sliced (their statistics or
+  // random masks span the whole tensor), nor pooling that pads the sliced dimension.
+  // 0 or 1: off.
+  void set_time_slices(int64_t slices);
+  int64_t time_slices() const { return time_slices_; }
+  // Whether any convolution here is sliced when time slicing is on.
+  bool sliceable() const;
+
  private:
+  // The layers [begin, end) one after the other (forward_layers without slicing).
+  torch::Tensor forward_unsliced(torch::Tensor x, int64_t begin, int64_t end);
+  // Where the sliced run headed by convolution `head` ends (head + 1 when nothing follows it
+  // that slices), within `end`.
+  int64_t sliced_run_end(int64_t head, int64_t end) const;
+  torch::Tensor forward_sliced(const torch::Tensor& x, int64_t head, int64_t run_end);
+  // Convolution layer `index` on x with `padding` in place of its own.
+  torch::Tensor conv_padded(int64_t index, const torch::Tensor& x, at::IntArrayRef padding);
+
   NetworkOptions options_;
   NetworkShapes shapes_;
   std::vector<torch::nn::AnyModule> layers_;
+  int64_t time_slices_ = 0;
 };
 TORCH_MODULE(Network);
+
+// Sets time slicing (NetworkImpl::set_time_slices) on every layer-list network in `module`;
+// returns how many of them have a convolution it slices.
+int64_t set_time_slices(torch::nn::Module& module, int64_t slices);
+// The number of slices framefit uses when it slices: full-resolution outputs held an eighth at
+// a time (the step time measured unchanged, bench/results/layers.md).
+constexpr int64_t kTimeSlices = 8;
 
 // seeds/001's clip classifier: conv3d(32) relu maxpool conv3d(64) relu maxpool, then the
 // author's flatten + fc1 (`as_written`: in_features 64*30*115*115, which do not match) or the
