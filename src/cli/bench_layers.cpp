@@ -46,6 +46,7 @@ std::vector<int64_t> parse_shape(const std::string& text) {
 struct LayerNet {
   engine::ChainNetwork chain;
   bool dense = false;
+  int64_t time_slices = 0;  // as run (0 for networks it does not apply to)
 };
 
 LayerNet build_net(const Args& args, const std::vector<int64_t>& input) {
@@ -83,6 +84,11 @@ LayerNet build_net(const Args& args, const std::vector<int64_t>& input) {
   models::set_recompute_norm(
       *net.chain.module,
       recompute_norm == "on" || (recompute_norm == "auto" && args.text("checkpoint") != "off"));
+  const auto slices = args.text("time-slices");
+  const bool sliced = slices == "on" || (slices == "auto" && args.text("checkpoint") != "off");
+  if (models::set_time_slices(*net.chain.module, sliced ? models::kTimeSlices : 0) > 0 && sliced) {
+    net.time_slices = models::kTimeSlices;
+  }
   return net;
 }
 
@@ -159,6 +165,7 @@ class Bench {
   }
 
   int64_t stage_count() const { return net_.chain.stage_count(); }
+  int64_t time_slices() const { return net_.time_slices; }
   const std::vector<int64_t>& input() const { return input_; }
 
  private:
@@ -214,6 +221,7 @@ int run_bench_layers(const Args& args) {
                         {"budget_bytes", budget},
                         {"plan_budget_bytes", plan_budget},
                         {"stages", n},
+                        {"time_slices", bench.time_slices()},
                         {"static_bytes", costs.static_bytes},
                         {"library_bytes", costs.library_bytes},
                         {"machine", machine_info().describe()}};
@@ -291,8 +299,10 @@ int run_bench_layers(const Args& args) {
   if (args.on("json")) {
     fmt::print("{}\n", out.dump());
   } else {
-    fmt::print("framefit bench-layers: {} on {} per sample, {}, checkpointing {}\n",
-               args.text("net"), models::format_shape(bench.input()), args.text("precision"), mode);
+    fmt::print("framefit bench-layers: {} on {} per sample, {}, checkpointing {}{}\n",
+               args.text("net"), models::format_shape(bench.input()), args.text("precision"), mode,
+               bench.time_slices() > 0 ? fmt::format(", {} time slices", bench.time_slices())
+                                       : std::string());
     if (out.contains("largest_batch")) {
       fmt::print("  budget {}: planner's batch {}, largest batch that ran {}\n",
                  memory::format_bytes(budget), out["planned_batch"].get<int64_t>(),

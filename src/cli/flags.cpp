@@ -428,6 +428,16 @@ const std::vector<Flag>& flag_table() {
        "auto",
        false,
        {"auto", "on", "off"}},
+      {"time-slices",
+       {"bench-layers"},
+       FlagType::Choice,
+       "clip3d nets: each convolution, with the ReLU and pooling after it, run over 8 slices "
+       "along time, so that its full-resolution output and that output's gradient exist a slice "
+       "at a time (the same values and gradients; models/network.h). auto: with --checkpoint "
+       "auto or all, as train.checkpointing does for clips.",
+       "auto",
+       false,
+       {"auto", "on", "off"}},
       {"repeat",
        {"bench-layers"},
        FlagType::Int,
@@ -448,9 +458,9 @@ const std::vector<Flag>& flag_table() {
       {"plain-pooling",
        {"bench-layers"},
        FlagType::Switch,
-       "clip3d nets: PyTorch's max pooling, which keeps its input for backward, instead of the "
-       "lean pooling that keeps the indices and runs a preceding ReLU on the pooled output "
-       "(models/pooling.h).",
+       "clip3d nets: PyTorch's max pooling, which keeps its input and int64 indices for "
+       "backward, instead of the lean pooling that keeps each maximum's place in its window (a "
+       "byte) and runs a preceding ReLU on the pooled output (models/pooling.h).",
        ""},
       // make-demo
       {"out", {"make-demo"}, FlagType::Path, "Folder to write the demo data set into.", "", true},

@@ -406,6 +406,7 @@ int plan_config(const Args& args) {
         {"precision", engine::to_string(plan.precision)},
         {"lean_backward", plan.lean_backward},
         {"recompute_norm", plan.recompute_norm},
+        {"time_slices", plan.time_slices},
         {"recomputed_stages", std::count(flags.begin(), flags.end(), true)},
         {"stages", flags.size()},
         {"budget_bytes", plan.budget_bytes},

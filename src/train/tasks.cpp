@@ -322,6 +322,7 @@ struct BatchProgress : RunPosition {  // position: samples of the epoch's order 
   std::vector<engine::ChainSegment> fallback_segments;  // after out of memory, as planned
   bool lean_backward = false;                  // models/conv3d.h, as planned
   bool recompute_norm = false;                 // models/norm_relu_conv.h, as planned
+  int64_t time_slices = 0;                     // models/network.h, as planned
   int64_t eval_batch = 0;                      // validation's batch, as planned
 };
 
@@ -354,11 +355,12 @@ std::vector<engine::ChainSegment> segments_from(const torch::Tensor& tensor) {
 }
 
 void write_progress(torch::serialize::OutputArchive& archive, const BatchProgress& p) {
-  archive.write("progress", torch::tensor({p.step, p.epoch, p.position, p.skipped, p.batch,
-                                           p.micro_batches, static_cast<int64_t>(p.precision),
-                                           static_cast<int64_t>(p.lean_backward), p.eval_batch,
-                                           p.stale_epochs, static_cast<int64_t>(p.recompute_norm)},
-                                          torch::kLong));
+  archive.write("progress",
+                torch::tensor({p.step, p.epoch, p.position, p.skipped, p.batch, p.micro_batches,
+                               static_cast<int64_t>(p.precision),
+                               static_cast<int64_t>(p.lean_backward), p.eval_batch, p.stale_epochs,
+                               static_cast<int64_t>(p.recompute_norm), p.time_slices},
+                              torch::kLong));
   archive.write("progress_real", torch::tensor({p.best_score, p.seconds}, torch::kDouble));
   archive.write("segments", segments_tensor(p.segments));
   archive.write("fallback_segments", segments_tensor(p.fallback_segments));
@@ -384,6 +386,7 @@ BatchProgress read_progress(torch::serialize::InputArchive& archive) {
   progress.eval_batch = p.numel() > 8 ? v[8] : progress.batch;
   progress.stale_epochs = p.numel() > 9 ? v[9] : 0;  // ... and had no train.patience
   progress.recompute_norm = p.numel() > 10 && v[10] != 0;  // ... and kept every BatchNorm input
+  progress.time_slices = p.numel() > 11 ? v[11] : 0;       // ... and ran convolutions whole
   progress.segments = segments_from(segments);
   // Older checkpoints have none: their runs fell back on every stage recomputed.
   torch::Tensor fallback;
@@ -530,13 +533,18 @@ struct HeldSettings {
   int64_t peak = 0;
 };
 
-// plan_training with BatchNorm recomputation as `recompute_norm` says (set on the probe).
-BatchTaskPlan plan_training_with(bool recompute_norm, const Config& config, const TaskData& data,
+// plan_training with BatchNorm recomputation and time slicing as `save_memory` says (set on the
+// probe, where the network has them).
+BatchTaskPlan plan_training_with(bool save_memory, const Config& config, const TaskData& data,
                                  const std::vector<int64_t>& input, torch::Device device,
                                  int64_t budget, int64_t step_budget, BatchModel& probe,
                                  HeldSettings* held) {
   const auto& tc = config.train;
-  models::set_recompute_norm(*probe.network.module, recompute_norm);
+  const bool recompute_norm =
+      models::set_recompute_norm(*probe.network.module, save_memory) > 0 && save_memory;
+  const int64_t time_slices = save_memory ? models::kTimeSlices : 0;
+  const bool sliced =
+      models::set_time_slices(*probe.network.module, time_slices) > 0 && save_memory;
   const auto fixed_batch = fixed_count(tc.batch);
   TORCH_CHECK(!fixed_batch || *fixed_batch > 0,
               "train.batch: 0 samples per batch; use auto or a count");
@@ -550,6 +558,7 @@ BatchTaskPlan plan_training_with(bool recompute_norm, const Config& config, cons
   plan.cuda_budget = device.is_cuda();
   plan.checkpointing = tc.checkpointing;
   plan.recompute_norm = recompute_norm;
+  plan.time_slices = sliced ? time_slices : 0;
   const int64_t stages = probe.network.stage_count();
   plan.static_bytes = plan::training_static_bytes(*probe.network.module, tc.optimizer);
   const bool has_lean =
@@ -578,7 +587,8 @@ BatchTaskPlan plan_training_with(bool recompute_norm, const Config& config, cons
     const auto planned = plan::plan_batch(costs, step_budget, recompute);
     p.table = plan::batch_table(costs, step_budget, recompute, planned.batch);
     if (held && held->progress.lean_backward == probe_lean &&
-        held->progress.recompute_norm == recompute_norm) {
+        held->progress.recompute_norm == recompute_norm &&
+        held->progress.time_slices == p.time_slices) {
       const auto& h = held->progress;
       const auto chain = engine::evaluate_chain(
           costs.at((h.batch + h.micro_batches - 1) / h.micro_batches), h.segments);
@@ -640,19 +650,23 @@ BatchTaskPlan plan_training_with(bool recompute_norm, const Config& config, cons
 }
 
 // The training batch, recomputation and convolution backward (plan_for). BatchNorm and ReLU are
-// recomputed (models/norm_relu_conv.h) with train.checkpointing all, and with auto unless a
-// fixed batch fits without recomputing anything: it costs one elementwise pass per such layer.
+// recomputed (models/norm_relu_conv.h), and convolutions followed by pooling sliced along time
+// (models/network.h), with train.checkpointing all, and with auto unless a fixed batch fits
+// without recomputing anything: the first costs one elementwise pass per such layer, the second
+// nothing measurable (bench/results/layers.md).
 BatchTaskPlan plan_training(const Config& config, const TaskData& data,
                             const std::vector<int64_t>& input, torch::Device device, int64_t budget,
                             int64_t step_budget, BatchModel& probe, HeldSettings* held) {
   const auto& tc = config.train;
-  const bool norm_steps =
-      tc.checkpointing != "off" && models::set_recompute_norm(*probe.network.module, false) > 0;
-  const auto plan_with = [&](bool recompute_norm) {
-    return plan_training_with(recompute_norm, config, data, input, device, budget, step_budget,
-                              probe, held);
+  auto& module = *probe.network.module;
+  const bool saves_memory =
+      tc.checkpointing != "off" &&
+      (models::set_recompute_norm(module, false) > 0 || models::set_time_slices(module, 0) > 0);
+  const auto plan_with = [&](bool save_memory) {
+    return plan_training_with(save_memory, config, data, input, device, budget, step_budget, probe,
+                              held);
   };
-  if (!norm_steps) return plan_with(false);
+  if (!saves_memory) return plan_with(false);
   if (tc.checkpointing == "auto" && fixed_count(tc.batch)) {
     auto plain = plan_with(false);
     const auto flags = engine::recomputed(plain.segments);
@@ -855,6 +869,8 @@ BatchModel load_batch_model(const std::string& checkpoint,
   if (model.device.is_cpu() && model.precision == engine::Precision::FP16)
     model.precision = engine::Precision::FP32;
   model.batch = evaluation_batch(config, progress);
+  // Its evaluation batch was planned with the run's slicing.
+  models::set_time_slices(*model.network.module, progress.time_slices);
   return model;
 }
 
@@ -1252,13 +1268,15 @@ std::string BatchTaskPlan::describe() const {
     return c10::str("settings: batch ", batch, accumulated, ", checkpointing ", checkpointing, " (",
                     count, " of ", recompute.size(), " stages recomputed",
                     recompute_norm ? ", BatchNorm recomputed" : "",
+                    time_slices > 0 ? c10::str(", ", time_slices, " time slices") : "",
                     "; fixed by the config, not planned)", evaluation);
   }
   return c10::str(
       "plan: batch ", batch, accumulated, ", ", count, " of ", recompute.size(),
       " stages recomputed, ", engine::to_string(precision),
       lean_backward ? ", lean convolution backward" : "",
-      recompute_norm ? ", BatchNorm recomputed" : "", ", predicted peak ",
+      recompute_norm ? ", BatchNorm recomputed" : "",
+      time_slices > 0 ? c10::str(", ", time_slices, " time slices") : "", ", predicted peak ",
       memory::format_bytes(predicted_peak_bytes), " of ", memory::format_bytes(step_budget_bytes),
       " (budget ", memory::format_bytes(budget_bytes),
       cuda_budget ? c10::str(" less ", memory::format_bytes(budget_bytes - step_budget_bytes),
@@ -1283,7 +1301,8 @@ std::string describe_step(const BatchProgress& p) {
                   nested > 0 ? c10::str(" (", nested, " in nested segments)") : "",
                   p.micro_batches > 1 ? c10::str(" in ", p.micro_batches, " micro-batches") : "",
                   p.lean_backward ? ", lean convolution backward" : "",
-                  p.recompute_norm ? ", BatchNorm recomputed" : "");
+                  p.recompute_norm ? ", BatchNorm recomputed" : "",
+                  p.time_slices > 0 ? c10::str(", ", p.time_slices, " time slices") : "");
 }
 
 // A run resumed under another train.budget (`change` says which) holds its batch and precision,
@@ -1330,6 +1349,7 @@ void replan_if_budget_changed(BatchProgress& progress, const std::string& change
   progress.fallback_segments = plan.fallback_segments;
   progress.lean_backward = plan.lean_backward;
   progress.recompute_norm = plan.recompute_norm;
+  progress.time_slices = plan.time_slices;
   note(Event::Kind::Warning,
        predicted + (held.evaluated ? ", more than " + step_budget_text : std::string()) +
            "; re-planned to " + describe_step(progress) + " (predicted " +
@@ -1432,6 +1452,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
     progress.fallback_segments = plan.fallback_segments;
     progress.lean_backward = plan.lean_backward;
     progress.recompute_norm = plan.recompute_norm;
+    progress.time_slices = plan.time_slices;
     progress.eval_batch = plan.eval_batch;
   }
   progress.eval_batch = evaluation_batch(config, progress);
@@ -1442,6 +1463,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   auto& module = *model.network.module;
   models::set_lean_backward(module, progress.lean_backward);
   models::set_recompute_norm(module, progress.recompute_norm);
+  models::set_time_slices(module, progress.time_slices);
   std::vector<torch::Tensor> parameters;
   for (const auto& p : module.parameters()) {
     if (p.requires_grad()) parameters.push_back(p);

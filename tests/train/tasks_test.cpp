@@ -751,6 +751,43 @@ TEST(ClipTraining, ResumedUnderAnotherBudgetHoldsItsBatchAndRecomputesWhereItMus
   test_util::remove_tree(config.train.out_dir);
 }
 
+TEST(ClipTraining, TimeSlicingIsPlannedWhereCheckpointingIsAndResumesExactly) {
+  // seeds/001's kind of network (no norm after its convolution): sliced along time
+  // (models/network.h) with train.checkpointing all, and auto unless a fixed batch needs no
+  // recomputation; never with off. Evaluation from the checkpoint runs sliced as planned.
+  auto config = clips_config("/tmp/framefit_clips_slices");
+  config.model.layers.erase(config.model.layers.begin() + 1);  // the BatchNorm
+  config.train.checkpointing = "auto";
+  config.train.batch = "auto";
+  config.train.budget = 8 << 20;
+  config.data.prefetch_bytes = 512 << 10;
+  const auto planned = train::plan_batch_task(config);
+  EXPECT_EQ(planned.time_slices, models::kTimeSlices);
+  EXPECT_FALSE(planned.recompute_norm);
+  EXPECT_NE(planned.describe().find(", 8 time slices"), std::string::npos) << planned.describe();
+  auto roomy = config;
+  roomy.train.budget = 512 << 20;
+  roomy.train.batch = "2";
+  EXPECT_EQ(train::plan_batch_task(roomy).time_slices, 0);
+  roomy.train.checkpointing = "all";
+  EXPECT_EQ(train::plan_batch_task(roomy).time_slices, models::kTimeSlices);
+  auto off = config;
+  off.train.checkpointing = "off";
+  EXPECT_EQ(train::plan_batch_task(off).time_slices, 0);
+
+  // A run sliced throughout (the budget's batch would leave too few steps to stop in).
+  config = roomy;
+  config.train.checkpoint_every = 1;
+  const auto interrupted_dir = clips_config("/tmp/framefit_clips_slices_b").train.out_dir;
+  expect_exact_resume(config, interrupted_dir, 3);
+  auto model = train::load_batch_model(config.train.out_dir + "/best.pt");
+  const auto* network = dynamic_cast<models::NetworkImpl*>(model.network.module.get());
+  ASSERT_NE(network, nullptr);
+  EXPECT_EQ(network->time_slices(), models::kTimeSlices);
+  test_util::remove_tree(config.train.out_dir);
+  test_util::remove_tree(interrupted_dir);
+}
+
 TEST(ClipTraining, VideoFileIsPredictedAPieceAtATimeAsItsDecodedFrames) {
   // Clips that overlap, touch and leave gaps, cut from the video as it is decoded in batches of
   // 3 clips: the clips, classes and confidences of the whole decoded video.

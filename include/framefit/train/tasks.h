@@ -116,6 +116,10 @@ struct BatchTaskPlan {
   // the cheapest recomputation, with train.checkpointing all, or auto unless a fixed batch
   // needs none (R3D-18, R(2+1)D-18, UNet).
   bool recompute_norm = false;
+  // Convolutions with the ReLU and pooling after them run over this many slices along time
+  // (models/network.h; 0: whole), where BatchNorm recomputation would be (layer-list networks
+  // without a norm after the convolution: seeds/001's).
+  int64_t time_slices = 0;
   int64_t budget_bytes = 0, step_budget_bytes = 0;
   // The budget is a CUDA device's: the decoded data is in host memory, and the step budget is
   // the budget less plan::allocator_margin_bytes.
