@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
 #include <optional>
 
 #include "framefit/memory/tracker.h"
@@ -499,6 +500,46 @@ TEST(Network, LeanMaxPoolingOnTiesAndNegativeWindows) {
     }
   }
   EXPECT_THROW(models::max_pool(torch::zeros({2, 3, 4}), models::MaxPoolOptions({2})), c10::Error);
+}
+
+TEST(Network, LeanMaxPoolingOnNaNAndInfinities) {
+  // The CPU kernel's choice where comparisons are not plain: a NaN wins its window (PyTorch's
+  // rule) and ReLU passes its gradient, a window of -inf and padding keeps its first position
+  // inside the input, +inf wins; values (NaN included) and gradients as PyTorch's pooling gives
+  // them, with and without the ReLU, in float32 and bfloat16, padded and strided windows.
+  torch::manual_seed(1);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (const bool relu_first : {false, true}) {
+      auto data = torch::randn({2, 3, 7, 9, 8}).to(dtype);
+      data.index_put_({0, 0, 0, 0, 0}, nan);
+      data.index_put_({0, 1, 3, 4, 5}, nan);
+      data.index_put_({1, 2, 6, 8, 7}, inf);
+      data.index({1, 0}).narrow(0, 0, 3).narrow(1, 0, 3).narrow(2, 0, 3).fill_(-inf);
+      const auto options = models::MaxPoolOptions({3}).stride({2}).padding({1});
+      const auto x_lean = data.clone().requires_grad_(), x_plain = data.clone().requires_grad_();
+      const auto y_lean = models::max_pool(x_lean, options, relu_first);
+      const auto y_plain =
+          models::max_pool(x_plain, models::MaxPoolOptions(options).lean(false), relu_first);
+      EXPECT_TRUE(y_lean.isnan().any().item<bool>());
+      EXPECT_TRUE(torch::equal(y_lean.isnan(), y_plain.isnan()));
+      const auto finite = y_plain.isnan().logical_not();
+      EXPECT_TRUE(torch::equal(y_lean.masked_select(finite), y_plain.masked_select(finite)))
+          << dtype << " relu " << relu_first;
+      const auto weights = torch::randn(y_lean.sizes()).to(dtype);
+      (y_lean * weights).sum().backward();
+      (y_plain * weights).sum().backward();
+      // bfloat16: PyTorch's 3d pooling runs in float32 (pooling.h), so where windows overlap it
+      // sums their gradients in float32 and rounds once; the lean backward sums in bfloat16.
+      const auto grad_lean = x_lean.grad().to(torch::kFloat);
+      const auto grad_plain = x_plain.grad().to(torch::kFloat);
+      const double ulps = dtype == torch::kFloat32 ? 0 : 2.0 / 256;
+      EXPECT_LE((grad_lean - grad_plain).abs().max().item<double>(),
+                ulps * grad_plain.abs().max().item<double>())
+          << dtype << " relu " << relu_first;
+    }
+  }
 }
 
 TEST(Network, MaxPoolingTakesBfloat16OnTheCpu) {
