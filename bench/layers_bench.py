@@ -9,14 +9,17 @@
    choice for a budget that halves the activation memory (where none does, also at the least
    memory any plan reaches), and with every stage recomputed. Checkpointing (auto, all) also
    recomputes BatchNorm and ReLU between convolutions (models/norm_relu_conv.h: R3D-18,
-   R(2+1)D-18, UNet); "off, BatchNorm recomputed" is that alone.
+   R(2+1)D-18, UNet); "off, BatchNorm recomputed" is that alone. On seeds/001's network it runs
+   each convolution with its ReLU and pooling over 8 slices along time instead (models/network.h,
+   nothing recomputed); "off, time slices" is that alone.
    Activation memory = tracked peak - static (parameters, gradients, Adam state).
    Target: <= 1.35x the time for >= 2x less activation memory.
 2. UNet (seeds/003): the largest batch a fixed budget allows, fp32 without checkpointing vs bf16
    with the planner's checkpointing (seeds/003 reports 4 -> 16 with AMP + checkpointing + more).
 3. seeds/001's corrected 3D CNN on full-size clips (3 x 60 x 230 x 230, 20 classes) within 12 GiB:
    the largest batch the planner finds, checked by real training steps under the budget, with
-   framefit's lean max pooling (models/pooling.h) and with PyTorch's.
+   framefit's lean max pooling (models/pooling.h) and with PyTorch's, without checkpointing and
+   with it (which slices the convolutions along time).
 
 Every row runs `framefit bench-layers` (tracked bytes enforce the budget on the CPU, as GPU memory
 would). Writes bench/results/layers.{md,json}.
@@ -103,7 +106,8 @@ def main():
     other_modes = {"unet": [norm_alone], "resnet50": [norm_alone],
                    "r3d_18": [norm_alone, ("off, oneDNN backward", ["--onednn-backward"])],
                    "r2plus1d_18": [norm_alone, ("off, oneDNN backward", ["--onednn-backward"])],
-                   "clip3d": [("off, PyTorch's max pooling", ["--plain-pooling"])]}
+                   "clip3d": [("off, time slices", ["--time-slices", "on"]),
+                              ("off, PyTorch's max pooling", ["--plain-pooling"])]}
     for net, shape, extra, batch in nets:
         common = ["--net", net, "--input", shape, *extra, "--batch", batch, "--repeat", repeat]
         modes = checkpoint_modes + tuple(m for m, _ in other_modes.get(net, []))
@@ -136,7 +140,7 @@ def main():
                      **{k: row.get(k) for k in ("activation_bytes", "peak_bytes",
                                                 "predicted_peak_bytes", "rss_peak_bytes",
                                                 "recomputed", "nested", "stages", "fits",
-                                                "plan_fits")}}
+                                                "plan_fits", "time_slices")}}
             if row.get("step_seconds") is not None:
                 times = [r["step_seconds"] for r in runs[mode]]
                 entry["step_seconds_rounds"] = times
@@ -176,6 +180,8 @@ def main():
     if not opts.quick and "3" in sections:
         for label, extra in (("fp32, no checkpointing", ["--checkpoint", "off"]),
                              ("fp32, checkpointing", ["--checkpoint", "auto"]),
+                             ("fp32, checkpointing, whole convolutions",
+                              ["--checkpoint", "auto", "--time-slices", "off"]),
                              ("fp32, no checkpointing, PyTorch's max pooling",
                               ["--checkpoint", "off", "--plain-pooling"])):
             row = bench("--net", "clip3d", "--input", "3,60,230,230", "--classes", "20", "--batch",
@@ -183,7 +189,8 @@ def main():
             machine = row.get("machine", machine)
             results["seed001"].append({"setting": label, **{k: row.get(k) for k in (
                 "planned_batch", "largest_batch", "peak_bytes", "predicted_peak_bytes",
-                "step_seconds", "samples_per_second", "tries", "rss_peak_bytes", "recomputed")}})
+                "step_seconds", "samples_per_second", "tries", "rss_peak_bytes", "recomputed",
+                "time_slices")}})
             print(f"seeds/001 {label}: planned {row['planned_batch']}, largest "
                   f"{row['largest_batch']}, {row.get('step_seconds', 0):.1f} s/step", flush=True)
 
@@ -218,12 +225,14 @@ def main():
             continue
         recomputed = sum(e - s for s, e in r["recomputed"] or [])
         nested = sum(e - s for s, e in r.get("nested") or [])
+        sliced = f", {r['time_slices']} time slices" if r.get("time_slices") else ""
         less = b["activation_bytes"] / max(1, r["activation_bytes"])
         slower = r.get("time_ratio", r["step_seconds"] / b["step_seconds"])
         planned = r["mode"] in checkpoint_modes[1:] or r["mode"] == LEAST
         met = ("yes" if less >= 2 and slower <= 1.35 else "no") if planned else "-"
         lines.append(f"| {r['net']} | {r['input']} | {r['batch']} | {r['mode']} | "
-                     f"{recomputed} of {r['stages']}{f' ({nested} nested)' if nested else ''} | "
+                     f"{recomputed} of {r['stages']}{f' ({nested} nested)' if nested else ''}"
+                     f"{sliced} | "
                      f"{mib(r['activation_bytes'])} | "
                      f"{less:.2f}x less | {r['step_seconds']:.3f} s | {slower:.2f}x | {met} | "
                      f"{mib(r['predicted_peak_bytes'])} | {mib(r['peak_bytes'])} | "
