@@ -107,8 +107,8 @@ Geometry geometry_of(const Window& w, at::IntArrayRef in_sizes, at::IntArrayRef 
   return g;
 }
 
-// Calls visit(output index, first input position of its window, t0, h0, w0) for every output of
-// a plane, in order. The first position may lie outside the plane (padding); the argmax does not.
+// Calls visit(output index, first input position of its window) for every output of a plane, in
+// order. The first position may lie outside the plane (padding); the argmax does not.
 template <typename Visit>
 void for_each_window(const Geometry& g, Visit&& visit) {
   const int64_t rows = g.in[1] * g.in[2];
@@ -119,7 +119,7 @@ void for_each_window(const Geometry& g, Visit&& visit) {
       const int64_t h0 = g.first(1, oh);
       for (int64_t ow = 0; ow < g.out[2]; ++ow, ++i) {
         const int64_t w0 = g.first(2, ow);
-        visit(i, t0 * rows + h0 * g.in[2] + w0, t0, h0, w0);
+        visit(i, t0 * rows + h0 * g.in[2] + w0);
       }
     }
   }
@@ -323,7 +323,7 @@ class LeanMaxPoolFunction : public torch::autograd::Function<LeanMaxPoolFunction
             for (int64_t plane = begin; plane < end; ++plane) {
               const int64_t out = plane * per_plane;
               scalar_t* in = to + plane * in_plane;
-              for_each_window(g, [&](int64_t i, int64_t first, int64_t, int64_t, int64_t) {
+              for_each_window(g, [&](int64_t i, int64_t first) {
                 if (keep && !keep[out + i]) return;
                 in[first + place[static_cast<size_t>(offset[out + i])]] += from[out + i];
               });
