@@ -295,8 +295,7 @@ NetworkShapes infer_shapes(const std::vector<LayerSpec>& layers, const std::vect
       if (spec.type == "maxpool") {
         // PyTorch's keeps int64 indices and its input; the lean one each argmax's offset in its
         // window (a byte up to 256 positions, pooling.h) and a byte of ReLU's mask.
-        const int64_t volume = product(k);
-        const int64_t offset_bytes = volume <= 256 ? 1 : volume <= 32768 ? 2 : 8;
+        const int64_t offset_bytes = max_pool_offset_bytes(k);
         const bool after_relu = i > 0 && relu_pools_next(layers, i - 1, lean_pooling);
         out.saved_index_bytes =
             product(next) * (lean_pooling ? offset_bytes + (after_relu ? 1 : 0) : 8);
@@ -528,7 +527,12 @@ struct RowWindow {
   int64_t kernel = 1, stride = 1, padding = 0;
 };
 
-RowWindow row_window(const LayerSpec& spec, const std::string& name, int64_t spatial) {
+// Layer i's window, its spatial rank from the tensor it reads.
+RowWindow row_window(const NetworkOptions& options, const NetworkShapes& shapes, int64_t i) {
+  const auto& spec = options.layers()[static_cast<size_t>(i)];
+  const auto& name = shapes.layers[i].name;
+  const auto& in = i == 0 ? options.input() : shapes.layers[i - 1].output;
+  const int64_t spatial = static_cast<int64_t>(in.size()) - 1;
   RowWindow w;
   if (is_conv(spec.type) || is_sepconv(spec.type)) {
     const int64_t dims = conv_dims(spec.type);
@@ -567,8 +571,7 @@ int64_t NetworkImpl::sliced_run_end(int64_t head, int64_t end) const {
   for (int64_t i = head + 1; i < end; ++i) {
     const auto& spec = specs[static_cast<size_t>(i)];
     if (spec.type == "relu") continue;
-    const int64_t spatial = static_cast<int64_t>(shapes_.layers[i - 1].output.size()) - 1;
-    if (!is_pool(spec.type) || row_window(spec, shapes_.layers[i].name, spatial).padding != 0) {
+    if (!is_pool(spec.type) || row_window(options_, shapes_, i).padding != 0) {
       break;
     }
     run_end = i + 1;
@@ -597,12 +600,7 @@ torch::Tensor NetworkImpl::conv_padded(int64_t index, const torch::Tensor& x,
 
 torch::Tensor NetworkImpl::forward_sliced(const torch::Tensor& x, int64_t head, int64_t run_end) {
   const auto& specs = options_.layers();
-  const auto window = [&](int64_t i) {
-    const auto& in = i == 0 ? options_.input() : shapes_.layers[i - 1].output;
-    return row_window(specs[static_cast<size_t>(i)], shapes_.layers[i].name,
-                      static_cast<int64_t>(in.size()) - 1);
-  };
-  const auto conv = window(head);
+  const auto conv = row_window(options_, shapes_, head);
   const auto& conv_spec = specs[static_cast<size_t>(head)];
   const auto padding = expand(conv_spec.padding, conv_dims(conv_spec.type), 0, "", "padding");
   auto inner_padding = padding;  // a slice between two others reads real rows only
@@ -616,7 +614,7 @@ torch::Tensor NetworkImpl::forward_sliced(const torch::Tensor& x, int64_t head, 
     // The rows of the convolution's output the slice needs: walked back through the pooling.
     int64_t lo = rows_begin, hi = rows_end;
     for (int64_t i = run_end - 1; i > head; --i) {
-      const auto w = window(i);
+      const auto w = row_window(options_, shapes_, i);
       lo = lo * w.stride;
       hi = (hi - 1) * w.stride + w.kernel;
     }
@@ -691,16 +689,14 @@ torch::Tensor NetworkImpl::forward(const torch::Tensor& x) {
 
 int64_t set_time_slices(torch::nn::Module& module, int64_t slices) {
   int64_t count = 0;
-  for (const auto& child : module.modules(/*include_self=*/false)) {
-    if (auto* network = child->as<NetworkImpl>()) {
+  const auto set = [&](torch::nn::Module& m) {
+    if (auto* network = m.as<NetworkImpl>()) {
       network->set_time_slices(slices);
       count += network->sliceable() ? 1 : 0;
     }
-  }
-  if (auto* network = module.as<NetworkImpl>()) {
-    network->set_time_slices(slices);
-    count += network->sliceable() ? 1 : 0;
-  }
+  };
+  set(module);  // apart: modules() with itself needs it held by a shared_ptr
+  for (const auto& child : module.modules(/*include_self=*/false)) set(*child);
   return count;
 }
 

@@ -61,11 +61,11 @@ int64_t product(at::IntArrayRef v) {
 }
 
 // Each argmax kept as its offset within its window (0 to kernel volume - 1) in the smallest
-// integer type that holds it: one byte for windows of up to 256 positions, where LibTorch keeps
-// an int64 position in the input plane.
+// integer type that holds it (max_pool_offset_bytes), where LibTorch keeps an int64 position in
+// the input plane.
 torch::ScalarType offset_type(const Window& w) {
-  const int64_t volume = product(w.kernel);
-  return volume <= 256 ? torch::kByte : volume <= 32768 ? torch::kShort : torch::kLong;
+  const int64_t bytes = max_pool_offset_bytes(w.kernel);
+  return bytes == 1 ? torch::kByte : bytes == 2 ? torch::kShort : torch::kLong;
 }
 
 // Planes converted at a time: the int64 temporaries of a conversion stay at 2 MB each.
@@ -150,9 +150,8 @@ void pool_row(const scalar_t* __restrict row, int64_t width, int64_t kernel, int
 // Max pooling on the CPU in one pass over the input, a row of outputs at a time (pool_row): each
 // output's maximum, PyTorch's choice, and where `offsets` is given its offset in its window; with
 // relu_first the maximum's ReLU and, where `mask` is given, where ReLU passes its gradient
-// (relu_mask). LibTorch's
-// kernel, an output at a time, writes int64 positions, which would then be converted: 5x slower
-// on seeds/001's windows here.
+// (relu_mask). LibTorch's kernel, an output at a time, writes int64 positions, which would then
+// be converted: 5x slower on seeds/001's windows here.
 template <typename scalar_t, typename Offset>
 void max_pool_cpu(const scalar_t* x, scalar_t* y, Offset* offsets, bool* mask, int64_t planes,
                   const Geometry& g, bool relu_first) {
@@ -394,6 +393,11 @@ class LeanMaxPoolFunction : public torch::autograd::Function<LeanMaxPoolFunction
 };
 
 }  // namespace
+
+int64_t max_pool_offset_bytes(at::IntArrayRef kernel) {
+  const int64_t volume = product(kernel);
+  return volume <= 256 ? 1 : volume <= 32768 ? 2 : 8;
+}
 
 torch::Tensor max_pool(const torch::Tensor& x, const MaxPoolOptions& options, bool relu_first) {
   const int64_t dims = x.dim() - 2;

@@ -39,6 +39,10 @@ struct MaxPoolOptions {
 torch::Tensor max_pool(const torch::Tensor& x, const MaxPoolOptions& options,
                        bool relu_first = false);
 
+// Bytes the lean pooling keeps per output for where its maximum was in a window of `kernel`
+// (one value per spatial dimension): 1 up to 256 window positions, 2 up to 32,768, else 8.
+int64_t max_pool_offset_bytes(at::IntArrayRef kernel);
+
 // MaxPool2d / MaxPool3d by the input's rank, with no parameters (state_dict unchanged).
 class MaxPoolImpl : public torch::nn::Module {
  public:
