@@ -8,6 +8,8 @@ default layout: the step benchmark's rows. Writes bench/results/<name>.{md,json}
   /usr/bin/python3 bench/step_ratio.py --lengths 1024,2048 --chunks 32,64 --name step_ratio_chunks
   /usr/bin/python3 bench/step_ratio.py --in-process --lengths 1024,2048 --name step_ratio_inprocess
   /usr/bin/python3 bench/step_ratio.py --pool   # every recorded round, no new runs
+  /usr/bin/python3 bench/step_ratio.py --lengths 1024,2048 --rounds 3 --budgets 2GiB,4GiB \
+      --name step_ratio_budgets   # and the planner's choice (chunk, keep) within each budget
 
 Each run is its own process (`framefit bench-step`, one warm-up step, then the median of 3
 measured steps at T <= 256, 1 beyond). Within a round naive and each chunk size run back to
@@ -16,7 +18,9 @@ median of the rounds' ratios is reported, so that drift of a shared machine betw
 cancels. With --in-process, one process per T and chunk runs both (`bench-step --versus-naive`:
 after a warm-up of each, naive and chunked steps alternate, order swapped every pair, each timed
 step after one of its own mode), so a round's two steps are seconds apart rather than a process
-apart.
+apart. With --budgets, each round also runs the planner's choice within each budget
+(`--chunk auto --budget B`: the chunk and how many chunks' graphs are kept), the time such a
+budget buys back; the --pool rows leave these out (they are not the fixed chunk's rounds).
 """
 import argparse
 import json
@@ -45,6 +49,8 @@ def recorded_rounds(out):
         if name.startswith("step_ratio") and name.endswith(".json") and "pooled" not in name:
             data = json.load(open(path))
             for row in data["rows"]:
+                if "budget" in row:
+                    continue  # the planner's choice within a budget, not a fixed chunk's rounds
                 if "cold switch" in row.get("method", ""):
                     continue  # step_ratio_inprocess_cold: measures the order effect, not the ratio
                 key = (row["T"], row.get("chunk", data.get("chunk")), row.get("method", "processes"))
@@ -94,6 +100,17 @@ def pool(out):
     print("\n".join(lines))
 
 
+def label(config, result):
+    """A run's configuration as the tables name it: the chunk, or the budget and what the
+    planner chose within it."""
+    if not isinstance(config, str):
+        return f"chunk {config}"
+    if result["chunk"] == 0:
+        return f"{config}: naive"
+    return (f"{config}: chunk {result['chunk']}, keep {result['keep']}"
+            + (", BatchNorm recomputed" if result.get("recompute_norm") else ""))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="256,1024", help="comma-separated T values")
@@ -104,6 +121,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--in-process", action="store_true",
                     help="naive and chunked steps alternating in one process per T and chunk")
+    ap.add_argument("--budgets", default="", help="comma-separated budgets (e.g. 2GiB,4GiB): "
+                    "each round also runs the planner's choice within each (--chunk auto)")
     ap.add_argument("--pool", action="store_true",
                     help="pool every recorded round from --out (no new runs) into step_ratio_pooled")
     a = ap.parse_args()
@@ -112,6 +131,9 @@ def main():
     machine_line = machine()
     print(machine_line, flush=True)
     chunks = [int(x) for x in a.chunks.split(",")]
+    budgets = [x for x in a.budgets.split(",") if x]
+    if budgets and a.in_process:
+        sys.exit("--budgets runs separate processes: leave out --in-process")
     rows = []
     for T in [int(x) for x in a.lengths.split(",")]:
         steps = 3 if T <= 256 else 1
@@ -134,18 +156,37 @@ def main():
                     "naive_rss_bytes": 0, "chunked_rss_bytes": result["rss_peak_bytes"],
                 })
             continue
-        runs = {c: [] for c in [0] + chunks}  # chunk 0: naive
+        # A configuration is a fixed chunk (0: naive) or a budget the planner chooses within.
+        configs = [0] + chunks + budgets
+        runs = {c: [] for c in configs}
         for r in range(rounds):
-            order = [0] + chunks if r % 2 == 0 else chunks[::-1] + [0]
-            for chunk in order:
-                result = framefit(T, chunk, steps)
+            order = configs if r % 2 == 0 else configs[::-1]
+            for config in order:
+                if isinstance(config, str):
+                    result = framefit(T, "auto", steps, extra=("--budget", config))
+                else:
+                    result = framefit(T, config, steps)
                 if "error" in result:
-                    sys.exit(f"T={T} chunk {chunk}: {result['error']}")
-                runs[chunk].append(result)
+                    sys.exit(f"T={T} {config}: {result['error']}")
+                runs[config].append(result)
             naive_s = runs[0][-1]["step_seconds"]
             print(f"T={T} round {r + 1}: naive {naive_s:.2f} s, " + ", ".join(
-                f"chunk {c} {runs[c][-1]['step_seconds']:.2f} s "
-                f"({runs[c][-1]['step_seconds'] / naive_s:.3f}x)" for c in chunks), flush=True)
+                f"{label(c, runs[c][-1])} {runs[c][-1]['step_seconds']:.2f} s "
+                f"({runs[c][-1]['step_seconds'] / naive_s:.3f}x)" for c in configs[1:]), flush=True)
+        budget_rows = []  # after the fixed chunks' rows
+        for budget in budgets:
+            ratios = [c["step_seconds"] / n["step_seconds"] for n, c in zip(runs[0], runs[budget])]
+            budget_rows.append({
+                "T": T, "budget": budget, "rounds": rounds, "steps": steps, "ratios": ratios,
+                "median_ratio": statistics.median(ratios),
+                "chosen": [label(budget, c) for c in runs[budget]],
+                "naive_seconds": [n["step_seconds"] for n in runs[0]],
+                "chunked_seconds": [c["step_seconds"] for c in runs[budget]],
+                "naive_peak_bytes": runs[0][0]["peak_bytes"],
+                "chunked_peak_bytes": max(c["peak_bytes"] for c in runs[budget]),
+                "naive_rss_bytes": max(n["rss_peak_bytes"] for n in runs[0]),
+                "chunked_rss_bytes": max(c["rss_peak_bytes"] for c in runs[budget]),
+            })
         for chunk in chunks:
             ratios = [c["step_seconds"] / n["step_seconds"] for n, c in zip(runs[0], runs[chunk])]
             rows.append({
@@ -158,6 +199,7 @@ def main():
                 "naive_rss_bytes": max(n["rss_peak_bytes"] for n in runs[0]),
                 "chunked_rss_bytes": max(c["rss_peak_bytes"] for c in runs[chunk]),
             })
+        rows += budget_rows
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, a.name + ".json"), "w") as f:
         json.dump({"machine": machine_line, "chunks": chunks, "rows": rows}, f, indent=1)
@@ -166,7 +208,9 @@ def main():
         f"Machine: {machine_line}", "",
         "ResNet-18 + LSTM(512) + Linear(7), 112x112 frames, fp32, AdamW, BatchNorm in train mode, "
         f"framefit's default layout; chunked: chunk {a.chunks}, keep 1 (the last chunk's graph "
-        "kept, the others recomputed). Generated by `bench/step_ratio.py`: " + (IN_PROCESS_METHOD
+        "kept, the others recomputed)" + (f"; and the planner's choice within {', '.join(budgets)} "
+        "(`--chunk auto --budget B`: chunk and keep as the rows say)" if budgets else "") +
+        ". Generated by `bench/step_ratio.py`: " + (IN_PROCESS_METHOD
         if a.in_process else SEPARATE_METHOD) + "; ratio = chunked / naive within the round, "
         "reported as the median over rounds. Peak tensor memory from the tracking allocator, peak "
         "RSS the highest of the runs" + (" (in one process: naive's included)" if a.in_process
@@ -177,15 +221,17 @@ def main():
         "|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in rows:
+        what = r["chunk"] if "budget" not in r else "planner in " + r["budget"] + ": " + ", ".join(
+            sorted(set(c.split(": ", 1)[1] for c in r["chosen"])))
         lines.append(
-            f"| {r['T']} | {r['chunk']} | {r['rounds']} | {statistics.median(r['naive_seconds']):.2f} | "
+            f"| {r['T']} | {what} | {r['rounds']} | {statistics.median(r['naive_seconds']):.2f} | "
             f"{statistics.median(r['chunked_seconds']):.2f} | {r['median_ratio']:.2f}x "
             f"({min(r['ratios']):.2f}-{max(r['ratios']):.2f}) | "
             f"{'met' if r['median_ratio'] <= 1.35 else 'not met'} | "
             f"{mib(r['naive_peak_bytes'])} / {mib(r['chunked_peak_bytes'])} | "
             f"{mib(r['naive_rss_bytes'])} / {mib(r['chunked_rss_bytes'])} |")
     lines += ["", "Per round (chunked / naive): " + "; ".join(
-        f"T={r['T']}, chunk {r['chunk']}: " + ", ".join(f"{x:.2f}" for x in r["ratios"]) for r in rows), ""]
+        f"T={r['T']}, " + (f"chunk {r['chunk']}" if "budget" not in r else r["budget"]) + ": " + ", ".join(f"{x:.2f}" for x in r["ratios"]) for r in rows), ""]
     with open(os.path.join(a.out, a.name + ".md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))
