@@ -173,33 +173,25 @@ def main():
             print(f"T={T} round {r + 1}: naive {naive_s:.2f} s, " + ", ".join(
                 f"{label(c, runs[c][-1])} {runs[c][-1]['step_seconds']:.2f} s "
                 f"({runs[c][-1]['step_seconds'] / naive_s:.3f}x)" for c in configs[1:]), flush=True)
-        budget_rows = []  # after the fixed chunks' rows
-        for budget in budgets:
-            ratios = [c["step_seconds"] / n["step_seconds"] for n, c in zip(runs[0], runs[budget])]
-            budget_rows.append({
-                "T": T, "budget": budget, "rounds": rounds, "steps": steps, "ratios": ratios,
+        for config in chunks + budgets:
+            naive, chunked = runs[0], runs[config]
+            ratios = [c["step_seconds"] / n["step_seconds"] for n, c in zip(naive, chunked)]
+            row = {"T": T}
+            if isinstance(config, str):
+                row.update(budget=config, chosen=[label(config, c) for c in chunked])
+            else:
+                row["chunk"] = config
+            row.update({
+                "rounds": rounds, "steps": steps, "ratios": ratios,
                 "median_ratio": statistics.median(ratios),
-                "chosen": [label(budget, c) for c in runs[budget]],
-                "naive_seconds": [n["step_seconds"] for n in runs[0]],
-                "chunked_seconds": [c["step_seconds"] for c in runs[budget]],
-                "naive_peak_bytes": runs[0][0]["peak_bytes"],
-                "chunked_peak_bytes": max(c["peak_bytes"] for c in runs[budget]),
-                "naive_rss_bytes": max(n["rss_peak_bytes"] for n in runs[0]),
-                "chunked_rss_bytes": max(c["rss_peak_bytes"] for c in runs[budget]),
+                "naive_seconds": [n["step_seconds"] for n in naive],
+                "chunked_seconds": [c["step_seconds"] for c in chunked],
+                "naive_peak_bytes": naive[0]["peak_bytes"],
+                "chunked_peak_bytes": max(c["peak_bytes"] for c in chunked),
+                "naive_rss_bytes": max(n["rss_peak_bytes"] for n in naive),
+                "chunked_rss_bytes": max(c["rss_peak_bytes"] for c in chunked),
             })
-        for chunk in chunks:
-            ratios = [c["step_seconds"] / n["step_seconds"] for n, c in zip(runs[0], runs[chunk])]
-            rows.append({
-                "T": T, "chunk": chunk, "rounds": rounds, "steps": steps, "ratios": ratios,
-                "median_ratio": statistics.median(ratios),
-                "naive_seconds": [n["step_seconds"] for n in runs[0]],
-                "chunked_seconds": [c["step_seconds"] for c in runs[chunk]],
-                "naive_peak_bytes": runs[0][0]["peak_bytes"],
-                "chunked_peak_bytes": runs[chunk][0]["peak_bytes"],
-                "naive_rss_bytes": max(n["rss_peak_bytes"] for n in runs[0]),
-                "chunked_rss_bytes": max(c["rss_peak_bytes"] for c in runs[chunk]),
-            })
-        rows += budget_rows
+            rows.append(row)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, a.name + ".json"), "w") as f:
         json.dump({"machine": machine_line, "chunks": chunks, "rows": rows}, f, indent=1)
