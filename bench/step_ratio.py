@@ -100,15 +100,18 @@ def pool(out):
     print("\n".join(lines))
 
 
-def label(config, result):
-    """A run's configuration as the tables name it: the chunk, or the budget and what the
-    planner chose within it."""
-    if not isinstance(config, str):
-        return f"chunk {config}"
+def chosen(result):
+    """What a run with the planner's choice ran with."""
     if result["chunk"] == 0:
-        return f"{config}: naive"
-    return (f"{config}: chunk {result['chunk']}, keep {result['keep']}"
+        return "naive"
+    return (f"chunk {result['chunk']}, keep {result['keep']}"
             + (", BatchNorm recomputed" if result.get("recompute_norm") else ""))
+
+
+def label(config, result):
+    """A run's configuration as the progress lines name it: the chunk, or the budget and what
+    the planner chose within it."""
+    return f"{config}: {chosen(result)}" if isinstance(config, str) else f"chunk {config}"
 
 
 def main():
@@ -178,7 +181,7 @@ def main():
             ratios = [c["step_seconds"] / n["step_seconds"] for n, c in zip(naive, chunked)]
             row = {"T": T}
             if isinstance(config, str):
-                row.update(budget=config, chosen=[label(config, c) for c in chunked])
+                row.update(budget=config, chosen=[chosen(c) for c in chunked])
             else:
                 row["chunk"] = config
             row.update({
@@ -214,7 +217,7 @@ def main():
     ]
     for r in rows:
         what = r["chunk"] if "budget" not in r else "planner in " + r["budget"] + ": " + ", ".join(
-            sorted(set(c.split(": ", 1)[1] for c in r["chosen"])))
+            sorted(set(r["chosen"])))
         lines.append(
             f"| {r['T']} | {what} | {r['rounds']} | {statistics.median(r['naive_seconds']):.2f} | "
             f"{statistics.median(r['chunked_seconds']):.2f} | {r['median_ratio']:.2f}x "
