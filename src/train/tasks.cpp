@@ -1290,6 +1290,16 @@ std::string BatchTaskPlan::describe() const {
 
 namespace {
 
+// How the planned batch runs (what describe_step reports), taken from a plan.
+void take_step_settings(BatchProgress& progress, const BatchTaskPlan& plan) {
+  progress.micro_batches = plan.micro_batches;
+  progress.segments = plan.segments;
+  progress.fallback_segments = plan.fallback_segments;
+  progress.lean_backward = plan.lean_backward;
+  progress.recompute_norm = plan.recompute_norm;
+  progress.time_slices = plan.time_slices;
+}
+
 // "batch 8, 2 of 5 stages recomputed in 2 micro-batches, lean convolution backward, BatchNorm
 // recomputed".
 std::string describe_step(const BatchProgress& p) {
@@ -1344,12 +1354,7 @@ void replan_if_budget_changed(BatchProgress& progress, const std::string& change
                                    "retried with more micro-batches)");
     return;
   }
-  progress.micro_batches = plan.micro_batches;
-  progress.segments = plan.segments;
-  progress.fallback_segments = plan.fallback_segments;
-  progress.lean_backward = plan.lean_backward;
-  progress.recompute_norm = plan.recompute_norm;
-  progress.time_slices = plan.time_slices;
+  take_step_settings(progress, plan);
   note(Event::Kind::Warning,
        predicted + (held.evaluated ? ", more than " + step_budget_text : std::string()) +
            "; re-planned to " + describe_step(progress) + " (predicted " +
@@ -1447,12 +1452,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
                                 "retried, but train.batch auto would fit the budget")));
     }
     progress.batch = plan.batch;
-    progress.micro_batches = plan.micro_batches;
-    progress.segments = plan.segments;
-    progress.fallback_segments = plan.fallback_segments;
-    progress.lean_backward = plan.lean_backward;
-    progress.recompute_norm = plan.recompute_norm;
-    progress.time_slices = plan.time_slices;
+    take_step_settings(progress, plan);
     progress.eval_batch = plan.eval_batch;
   }
   progress.eval_batch = evaluation_batch(config, progress);
