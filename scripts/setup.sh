@@ -20,14 +20,25 @@ for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then
-  echo "setup: installing ${missing[*]}"
+  # apt's own output (about a thousand lines) goes to a log, shown only if it fails.
+  apt_log=$(mktemp /tmp/framefit-apt.XXXXXX.log)
+  echo "setup: installing ${#missing[@]} Debian packages (log: $apt_log)"
   sudo_cmd=""
   [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
   export DEBIAN_FRONTEND=noninteractive
-  $sudo_cmd apt-get update -qq
-  $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  if ! { $sudo_cmd apt-get update -qq &&
+         $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"; } \
+       > "$apt_log" 2>&1; then
+    tail -n 40 "$apt_log"
+    echo "setup: installing packages failed; the whole log is $apt_log" >&2
+    exit 1
+  fi
+  echo "setup: packages installed in $SECONDS s"
 fi
 
 [ "${FRAMEFIT_SKIP_BUILD:-0}" = 1 ] && exit 0
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
+build_start=$SECONDS
+echo "setup: building (Release, build/; about 12 minutes on 2 cores the first time)"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build build --parallel "$(nproc)"
+echo "setup: done in $((SECONDS - build_start)) s of building; the command is $PWD/build/src/cli/framefit"

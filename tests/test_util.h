@@ -21,8 +21,17 @@
 #include <utility>
 #include <vector>
 
+#include "framefit/core/runtime.h"
 #include "framefit/data/demo.h"
 #include "framefit/memory/tracker.h"
+
+// Skips a test that runs bf16 convolutions on a CPU where none runs (oneDNN capped at AVX2 on an
+// AVX-512 CPU: core/runtime.h, cpu_bf16), saying so; where bf16 runs emulated, it runs.
+#define FRAMEFIT_SKIP_UNLESS_CPU_BF16_RUNS()                                                \
+  do {                                                                                       \
+    if (::framefit::cpu_bf16().kernels == ::framefit::Bf16Kernels::Unavailable)              \
+      GTEST_SKIP() << "bf16 does not run on this CPU: " << ::framefit::cpu_bf16().reason;    \
+  } while (false)
 
 namespace framefit::test_util {
 

@@ -237,6 +237,8 @@ class ProgressPrinter {
   explicit ProgressPrinter(std::string command)
       : command_(std::move(command)), tty_(isatty(2) != 0) {}
   ~ProgressPrinter() { end_line(); }
+  // Ends an open progress line before results go to standard output.
+  void finish() { end_line(); }
 
   void operator()(const train::Event& e) {
     using Kind = train::Event::Kind;
@@ -543,6 +545,7 @@ int run_eval(const Args& args) {
     out_file.flush();
     TORCH_CHECK(out_file.good(), "cannot write ", args.text("out"));
   }
+  printer.finish();
   if (args.on("json")) {
     fmt::print("{}\n", json.dump(2));
     return 0;

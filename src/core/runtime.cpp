@@ -3,12 +3,14 @@
 #include <ATen/Parallel.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
+#include <ATen/ATen.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
 
 #include <dlfcn.h>
 #include <malloc.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <fstream>
 #include <set>
@@ -74,7 +76,8 @@ std::string MachineInfo::describe() const {
   out << "cpu: " << (cpu_model.empty() ? "unknown" : cpu_model) << "; cores: " << cores
       << "; threads: " << threads
       << (blas_threads > 0 ? " (OpenBLAS: " + std::to_string(blas_threads) + ")" : "")
-      << "; flags: " << (cpu_flags.empty() ? "-" : cpu_flags) << "; libtorch " << torch_version
+      << "; flags: " << (cpu_flags.empty() ? "-" : cpu_flags)
+      << (cpu_bf16.empty() ? "" : "; bf16: " + cpu_bf16) << "; libtorch " << torch_version
       << (cuda_available ? " (cuda available)" : " (cpu)");
   return out.str();
 }
@@ -102,6 +105,66 @@ std::string device_unavailable(const std::string& name) {
          (count > 1 ? " to cuda:" + std::to_string(count - 1) : std::string()) + ")";
 }
 
+std::string to_string(Bf16Kernels kernels) {
+  switch (kernels) {
+    case Bf16Kernels::Native: return "native";
+    case Bf16Kernels::Emulated: return "emulated";
+    case Bf16Kernels::Unavailable: return "unavailable";
+  }
+  return "?";
+}
+
+CpuBf16 classify_cpu_bf16(const std::string& cpu_flags, const std::string& onednn_isa_cap,
+                          const std::string& probe_error) {
+  if (!probe_error.empty()) {
+    return {Bf16Kernels::Unavailable,
+            "a bf16 convolution fails on this CPU" +
+                (onednn_isa_cap.empty() ? std::string()
+                                        : " (oneDNN is capped at " + onednn_isa_cap + ")") +
+                ": " + probe_error};
+  }
+  std::istringstream words(cpu_flags);
+  std::string word;
+  bool instructions = false;
+  while (words >> word) instructions |= word == "avx512_bf16" || word == "amx_bf16";
+  if (!instructions)
+    return {Bf16Kernels::Emulated, "this CPU has no bf16 instructions (avx512_bf16, amx_bf16)"};
+  // oneDNN's ISA names (cpu_isa_traits): those from AVX512_CORE_BF16 up take bf16 instructions.
+  std::string cap = onednn_isa_cap;
+  for (auto& c : cap) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  const bool capped_below = !cap.empty() && cap != "ALL" && cap.find("BF16") == std::string::npos &&
+                            cap.find("AMX") == std::string::npos &&
+                            cap.find("FP16") == std::string::npos;
+  if (capped_below)
+    return {Bf16Kernels::Emulated, "oneDNN is capped at " + onednn_isa_cap +
+                                       ", below this CPU's bf16 instructions"};
+  return {Bf16Kernels::Native, "this CPU's bf16 instructions run oneDNN's bf16 kernels"};
+}
+
+const CpuBf16& cpu_bf16() {
+  static const CpuBf16 answer = [] {
+    std::string cap;
+    for (const char* name : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {
+      if (const char* value = std::getenv(name); value != nullptr && cap.empty()) cap = value;
+    }
+    std::string error;
+    try {
+      // What autocast hands oneDNN: bf16 input and weight (ATen's use_mkldnn takes every bf16
+      // convolution where the CPU has AVX-512, whatever oneDNN was capped at).
+      at::NoGradGuard no_grad;
+      const auto options = at::TensorOptions().dtype(at::kBFloat16);
+      at::conv2d(at::ones({1, 8, 8, 8}, options), at::ones({8, 8, 3, 3}, options));
+    } catch (const std::exception& e) {
+      error = e.what();
+      error = error.substr(0, error.find('\n'));
+    }
+    std::string flags, model;
+    read_cpuinfo(model, flags);
+    return classify_cpu_bf16(flags, cap, error);
+  }();
+  return answer;
+}
+
 bool autocast_enabled(bool cuda) {
   return !c10::impl::tls_is_dispatch_key_excluded(cuda ? c10::DispatchKey::AutocastCUDA
                                                        : c10::DispatchKey::AutocastCPU);
@@ -114,6 +177,7 @@ MachineInfo machine_info() {
   info.blas_threads = blas_threads();
   read_cpuinfo(info.cpu_model, info.cpu_flags);
   info.torch_version = TORCH_VERSION;
+  info.cpu_bf16 = to_string(cpu_bf16().kernels);
   info.cuda_available = torch::cuda::is_available();
   return info;
 }

@@ -181,10 +181,16 @@ DemoSummary make_demo(const std::string& out_dir, const DemoOptions& options,
     writer.finish();
     write_phase_annotations(label_path, labels, classes);
     // Manifest paths are relative to the manifest, so the folder can be moved.
-    videos.push_back({name, std::string("videos/") + name + ".mp4",
-                      std::string("labels/") + name + ".txt", split, 0});
-    folders.push_back({name, std::string("frames/") + name, std::string("labels/") + name + ".txt",
-                       split, options.fps});
+    VideoEntry video;
+    video.name = name;
+    video.video = std::string("videos/") + name + ".mp4";
+    video.labels = std::string("labels/") + name + ".txt";
+    video.split = split;
+    videos.push_back(video);
+    VideoEntry folder_entry = video;
+    folder_entry.video = std::string("frames/") + name;
+    folder_entry.fps = options.fps;
+    folders.push_back(folder_entry);
     if (!tools.empty()) {
       // Every 25th frame, as Cholec80 annotates tools (1 fps of its 25).
       std::vector<float> rows;

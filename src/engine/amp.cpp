@@ -1,5 +1,7 @@
 #include "framefit/engine/amp.h"
 
+#include "framefit/core/runtime.h"
+
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -11,6 +13,15 @@ Precision parse_precision(const std::string& name) {
   if (name == "bf16") return Precision::BF16;
   if (name == "fp16") return Precision::FP16;
   TORCH_CHECK(false, "unknown precision '", name, "': use fp32, bf16 or fp16");
+}
+
+void check_runs_on(Precision precision, torch::Device device) {
+  TORCH_CHECK(!(device.is_cpu() && precision == Precision::FP16),
+              "fp16 autocast runs on CUDA only; LibTorch's CPU autocast uses bf16: use bf16 or fp32 "
+              "on the CPU");
+  TORCH_CHECK(!(device.is_cpu() && precision == Precision::BF16 &&
+                cpu_bf16().kernels == Bf16Kernels::Unavailable),
+              "bf16 autocast cannot run here: ", cpu_bf16().reason, "; use fp32");
 }
 
 std::string to_string(Precision precision) {

@@ -96,19 +96,29 @@ int64_t parse_bytes(const std::string& text) {
   std::string unit = ok ? s.substr(pos) : "";
   std::transform(unit.begin(), unit.end(), unit.begin(),
                  [](unsigned char c) { return std::tolower(c); });
-  static const std::pair<const char*, int> units[] = {
-      {"", 0},    {"b", 0},   {"k", 1},  {"kb", 1}, {"kib", 1}, {"m", 2},  {"mb", 2},
-      {"mib", 2}, {"g", 3},   {"gb", 3}, {"gib", 3}, {"t", 4},  {"tb", 4}, {"tib", 4}};
+  // SI units as SI: a user who writes 4GB and gets 4 GiB has 7% more budget than the limit
+  // they meant. The bare letters stay binary, as in sort -S and GPU tools.
+  struct Unit {
+    const char* name;
+    int power;
+    double base;
+  };
+  static const Unit units[] = {
+      {"", 0, 1024},     {"b", 0, 1024},    {"k", 1, 1024},    {"kib", 1, 1024},
+      {"m", 2, 1024},    {"mib", 2, 1024},  {"g", 3, 1024},    {"gib", 3, 1024},
+      {"t", 4, 1024},    {"tib", 4, 1024},  {"kb", 1, 1000},   {"mb", 2, 1000},
+      {"gb", 3, 1000},   {"tb", 4, 1000}};
   int power = -1;
-  for (const auto& [name, p] : units) {
-    if (unit == name) power = p;
+  double base = 1024;
+  for (const auto& u : units) {
+    if (unit == u.name) power = u.power, base = u.base;
   }
   TORCH_CHECK(ok && power >= 0 && number >= 0 && std::isfinite(number),
               "cannot read '", text, "' as a byte size: write a number with an optional unit, "
-              "e.g. 8GiB, 512MiB, 1.5G or 4096");
+              "e.g. 8GiB, 512MiB, 1.5G (binary), 4GB (SI: 4e9 bytes) or 4096");
   // llround of a value beyond int64 is undefined: 1e30GiB came back negative, which reads as
   // "no budget".
-  const double bytes = number * std::pow(1024.0, power);
+  const double bytes = number * std::pow(base, power);
   TORCH_CHECK(bytes < 0x1p62, "'", text, "' is too large a byte size (over 2^62 bytes)");
   return static_cast<int64_t>(std::llround(bytes));
 }

@@ -113,12 +113,15 @@ std::vector<Finding> diagnose(const PlanRequest& request, int64_t budget_bytes) 
       findings.push_back(error("fp16 autocast runs on CUDA only; LibTorch's CPU autocast uses bf16",
                                "use --precision bf16 on the CPU"));
     }
-    if (precision == engine::Precision::BF16 && spec.device.is_cpu() &&
-        machine_info().cpu_flags.find("bf16") == std::string::npos) {
-      findings.push_back(
-          warning("this CPU has no native bf16 (avx512_bf16 / amx_bf16): bf16 "
-                  "autocast will be slower than fp32",
-                  "use --precision fp32 here"));
+    if (precision == engine::Precision::BF16 && spec.device.is_cpu()) {
+      const auto& bf16 = cpu_bf16();
+      if (bf16.kernels == Bf16Kernels::Unavailable) {
+        findings.push_back(error("bf16 cannot run here: " + bf16.reason, "use fp32 here"));
+      } else if (bf16.kernels == Bf16Kernels::Emulated) {
+        findings.push_back(warning("bf16 runs emulated here (" + bf16.reason +
+                                       "): a step takes several times as long as in fp32",
+                                   "use fp32 here unless memory alone matters"));
+      }
     }
   }
   if (sizes.trained_encoder_bytes == 0) {

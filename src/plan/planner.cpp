@@ -392,7 +392,9 @@ std::vector<engine::Precision> candidate_precisions(torch::Device device) {
   if (device.is_cuda()) {
     precisions.push_back(engine::Precision::FP16);
     precisions.push_back(engine::Precision::BF16);
-  } else if (machine_info().cpu_flags.find("bf16") != std::string::npos) {
+  } else if (cpu_bf16().kernels == Bf16Kernels::Native) {
+    // Emulated bf16 runs slower than fp32 and only its memory could be worth it: the user
+    // chooses that (train.precision bf16).
     precisions.push_back(engine::Precision::BF16);
   }
   return precisions;

@@ -309,8 +309,11 @@ class SampleStream {
 
 engine::Precision batch_precision(const Config& config) {
   // auto: fp32. bf16 or fp16 trade precision for a larger batch; the user chooses that.
-  return config.train.precision == "auto" ? engine::Precision::FP32
-                                          : engine::parse_precision(config.train.precision);
+  const auto precision = config.train.precision == "auto"
+                            ? engine::Precision::FP32
+                            : engine::parse_precision(config.train.precision);
+  engine::check_runs_on(precision, torch::Device(config.device));
+  return precision;
 }
 
 // What a batch-task checkpoint records about the run.

@@ -885,6 +885,7 @@ StepPlan step_request(const Config& config, const data::VideoDataset& train_set)
   request.precisions = tc.precision == "auto"
                            ? plan::candidate_precisions(device)
                            : std::vector<engine::Precision>{engine::parse_precision(tc.precision)};
+  for (const auto precision : request.precisions) engine::check_runs_on(precision, device);
   return result;
 }
 

@@ -72,5 +72,37 @@ TEST(Runtime, OpenBlasGetsTheSameThreadCount) {
   }
 }
 
+TEST(Runtime, Bf16IsNativeOnlyWhereTheKernelsUseTheCpusBf16Instructions) {
+  const std::string avx2 = "avx2 fma f16c";
+  const std::string avx512 = "avx2 fma avx512f avx512_vnni";
+  const std::string bf16 = "avx2 fma avx512f avx512_bf16 avx512_vnni";
+  const std::string amx = "avx2 avx512f avx512_bf16 amx_bf16 amx_tile";
+  EXPECT_EQ(classify_cpu_bf16(avx2, "", "").kernels, Bf16Kernels::Emulated);
+  EXPECT_EQ(classify_cpu_bf16(avx512, "", "").kernels, Bf16Kernels::Emulated);
+  EXPECT_EQ(classify_cpu_bf16(bf16, "", "").kernels, Bf16Kernels::Native);
+  EXPECT_EQ(classify_cpu_bf16(amx, "", "").kernels, Bf16Kernels::Native);
+  // oneDNN capped below its bf16 ISA emulates bf16 with AVX-512, whatever the CPU has.
+  EXPECT_EQ(classify_cpu_bf16(bf16, "AVX512_CORE_VNNI", "").kernels, Bf16Kernels::Emulated);
+  EXPECT_EQ(classify_cpu_bf16(amx, "avx512_core", "").kernels, Bf16Kernels::Emulated);
+  for (const char* cap : {"AVX512_CORE_BF16", "AVX512_CORE_AMX", "ALL", "avx512_core_fp16"})
+    EXPECT_EQ(classify_cpu_bf16(amx, cap, "").kernels, Bf16Kernels::Native) << cap;
+  // Capped at AVX2 on an AVX-512 CPU, ATen still hands oneDNN bf16, which has no kernel for it.
+  const auto failed = classify_cpu_bf16(bf16, "AVX2", "could not create a primitive descriptor");
+  EXPECT_EQ(failed.kernels, Bf16Kernels::Unavailable);
+  EXPECT_NE(failed.reason.find("capped at AVX2"), std::string::npos) << failed.reason;
+  EXPECT_NE(failed.reason.find("primitive descriptor"), std::string::npos) << failed.reason;
+}
+
+TEST(Runtime, Bf16AnswerIsThisMachinesAndInItsDescription) {
+  const auto& answer = cpu_bf16();
+  EXPECT_FALSE(answer.reason.empty());
+  EXPECT_NE(machine_info().describe().find("bf16: " + to_string(answer.kernels)),
+            std::string::npos)
+      << machine_info().describe();
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (cap != nullptr && std::string(cap) == "AVX2")
+    EXPECT_NE(answer.kernels, Bf16Kernels::Native) << answer.reason;
+}
+
 }  // namespace
 }  // namespace framefit

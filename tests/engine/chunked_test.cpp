@@ -222,6 +222,7 @@ TEST(Chunked, DropoutIsReplayedPerChunk) {
 }
 
 TEST(Chunked, Bf16AutocastGradientsReachEveryWeight) {
+  FRAMEFIT_SKIP_UNLESS_CPU_BF16_RUNS();
   // Autocast caches low-precision weight copies; copies made in the no-grad chunks must not
   // be reused where gradients are needed (the kept chunk, the recompute).
   torch::manual_seed(0);

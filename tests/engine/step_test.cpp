@@ -171,6 +171,7 @@ TEST(TrainingStep, EncoderFrozenThroughItsLastStageTrainsTheHead) {
 }
 
 TEST(TrainingStep, Bf16AutocastTrains) {
+  FRAMEFIT_SKIP_UNLESS_CPU_BF16_RUNS();
   engine::StepOptions options;
   options.chunked.chunk = 4;
   options.precision = engine::Precision::BF16;
@@ -337,6 +338,7 @@ TEST(LossScaler, SkipsOverflowBacksOffAndGrows) {
 }
 
 TEST(Autocast, GuardEnablesAndRestores) {
+  FRAMEFIT_SKIP_UNLESS_CPU_BF16_RUNS();
   const auto before = engine::AutocastState::current();
   {
     engine::AutocastGuard guard(torch::kCPU, engine::Precision::BF16);

@@ -250,7 +250,9 @@ TEST(Bytes, ParseAndFormat) {
   using framefit::memory::format_bytes;
   using framefit::memory::parse_bytes;
   EXPECT_EQ(parse_bytes("8GiB"), int64_t(8) << 30);
-  EXPECT_EQ(parse_bytes("8GB"), int64_t(8) << 30);
+  EXPECT_EQ(parse_bytes("8GB"), int64_t(8'000'000'000));  // SI as SI
+  EXPECT_EQ(parse_bytes("512MB"), int64_t(512'000'000));
+  EXPECT_EQ(parse_bytes("2kb"), 2000);
   EXPECT_EQ(parse_bytes("512MiB"), int64_t(512) << 20);
   EXPECT_EQ(parse_bytes("1.5G"), int64_t(3) << 29);
   EXPECT_EQ(parse_bytes("4096"), 4096);

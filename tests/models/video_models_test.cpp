@@ -272,12 +272,15 @@ torch::nn::Conv3dOptions split_test_options(bool bias) {
 }
 
 TEST(LeanConv3d, SplitBackwardHoldsTwoInputSizesInsteadOfThree) {
-  // oneDNN's backward in one call holds three input-sized buffers (the input's gradient and its
-  // reordered operands); split into passes, two: at batch 2 (one slice) a pass's result and an
-  // operand, at batch 4 (slices of two samples) the input's gradient and two of a slice's. With
-  // 16 channels LibTorch leaves oneDNN for its own kernel at batch 1 (columns: 27 input sizes),
-  // so slices of one sample fail this test.
+  // Split into passes the backward holds at most two input-sized buffers: at batch 2 (one slice)
+  // a pass's result and an operand, at batch 4 (slices of two samples) the input's gradient and
+  // two of a slice's. With 16 channels LibTorch leaves oneDNN for its own kernel at batch 1
+  // (columns: 27 input sizes), so slices of one sample fail this test. What the split saves
+  // depends on the CPU: oneDNN's backward in one call holds three input-sized buffers (the
+  // input's gradient and its reordered operands) with AVX-512, two with AVX2 only, where the
+  // split's bound holds but saves nothing; measured first, and said.
   auto& tracker = framefit::memory::Tracker::cpu();
+  std::string premise_missing;
   for (const int64_t batch : {2, 4}) {
     std::map<bool, int64_t> held;
     for (const bool split : {true, false}) {
@@ -298,7 +301,17 @@ TEST(LeanConv3d, SplitBackwardHoldsTwoInputSizesInsteadOfThree) {
     const int64_t weight_bytes = 16 * 16 * 27 * 4;  // the gradient and a slice's
     EXPECT_LE(held[true], input_bytes * 2 + 2 * weight_bytes + (64 << 10))
         << "batch " << batch << ", in one call " << held[false];
-    EXPECT_GE(held[false], input_bytes * 3) << "batch " << batch << ", split " << held[true];
+    EXPECT_LE(held[true], held[false] + 2 * weight_bytes + (64 << 10))
+        << "batch " << batch << ": the split holds more than one call";
+    if (held[false] < input_bytes * 3) {
+      premise_missing += c10::str(" batch ", batch, ": ", held[false], " bytes in one call, ",
+                                  held[true], " split, input ", input_bytes, ";");
+    }
+  }
+  if (!premise_missing.empty()) {
+    GTEST_SKIP() << "oneDNN's backward in one call holds fewer than three input sizes on this "
+                    "CPU, so the split has nothing to save here (its bound held):"
+                 << premise_missing;
   }
 }
 

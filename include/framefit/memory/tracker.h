@@ -47,9 +47,9 @@ bool is_out_of_memory(const std::exception& error);
 
 // "1.50 GiB", "12.0 MiB", "512 B".
 std::string format_bytes(int64_t bytes);
-// Parses "8GiB", "512MiB", "2GB", "1.5G", "4096" (bytes). Binary units for K/M/G/T with or
-// without "i"; "GB" style suffixes are taken as binary too, as GPU tools do. Throws c10::Error
-// naming the text on anything else.
+// Parses "8GiB", "512MiB", "1.5G", "4096" (bytes): binary units for K/M/G/T with or without
+// "i"; "4GB", "512MB" are SI (4e9, 512e6 bytes). Throws c10::Error naming the text on anything
+// else.
 int64_t parse_bytes(const std::string& text);
 
 // What one device's allocator reports. Backends differ only in how they get these numbers.
