@@ -90,12 +90,14 @@ Calibrated calibrate_for(const Args& args, const plan::PlanRequest& request) {
 
 plan::Plan fit_for(const Args& args, plan::PlanRequest& request, Calibrated& calibrated,
                    int64_t budget_bytes, double margin) {
-  if (args.text("recompute-norm") != "auto") {
-    return plan::fit(request, calibrated.sizes, calibrated.costs, budget_bytes, margin);
-  }
   auto cache = calibration_cache(args);
-  return plan::fit_choosing_recompute_norm(request, calibrated.sizes, calibrated.costs, cache,
-                                           budget_bytes, margin, announce(args));
+  const auto chosen =
+      args.text("recompute-norm") != "auto"
+          ? plan::fit(request, calibrated.sizes, calibrated.costs, budget_bytes, margin)
+          : plan::fit_choosing_recompute_norm(request, calibrated.sizes, calibrated.costs, cache,
+                                              budget_bytes, margin, announce(args));
+  return plan::refit_at_planned_chunk(request, calibrated.sizes, calibrated.costs, cache, chosen,
+                                      budget_bytes, margin, announce(args));
 }
 
 namespace {

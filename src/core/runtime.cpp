@@ -13,6 +13,7 @@
 #include <cctype>
 #include <cstdlib>
 #include <fstream>
+#include <initializer_list>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -77,7 +78,9 @@ std::string MachineInfo::describe() const {
       << "; threads: " << threads
       << (blas_threads > 0 ? " (OpenBLAS: " + std::to_string(blas_threads) + ")" : "")
       << "; flags: " << (cpu_flags.empty() ? "-" : cpu_flags)
-      << (cpu_bf16.empty() ? "" : "; bf16: " + cpu_bf16) << "; libtorch " << torch_version
+      << (cpu_bf16.empty() ? "" : "; bf16: " + cpu_bf16)
+      << (cpu_kernel_caps().empty() ? "" : "; kernels capped: " + cpu_kernel_caps())
+      << "; libtorch " << torch_version
       << (cuda_available ? " (cuda available)" : " (cpu)");
   return out.str();
 }
@@ -139,6 +142,21 @@ CpuBf16 classify_cpu_bf16(const std::string& cpu_flags, const std::string& onedn
     return {Bf16Kernels::Emulated, "oneDNN is capped at " + onednn_isa_cap +
                                        ", below this CPU's bf16 instructions"};
   return {Bf16Kernels::Native, "this CPU's bf16 instructions run oneDNN's bf16 kernels"};
+}
+
+std::string cpu_kernel_caps() {
+  std::string caps;
+  const auto add = [&](const char* label, std::initializer_list<const char*> names) {
+    for (const char* name : names) {
+      if (const char* value = std::getenv(name); value != nullptr && *value != '\0') {
+        caps += (caps.empty() ? "" : " ") + std::string(label) + "=" + value;
+        return;
+      }
+    }
+  };
+  add("aten", {"ATEN_CPU_CAPABILITY"});
+  add("onednn", {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"});
+  return caps;
 }
 
 const CpuBf16& cpu_bf16() {

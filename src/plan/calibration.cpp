@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 
 #include "framefit/engine/amp.h"
 #include "framefit/engine/checkpoint.h"
@@ -374,6 +375,35 @@ Plan fit_choosing_recompute_norm(PlanRequest& request, const StaticSizes& sizes,
   request.model.recompute_norm = chosen.settings.recompute_norm;
   if (chosen.settings.recompute_norm) costs = std::move(recomputed);
   return chosen;
+}
+
+Plan refit_at_planned_chunk(const PlanRequest& request, const StaticSizes& sizes,
+                            std::map<engine::Precision, ChunkCosts>& costs,
+                            CalibrationCache& cache, Plan plan, int64_t budget_bytes, double margin,
+                            const std::function<void(const std::string&)>& on_probe,
+                            const CalibrationOptions& options) {
+  const int64_t probed = *std::max_element(options.chunk_frames.begin(), options.chunk_frames.end());
+  std::set<std::pair<engine::Precision, int64_t>> measured;
+  for (int round = 0; round < 3; ++round) {
+    const auto& s = plan.settings;
+    if (s.naive() || s.chunk <= 2 * probed || measured.count({s.precision, s.chunk})) break;
+    measured.insert({s.precision, s.chunk});
+    const auto key = c10::str(request.model.calibration_key(s.precision), " through ", s.chunk);
+    if (auto found = cache.find(key)) {
+      costs[s.precision] = *found;
+    } else {
+      if (on_probe) on_probe(c10::str("calibrating at the planned chunk of ", s.chunk, " frames"));
+      auto through = options;
+      through.chunk_frames = {probed, s.chunk};
+      costs[s.precision] = calibrate(request.model, s.precision, through);
+      cache.put(key, costs[s.precision]);
+      cache.save();
+    }
+    auto again = fit(request, sizes, costs, budget_bytes, margin);
+    again.reason = plan.reason;
+    plan = std::move(again);
+  }
+  return plan;
 }
 
 int64_t training_static_bytes(const torch::nn::Module& module, const std::string& optimizer) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "framefit/core/runtime.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/heads.h"
 #include "framefit/models/resnet.h"
@@ -19,7 +20,9 @@ std::string ModelSpec::calibration_key(engine::Precision precision) const {
                   recompute_norm ? "/norm-recomputed" : "", "/", head,
                   head_settings.describe(head).empty() ? "" : " " + head_settings.describe(head),
                   "/", size, "px/", dtype, "/", engine::to_string(precision), "/",
-                  device.type() == torch::kCPU ? "cpu" : "cuda");
+                  device.type() == torch::kCPU
+                      ? "cpu" + (cpu_kernel_caps().empty() ? "" : " " + cpu_kernel_caps())
+                      : "cuda");
 }
 
 models::ResNetOptions ModelSpec::encoder_options() const {
@@ -127,7 +130,27 @@ ChunkSeconds ChunkCosts::seconds_at(int64_t n) const {
   return {nograd_seconds.at(x), grad_seconds.at(x), backward_seconds.at(x), frozen_seconds.at(x)};
 }
 
+namespace {
+Breakdown predict_one_length(const StaticSizes& sizes, const ChunkCosts& costs,
+                             const StepSettings& s);
+}  // namespace
+
 Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepSettings& s) {
+  auto longest = predict_one_length(sizes, costs, s);
+  if (!s.shorter_videos || s.naive() || s.frames % s.chunk == 0) return longest;
+  // Every term grows with the length but the kept chunks' frames, which are most where the last
+  // chunk is whole: of the shorter lengths, the longest such one has the largest peak.
+  auto whole_chunks = s;
+  whole_chunks.frames = s.frames / s.chunk * s.chunk;
+  auto shorter = predict_one_length(sizes, costs, whole_chunks);
+  if (shorter.peak_bytes <= longest.peak_bytes) return longest;
+  shorter.seconds = longest.seconds;
+  return shorter;
+}
+
+namespace {
+Breakdown predict_one_length(const StaticSizes& sizes, const ChunkCosts& costs,
+                             const StepSettings& s) {
   TORCH_CHECK(s.frames >= 1 && s.videos_per_call >= 1 && s.chunk >= 0 && s.keep >= 0,
               "predict: frames and videos per call must be >= 1, chunk and keep >= 0");
   const int64_t T = s.frames;
@@ -255,6 +278,7 @@ Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepS
   result.seconds = std::max(0.0, seconds) * static_cast<double>(s.videos_per_call);
   return result;
 }
+}  // namespace
 
 int64_t NetworkMemory::largest_batch(int64_t budget_bytes) const {
   const int64_t per_sample = bytes_per_sample();

@@ -100,6 +100,7 @@ int64_t for_each_candidate(const PlanRequest& request, const StaticSizes& sizes,
             if (cache && naive) continue;  // nothing is recomputed
             Candidate c;
             c.settings.frames = request.frames;
+            c.settings.shorter_videos = request.shorter_videos;
             c.settings.videos_per_call = (request.videos + accumulate - 1) / accumulate;
             c.settings.chunk = chunk;
             c.settings.keep = keep;
@@ -275,6 +276,7 @@ engine::Replanner make_replanner(PlanRequest request, StaticSizes sizes, ChunkCo
   return [=](const engine::OutOfMemoryEvent& event) -> std::optional<engine::RetrySettings> {
     StepSettings failed;
     failed.frames = request.frames;
+    failed.shorter_videos = request.shorter_videos;
     failed.chunk = event.chunk;
     failed.keep = event.keep;
     failed.cache_frozen = event.cache_frozen;
@@ -339,6 +341,7 @@ LargestChunk find_largest_chunk(const PlanRequest& request, const StaticSizes& s
   auto settings_for = [&](int64_t chunk) {
     StepSettings s;
     s.frames = request.frames;
+    s.shorter_videos = request.shorter_videos;
     s.chunk = chunk >= request.frames ? 0 : chunk;
     s.keep = request.keep.value_or(1);
     s.cache_frozen = request.cache_frozen.value_or(false);

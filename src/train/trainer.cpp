@@ -868,15 +868,17 @@ StepPlan step_request(const Config& config, const data::VideoDataset& train_set)
   const torch::Device device(config.device);
   StepPlan result;
   result.budget = tc.budget > 0 ? tc.budget : memory::Tracker::of(device).available_bytes();
-  int64_t longest = 0, largest_bytes = 0;
+  int64_t longest = 0, shortest = 0, largest_bytes = 0;
   for (int64_t i = 0; i < train_set.size(); ++i) {
     longest = std::max(longest, train_set.frames(i));
+    shortest = i == 0 ? train_set.frames(i) : std::min(shortest, train_set.frames(i));
     largest_bytes = std::max(largest_bytes, train_set.frame_bytes(i));
   }
   result.step_budget = step_budget_bytes(config, result.budget, largest_bytes);
   auto& request = result.request;
   request.model = model_spec(config, frame_size_for_planning(train_set), device);
   request.frames = longest;
+  request.shorter_videos = shortest < longest;
   // A step takes train.accumulate videos, or every one where there are fewer.
   request.videos = std::max<int64_t>(1, std::min<int64_t>(tc.accumulate, train_set.size()));
   request.accumulate = 1;
@@ -926,6 +928,7 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
   if (!result.planned) {
     chosen.fits = true;
     chosen.settings.frames = request.frames;
+    chosen.settings.shorter_videos = request.shorter_videos;
     chosen.settings.chunk = *request.chunk;
     chosen.settings.keep = *request.keep;
     chosen.settings.cache_frozen = request.cache_frozen.value_or(false);
@@ -952,17 +955,17 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
       result.costs[precision] = plan::calibrate(request.model, script_frame_encoder(probe_script),
                                                 script_features, precision);
     }
+    chosen = plan::fit(request, result.sizes, result.costs, result.step_budget, kStepMargin);
   } else {
     plan::CalibrationCache cache(plan::CalibrationCache::default_path());
     result.costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
-    if (choose_norm) {
-      // request.model.recompute_norm and the costs (the replanner's) become those chosen.
-      chosen = plan::fit_choosing_recompute_norm(request, result.sizes, result.costs, cache,
-                                                 result.step_budget, kStepMargin, info);
-    }
-  }
-  if (!choose_norm) {
-    chosen = plan::fit(request, result.sizes, result.costs, result.step_budget, kStepMargin);
+    // request.model.recompute_norm and the costs (the replanner's) become those chosen.
+    chosen = choose_norm
+                 ? plan::fit_choosing_recompute_norm(request, result.sizes, result.costs, cache,
+                                                     result.step_budget, kStepMargin, info)
+                 : plan::fit(request, result.sizes, result.costs, result.step_budget, kStepMargin);
+    chosen = plan::refit_at_planned_chunk(request, result.sizes, result.costs, cache, chosen,
+                                          result.step_budget, kStepMargin, info);
   }
   if (!chosen.reason.empty()) info(chosen.reason);
   if (fixed && check_fixed) {

@@ -49,6 +49,12 @@ CpuBf16 classify_cpu_bf16(const std::string& cpu_flags, const std::string& onedn
                           const std::string& probe_error);
 std::string to_string(Bf16Kernels kernels);
 
+// The caps on the CPU kernels' instruction sets set in the environment (ATEN_CPU_CAPABILITY,
+// ONEDNN_MAX_CPU_ISA or DNNL_MAX_CPU_ISA), as "aten=avx2 onednn=AVX2"; "" when none is set.
+// Capped kernels hold other workspaces and run at other speeds: what was measured under one cap
+// is not the machine's under another.
+std::string cpu_kernel_caps();
+
 // Whether autocast is on for CUDA (`cuda`) or the CPU on this thread: its dispatch key is not
 // excluded (the check behind at::autocast::is_enabled/is_cpu_enabled, renamed in LibTorch 2.4).
 bool autocast_enabled(bool cuda);

@@ -70,6 +70,18 @@ Plan fit_choosing_recompute_norm(PlanRequest& request, const StaticSizes& sizes,
                                  CalibrationCache& cache, int64_t budget_bytes, double margin,
                                  const std::function<void(const std::string&)>& on_probe = {});
 
+// `plan` measured at its own chunk where that lies well beyond the probes (over twice the larger
+// probed chunk): the costs at its precision calibrated again through the larger probe and the
+// planned chunk (cached under the key and that chunk), and the plan made again from them, until
+// its chunk is one measured (at most three rounds). Lines through 4 and 12 frames alone missed
+// oneDNN's larger workspaces at 256 frames (bf16 on AVX-512): the demo's steps peaked 9% above
+// the plan. `costs` become those the returned plan was made with (the replanner's).
+Plan refit_at_planned_chunk(const PlanRequest& request, const StaticSizes& sizes,
+                            std::map<engine::Precision, ChunkCosts>& costs,
+                            CalibrationCache& cache, Plan plan, int64_t budget_bytes, double margin,
+                            const std::function<void(const std::string&)>& on_probe = {},
+                            const CalibrationOptions& options = {});
+
 // Bytes that training `module` holds whatever the batch: parameters, buffers, gradients of the
 // trained parameters and the optimizer's state (sgd: momentum, one copy; adam/adamw: two).
 int64_t training_static_bytes(const torch::nn::Module& module, const std::string& optimizer);

@@ -22,6 +22,9 @@ constexpr int64_t kMaxFramesPerVideo = int64_t{1} << 31;
 struct PlanRequest {
   ModelSpec model;
   int64_t frames = 0;  // per video (the longest one), 1 .. kMaxFramesPerVideo
+  // Shorter videos are trained too (a data set): plans hold for every length up to `frames`
+  // (StepSettings::shorter_videos).
+  bool shorter_videos = false;
   int64_t videos = 1;  // per optimizer step
   // nullopt: auto (the planner chooses). chunk 0 is naive training.
   std::optional<int64_t> chunk;
