@@ -185,8 +185,13 @@ Plan fit(const PlanRequest& request, const StaticSizes& sizes,
   if (!plan.fits) {
     plan.minimum_budget_bytes = static_cast<int64_t>(
         std::ceil(static_cast<double>(smallest->breakdown.peak_bytes) / (1.0 - margin)));
+    // The breakdown shows the peak; the budget it needs adds the margin, which is said so that
+    // the two numbers agree.
     plan.advice = c10::str("needs at least ", memory::format_bytes(plan.minimum_budget_bytes),
-                           " (with ", describe(smallest->settings, smallest->accumulate), ")");
+                           " (a predicted peak of ",
+                           memory::format_bytes(smallest->breakdown.peak_bytes), " plus the ",
+                           std::lround(100 * margin), "% margin, with ",
+                           describe(smallest->settings, smallest->accumulate), ")");
     // Settings the user fixed may be what stands in the way.
     PlanRequest relaxed = request;
     relaxed.chunk.reset();

@@ -42,7 +42,8 @@ PY
       --dtype float64 --precision bf16 2>err.txt; then
     echo "ran bf16 on a float64 model"; exit 1
   fi
-  grep -q "use --precision fp32 with it" err.txt
+  # (Where bf16 cannot run at all, that is the reason given.)
+  grep -q "use --precision fp32 with it\|bf16 cannot run here" err.txt
   # Settings no step can run with are refused before the planner's probes calibrate (which
   # took seconds, and said so, before the error).
   for bad in "--precision fp16" "--precision bf16 --dtype float64"; do
@@ -51,7 +52,7 @@ PY
         2>err.txt; then
       echo "ran with $bad on the CPU"; exit 1
     fi
-    grep -q "error: .*\(fp16 autocast runs on CUDA only\|use --precision fp32 with it\)" err.txt
+    grep -q "error: .*\(fp16 autocast runs on CUDA only\|use --precision fp32 with it\|bf16 cannot run here\)" err.txt
     if grep -q calibrating err.txt; then cat err.txt; echo "calibrated before refusing $bad"; exit 1; fi
   done
   # --versus-naive: naive steps interleaved with the chunked ones, one pair per measured step.
