@@ -1,9 +1,9 @@
 #include "framefit/core/runtime.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
-#include <ATen/ATen.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
 
@@ -73,13 +73,14 @@ int blas_threads() {
 }  // namespace
 
 std::string MachineInfo::describe() const {
+  const auto caps = cpu_kernel_caps();
   std::ostringstream out;
   out << "cpu: " << (cpu_model.empty() ? "unknown" : cpu_model) << "; cores: " << cores
       << "; threads: " << threads
       << (blas_threads > 0 ? " (OpenBLAS: " + std::to_string(blas_threads) + ")" : "")
       << "; flags: " << (cpu_flags.empty() ? "-" : cpu_flags)
       << (cpu_bf16.empty() ? "" : "; bf16: " + cpu_bf16)
-      << (cpu_kernel_caps().empty() ? "" : "; kernels capped: " + cpu_kernel_caps())
+      << (caps.empty() ? "" : "; kernels capped: " + caps)
       << "; libtorch " << torch_version
       << (cuda_available ? " (cuda available)" : " (cpu)");
   return out.str();
@@ -144,27 +145,27 @@ CpuBf16 classify_cpu_bf16(const std::string& cpu_flags, const std::string& onedn
   return {Bf16Kernels::Native, "this CPU's bf16 instructions run oneDNN's bf16 kernels"};
 }
 
+namespace {
+// The first of `names` set (and not empty) in the environment; "" when none is.
+std::string first_variable(std::initializer_list<const char*> names) {
+  for (const char* name : names) {
+    if (const char* value = std::getenv(name); value != nullptr && *value != '\0') return value;
+  }
+  return "";
+}
+std::string onednn_isa_cap() { return first_variable({"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}); }
+}  // namespace
+
 std::string cpu_kernel_caps() {
-  std::string caps;
-  const auto add = [&](const char* label, std::initializer_list<const char*> names) {
-    for (const char* name : names) {
-      if (const char* value = std::getenv(name); value != nullptr && *value != '\0') {
-        caps += (caps.empty() ? "" : " ") + std::string(label) + "=" + value;
-        return;
-      }
-    }
-  };
-  add("aten", {"ATEN_CPU_CAPABILITY"});
-  add("onednn", {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"});
+  const auto aten = first_variable({"ATEN_CPU_CAPABILITY"});
+  const auto onednn = onednn_isa_cap();
+  std::string caps = aten.empty() ? "" : "aten=" + aten;
+  if (!onednn.empty()) caps += (caps.empty() ? "onednn=" : " onednn=") + onednn;
   return caps;
 }
 
 const CpuBf16& cpu_bf16() {
   static const CpuBf16 answer = [] {
-    std::string cap;
-    for (const char* name : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {
-      if (const char* value = std::getenv(name); value != nullptr && cap.empty()) cap = value;
-    }
     std::string error;
     try {
       // What autocast hands oneDNN: bf16 input and weight (ATen's use_mkldnn takes every bf16
@@ -178,7 +179,7 @@ const CpuBf16& cpu_bf16() {
     }
     std::string flags, model;
     read_cpuinfo(model, flags);
-    return classify_cpu_bf16(flags, cap, error);
+    return classify_cpu_bf16(flags, onednn_isa_cap(), error);
   }();
   return answer;
 }

@@ -1,10 +1,10 @@
 #include "framefit/engine/amp.h"
 
-#include "framefit/core/runtime.h"
-
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 #include <torch/version.h>
+
+#include "framefit/core/runtime.h"
 
 namespace framefit::engine {
 
@@ -16,9 +16,7 @@ Precision parse_precision(const std::string& name) {
 }
 
 void check_runs_on(Precision precision, torch::Device device) {
-  TORCH_CHECK(!(device.is_cpu() && precision == Precision::FP16),
-              "fp16 autocast runs on CUDA only; LibTorch's CPU autocast uses bf16: use bf16 or fp32 "
-              "on the CPU");
+  // fp16 on the CPU is AutocastGuard's to refuse, as it always was.
   TORCH_CHECK(!(device.is_cpu() && precision == Precision::BF16 &&
                 cpu_bf16().kernels == Bf16Kernels::Unavailable),
               "bf16 autocast cannot run here: ", cpu_bf16().reason, "; use fp32");

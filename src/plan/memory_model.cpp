@@ -13,6 +13,7 @@
 namespace framefit::plan {
 
 std::string ModelSpec::calibration_key(engine::Precision precision) const {
+  const auto caps = cpu_kernel_caps();
   return c10::str(model, "/", norm, norm == "group_norm" ? c10::str(groups) : "",
                   "/freeze=", freeze.empty() ? "none" : freeze, drop_layer4 ? "/no-layer4" : "",
                   channels_last ? "/channels-last" : "",
@@ -21,7 +22,7 @@ std::string ModelSpec::calibration_key(engine::Precision precision) const {
                   head_settings.describe(head).empty() ? "" : " " + head_settings.describe(head),
                   "/", size, "px/", dtype, "/", engine::to_string(precision), "/",
                   device.type() == torch::kCPU
-                      ? "cpu" + (cpu_kernel_caps().empty() ? "" : " " + cpu_kernel_caps())
+                      ? "cpu" + (caps.empty() ? "" : " " + caps)
                       : "cuda");
 }
 
@@ -128,24 +129,6 @@ ChunkSeconds ChunkCosts::seconds_at(int64_t n) const {
   if (n == 1 && measured) return one_frame;
   const auto x = static_cast<double>(n);
   return {nograd_seconds.at(x), grad_seconds.at(x), backward_seconds.at(x), frozen_seconds.at(x)};
-}
-
-namespace {
-Breakdown predict_one_length(const StaticSizes& sizes, const ChunkCosts& costs,
-                             const StepSettings& s);
-}  // namespace
-
-Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepSettings& s) {
-  auto longest = predict_one_length(sizes, costs, s);
-  if (!s.shorter_videos || s.naive() || s.frames % s.chunk == 0) return longest;
-  // Every term grows with the length but the kept chunks' frames, which are most where the last
-  // chunk is whole: of the shorter lengths, the longest such one has the largest peak.
-  auto whole_chunks = s;
-  whole_chunks.frames = s.frames / s.chunk * s.chunk;
-  auto shorter = predict_one_length(sizes, costs, whole_chunks);
-  if (shorter.peak_bytes <= longest.peak_bytes) return longest;
-  shorter.seconds = longest.seconds;
-  return shorter;
 }
 
 namespace {
@@ -279,6 +262,19 @@ Breakdown predict_one_length(const StaticSizes& sizes, const ChunkCosts& costs,
   return result;
 }
 }  // namespace
+
+Breakdown predict(const StaticSizes& sizes, const ChunkCosts& costs, const StepSettings& s) {
+  auto longest = predict_one_length(sizes, costs, s);
+  if (!s.shorter_videos || s.naive() || s.frames % s.chunk == 0) return longest;
+  // Every term grows with the length but the kept chunks' frames, which are most where the last
+  // chunk is whole: of the shorter lengths, the longest such one has the largest peak.
+  auto whole_chunks = s;
+  whole_chunks.frames = s.frames / s.chunk * s.chunk;
+  auto shorter = predict_one_length(sizes, costs, whole_chunks);
+  if (shorter.peak_bytes <= longest.peak_bytes) return longest;
+  shorter.seconds = longest.seconds;
+  return shorter;
+}
 
 int64_t NetworkMemory::largest_batch(int64_t budget_bytes) const {
   const int64_t per_sample = bytes_per_sample();

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -868,10 +869,10 @@ StepPlan step_request(const Config& config, const data::VideoDataset& train_set)
   const torch::Device device(config.device);
   StepPlan result;
   result.budget = tc.budget > 0 ? tc.budget : memory::Tracker::of(device).available_bytes();
-  int64_t longest = 0, shortest = 0, largest_bytes = 0;
+  int64_t longest = 0, shortest = std::numeric_limits<int64_t>::max(), largest_bytes = 0;
   for (int64_t i = 0; i < train_set.size(); ++i) {
     longest = std::max(longest, train_set.frames(i));
-    shortest = i == 0 ? train_set.frames(i) : std::min(shortest, train_set.frames(i));
+    shortest = std::min(shortest, train_set.frames(i));
     largest_bytes = std::max(largest_bytes, train_set.frame_bytes(i));
   }
   result.step_budget = step_budget_bytes(config, result.budget, largest_bytes);

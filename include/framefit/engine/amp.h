@@ -12,9 +12,9 @@ namespace framefit::engine {
 enum class Precision { FP32, BF16, FP16 };
 Precision parse_precision(const std::string& name);  // "fp32" | "bf16" | "fp16"
 std::string to_string(Precision precision);
-// Refuses, saying why, a precision whose kernels do not exist on `device`: fp16 on the CPU, bf16
-// on a CPU where no bf16 convolution runs (core/runtime.h, cpu_bf16). Training calls it once
-// for the precision it was asked for, before anything is allocated.
+// Refuses, saying why, bf16 on a CPU where no bf16 convolution runs (core/runtime.h, cpu_bf16).
+// Training calls it once for the precision it was asked for, before anything is allocated
+// (fp16 on the CPU is refused by AutocastGuard).
 void check_runs_on(Precision precision, torch::Device device);
 
 // Autocast settings of the current thread, for CPU and CUDA.
