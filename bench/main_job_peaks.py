@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The main job's memory promise, checked step by step: runs `framefit train` on a config (by
 default configs/demo.yaml, the README's first command) and compares every step's tracked peak in
-log.jsonl with the prediction the plan line printed, and the process's RSS with train.budget.
+log.jsonl with the prediction the plan line printed, and the process's resident peak (VmHWM from
+the first step on, validation included) with train.budget and the plan's expected RSS.
 
     bench/main_job_peaks.py [--config configs/demo.yaml] [--set key=value ...] [--caps]
                             [--out bench/results/main_job_peaks.json]
@@ -59,8 +60,11 @@ def main():
     budget = re.search(r"budget: ([\d.]+)(\w+)", open(args.config).read())
     predicted = parse_bytes(plan.group(2), plan.group(3))
     step_budget = parse_bytes(plan.group(4), plan.group(5))
-    steps = [json.loads(l) for l in open(os.path.join(out_dir, "log.jsonl"))]
-    steps = [s for s in steps if s.get("type") == "step"]
+    records = [json.loads(l) for l in open(os.path.join(out_dir, "log.jsonl"))]
+    steps = [s for s in records if s.get("type") == "step"]
+    rss_peak = max(r.get("rss_peak_bytes", 0) for r in records)
+    expected = re.search(r"expected RSS about ([\d.,]+) (\w+)", run.stderr)
+    expected_rss = parse_bytes(expected.group(1), expected.group(2)) if expected else None
     peaks = [s["peak_bytes"] for s in steps]
     ratios = [p / predicted for p in peaks]
     model, flags = cpu_flags()
@@ -70,7 +74,11 @@ def main():
         "overrides": args.set, "plan": plan.group(1), "predicted_peak_bytes": predicted,
         "step_budget_bytes": step_budget, "steps": len(steps),
         "frames": [s["frames"] for s in steps], "peak_bytes": peaks,
-        "rss_bytes": [s["rss_bytes"] for s in steps],
+        "rss_bytes": [s["rss_bytes"] for s in steps], "rss_peak_bytes": rss_peak,
+        "expected_rss_bytes": expected_rss,
+        "held_bytes": [s.get("held_bytes") for s in steps],
+        "pipeline_bytes": [s.get("pipeline_bytes") for s in steps],
+        "step_seconds": sum(s["seconds"] for s in steps),
         "largest_ratio": max(ratios), "steps_above_5_percent": sum(r > 1.05 for r in ratios),
         "steps_above_step_budget": sum(p > step_budget for p in peaks),
     }
@@ -82,9 +90,11 @@ def main():
               f" ({r:.3f}x predicted), rss {s['rss_bytes'] / 2**30:.2f} GiB")
     print(f"largest peak {max(peaks) / 2**20:.2f} MiB = {max(ratios):.3f}x predicted; "
           f"{result['steps_above_5_percent']} of {len(steps)} steps above +5%, "
-          f"{result['steps_above_step_budget']} above the step budget; peak RSS "
-          f"{max(result['rss_bytes']) / 2**30:.2f} GiB"
-          + (f" against train.budget {budget.group(1)}{budget.group(2)}" if budget else ""))
+          f"{result['steps_above_step_budget']} above the step budget; resident peak "
+          f"{rss_peak / 2**20:.1f} MiB"
+          + (f" (expected about {expected_rss / 2**20:.1f} MiB)" if expected_rss else "")
+          + (f" against train.budget {budget.group(1)}{budget.group(2)}" if budget else "")
+          + f"; steps took {result['step_seconds']:.1f} s")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

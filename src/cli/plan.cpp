@@ -283,10 +283,10 @@ int doctor_network(const Args& args, const train::Config& config, int64_t full_b
 int run_doctor(const Args& args) {
   auto& tracker = memory::Tracker::of(torch::Device(args.text("device")));
   if (args.has("config")) {
-    const auto config = train::load_config(args.text("config"), args.list("set"));
-    const int64_t budget = args.bytes("budget") > 0  ? args.bytes("budget")
-                           : config.train.budget > 0 ? config.train.budget
-                                                     : tracker.available_bytes();
+    auto config = train::load_config(args.text("config"), args.list("set"));
+    if (args.bytes("budget") > 0) config.train.budget = args.bytes("budget");
+    // What tensors may use of it (on the CPU, a process budget less the runtime's share).
+    const int64_t budget = train::resolve_budget(config).tensors;
     // A clips or segmentation config's data, whatever its network.
     std::vector<plan::Finding> data_findings;
     if (train::is_batch_task(config)) {
@@ -348,10 +348,15 @@ int plan_phases_config(const Args& args, const train::Config& config) {
                           {"longest_frames", plan.longest_frames},
                           {"frame_size", plan.frame_size},
                           {"budget_bytes", plan.budget_bytes},
+                          {"runtime_bytes", plan.runtime_bytes},
                           {"step_budget_bytes", plan.step_budget_bytes},
                           {"machine", machine_info().describe()}};
     if (plan.planned) {
       out["predicted_peak_bytes"] = plan.breakdown.peak_bytes;
+      if (plan.runtime_bytes > 0) {
+        out["expected_rss_bytes"] =
+            plan.budget_bytes - plan.step_budget_bytes + plan.breakdown.peak_bytes;
+      }
       out["breakdown"] = breakdown_json(plan.breakdown);
     }
     if (!plan.fits) out["advice"] = plan.advice;
@@ -365,19 +370,29 @@ int plan_phases_config(const Args& args, const train::Config& config) {
         config.model.head, plan.videos, plan.longest_frames);
     return 0;
   }
+  const int64_t data_bytes = plan.budget_bytes - plan.runtime_bytes - plan.step_budget_bytes;
   fmt::print(
       "framefit plan: {} + {} head, {} training videos, the longest {} frames of {}x{}, "
       "budget {}{}\n",
       config.model.encoder, config.model.head, plan.videos, plan.longest_frames, plan.frame_size,
       plan.frame_size, memory::format_bytes(plan.budget_bytes),
       plan.step_budget_bytes < plan.budget_bytes
-          ? fmt::format(" ({} less prefetch)", memory::format_bytes(plan.step_budget_bytes))
+          ? fmt::format(" (step budget {}: less {}{} of decoded data)",
+                        memory::format_bytes(plan.step_budget_bytes),
+                        plan.runtime_bytes > 0
+                            ? "the runtime's " + memory::format_bytes(plan.runtime_bytes) + " and "
+                            : std::string(),
+                        memory::format_bytes(data_bytes))
           : std::string());
   if (!plan.planned) {
     fmt::print("  {} (fixed by the config; not planned)\n", plan::describe(plan.settings));
   } else if (plan.fits) {
     fmt::print("  {}\n", plan::describe(plan.settings));
     print_breakdown(plan.breakdown, 0);
+    if (plan.runtime_bytes > 0) {
+      fmt::print("  expected RSS about {} (the runtime's, the decoded data and the predicted peak)\n",
+                 memory::format_bytes(plan.runtime_bytes + data_bytes + plan.breakdown.peak_bytes));
+    }
   } else {
     fmt::print("  does not fit: {}\n", plan.advice);
   }

@@ -116,6 +116,12 @@ class TrackingCpuAllocator final : public c10::Allocator {
     std::lock_guard<std::mutex> lock(cache_mutex_);
     trim_cache_locked(cache_limit_locked(0));
   }
+  int64_t held_limit() const { return held_limit_.load(); }
+  void set_held_limit(int64_t bytes) {
+    held_limit_.store(bytes);
+    std::lock_guard<std::mutex> lock(cache_mutex_);
+    trim_cache_locked(cache_limit_locked(0));
+  }
   void release_cache() {
     std::lock_guard<std::mutex> lock(cache_mutex_);
     trim_cache_locked(0);
@@ -205,15 +211,18 @@ class TrackingCpuAllocator final : public c10::Allocator {
 
   // What the cache may hold with `incoming` bytes about to be mapped. The budget counts tensor
   // bytes, so the cache never causes a budget OOM; under a budget it is trimmed only as far as
-  // keeps the memory held from the system within twice the budget. Trimming it to the budget's
-  // headroom made every step near the budget map and page-fault its memory afresh (2-3x slower
-  // steps), and trimming it to the budget on each release still made a UNet's step 12% slower
-  // with a budget than without.
+  // keeps the memory held from the system within the held limit where one is set (a training
+  // run whose budget is the process's resident memory sets it to the tensors' budget), else
+  // within twice the budget. Trimming it to the budget's headroom made every step near the
+  // budget map and page-fault its memory afresh (2-3x slower steps), and trimming it to the
+  // budget on each release still made a UNet's step 12% slower with a budget than without; the
+  // demo's phases steps ran within noise of the same time (bench/results/main_job_peaks.md).
   int64_t cache_limit_locked(int64_t incoming) const {
-    const int64_t budget = budget_.load();
-    if (budget <= 0) return kDefaultCacheLimit;
+    const int64_t budget = budget_.load(), held_limit = held_limit_.load();
+    if (budget <= 0 && held_limit <= 0) return kDefaultCacheLimit;
+    const int64_t limit = held_limit > 0 ? held_limit : 2 * budget;
     const int64_t outside_cache = reserved_.load() - cached_bytes_ + incoming;
-    return std::min(kDefaultCacheLimit, std::max<int64_t>(0, 2 * budget - outside_cache));
+    return std::min(kDefaultCacheLimit, std::max<int64_t>(0, limit - outside_cache));
   }
 
   void trim_cache_locked(int64_t limit) {
@@ -247,6 +256,7 @@ class TrackingCpuAllocator final : public c10::Allocator {
   std::atomic<int64_t> reserved_{0};
   std::atomic<int64_t> count_{0};
   std::atomic<int64_t> budget_{0};
+  std::atomic<int64_t> held_limit_{0};  // 0: twice the budget
   std::mutex cache_mutex_;
   std::multimap<size_t, BlockHeader*> cache_;
   int64_t cached_bytes_ = 0;
@@ -274,6 +284,11 @@ class CpuBackend final : public Backend {
     alloc().set_budget(bytes);
   }
   int64_t budget_bytes() const override { return alloc().budget(); }
+  void set_held_limit(int64_t bytes) override {
+    TORCH_CHECK(bytes >= 0, "a held-memory limit cannot be negative; got ", bytes);
+    alloc().set_held_limit(bytes);
+  }
+  int64_t held_limit_bytes() const override { return alloc().held_limit(); }
   void release_cache() override { alloc().release_cache(); }
   void set_phase_name(const std::string& name) override { alloc().set_phase_name(name); }
   int64_t capacity_bytes() const override {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <malloc.h>
 #include <unistd.h>
 
 #include "backends.h"
@@ -337,7 +338,14 @@ ProcessMemory process_memory() {
     if (std::sscanf(line.c_str(), "VmRSS: %lld kB", &kib) == 1) m.rss_bytes = kib * 1024;
     if (std::sscanf(line.c_str(), "VmHWM: %lld kB", &kib) == 1) m.rss_peak_bytes = kib * 1024;
   }
+  m.untracked_bytes = std::max<int64_t>(0, m.rss_bytes - Tracker::cpu().reserved_bytes());
   return m;
+}
+
+void release_free_heap() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
 }
 
 bool reset_rss_peak() {

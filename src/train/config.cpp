@@ -546,8 +546,12 @@ const std::vector<Entry>& entries() {
     t.push_back(choice("train.precision", "autocast precision; auto lets the planner choose",
                        FRAMEFIT_MEMBER(std::string, train.precision),
                        {"auto", "fp32", "bf16", "fp16"}));
-    t.push_back(bytes("train.budget", "memory budget for tensors, e.g. 1GiB; 0: the free memory",
+    t.push_back(bytes("train.budget", "memory budget, e.g. 1GiB; 0: the free memory",
                       FRAMEFIT_MEMBER(int64_t, train.budget)));
+    t.push_back(choice("train.budget_covers",
+                       "on the CPU, what train.budget bounds: the process's resident memory, or "
+                       "the tensors alone",
+                       FRAMEFIT_MEMBER(std::string, train.budget_covers), {"process", "tensors"}));
     t.push_back(field<std::string>(
         "train.chunk", "frames per encoder chunk: auto, 0 (naive) or a count",
         FRAMEFIT_MEMBER(std::string, train.chunk), "auto or a count", auto_or_count()));
@@ -797,8 +801,53 @@ std::string to_yaml(const Config& config) {
   return std::string(out.c_str()) + "\n";
 }
 
-int64_t prefetch_reserve_bytes(const Config& config, int64_t budget) {
-  return std::min(config.data.prefetch_bytes, budget / 4);
+TrainingBudget resolve_budget(const Config& config) {
+  const torch::Device device(config.device);
+  TrainingBudget b;
+  if (config.train.budget <= 0) {
+    b.total = b.tensors = memory::Tracker::of(device).available_bytes();
+    return b;
+  }
+  b.total = config.train.budget;
+  if (device.is_cpu() && config.train.budget_covers == "process") {
+    b.runtime = memory::process_memory().untracked_bytes + kRuntimeGrowthBytes;
+    TORCH_CHECK(b.total > b.runtime, "train.budget ", memory::format_bytes(b.total),
+                " is below what this process holds without tensors, ",
+                memory::format_bytes(b.runtime), " (the runtime's code and buffers, and ",
+                memory::format_bytes(kRuntimeGrowthBytes),
+                " for the data workers' and kernels' own): raise train.budget well above that, "
+                "or set train.budget_covers: tensors to budget the tensors alone");
+  }
+  b.tensors = b.total - b.runtime;
+  return b;
+}
+
+std::string describe_budget(const TrainingBudget& budget) {
+  const std::string total = "train.budget " + memory::format_bytes(budget.total);
+  if (!budget.covers_process()) return total;
+  return total + " less the runtime's " + memory::format_bytes(budget.runtime);
+}
+
+std::string describe_step_budget(const TrainingBudget& budget, int64_t step_budget,
+                                 int64_t predicted_peak) {
+  const int64_t data = budget.tensors - step_budget;
+  if (!budget.covers_process() && data <= 0) return "";
+  std::string text = " (" + describe_budget(budget);
+  if (data > 0) {
+    text += (budget.covers_process() ? " and " : " less ") + memory::format_bytes(data) +
+            " of decoded data";
+  }
+  text += ")";
+  if (budget.covers_process()) {
+    text += "; expected RSS about " + memory::format_bytes(budget.runtime + data + predicted_peak);
+  }
+  return text;
+}
+
+int64_t prefetch_reserve_bytes(const Config& config, int64_t budget, int64_t largest_unit_bytes) {
+  const int64_t reserve = std::min(config.data.prefetch_bytes, budget / 4);
+  if (largest_unit_bytes <= 0) return reserve;
+  return std::min(reserve, (std::max<int64_t>(1, config.data.workers) + 1) * largest_unit_bytes);
 }
 
 double learning_rate_factor(const TrainConfig& train, int64_t samples_per_step) {
@@ -823,7 +872,11 @@ int64_t step_budget_bytes(const Config& config, int64_t budget, int64_t largest_
     // the chunk planner's margin; batch plans leave the allocator's here.
     return is_batch_task(config) ? budget - plan::allocator_margin_bytes(budget, device) : budget;
   }
-  const int64_t ahead = std::max(prefetch_reserve_bytes(config, budget), largest_unit_bytes);
+  // Clips and segmentation keep the whole reserve: with one of a few images, a segmentation
+  // run resumed mid-epoch did not end on the uninterrupted run's weights (not yet understood).
+  const int64_t reserve =
+      prefetch_reserve_bytes(config, budget, is_batch_task(config) ? 0 : largest_unit_bytes);
+  const int64_t ahead = std::max(reserve, largest_unit_bytes);
   const int64_t batched = is_batch_task(config) ? largest_unit_bytes : 0;
   // Otherwise the planner's "needs a budget (> 0 bytes)" was all a user read.
   TORCH_CHECK(budget > ahead + batched, "train.budget ", memory::format_bytes(budget),

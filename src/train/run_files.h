@@ -156,13 +156,19 @@ engine::OptimizerOptions optimizer_options(const TrainConfig& train);
 std::string describe_class_weights(const torch::Tensor& weights,
                                    const std::vector<std::string>& names);
 
-// Sets the tracker's budget for the run and lifts it when the run ends, however it ends.
+// Sets the tracker's budget for the run and lifts it when the run ends, however it ends. Under a
+// process budget the allocator's cache is held within the tensors' budget too, so that the
+// resident memory stays within train.budget.
 class BudgetScope {
  public:
-  BudgetScope(memory::Tracker& tracker, int64_t bytes) : tracker_(tracker) {
-    tracker_.set_budget(bytes);
+  BudgetScope(memory::Tracker& tracker, const TrainingBudget& budget) : tracker_(tracker) {
+    tracker_.set_budget(budget.tensors);
+    if (budget.covers_process()) tracker_.set_held_limit(budget.tensors);
   }
-  ~BudgetScope() { tracker_.set_budget(0); }
+  ~BudgetScope() {
+    tracker_.set_held_limit(0);
+    tracker_.set_budget(0);
+  }
 
  private:
   memory::Tracker& tracker_;

@@ -95,8 +95,10 @@ bool last_weights_are_best(bool validation_split, double best_score, const Train
 // Fills the Step event `e` (rate, ETA from `seconds_per_step`, memory now), writes the step's
 // log record (`data_seconds`: getting its data, before it ran) and adds the step to its epoch's
 // totals.
+// `tracker`: the device's, whose held and pipeline bytes the record names.
 void report_step(Event& e, const StepOutcome& step, double lr, double data_seconds,
-                 double seconds_per_step, JsonlLog& log, EpochTotals& epoch) {
+                 double seconds_per_step, const memory::Tracker& tracker, JsonlLog& log,
+                 EpochTotals& epoch) {
   if (std::isfinite(step.loss)) {  // a skipped step (LossWatch) does not make the mean NaN
     epoch.loss_sum += step.loss;
     ++epoch.steps;
@@ -109,7 +111,8 @@ void report_step(Event& e, const StepOutcome& step, double lr, double data_secon
   e.frames_per_second = step.count / std::max(1e-9, step.seconds);
   e.eta_seconds = seconds_per_step * static_cast<double>(e.total_steps - e.step);
   e.peak_bytes = step.peak_bytes;
-  e.rss_bytes = memory::process_memory().rss_bytes;
+  const auto process = memory::process_memory();
+  e.rss_bytes = process.rss_bytes;
   log.write({{"type", "step"},
              {"step", e.step},
              {"epoch", e.epoch},
@@ -120,6 +123,10 @@ void report_step(Event& e, const StepOutcome& step, double lr, double data_secon
              {"data_seconds", data_seconds},
              {"peak_bytes", step.peak_bytes},
              {"rss_bytes", e.rss_bytes},
+             // Since the run's first step: the highest resident memory, within steps included.
+             {"rss_peak_bytes", process.rss_peak_bytes},
+             {"held_bytes", tracker.reserved_bytes()},
+             {"pipeline_bytes", tracker.pipeline_bytes()},
              {"skipped_optimizer_step", step.update_skipped}});
 }
 
@@ -162,6 +169,8 @@ void end_epoch(Event e, const EpochTotals& totals, const EpochValidation& valida
     }
     record["best"] = e.best;
   }
+  // Validation included: the run's resident peak so far.
+  record["rss_peak_bytes"] = memory::process_memory().rss_peak_bytes;
   emit(e);
   log.write(record);
 }
@@ -312,6 +321,8 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
   }
   // A stop request ends the run at a step boundary; the checkpoint written below resumes it.
   auto stop_now = [&] { return stop_requested(stop, progress.step, result, on_event); };
+  // The steps' resident peak (rss_peak_bytes in the log) leaves out planning and calibration.
+  memory::reset_rss_peak();
   const auto start = Clock::now();
   const int64_t first_step = progress.step;
   auto with_time = [&](RunPosition at) {
@@ -363,12 +374,15 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
       if (!fetched) continue;
       const double lr = learning_rate(run.schedule, progress.step, run.total_steps);
       const auto outcome = epoch.step(lr);
+      // The step's freed small blocks and the libraries' scratch, back to the system: otherwise
+      // resident outside any budget.
+      memory::release_free_heap();
       ++progress.step;
 
       Event e = progress_event(Event::Kind::Step);
       const double per_step =
           seconds_since(start) / static_cast<double>(progress.step - first_step);
-      report_step(e, outcome, lr, data_seconds, per_step, log, totals);
+      report_step(e, outcome, lr, data_seconds, per_step, tracker, log, totals);
       data_seconds = 0;
       emit(e);
       // After the Step event: a callback that keeps tensors across steps leaks as well.

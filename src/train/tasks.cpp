@@ -685,8 +685,10 @@ BatchTaskPlan plan_training(const Config& config, const TaskData& data,
 // calibrated on a probe copy before the trained model exists (calibration runs forward passes
 // that move BatchNorm statistics and the random generator, which must not touch the run).
 BatchTaskPlan plan_for(const Config& config, const TaskData& data,
-                       const std::vector<int64_t>& input, torch::Device device, int64_t budget,
-                       int64_t step_budget, HeldSettings* held = nullptr) {
+                       const std::vector<int64_t>& input, torch::Device device,
+                       const TrainingBudget& resolved, int64_t step_budget,
+                       HeldSettings* held = nullptr) {
+  const int64_t budget = resolved.tensors;
   // Weights that cannot fit are named before the probe allocates them: a layer list's 30 GiB
   // convolution ended in the system's out-of-memory error instead of the doctor's finding.
   if (network_kind(config) == "layers") {
@@ -700,6 +702,7 @@ BatchTaskPlan plan_for(const Config& config, const TaskData& data,
   auto probe = build_batch_model(config, input);
   probe.network.module->train();
   auto plan = plan_training(config, data, input, device, budget, step_budget, probe, held);
+  plan.runtime_bytes = resolved.runtime;
   if (plan.batch > 0) plan_evaluation(plan, config, probe, device);
   return plan;
 }
@@ -1255,7 +1258,7 @@ std::string BatchTaskPlan::describe() const {
   const auto recompute = engine::recomputed(segments);
   const auto count = std::count(recompute.begin(), recompute.end(), true);
   if (batch == 0) {
-    return c10::str("training does not fit in train.budget ", memory::format_bytes(budget_bytes),
+    return c10::str("training does not fit in ", describe_budget(total_budget()),
                     ": one sample needs at least ", memory::format_bytes(minimum_bytes_one_sample),
                     " with the checkpointing plan that holds the least; raise train.budget or "
                     "shrink the input");
@@ -1281,11 +1284,11 @@ std::string BatchTaskPlan::describe() const {
       recompute_norm ? ", BatchNorm recomputed" : "",
       time_slices > 0 ? c10::str(", ", time_slices, " time slices") : "", ", predicted peak ",
       memory::format_bytes(predicted_peak_bytes), " of ", memory::format_bytes(step_budget_bytes),
-      " (budget ", memory::format_bytes(budget_bytes),
-      cuda_budget ? c10::str(" less ", memory::format_bytes(budget_bytes - step_budget_bytes),
-                             " for CUDA's caching allocator")
-                  : std::string(" less decoded data"),
-      "): static ", memory::format_bytes(static_bytes),
+      cuda_budget ? c10::str(" (budget ", memory::format_bytes(budget_bytes), " less ",
+                             memory::format_bytes(budget_bytes - step_budget_bytes),
+                             " for CUDA's caching allocator)")
+                  : describe_step_budget(total_budget(), step_budget_bytes, predicted_peak_bytes),
+      ": static ", memory::format_bytes(static_bytes),
       library_bytes > 0 ? c10::str(", CUDA libraries ", memory::format_bytes(library_bytes)) : "",
       ", inputs ", memory::format_bytes(input_bytes), ", activations ",
       memory::format_bytes(activation_bytes), evaluation);
@@ -1326,7 +1329,8 @@ std::string describe_step(const BatchProgress& p) {
 void replan_if_budget_changed(BatchProgress& progress, const std::string& change,
                               const Config& config, const TaskData& train_set,
                               const std::vector<int64_t>& input, torch::Device device,
-                              int64_t budget, int64_t step_budget, const EventCallback& on_event) {
+                              const TrainingBudget& budget, int64_t step_budget,
+                              const EventCallback& on_event) {
   if (change.empty()) return;
   const auto note = [&](Event::Kind kind, const std::string& message) {
     if (on_event) on_event(Event::note(kind, message));
@@ -1390,10 +1394,9 @@ BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_even
   TaskData data(config, config.data.train_split, true, on_event);
   TORCH_CHECK(data.samples() > 0, no_samples_in_split(config, config.data.train_split));
   const torch::Device device(config.device);
-  const int64_t budget =
-      config.train.budget > 0 ? config.train.budget : memory::Tracker::of(device).available_bytes();
+  const auto budget = resolve_budget(config);
   const int64_t step_budget = step_budget_bytes(
-      config, budget, largest_unit_bytes(data, validation_data(config, on_event)));
+      config, budget.tensors, largest_unit_bytes(data, validation_data(config, on_event)));
   return plan_for(config, data, data.sample_shape(), device, budget, step_budget);
 }
 
@@ -1423,11 +1426,11 @@ TrainResult train_batch(const Config& config, const std::string& resume,
 
   const auto input = train_set.sample_shape();
   auto& tracker = memory::Tracker::of(device);
-  const int64_t budget = tc.budget > 0 ? tc.budget : tracker.available_bytes();
-  const int64_t step_budget =
-      step_budget_bytes(config, budget, largest_unit_bytes(train_set, val_set));
+  const auto budget = resolve_budget(config);
+  const int64_t largest_unit = largest_unit_bytes(train_set, val_set);
+  const int64_t step_budget = step_budget_bytes(config, budget.tensors, largest_unit);
   // Decoded samples held ahead stay within the reserve the step budget leaves them.
-  const int64_t prefetch_bytes = prefetch_reserve_bytes(config, budget);
+  const int64_t prefetch_bytes = prefetch_reserve_bytes(config, budget.tensors, 0);  // step_budget_bytes: why
 
   BatchProgress progress;
   progress.precision = batch_precision(config);

@@ -855,7 +855,10 @@ struct StepPlan {
   std::map<engine::Precision, plan::ChunkCosts> costs;
   plan::Plan chosen;
   bool planned = false;
-  int64_t budget = 0, step_budget = 0;
+  TrainingBudget resolved;  // train.budget as the run spends it
+  // The tensors' budget (resolved.tensors), what the step may use of it, and the prefetch
+  // reserve the rest holds.
+  int64_t budget = 0, step_budget = 0, prefetch = 0;
   // A resumed run under a changed budget: the prediction for the checkpoint's settings, and
   // whether they were replaced because they do not fit it.
   std::optional<plan::Plan> resumed;
@@ -863,12 +866,14 @@ struct StepPlan {
 };
 
 // The step `train` runs for the longest training video, and the budget it is planned in:
-// train.budget (else the device's available memory) less the prefetch reserve.
+// train.budget (else the device's available memory), less on the CPU the runtime's share, less
+// the prefetch reserve.
 StepPlan step_request(const Config& config, const data::VideoDataset& train_set) {
   const auto& tc = config.train;
   const torch::Device device(config.device);
   StepPlan result;
-  result.budget = tc.budget > 0 ? tc.budget : memory::Tracker::of(device).available_bytes();
+  result.resolved = resolve_budget(config);
+  result.budget = result.resolved.tensors;
   int64_t longest = 0, shortest = std::numeric_limits<int64_t>::max(), largest_bytes = 0;
   for (int64_t i = 0; i < train_set.size(); ++i) {
     longest = std::max(longest, train_set.frames(i));
@@ -876,6 +881,7 @@ StepPlan step_request(const Config& config, const data::VideoDataset& train_set)
     largest_bytes = std::max(largest_bytes, train_set.frame_bytes(i));
   }
   result.step_budget = step_budget_bytes(config, result.budget, largest_bytes);
+  result.prefetch = prefetch_reserve_bytes(config, result.budget, largest_bytes);
   auto& request = result.request;
   request.model = model_spec(config, frame_size_for_planning(train_set), device);
   request.frames = longest;
@@ -1013,7 +1019,8 @@ PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
   result.videos = train_set.size();
   result.longest_frames = step.request.frames;
   result.frame_size = step.request.model.size;
-  result.budget_bytes = step.budget;
+  result.budget_bytes = step.resolved.total;
+  result.runtime_bytes = step.resolved.runtime;
   result.step_budget_bytes = step.step_budget;
   return result;
 }
@@ -1062,9 +1069,10 @@ std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* su
     const int64_t size = step.request.model.size;
     *summary = c10::str(train_set->size(), " training videos, the longest ", step.request.frames,
                         " sampled frames at ", size, "x", size, "; step budget ",
-                        memory::format_bytes(step.step_budget),
-                        " (train.budget less the "
-                        "prefetch reserve); `framefit plan --config` chooses the settings");
+                        memory::format_bytes(step.step_budget), " (",
+                        describe_budget(step.resolved),
+                        step.resolved.covers_process() ? " and " : " less ",
+                        "the prefetch reserve); `framefit plan --config` chooses the settings");
   }
   return findings;
 }
@@ -1128,12 +1136,12 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
       info, !budget_changed.empty());
   const auto& chosen = step_plan.chosen;
   const bool planned = step_plan.planned;
-  const int64_t budget = step_plan.budget, step_budget = step_plan.step_budget;
+  const int64_t step_budget = step_plan.step_budget;
   // Decoded videos held ahead (training and validation) stay within what the step budget leaves.
-  const int64_t prefetch_bytes = prefetch_reserve_bytes(config, budget);
+  const int64_t prefetch_bytes = step_plan.prefetch;
   const int64_t longest = step_plan.request.frames;
-  TORCH_CHECK(chosen.fits, "training does not fit in train.budget ", memory::format_bytes(budget),
-              ": ", chosen.advice);
+  TORCH_CHECK(chosen.fits, "training does not fit in ", describe_budget(step_plan.resolved), ": ",
+              chosen.advice);
 
   // Built after calibration, which seeds the global generator for its probes: the model's
   // initialisation and the generator state training starts from must not depend on whether
@@ -1172,9 +1180,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
     info("plan: " + plan::describe(progress.settings) + ", predicted peak " +
          memory::format_bytes(chosen.breakdown.peak_bytes) + " of " +
          memory::format_bytes(step_budget) +
-         // On CUDA the prefetched frames are in host memory: the step has the whole budget.
-         (step_budget < budget ? " (budget " + memory::format_bytes(budget) + " less prefetch)"
-                               : std::string()));
+         describe_step_budget(step_plan.resolved, step_budget, chosen.breakdown.peak_bytes));
   } else if (reads_features(config)) {
     info(c10::str("settings: the head alone on precomputed features (", model.feature_dim,
                   " per frame), float32, whole videos"));
@@ -1265,7 +1271,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   const int64_t videos = train_set.size();
   const auto run = run_length(tc, (videos + tc.accumulate - 1) / tc.accumulate,
                               std::min<int64_t>(tc.accumulate, videos));
-  BudgetScope budget_scope(tracker, budget);
+  BudgetScope budget_scope(tracker, step_plan.resolved);
 
   RunHooks hooks;
   hooks.start_epoch = [&] {

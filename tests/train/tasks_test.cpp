@@ -491,6 +491,7 @@ train::Config clips_config(const std::string& name) {
   c.train.precision = "fp32";
   c.train.batch = "5";
   c.train.checkpointing = "off";
+  c.train.budget_covers = "tensors";  // these tests' budgets are tensor bytes, MiB and less
   c.train.out_dir = name + "_" + std::to_string(::getpid());
   test_util::remove_tree(c.train.out_dir);
   return c;
@@ -508,6 +509,7 @@ train::Config segmentation_config(const std::string& name) {
   c.train.epochs = 2;
   c.train.lr = 3e-3;
   c.train.precision = "fp32";
+  c.train.budget_covers = "tensors";
   c.train.out_dir = name + "_" + std::to_string(::getpid());
   test_util::remove_tree(c.train.out_dir);
   return c;

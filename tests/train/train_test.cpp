@@ -145,7 +145,7 @@ TEST(Config, StepBudgetLeavesTheDecodedDataOnTheCpuAndTheAllocatorsMarginOnCuda)
   EXPECT_EQ(train::step_budget_bytes(config("phases", "cpu"), budget, video), budget - video);
   EXPECT_EQ(train::step_budget_bytes(config("clips", "cpu"), budget, video), budget - 2 * video);
   EXPECT_EQ(train::step_budget_bytes(config("clips", "cpu"), budget, 0),
-            budget - train::prefetch_reserve_bytes(config("clips", "cpu"), budget));
+            budget - train::prefetch_reserve_bytes(config("clips", "cpu"), budget, 0));
   // CUDA: decoded data is in host memory. A phases plan keeps the chunk planner's own margin; a
   // batch plan leaves a tenth of the budget to the caching allocator's fragmentation.
   EXPECT_EQ(train::step_budget_bytes(config("phases", "cuda"), budget, video), budget);
@@ -161,6 +161,49 @@ TEST(Config, StepBudgetLeavesTheDecodedDataOnTheCpuAndTheAllocatorsMarginOnCuda)
                       "takes 300.00 MiB of the budget (the largest video decoded ahead); raise "
                       "train.budget"),
             std::string::npos);
+}
+
+TEST(Config, PrefetchReserveHoldsAUnitPerWorkerAndOneWaiting) {
+  const auto config = train::parse_config("data:\n  workers: 2\n", "test");
+  const int64_t budget = int64_t{1} << 30, mib = int64_t{1} << 20;
+  ASSERT_EQ(config.data.prefetch_bytes, 256 * mib);
+  EXPECT_EQ(train::prefetch_reserve_bytes(config, budget, 6 * mib), 18 * mib);
+  EXPECT_EQ(train::prefetch_reserve_bytes(config, budget, 0), 256 * mib);  // units unknown
+  EXPECT_EQ(train::prefetch_reserve_bytes(config, budget, 200 * mib), 256 * mib);
+  EXPECT_EQ(train::prefetch_reserve_bytes(config, 400 * mib, 200 * mib), 100 * mib);
+}
+
+TEST(Config, AProcessBudgetLeavesTheRuntimeItsShareOnTheCpu) {
+  const auto config = [](const std::string& text) { return train::parse_config(text, "test"); };
+  const int64_t gib = int64_t{1} << 30;
+  const auto before = memory::process_memory().untracked_bytes;
+  const auto process = train::resolve_budget(config("train:\n  budget: 1GiB\n"));
+  const auto after = memory::process_memory().untracked_bytes;
+  EXPECT_EQ(process.total, gib);
+  // What this process holds outside the tracking allocator, and room for what training starts.
+  EXPECT_GE(process.runtime, std::min(before, after) + train::kRuntimeGrowthBytes);
+  EXPECT_LE(process.runtime, std::max(before, after) + train::kRuntimeGrowthBytes);
+  EXPECT_EQ(process.tensors, gib - process.runtime);
+  EXPECT_NE(train::describe_budget(process).find("train.budget 1.00 GiB less the runtime's "),
+            std::string::npos);
+  EXPECT_NE(train::describe_step_budget(process, process.tensors - 18 * (1 << 20), 100 << 20)
+                .find(" and 18.00 MiB of decoded data); expected RSS about "),
+            std::string::npos);
+  // The tensors alone, or a CUDA device's memory: all of it.
+  const auto tensors =
+      train::resolve_budget(config("train:\n  budget: 1GiB\n  budget_covers: tensors\n"));
+  EXPECT_EQ(tensors.runtime, 0);
+  EXPECT_EQ(tensors.tensors, gib);
+  EXPECT_EQ(train::describe_budget(tensors), "train.budget 1.00 GiB");
+  const auto cuda = train::resolve_budget(config("device: cuda\ntrain:\n  budget: 1GiB\n"));
+  EXPECT_EQ(cuda.runtime, 0);
+  EXPECT_EQ(cuda.tensors, gib);
+  // A budget the process alone fills says so, and what to do.
+  const auto error = test_util::error_message(
+      [&] { train::resolve_budget(config("train:\n  budget: 16MiB\n")); });
+  EXPECT_NE(error.find("is below what this process holds without tensors"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("train.budget_covers: tensors"), std::string::npos) << error;
 }
 
 TEST(Config, BackgroundNamesClassesOfAPhasesTask) {
@@ -674,6 +717,7 @@ train::Config tiny_config(const std::string& name) {
   c.train.chunk = "8";
   c.train.keep = "1";
   c.train.budget = int64_t{2} << 30;
+  c.train.budget_covers = "tensors";  // the tests below size budgets in tensor bytes
   c.train.out_dir = out_dir;
   test_util::remove_tree(out_dir);
   return c;
@@ -1022,6 +1066,46 @@ TEST(Training, ResumedRunEndsWithIdenticalWeights) {
   test_util::remove_tree(base.train.out_dir);
   test_util::remove_tree(first.train.out_dir);
 }
+TEST(Training, UnderAProcessBudgetTheResidentMemoryStaysWithinIt) {
+  // On the CPU train.budget is what a memory limit sees: the steps' resident peak (VmHWM from the
+  // first step on) stays within it, the runtime's own memory included, and the plan says what to
+  // expect. The budget leaves the step little beside ResNet-18's weights, gradients and Adam's
+  // moments (chunk 1 alone is predicted at 294 MiB): planned in the whole budget, or with the
+  // allocator's cache at twice it, the resident memory would pass it.
+  if (!memory::reset_rss_peak()) GTEST_SKIP() << "/proc/self/clear_refs cannot be written here";
+  auto config = tiny_config("/tmp/framefit_process_budget");
+  config.data.resize = 128;
+  config.train.chunk = "auto";
+  config.train.keep = "auto";
+  config.train.max_steps = 3;
+  config.train.budget_covers = "process";
+  const int64_t runtime = memory::process_memory().untracked_bytes + train::kRuntimeGrowthBytes;
+  config.train.budget = runtime + (int64_t{448} << 20);
+  std::vector<std::string> notes;
+  train::train(config, "", [&](const train::Event& e) {
+    if (e.kind == train::Event::Kind::Info) notes.push_back(e.message);
+  });
+  const auto plan = std::find_if(notes.begin(), notes.end(), [](const std::string& n) {
+    return n.rfind("plan: ", 0) == 0;
+  });
+  ASSERT_NE(plan, notes.end()) << c10::Join("\n", notes);
+  EXPECT_NE(plan->find("less the runtime's "), std::string::npos) << *plan;
+  EXPECT_NE(plan->find("expected RSS about "), std::string::npos) << *plan;
+  std::ifstream log(config.train.out_dir + "/log.jsonl");
+  int steps = 0;
+  for (std::string line; std::getline(log, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record["type"] != "step") continue;
+    ++steps;
+    EXPECT_LE(record["rss_peak_bytes"].get<int64_t>(), config.train.budget)
+        << "step " << record["step"] << " of " << *plan;
+    // The tensors and the allocator's cache: within the tensors' share.
+    EXPECT_LE(record["held_bytes"].get<int64_t>(), config.train.budget - train::kRuntimeGrowthBytes);
+  }
+  EXPECT_EQ(steps, 3);
+  test_util::remove_tree(config.train.out_dir);
+}
+
 TEST(Training, ResumedUnderAnotherBudgetKeepsTheSettingsThatFitAndReplansThoseThatDoNot) {
   // The run's plan under 2 GiB, and a budget it does not fit: there the planner chooses other
   // settings (the same calibrated costs choose the same fastest settings wherever they fit).
@@ -1036,7 +1120,10 @@ TEST(Training, ResumedUnderAnotherBudgetKeepsTheSettingsThatFitAndReplansThoseTh
   const std::string first_settings = plan::describe(planned.settings);
   auto smaller = config;
   std::optional<train::PhasePlan> replan;
-  for (int64_t budget = config.train.budget / 2; budget > (1 << 20) && !replan; budget /= 2) {
+  // A fifth less each time: halving stepped from where the whole video fits to where nothing
+  // does once the prefetch reserve shrank to the decoded videos it holds.
+  for (int64_t budget = config.train.budget * 4 / 5; budget > (1 << 20) && !replan;
+       budget = budget * 4 / 5) {
     smaller.train.budget = budget;
     auto p = train::plan_phases(smaller);
     if (p.fits && plan::describe(p.settings) != first_settings) replan = p;

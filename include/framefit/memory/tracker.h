@@ -65,6 +65,11 @@ class Backend {
   virtual void set_budget(int64_t bytes) = 0;  // 0 = no budget
   virtual int64_t budget_bytes() const = 0;
   virtual void release_cache() = 0;            // give cached blocks back to the system
+  // What the allocator may hold from the system, its tensors and cached blocks together, where
+  // that is not the allocator's own policy (CPU: twice the budget; CUDA: its caching allocator's
+  // fraction, unchanged here). 0 = the default.
+  virtual void set_held_limit(int64_t /*bytes*/) {}
+  virtual int64_t held_limit_bytes() const { return 0; }
   virtual void set_phase_name(const std::string& name) = 0;  // named in budget errors
   // What tensors could use at most without a budget: the device's memory (CUDA), or the bytes
   // in use plus what the system has available (CPU).
@@ -172,6 +177,10 @@ class Tracker {
   void set_budget(int64_t bytes) { backend_->set_budget(bytes); }
   int64_t budget_bytes() const { return backend_->budget_bytes(); }
   void release_cache() { backend_->release_cache(); }
+  // On the CPU, where a memory limit sees the process's resident memory: the tensors and the
+  // cached blocks together stay within `bytes` (at least the budget; 0: twice the budget).
+  void set_held_limit(int64_t bytes) { backend_->set_held_limit(bytes); }
+  int64_t held_limit_bytes() const { return backend_->held_limit_bytes(); }
   // The budget if set, else the device's capacity: what a planner may plan for.
   int64_t available_bytes() const;
 
@@ -218,9 +227,17 @@ bool tracking_allocator_installed();
 struct ProcessMemory {
   int64_t rss_bytes = 0;
   int64_t rss_peak_bytes = 0;  // VmHWM: since start or the last reset_rss_peak()
+  // Of rss_bytes, what the CPU tracking allocator does not hold (its tensors and cached blocks
+  // are Tracker::cpu().reserved_bytes()): code, thread stacks, the libraries' own buffers,
+  // malloc's free lists. Never negative.
+  int64_t untracked_bytes = 0;
 };
 ProcessMemory process_memory();
 // Resets the kernel's high-water mark (Linux /proc/self/clear_refs); false if not permitted.
 bool reset_rss_peak();
+// Gives the C library's free heap pages back to the system (glibc's malloc_trim). Blocks below
+// the tracking allocator's mapping size, and the libraries' own allocations, come from malloc,
+// whose freed pages otherwise stay resident: 50 MiB over one epoch of the demo. Milliseconds.
+void release_free_heap();
 
 }  // namespace framefit::memory

@@ -109,6 +109,10 @@ struct TrainConfig {
   std::string lr_scaling = "linear";  // linear | sqrt
   std::string precision = "auto";  // auto | fp32 | bf16 | fp16
   int64_t budget = 0;              // bytes; 0: the device's free memory
+  // On the CPU, what train.budget bounds: process (the process's resident memory, what a
+  // container's limit sees: the runtime's own memory comes off before tensors plan in it) |
+  // tensors (the tracked tensors alone). On CUDA it is the device's memory either way.
+  std::string budget_covers = "process";
   std::string chunk = "auto";      // auto | 0 (naive) | frames
   std::string keep = "auto";       // auto | chunks
   int64_t accumulate = 1;          // videos per optimizer step
@@ -158,9 +162,36 @@ struct ConfigKey {
 };
 const std::vector<ConfigKey>& config_keys();
 
-// The data pipeline's share of `budget` (train.budget, else the device's memory): the decoded
-// frames it may hold ahead of training, data.prefetch_bytes but at most a quarter.
-int64_t prefetch_reserve_bytes(const Config& config, int64_t budget);
+// train.budget as a run can spend it, worked out when the run is planned.
+struct TrainingBudget {
+  int64_t total = 0;    // train.budget, else the device's available memory
+  // Of total, the process's own (on the CPU with train.budget_covers process): what is resident
+  // outside the tracking allocator now (code, the libraries' buffers) and what training starts
+  // later (kRuntimeGrowthBytes: data workers, threads, kernels). 0 otherwise.
+  int64_t runtime = 0;
+  int64_t tensors = 0;  // total - runtime: the tracker's budget (and held limit) for the run
+  bool covers_process() const { return runtime > 0; }
+};
+// Measured on the demo (1 GiB, 64x64 frames): resident outside the allocator, 168 MiB when the
+// run was planned, 204 MiB after two epochs' steps (with memory::release_free_heap after each;
+// 250 MiB after one without), and at least 235 MiB within a step (malloc's arenas, which the
+// step's small blocks fill and the release after it empties).
+constexpr int64_t kRuntimeGrowthBytes = int64_t(96) << 20;
+TrainingBudget resolve_budget(const Config& config);
+// "train.budget 1.00 GiB less the runtime's 233.1 MiB" (or "train.budget 1.00 GiB"), for plans.
+std::string describe_budget(const TrainingBudget& budget);
+// What a plan line says after "predicted peak P of S": where the step budget S comes from, and
+// under a process budget the resident memory to expect (runtime, decoded data, the step's peak):
+// " (train.budget 1.00 GiB less the runtime's 233 MiB and 18 MiB of decoded data); expected RSS
+// about 891 MiB". Empty where S is the whole budget.
+std::string describe_step_budget(const TrainingBudget& budget, int64_t step_budget,
+                                 int64_t predicted_peak);
+
+// The data pipeline's share of `budget` (the tensors' budget): the decoded frames it may hold
+// ahead of training, data.prefetch_bytes but at most a quarter, and no more than one unit per
+// worker and one waiting (`largest_unit_bytes` each, the largest decoded unit; 0 where unknown),
+// which keeps training fed as well as more would.
+int64_t prefetch_reserve_bytes(const Config& config, int64_t budget, int64_t largest_unit_bytes);
 // What a training step may use of `budget`. On the CPU: the rest beside the decoded data, which
 // is the frames decoded ahead (the prefetch reserve, or one unit larger than that, which is
 // decoded alone) and, for clips and segmentation, the unit whose samples are being batched (a
