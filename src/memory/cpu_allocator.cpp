@@ -215,8 +215,8 @@ class TrackingCpuAllocator final : public c10::Allocator {
   // run whose budget is the process's resident memory sets it to the tensors' budget), else
   // within twice the budget. Trimming it to the budget's headroom made every step near the
   // budget map and page-fault its memory afresh (2-3x slower steps), and trimming it to the
-  // budget on each release still made a UNet's step 12% slower with a budget than without; the
-  // demo's phases steps ran within noise of the same time (bench/results/main_job_peaks.md).
+  // budget on each release still made a UNet's step 12% slower with a budget than without, and
+  // the demo's steps 1.25-1.29x slower held within it (bench/results/held_limit_speed.md).
   int64_t cache_limit_locked(int64_t incoming) const {
     const int64_t budget = budget_.load(), held_limit = held_limit_.load();
     if (budget <= 0 && held_limit <= 0) return kDefaultCacheLimit;
