@@ -112,7 +112,11 @@ Planned plan_step(const Args& args) {
   // What no step can run with (fp16 on a CPU, frames too small for the model) is refused
   // before the probes calibrate.
   plan::refuse_errors(plan::diagnose(request, 0));
-  if (request.precisions.size() == 1) check_autocast_dtype(args, request.precisions.front());
+  if (request.precisions.size() == 1) {
+    check_autocast_dtype(args, request.precisions.front());
+    const auto slow = engine::slow_precision_reason(request.precisions.front(), request.model.device);
+    if (!slow.empty()) fmt::print(stderr, "warning: {}\n", slow);
+  }
   auto& tracker = memory::Tracker::of(request.model.device);
   const bool auto_chunk = !request.chunk.has_value();
   planned.settings.precision = request.precisions.front();

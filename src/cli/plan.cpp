@@ -105,6 +105,7 @@ namespace {
 nlohmann::json breakdown_json(const plan::Breakdown& b) {
   return {{"parameters", b.parameters},
           {"gradients", b.gradients},
+          {"gradient_sums", b.gradient_sums},
           {"optimizer_state", b.optimizer_state},
           {"input_frames", b.input_frames},
           {"features", b.features},
@@ -126,6 +127,11 @@ void print_breakdown(const plan::Breakdown& b, int64_t margin) {
   };
   line("parameters and buffers", b.parameters);
   line("gradients", b.gradients);
+  if (b.gradient_sums > 0) {
+    fmt::print("      of them {} the encoder's gradients summed over later chunks, held while a\n"
+               "      recomputed chunk's backward writes its own\n",
+               memory::format_bytes(b.gradient_sums));
+  }
   line("optimizer state", b.optimizer_state);
   line("input frames and labels", b.input_frames);
   line("features (+ gradient)", b.features);
@@ -487,7 +493,17 @@ int run_plan(const Args& args) {
   const double margin = args.number("margin");
   // Problems the planner cannot plan around come first, before any probe allocates.
   auto findings = plan::diagnose(request, budget);
-  if (plan::has_errors(findings)) return print_findings(args, findings);
+  if (plan::has_errors(findings)) {
+    if (!args.on("json")) return print_findings(args, findings);
+    // The keys of a plan's answer, so that a script reads either: it does not fit, and why.
+    fmt::print("{}\n", nlohmann::json{{"fits", false},
+                                      {"ok", false},
+                                      {"budget_bytes", budget},
+                                      {"findings", findings_json(findings)},
+                                      {"machine", machine_info().describe()}}
+                           .dump());
+    return 1;
+  }
   auto calibrated = calibrate_for(args, request);
   if (args.on("table")) return print_table(args, request, calibrated, budget, margin);
 
@@ -524,6 +540,8 @@ int run_plan(const Args& args) {
     nlohmann::json warnings = nlohmann::json::array();
     for (const auto& f : findings) warnings.push_back(f.problem);
     out["warnings"] = warnings;
+    out["ok"] = true;  // no finding is an error (those answer above)
+    out["findings"] = findings_json(findings);
     if (largest) {
       out["largest_chunk"] = {{"found", largest->found},
                               {"chunk", largest->chunk},

@@ -22,6 +22,14 @@ void check_runs_on(Precision precision, torch::Device device) {
               "bf16 autocast cannot run here: ", cpu_bf16().reason, "; use fp32");
 }
 
+std::string slow_precision_reason(Precision precision, torch::Device device) {
+  if (!device.is_cpu() || precision != Precision::BF16 ||
+      cpu_bf16().kernels != Bf16Kernels::Emulated)
+    return "";
+  return "bf16 runs emulated here (" + cpu_bf16().reason +
+         "): expect steps many times slower than fp32; precision fp32 (or auto) avoids it";
+}
+
 std::string to_string(Precision precision) {
   switch (precision) {
     case Precision::FP32: return "fp32";

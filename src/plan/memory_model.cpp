@@ -251,6 +251,7 @@ Breakdown predict_one_length(const StaticSizes& sizes, const ChunkCosts& costs,
       result.peak_phase = m.phase;
       result.parameters = sizes.parameter_bytes;
       result.gradients = sizes.trained_bytes() + m.extra_gradients;
+      result.gradient_sums = m.extra_gradients;
       result.optimizer_state = sizes.optimizer_state_bytes;
       result.input_frames = frames_in;
       result.features = m.features;

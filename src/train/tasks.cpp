@@ -1434,6 +1434,8 @@ TrainResult train_batch(const Config& config, const std::string& resume,
 
   BatchProgress progress;
   progress.precision = batch_precision(config);
+  if (const auto slow = engine::slow_precision_reason(progress.precision, device); !slow.empty())
+    emit(Event::note(Event::Kind::Warning, slow));
   if (resumed) {
     progress = read_progress(resumed->archive);
     warn_config_changes(resumed->stored, config, progress.best_score, on_event);

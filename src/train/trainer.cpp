@@ -1191,6 +1191,9 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
                                 : " (from the checkpoint)"));
   }
 
+  const auto slow = engine::slow_precision_reason(progress.settings.precision, device);
+  if (!slow.empty()) emit(Event::note(Event::Kind::Warning, slow));
+
   engine::StepOptions options;
   options.chunked.chunk = progress.settings.chunk;
   options.chunked.keep = progress.settings.keep;

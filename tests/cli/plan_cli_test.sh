@@ -24,6 +24,21 @@ else
   [ $? -eq 2 ] || { echo "expected exit code 2"; exit 1; }
 fi
 "$framefit" plan "${model[@]}" --frames 128 --budget 4GiB --table --json > table.json
+# Below the static minimum the JSON answer has a plan's keys: it does not fit, and the findings.
+if "$framefit" plan "${model[@]}" --frames 128 --budget 8MiB --json > static.json; then
+  echo "a plan fitted 8 MiB"; exit 1
+fi
+"$python" -c "
+import json, sys
+d = json.load(open('static.json'))
+assert d['fits'] is False and d['ok'] is False and d['budget_bytes'] == 8 << 20, d
+assert any(f['severity'] == 'error' for f in d['findings']), d"
+"$python" -c "
+import json
+d = json.load(open('plan.json'))
+assert d['ok'] is True and isinstance(d['findings'], list), d
+b = d['breakdown']
+assert 0 <= b['gradient_sums'] <= b['gradients'], b"
 # A budget beyond the machine is planned for, with a warning (none for one within it).
 "$framefit" plan "${model[@]}" --frames 128 --budget 1024TiB --json > big.json 2> big.txt
 grep -q "warning: --budget 1024.00 TiB is more than the system's available memory" big.txt ||

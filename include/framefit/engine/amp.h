@@ -16,6 +16,10 @@ std::string to_string(Precision precision);
 // Training calls it once for the precision it was asked for, before anything is allocated
 // (fp16 on the CPU is refused by AutocastGuard).
 void check_runs_on(Precision precision, torch::Device device);
+// Why `precision` runs slowly on `device`, where it does: bf16 on a CPU whose bf16 kernels are
+// emulated (no bf16 instructions: many times slower than fp32; a ResNet-18 step over 600 frames
+// had not finished in 26 minutes); "" otherwise. For a warning before the first step.
+std::string slow_precision_reason(Precision precision, torch::Device device);
 
 // Autocast settings of the current thread, for CPU and CUDA.
 struct AutocastState {

@@ -139,6 +139,9 @@ struct StepSettings {
 struct Breakdown {
   int64_t parameters = 0;  // parameters and norm buffers
   int64_t gradients = 0;   // .grad of trained parameters, plus partial sums in recompute
+  // Of gradients, the partial sums: while a recomputed chunk's backward writes the encoder's
+  // gradients, those summed over the later chunks are held beside them (one more copy).
+  int64_t gradient_sums = 0;
   int64_t optimizer_state = 0;
   int64_t input_frames = 0;  // uint8 frames (CPU) and labels of the videos in memory
   int64_t features = 0;      // per-frame features and their gradient
