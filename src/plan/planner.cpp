@@ -61,12 +61,21 @@ int64_t chunks_per_video(const StepSettings& s) {
   return s.naive() ? 1 : (s.frames + s.chunk - 1) / s.chunk;
 }
 
-// Faster first; equal time: less accumulation, then fewer encoder calls (per-call overhead the
-// time model does not see below its calibrated chunk sizes: an all-frozen encoder's predicted
-// time is the same for any chunk, and one-frame chunks ran 3x slower), then less memory.
+// The time a candidate is compared by: a 16-bit precision's counts kLowerPrecisionGain more, so
+// that it wins over fp32 only where clearly faster.
+double compared_seconds(const Candidate& c) {
+  return c.settings.precision == engine::Precision::FP32 ? c.seconds
+                                                         : c.seconds / (1 - kLowerPrecisionGain);
+}
+
+// Faster first (compared_seconds); equal time: less accumulation, then fewer encoder calls
+// (per-call overhead the time model does not see below its calibrated chunk sizes: an
+// all-frozen encoder's predicted time is the same for any chunk, and one-frame chunks ran 3x
+// slower), then less memory.
 bool better(const Candidate& a, const Candidate& b) {
-  const double tolerance = 1e-9 * std::max(a.seconds, b.seconds);
-  if (std::abs(a.seconds - b.seconds) > tolerance) return a.seconds < b.seconds;
+  const double sa = compared_seconds(a), sb = compared_seconds(b);
+  const double tolerance = 1e-9 * std::max(sa, sb);
+  if (std::abs(sa - sb) > tolerance) return sa < sb;
   if (a.accumulate != b.accumulate) return a.accumulate < b.accumulate;
   const int64_t calls_a = chunks_per_video(a.settings), calls_b = chunks_per_video(b.settings);
   if (calls_a != calls_b) return calls_a < calls_b;

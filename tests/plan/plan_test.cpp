@@ -216,11 +216,19 @@ TEST(MemoryModel, StaticSizesAndShapeOfPrediction) {
     EXPECT_GT(b.peak_bytes, previous) << "a bigger chunk needs more memory";
     EXPECT_EQ(b.peak_bytes, b.parameters + b.gradients + b.optimizer_state + b.input_frames +
                                 b.features + b.activations + b.workspace);
+    // Where the peak is in a recomputed chunk's backward, the gradients summed over the later
+    // chunks are a second copy of the encoder's beside its own, and named as such.
+    if (b.peak_phase == "recompute") {
+      EXPECT_EQ(b.gradient_sums, sizes.trained_encoder_bytes) << chunk;
+      EXPECT_EQ(b.gradients, sizes.trained_bytes() + b.gradient_sums) << chunk;
+    }
     previous = b.peak_bytes;
   }
   s.chunk = 0;
   const auto naive = plan::predict(sizes, costs, s);
   EXPECT_GT(naive.peak_bytes, previous);
+  EXPECT_EQ(naive.gradient_sums, 0);  // one backward: nothing summed beside it
+  EXPECT_EQ(naive.gradients, sizes.trained_bytes());
   EXPECT_GE(naive.activations, 1000 * 0.9e6);  // every frame's activations at once
   // Recompute costs time: chunked is predicted slower than naive, keeping chunks recovers some.
   s.chunk = 64;
@@ -312,6 +320,33 @@ TEST(Planner, ChoosesTheFastestThatFitsAndRespectsFixedSettings) {
   const auto batch = plan::fit(request, sizes, costs, budget, 0.1);
   ASSERT_TRUE(batch.fits);
   EXPECT_EQ(batch.accumulate * batch.settings.videos_per_call >= 4, true);
+}
+
+TEST(Planner, TakesBf16OverFp32OnlyWhereClearlyFaster) {
+  // A roomy budget: both fit naive training, and only the predicted time decides.
+  plan::PlanRequest request;
+  request.model = tiny_spec();
+  request.frames = 100;
+  request.precisions = {Precision::FP32, Precision::BF16};
+  const auto sizes = plan::static_sizes(request.model);
+  const auto bf16_faster_by = [&](double gain) {
+    auto bf16 = synthetic_costs(0.5);
+    for (auto* line : {&bf16.nograd_seconds, &bf16.grad_seconds, &bf16.backward_seconds,
+                       &bf16.frozen_seconds, &bf16.head_seconds}) {
+      line->intercept *= 1 - gain;
+      line->slope *= 1 - gain;
+    }
+    const std::map<Precision, plan::ChunkCosts> costs = {{Precision::FP32, synthetic_costs()},
+                                                          {Precision::BF16, bf16}};
+    return plan::fit(request, sizes, costs, int64_t{64} << 30, 0.1);
+  };
+  // Within the noise of two calibrations: fp32, whichever measured faster.
+  EXPECT_EQ(bf16_faster_by(0.05).settings.precision, Precision::FP32);
+  EXPECT_EQ(bf16_faster_by(-0.05).settings.precision, Precision::FP32);
+  // Clearly faster: bf16.
+  const auto clearly = bf16_faster_by(0.2);
+  EXPECT_EQ(clearly.settings.precision, Precision::BF16);
+  EXPECT_TRUE(clearly.settings.naive());
 }
 
 // Costs with BatchNorm recomputed, made up like synthetic_costs: `kept` of the activations per

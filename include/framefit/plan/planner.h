@@ -72,7 +72,12 @@ std::string budget_beyond_device(int64_t budget_bytes, torch::Device device,
                                  const std::string& what);
 
 // margin: the fraction of the budget kept free (0.1 = plan for 90% of it). The costs are those
-// calibrated for request.model (its recompute_norm is copied into the settings).
+// calibrated for request.model (its recompute_norm is copied into the settings). Of settings that
+// fit, the fastest is chosen, except that a 16-bit precision is taken over fp32 only where it is
+// predicted at least kLowerPrecisionGain faster (or fp32 does not fit): the two calibrations'
+// difference is often within the timing noise, and two fresh calibrations of one config chose
+// bf16 once and fp32 the next time.
+constexpr double kLowerPrecisionGain = 0.1;
 Plan fit(const PlanRequest& request, const StaticSizes& sizes,
          const std::map<engine::Precision, ChunkCosts>& costs, int64_t budget_bytes,
          double margin = 0.1);
