@@ -190,9 +190,23 @@ ChunkCosts calibrate(const ModelSpec& spec, const engine::FrameEncoder& encoder,
   }
   std::array<ChunkProbe, 2> chunk;
   std::array<HeadProbe, 2> head_probe;
+  int probe = 0;
+  const auto timed = [&](const std::string& what, const auto& run) {
+    const auto start = std::chrono::steady_clock::now();
+    run();
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+    if (options.on_progress) {
+      options.on_progress(c10::str("probe ", ++probe, " of 4: ", what, ", ",
+                                   std::round(took.count() * 10) / 10, " s"));
+    }
+  };
   for (size_t i = 0; i < 2; ++i) {
-    chunk[i] = probe_chunk(spec, precision, encoder, chunk_frames[i], options);
-    head_probe[i] = probe_head(spec, *head, feature_dim, options.head_frames[i], options);
+    timed(c10::str("the encoder on ", chunk_frames[i], " frames"), [&] {
+      chunk[i] = probe_chunk(spec, precision, encoder, chunk_frames[i], options);
+    });
+    timed(c10::str("the head on ", options.head_frames[i], " frames"), [&] {
+      head_probe[i] = probe_head(spec, *head, feature_dim, options.head_frames[i], options);
+    });
   }
   const double n1 = static_cast<double>(chunk_frames[0]);
   const double n2 = static_cast<double>(chunk_frames[1]);
@@ -351,7 +365,9 @@ std::map<engine::Precision, ChunkCosts> calibrated_costs(
       continue;
     }
     if (on_probe) on_probe("calibrating " + key + " (probe runs, once per machine)");
-    result[precision] = calibrate(spec, precision, options);
+    auto told = options;
+    if (!told.on_progress) told.on_progress = on_probe;
+    result[precision] = calibrate(spec, precision, told);
     cache.put(key, result[precision]);
     changed = true;
   }
@@ -395,6 +411,7 @@ Plan refit_at_planned_chunk(const PlanRequest& request, const StaticSizes& sizes
       if (on_probe) on_probe(c10::str("calibrating at the planned chunk of ", s.chunk, " frames"));
       auto through = options;
       through.chunk_frames = {probed, s.chunk};
+      if (!through.on_progress) through.on_progress = on_probe;
       costs[s.precision] = calibrate(request.model, s.precision, through);
       cache.put(key, costs[s.precision]);
       cache.save();

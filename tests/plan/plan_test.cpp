@@ -934,7 +934,13 @@ TEST(Planner, EncoderFrozenThroughItsLastStageIsCalibratedAndPredicted) {
   auto spec = tiny_spec();
   spec.freeze = "layer4";
   const auto sizes = plan::static_sizes(spec);
-  const auto costs = plan::calibrate(spec, Precision::FP32, quick_calibration());
+  auto options = quick_calibration();
+  std::vector<std::string> progress;  // a line per probe: calibrations take up to a minute
+  options.on_progress = [&](const std::string& line) { progress.push_back(line); };
+  const auto costs = plan::calibrate(spec, Precision::FP32, options);
+  ASSERT_EQ(progress.size(), 4u);
+  EXPECT_EQ(progress[0].rfind("probe 1 of 4: the encoder on 24 frames, ", 0), 0u) << progress[0];
+  EXPECT_EQ(progress[3].rfind("probe 4 of 4: the head on ", 0), 0u) << progress[3];
   EXPECT_EQ(costs.saved.slope, 0);
   EXPECT_EQ(costs.backward_peak.slope, 0);
   const auto v = video(160, spec.size, spec.classes);  // beyond the probes' 24 and 96 frames

@@ -19,6 +19,9 @@ struct CalibrationOptions {
   std::vector<int64_t> head_frames = {128, 512};
   int64_t repeats = 2;  // per probe; the fastest time counts, memory from the last
   uint64_t seed = 0;
+  // Told after each of the four probes ("probe 2 of 4: the encoder on 12 frames, 3.1 s"): a
+  // calibration takes seconds to a minute.
+  std::function<void(const std::string&)> on_progress;
 };
 
 // Runs the probes (this allocates: a model, a few chunks of frames, their activations).
