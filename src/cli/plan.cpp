@@ -91,13 +91,8 @@ Calibrated calibrate_for(const Args& args, const plan::PlanRequest& request) {
 plan::Plan fit_for(const Args& args, plan::PlanRequest& request, Calibrated& calibrated,
                    int64_t budget_bytes, double margin) {
   auto cache = calibration_cache(args);
-  const auto chosen =
-      args.text("recompute-norm") != "auto"
-          ? plan::fit(request, calibrated.sizes, calibrated.costs, budget_bytes, margin)
-          : plan::fit_choosing_recompute_norm(request, calibrated.sizes, calibrated.costs, cache,
-                                              budget_bytes, margin, announce(args));
-  return plan::refit_at_planned_chunk(request, calibrated.sizes, calibrated.costs, cache, chosen,
-                                      budget_bytes, margin, announce(args));
+  return plan::plan_chunked_step(request, calibrated.sizes, calibrated.costs, cache, budget_bytes,
+                                 margin, args.text("recompute-norm") == "auto", announce(args));
 }
 
 namespace {

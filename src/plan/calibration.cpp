@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -373,6 +374,37 @@ std::map<engine::Precision, ChunkCosts> calibrated_costs(
   }
   if (changed) cache.save();
   return result;
+}
+
+Plan plan_chunked_step(PlanRequest& request, const StaticSizes& sizes,
+                       std::map<engine::Precision, ChunkCosts>& costs, CalibrationCache& cache,
+                       int64_t budget_bytes, double margin, bool choose_norm,
+                       const std::function<void(const std::string&)>& on_probe) {
+  const bool fixed = request.chunk || request.keep || request.cache_frozen || request.accumulate;
+  std::optional<PlanRequest> given;
+  std::optional<std::map<engine::Precision, ChunkCosts>> given_costs;
+  if (fixed) {
+    given = request;
+    given_costs = costs;
+  }
+  auto plan = choose_norm ? fit_choosing_recompute_norm(request, sizes, costs, cache, budget_bytes,
+                                                        margin, on_probe)
+                          : fit(request, sizes, costs, budget_bytes, margin);
+  plan = refit_at_planned_chunk(request, sizes, costs, cache, std::move(plan), budget_bytes,
+                                margin, on_probe);
+  if (!plan.fits && fixed) {
+    // What this same path plans with the fixed settings left auto, on the copies: `request` and
+    // `costs` stay the fixed plan's (the replanner plans with them).
+    given->chunk.reset();
+    given->keep.reset();
+    given->cache_frozen.reset();
+    given->accumulate.reset();
+    const auto relaxed = plan_chunked_step(*given, sizes, *given_costs, cache, budget_bytes, margin,
+                                           choose_norm, on_probe);
+    plan.advice = plan.needs;
+    if (relaxed.fits) plan.advice += fits_when_auto(relaxed.settings, relaxed.accumulate);
+  }
+  return plan;
 }
 
 Plan fit_choosing_recompute_norm(PlanRequest& request, const StaticSizes& sizes,

@@ -146,6 +146,12 @@ std::string describe(const StepSettings& s, int64_t accumulate) {
   return text;
 }
 
+std::string fits_when_auto(const StepSettings& settings, int64_t accumulate) {
+  return "; it fits this budget if chunk, keep, caching and accumulation are left to the "
+         "planner (auto): " +
+         describe(settings, accumulate);
+}
+
 int64_t allocator_margin_bytes(int64_t budget_bytes, torch::Device device) {
   constexpr double kCudaMargin = 0.1;
   return device.is_cuda() ? budget_bytes - usable(budget_bytes, kCudaMargin) : 0;
@@ -196,11 +202,12 @@ Plan fit(const PlanRequest& request, const StaticSizes& sizes,
         std::ceil(static_cast<double>(smallest->breakdown.peak_bytes) / (1.0 - margin)));
     // The breakdown shows the peak; the budget it needs adds the margin, which is said so that
     // the two numbers agree.
-    plan.advice = c10::str("needs at least ", memory::format_bytes(plan.minimum_budget_bytes),
-                           " (a predicted peak of ",
-                           memory::format_bytes(smallest->breakdown.peak_bytes), " plus the ",
-                           std::lround(100 * margin), "% margin, with ",
-                           describe(smallest->settings, smallest->accumulate), ")");
+    plan.needs = c10::str("needs at least ", memory::format_bytes(plan.minimum_budget_bytes),
+                          " (a predicted peak of ",
+                          memory::format_bytes(smallest->breakdown.peak_bytes), " plus the ",
+                          std::lround(100 * margin), "% margin, with ",
+                          describe(smallest->settings, smallest->accumulate), ")");
+    plan.advice = plan.needs;
     // Settings the user fixed may be what stands in the way.
     PlanRequest relaxed = request;
     relaxed.chunk.reset();
@@ -212,12 +219,7 @@ Plan fit(const PlanRequest& request, const StaticSizes& sizes,
       if (c.breakdown.peak_bytes <= limit && (!relaxed_best || better(c, *relaxed_best)))
         relaxed_best = c;
     });
-    if (relaxed_best) {
-      plan.advice += c10::str(
-          "; it fits this budget if chunk, keep, caching and accumulation "
-          "are left to the planner (auto): ",
-          describe(relaxed_best->settings, relaxed_best->accumulate));
-    }
+    if (relaxed_best) plan.advice += fits_when_auto(relaxed_best->settings, relaxed_best->accumulate);
   }
   return plan;
 }

@@ -967,12 +967,8 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
     plan::CalibrationCache cache(plan::CalibrationCache::default_path());
     result.costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
     // request.model.recompute_norm and the costs (the replanner's) become those chosen.
-    chosen = choose_norm
-                 ? plan::fit_choosing_recompute_norm(request, result.sizes, result.costs, cache,
-                                                     result.step_budget, kStepMargin, info)
-                 : plan::fit(request, result.sizes, result.costs, result.step_budget, kStepMargin);
-    chosen = plan::refit_at_planned_chunk(request, result.sizes, result.costs, cache, chosen,
-                                          result.step_budget, kStepMargin, info);
+    chosen = plan::plan_chunked_step(request, result.sizes, result.costs, cache,
+                                     result.step_budget, kStepMargin, choose_norm, info);
   }
   if (!chosen.reason.empty()) info(chosen.reason);
   if (fixed && check_fixed) {

@@ -1,8 +1,10 @@
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <tuple>
 #include <torch/torch.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 
@@ -320,6 +322,36 @@ TEST(Planner, ChoosesTheFastestThatFitsAndRespectsFixedSettings) {
   const auto batch = plan::fit(request, sizes, costs, budget, 0.1);
   ASSERT_TRUE(batch.fits);
   EXPECT_EQ(batch.accumulate * batch.settings.videos_per_call >= 4, true);
+}
+
+TEST(Planner, AdviceForFixedSettingsNamesWhatTheAutoPlanChooses) {
+  // `plan --chunk 0` in a budget only chunking fits: the advice's "fits if left to the planner"
+  // is the plan the auto path makes (recalibrated at its chunk), not another candidate's.
+  plan::PlanRequest request;
+  request.model = tiny_spec();
+  request.frames = 200;
+  const auto sizes = plan::static_sizes(request.model);
+  const std::map<Precision, plan::ChunkCosts> costs = {{Precision::FP32, tiny_costs()}};
+  const auto [smallest, naive_peak] = smallest_budget_and_naive_peak(request, sizes, costs);
+  ASSERT_LT(smallest, naive_peak);
+  const int64_t budget = (smallest + naive_peak) / 2;
+  const std::string path = "/tmp/framefit_advice_cache_" + std::to_string(::getpid()) + ".json";
+  std::remove(path.c_str());
+  plan::CalibrationCache cache(path);
+  auto naive = request;
+  naive.chunk = 0;
+  naive.keep = 0;
+  auto naive_costs = costs;
+  const auto fixed = plan::plan_chunked_step(naive, sizes, naive_costs, cache, budget, 0.1, false);
+  auto free = request;
+  auto free_costs = costs;
+  const auto chosen = plan::plan_chunked_step(free, sizes, free_costs, cache, budget, 0.1, false);
+  std::remove(path.c_str());
+  ASSERT_FALSE(fixed.fits);
+  ASSERT_TRUE(chosen.fits);
+  EXPECT_EQ(fixed.advice, fixed.needs + plan::fits_when_auto(chosen.settings, chosen.accumulate));
+  EXPECT_NE(fixed.advice.find("needs at least "), std::string::npos) << fixed.advice;
+  EXPECT_TRUE(naive.chunk && *naive.chunk == 0);  // the request stays the fixed one
 }
 
 TEST(Planner, TakesBf16OverFp32OnlyWhereClearlyFaster) {

@@ -85,6 +85,16 @@ Plan refit_at_planned_chunk(const PlanRequest& request, const StaticSizes& sizes
                             const std::function<void(const std::string&)>& on_probe = {},
                             const CalibrationOptions& options = {});
 
+// The plan `train` and `plan` make: BatchNorm recomputation chosen where `choose_norm`
+// (fit_choosing_recompute_norm, else fit), then measured at its own chunk
+// (refit_at_planned_chunk). Where settings the request fixes keep it from fitting, the advice's
+// "fits if left to the planner" is the plan this same path makes with them auto, so that it
+// names what the auto plan chooses. `request` and `costs` change as those functions say.
+Plan plan_chunked_step(PlanRequest& request, const StaticSizes& sizes,
+                       std::map<engine::Precision, ChunkCosts>& costs, CalibrationCache& cache,
+                       int64_t budget_bytes, double margin, bool choose_norm,
+                       const std::function<void(const std::string&)>& on_probe = {});
+
 // Bytes that training `module` holds whatever the batch: parameters, buffers, gradients of the
 // trained parameters and the optimizer's state (sgd: momentum, one copy; adam/adamw: two).
 int64_t training_static_bytes(const torch::nn::Module& module, const std::string& optimizer);

@@ -44,8 +44,10 @@ struct Plan {
   double step_seconds = 0;  // predicted, whole optimizer step
   int64_t budget_bytes = 0;
   int64_t margin_bytes = 0;  // kept free for what the model does not see
-  // When it does not fit: the smallest budget that would, and how.
+  // When it does not fit: the smallest budget that would, and how (`needs`), then what fits where
+  // fixed settings are left to the planner, if that helps; advice says both.
   int64_t minimum_budget_bytes = 0;
+  std::string needs;
   std::string advice;
   // Why BatchNorm recomputation was taken (fit_recompute_norm), for the log; "" otherwise.
   std::string reason;
@@ -109,6 +111,9 @@ std::vector<TableRow> plan_table(const PlanRequest& request, const StaticSizes& 
 
 // "chunk 16, keep 1, bf16" and the like, for logs.
 std::string describe(const StepSettings& settings, int64_t accumulate = 1);
+// The advice's second part: "; it fits this budget if chunk, keep, caching and accumulation are
+// left to the planner (auto): <settings>".
+std::string fits_when_auto(const StepSettings& settings, int64_t accumulate = 1);
 
 // Never out of memory: a TrainingStep replanner that, after an out-of-memory error, corrects
 // the model by what the failure showed (at least in-use + requested bytes were needed where it
