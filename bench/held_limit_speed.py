@@ -15,25 +15,16 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from main_job_peaks import FRAMEFIT, ROOT, cpu_flags, parse_bytes  # noqa: E402
+from main_job_peaks import ROOT, cpu_flags, kernel_env, parse_bytes, train  # noqa: E402
 
 
 def run(config, overrides, env):
-    out_dir = tempfile.mkdtemp(prefix="framefit_held_limit_")
-    command = [FRAMEFIT, "train", "--config", config, "--set", f"train.out_dir={out_dir}"]
-    for s in overrides:
-        command += ["--set", s]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"framefit train failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    plan = re.search(r"plan: (.*?), predicted peak", done.stderr).group(1)
-    runtime = re.search(r"less the runtime's ([\d.,]+) (\w+)", done.stderr)
-    records = [json.loads(l) for l in open(os.path.join(out_dir, "log.jsonl"))]
+    stderr, records = train(config, overrides, env)
+    plan = re.search(r"plan: (.*?), predicted peak", stderr).group(1)
+    runtime = re.search(r"less the runtime's ([\d.,]+) (\w+)", stderr)
     steps = [r for r in records if r["type"] == "step"]
     return {
         "plan": plan,
@@ -52,9 +43,7 @@ def main():
     parser.add_argument("--caps", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
-    env = dict(os.environ)
-    if args.caps:
-        env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+    env = kernel_env(args.caps)
     budget = re.search(r"budget: ([\d.]+\w+)", open(args.config).read()).group(1)
     for s in args.set:
         if s.startswith("train.budget="):

@@ -39,6 +39,28 @@ def cpu_flags():
     return model, " ".join(flags)
 
 
+def kernel_env(caps):
+    """The environment to run framefit in: with caps, ATen's and oneDNN's kernels at AVX2."""
+    env = dict(os.environ)
+    if caps:
+        env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+    return env
+
+
+def train(config, overrides, env):
+    """Runs `framefit train` on config with --set overrides into a fresh folder; returns its
+    stderr (the plan line) and log.jsonl's records."""
+    out_dir = tempfile.mkdtemp(prefix="framefit_bench_train_")
+    command = [FRAMEFIT, "train", "--config", config, "--set", f"train.out_dir={out_dir}"]
+    for s in overrides:
+        command += ["--set", s]
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"framefit train failed ({run.returncode}):\n{run.stderr[-3000:]}")
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return run.stderr, [json.loads(line) for line in f]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "demo.yaml"))
@@ -46,24 +68,14 @@ def main():
     parser.add_argument("--caps", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
-    env = dict(os.environ)
-    if args.caps:
-        env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
-    out_dir = tempfile.mkdtemp(prefix="framefit_main_job_")
-    command = [FRAMEFIT, "train", "--config", args.config, "--set", f"train.out_dir={out_dir}"]
-    for s in args.set:
-        command += ["--set", s]
-    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    if run.returncode != 0:
-        sys.exit(f"framefit train failed ({run.returncode}):\n{run.stderr[-3000:]}")
-    plan = re.search(r"plan: (.*?), predicted peak ([\d.,]+) (\w+) of ([\d.,]+) (\w+)", run.stderr)
+    stderr, records = train(args.config, args.set, kernel_env(args.caps))
+    plan = re.search(r"plan: (.*?), predicted peak ([\d.,]+) (\w+) of ([\d.,]+) (\w+)", stderr)
     budget = re.search(r"budget: ([\d.]+)(\w+)", open(args.config).read())
     predicted = parse_bytes(plan.group(2), plan.group(3))
     step_budget = parse_bytes(plan.group(4), plan.group(5))
-    records = [json.loads(l) for l in open(os.path.join(out_dir, "log.jsonl"))]
     steps = [s for s in records if s.get("type") == "step"]
     rss_peak = max(r.get("rss_peak_bytes", 0) for r in records)
-    expected = re.search(r"expected RSS about ([\d.,]+) (\w+)", run.stderr)
+    expected = re.search(r"expected RSS about ([\d.,]+) (\w+)", stderr)
     expected_rss = parse_bytes(expected.group(1), expected.group(2)) if expected else None
     peaks = [s["peak_bytes"] for s in steps]
     ratios = [p / predicted for p in peaks]

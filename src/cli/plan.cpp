@@ -348,15 +348,15 @@ int plan_phases_config(const Args& args, const train::Config& config) {
                           {"videos", plan.videos},
                           {"longest_frames", plan.longest_frames},
                           {"frame_size", plan.frame_size},
-                          {"budget_bytes", plan.budget_bytes},
-                          {"runtime_bytes", plan.runtime_bytes},
+                          {"budget_bytes", plan.budget.total},
+                          {"runtime_bytes", plan.budget.runtime},
                           {"step_budget_bytes", plan.step_budget_bytes},
                           {"machine", machine_info().describe()}};
     if (plan.planned) {
       out["predicted_peak_bytes"] = plan.breakdown.peak_bytes;
-      if (plan.runtime_bytes > 0) {
-        out["expected_rss_bytes"] =
-            plan.budget_bytes - plan.step_budget_bytes + plan.breakdown.peak_bytes;
+      if (plan.budget.covers_process()) {
+        out["expected_rss_bytes"] = train::expected_rss_bytes(plan.budget, plan.step_budget_bytes,
+                                                              plan.breakdown.peak_bytes);
       }
       out["breakdown"] = breakdown_json(plan.breakdown);
     }
@@ -371,28 +371,29 @@ int plan_phases_config(const Args& args, const train::Config& config) {
         config.model.head, plan.videos, plan.longest_frames);
     return 0;
   }
-  const int64_t data_bytes = plan.budget_bytes - plan.runtime_bytes - plan.step_budget_bytes;
+  const auto& budget = plan.budget;
   fmt::print(
       "framefit plan: {} + {} head, {} training videos, the longest {} frames of {}x{}, "
       "budget {}{}\n",
       config.model.encoder, config.model.head, plan.videos, plan.longest_frames, plan.frame_size,
-      plan.frame_size, memory::format_bytes(plan.budget_bytes),
-      plan.step_budget_bytes < plan.budget_bytes
+      plan.frame_size, memory::format_bytes(budget.total),
+      plan.step_budget_bytes < budget.total
           ? fmt::format(" (step budget {}: less {}{} of decoded data)",
                         memory::format_bytes(plan.step_budget_bytes),
-                        plan.runtime_bytes > 0
-                            ? "the runtime's " + memory::format_bytes(plan.runtime_bytes) + " and "
+                        budget.covers_process()
+                            ? "the runtime's " + memory::format_bytes(budget.runtime) + " and "
                             : std::string(),
-                        memory::format_bytes(data_bytes))
+                        memory::format_bytes(budget.tensors - plan.step_budget_bytes))
           : std::string());
   if (!plan.planned) {
     fmt::print("  {} (fixed by the config; not planned)\n", plan::describe(plan.settings));
   } else if (plan.fits) {
     fmt::print("  {}\n", plan::describe(plan.settings));
     print_breakdown(plan.breakdown, 0);
-    if (plan.runtime_bytes > 0) {
+    if (budget.covers_process()) {
       fmt::print("  expected RSS about {} (the runtime's, the decoded data and the predicted peak)\n",
-                 memory::format_bytes(plan.runtime_bytes + data_bytes + plan.breakdown.peak_bytes));
+                 memory::format_bytes(train::expected_rss_bytes(budget, plan.step_budget_bytes,
+                                                                plan.breakdown.peak_bytes)));
     }
   } else {
     fmt::print("  does not fit: {}\n", plan.advice);

@@ -116,7 +116,6 @@ class TrackingCpuAllocator final : public c10::Allocator {
     std::lock_guard<std::mutex> lock(cache_mutex_);
     trim_cache_locked(cache_limit_locked(0));
   }
-  int64_t held_limit() const { return held_limit_.load(); }
   void set_held_limit(int64_t bytes) {
     held_limit_.store(bytes);
     std::lock_guard<std::mutex> lock(cache_mutex_);
@@ -288,7 +287,6 @@ class CpuBackend final : public Backend {
     TORCH_CHECK(bytes >= 0, "a held-memory limit cannot be negative; got ", bytes);
     alloc().set_held_limit(bytes);
   }
-  int64_t held_limit_bytes() const override { return alloc().held_limit(); }
   void release_cache() override { alloc().release_cache(); }
   void set_phase_name(const std::string& name) override { alloc().set_phase_name(name); }
   int64_t capacity_bytes() const override {

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <optional>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -381,12 +380,9 @@ Plan plan_chunked_step(PlanRequest& request, const StaticSizes& sizes,
                        int64_t budget_bytes, double margin, bool choose_norm,
                        const std::function<void(const std::string&)>& on_probe) {
   const bool fixed = request.chunk || request.keep || request.cache_frozen || request.accumulate;
-  std::optional<PlanRequest> given;
-  std::optional<std::map<engine::Precision, ChunkCosts>> given_costs;
-  if (fixed) {
-    given = request;
-    given_costs = costs;
-  }
+  // The request and costs as given, for the advice below: the fixed plan changes both.
+  auto relaxed_request = request;
+  auto relaxed_costs = costs;
   auto plan = choose_norm ? fit_choosing_recompute_norm(request, sizes, costs, cache, budget_bytes,
                                                         margin, on_probe)
                           : fit(request, sizes, costs, budget_bytes, margin);
@@ -395,12 +391,12 @@ Plan plan_chunked_step(PlanRequest& request, const StaticSizes& sizes,
   if (!plan.fits && fixed) {
     // What this same path plans with the fixed settings left auto, on the copies: `request` and
     // `costs` stay the fixed plan's (the replanner plans with them).
-    given->chunk.reset();
-    given->keep.reset();
-    given->cache_frozen.reset();
-    given->accumulate.reset();
-    const auto relaxed = plan_chunked_step(*given, sizes, *given_costs, cache, budget_bytes, margin,
-                                           choose_norm, on_probe);
+    relaxed_request.chunk.reset();
+    relaxed_request.keep.reset();
+    relaxed_request.cache_frozen.reset();
+    relaxed_request.accumulate.reset();
+    const auto relaxed = plan_chunked_step(relaxed_request, sizes, relaxed_costs, cache,
+                                           budget_bytes, margin, choose_norm, on_probe);
     plan.advice = plan.needs;
     if (relaxed.fits) plan.advice += fits_when_auto(relaxed.settings, relaxed.accumulate);
   }

@@ -828,6 +828,11 @@ std::string describe_budget(const TrainingBudget& budget) {
   return total + " less the runtime's " + memory::format_bytes(budget.runtime);
 }
 
+int64_t expected_rss_bytes(const TrainingBudget& budget, int64_t step_budget,
+                           int64_t predicted_peak) {
+  return budget.runtime + (budget.tensors - step_budget) + predicted_peak;
+}
+
 std::string describe_step_budget(const TrainingBudget& budget, int64_t step_budget,
                                  int64_t predicted_peak) {
   const int64_t data = budget.tensors - step_budget;
@@ -839,14 +844,19 @@ std::string describe_step_budget(const TrainingBudget& budget, int64_t step_budg
   }
   text += ")";
   if (budget.covers_process()) {
-    text += "; expected RSS about " + memory::format_bytes(budget.runtime + data + predicted_peak);
+    text += "; expected RSS about " +
+            memory::format_bytes(expected_rss_bytes(budget, step_budget, predicted_peak));
   }
   return text;
 }
 
 int64_t prefetch_reserve_bytes(const Config& config, int64_t budget, int64_t largest_unit_bytes) {
   const int64_t reserve = std::min(config.data.prefetch_bytes, budget / 4);
-  if (largest_unit_bytes <= 0) return reserve;
+  // Clips and segmentation keep the whole reserve: it is their batch plans' only slack on the
+  // CPU. Cut to a few images, a segmentation plan of 2.86 of 2.96 MiB ran out of memory in one
+  // run and not in another (when the decoded data is held varies), and the retried micro-batches
+  // changed BatchNorm's statistics, so a resumed run no longer matched the uninterrupted one.
+  if (largest_unit_bytes <= 0 || is_batch_task(config)) return reserve;
   return std::min(reserve, (std::max<int64_t>(1, config.data.workers) + 1) * largest_unit_bytes);
 }
 
@@ -872,13 +882,8 @@ int64_t step_budget_bytes(const Config& config, int64_t budget, int64_t largest_
     // the chunk planner's margin; batch plans leave the allocator's here.
     return is_batch_task(config) ? budget - plan::allocator_margin_bytes(budget, device) : budget;
   }
-  // Clips and segmentation keep the whole reserve: it is their batch plans' only slack on the
-  // CPU. Cut to a few images, a segmentation plan of 2.86 of 2.96 MiB ran out of memory in one
-  // run and not in another (when the decoded data is held varies), and the retried micro-batches
-  // changed BatchNorm's statistics, so a resumed run no longer matched the uninterrupted one.
-  const int64_t reserve =
-      prefetch_reserve_bytes(config, budget, is_batch_task(config) ? 0 : largest_unit_bytes);
-  const int64_t ahead = std::max(reserve, largest_unit_bytes);
+  const int64_t ahead =
+      std::max(prefetch_reserve_bytes(config, budget, largest_unit_bytes), largest_unit_bytes);
   const int64_t batched = is_batch_task(config) ? largest_unit_bytes : 0;
   // Otherwise the planner's "needs a budget (> 0 bytes)" was all a user read.
   TORCH_CHECK(budget > ahead + batched, "train.budget ", memory::format_bytes(budget),

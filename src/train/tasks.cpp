@@ -1430,7 +1430,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   const int64_t largest_unit = largest_unit_bytes(train_set, val_set);
   const int64_t step_budget = step_budget_bytes(config, budget.tensors, largest_unit);
   // Decoded samples held ahead stay within the reserve the step budget leaves them.
-  const int64_t prefetch_bytes = prefetch_reserve_bytes(config, budget.tensors, 0);  // step_budget_bytes: why
+  const int64_t prefetch_bytes = prefetch_reserve_bytes(config, budget.tensors, largest_unit);
 
   BatchProgress progress;
   progress.precision = batch_precision(config);

@@ -856,9 +856,8 @@ struct StepPlan {
   plan::Plan chosen;
   bool planned = false;
   TrainingBudget resolved;  // train.budget as the run spends it
-  // The tensors' budget (resolved.tensors), what the step may use of it, and the prefetch
-  // reserve the rest holds.
-  int64_t budget = 0, step_budget = 0, prefetch = 0;
+  // What the step may use of the tensors' budget, and the prefetch reserve the rest holds.
+  int64_t step_budget = 0, prefetch = 0;
   // A resumed run under a changed budget: the prediction for the checkpoint's settings, and
   // whether they were replaced because they do not fit it.
   std::optional<plan::Plan> resumed;
@@ -873,15 +872,14 @@ StepPlan step_request(const Config& config, const data::VideoDataset& train_set)
   const torch::Device device(config.device);
   StepPlan result;
   result.resolved = resolve_budget(config);
-  result.budget = result.resolved.tensors;
   int64_t longest = 0, shortest = std::numeric_limits<int64_t>::max(), largest_bytes = 0;
   for (int64_t i = 0; i < train_set.size(); ++i) {
     longest = std::max(longest, train_set.frames(i));
     shortest = std::min(shortest, train_set.frames(i));
     largest_bytes = std::max(largest_bytes, train_set.frame_bytes(i));
   }
-  result.step_budget = step_budget_bytes(config, result.budget, largest_bytes);
-  result.prefetch = prefetch_reserve_bytes(config, result.budget, largest_bytes);
+  result.step_budget = step_budget_bytes(config, result.resolved.tensors, largest_bytes);
+  result.prefetch = prefetch_reserve_bytes(config, result.resolved.tensors, largest_bytes);
   auto& request = result.request;
   request.model = model_spec(config, frame_size_for_planning(train_set), device);
   request.frames = longest;
@@ -1015,8 +1013,7 @@ PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
   result.videos = train_set.size();
   result.longest_frames = step.request.frames;
   result.frame_size = step.request.model.size;
-  result.budget_bytes = step.resolved.total;
-  result.runtime_bytes = step.resolved.runtime;
+  result.budget = step.resolved;
   result.step_budget_bytes = step.step_budget;
   return result;
 }

@@ -69,7 +69,6 @@ class Backend {
   // that is not the allocator's own policy (CPU: twice the budget; CUDA: its caching allocator's
   // fraction, unchanged here). 0 = the default.
   virtual void set_held_limit(int64_t /*bytes*/) {}
-  virtual int64_t held_limit_bytes() const { return 0; }
   virtual void set_phase_name(const std::string& name) = 0;  // named in budget errors
   // What tensors could use at most without a budget: the device's memory (CUDA), or the bytes
   // in use plus what the system has available (CPU).
@@ -180,7 +179,6 @@ class Tracker {
   // On the CPU, where a memory limit sees the process's resident memory: the tensors and the
   // cached blocks together stay within `bytes` (at least the budget; 0: twice the budget).
   void set_held_limit(int64_t bytes) { backend_->set_held_limit(bytes); }
-  int64_t held_limit_bytes() const { return backend_->held_limit_bytes(); }
   // The budget if set, else the device's capacity: what a planner may plan for.
   int64_t available_bytes() const;
 

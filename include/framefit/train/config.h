@@ -180,6 +180,10 @@ constexpr int64_t kRuntimeGrowthBytes = int64_t(96) << 20;
 TrainingBudget resolve_budget(const Config& config);
 // "train.budget 1.00 GiB less the runtime's 233.1 MiB" (or "train.budget 1.00 GiB"), for plans.
 std::string describe_budget(const TrainingBudget& budget);
+// The resident memory a plan of `predicted_peak` in step budget `step_budget` should reach: the
+// runtime's share, the decoded data beside the step, and the step's peak.
+int64_t expected_rss_bytes(const TrainingBudget& budget, int64_t step_budget,
+                           int64_t predicted_peak);
 // What a plan line says after "predicted peak P of S": where the step budget S comes from, and
 // under a process budget the resident memory to expect (runtime, decoded data, the step's peak):
 // " (train.budget 1.00 GiB less the runtime's 233 MiB and 18 MiB of decoded data); expected RSS
@@ -188,9 +192,10 @@ std::string describe_step_budget(const TrainingBudget& budget, int64_t step_budg
                                  int64_t predicted_peak);
 
 // The data pipeline's share of `budget` (the tensors' budget): the decoded frames it may hold
-// ahead of training, data.prefetch_bytes but at most a quarter, and no more than one unit per
-// worker and one waiting (`largest_unit_bytes` each, the largest decoded unit; 0 where unknown),
-// which keeps training fed as well as more would.
+// ahead of training, data.prefetch_bytes but at most a quarter, and for phases no more than one
+// unit per worker and one waiting (`largest_unit_bytes` each, the largest decoded unit; 0 where
+// unknown), which keeps training fed as well as more would. Clips and segmentation keep the
+// quarter: it is their batch plans' only slack on the CPU.
 int64_t prefetch_reserve_bytes(const Config& config, int64_t budget, int64_t largest_unit_bytes);
 // What a training step may use of `budget`. On the CPU: the rest beside the decoded data, which
 // is the frames decoded ahead (the prefetch reserve, or one unit larger than that, which is

@@ -94,8 +94,8 @@ struct PhasePlan {
   plan::Breakdown breakdown;  // planned only
   std::string advice;         // when it does not fit: the least budget and how
   int64_t videos = 0, longest_frames = 0, frame_size = 0;
-  int64_t budget_bytes = 0, step_budget_bytes = 0;
-  int64_t runtime_bytes = 0;  // of budget_bytes, the process's own (TrainingBudget::runtime)
+  TrainingBudget budget;  // train.budget, the runtime's share of it, the tensors'
+  int64_t step_budget_bytes = 0;
 };
 PhasePlan plan_phases(const Config& config, const EventCallback& on_event = {});
 
