@@ -38,7 +38,7 @@ fi
 
 [ "${FRAMEFIT_SKIP_BUILD:-0}" = 1 ] && exit 0
 build_start=$SECONDS
-echo "setup: building (Release, build/; about 12 minutes on 2 cores the first time)"
+echo "setup: building (Release, build/; about 6 minutes on 2 cores the first time)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build build --parallel "$(nproc)"
 echo "setup: done in $((SECONDS - build_start)) s of building; the command is $PWD/build/src/cli/framefit"

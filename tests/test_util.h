@@ -24,6 +24,7 @@
 #include "framefit/core/runtime.h"
 #include "framefit/data/demo.h"
 #include "framefit/memory/tracker.h"
+#include "framefit/models/weights.h"
 
 // Skips a test that runs bf16 convolutions on a CPU where none runs (oneDNN capped at AVX2 on an
 // AVX-512 CPU: core/runtime.h, cpu_bf16), saying so; where bf16 runs emulated, it runs.
@@ -34,6 +35,21 @@
   } while (false)
 
 namespace framefit::test_util {
+
+// Where tests/python/reference.py writes PyTorch's and torchvision's outputs (ctest runs it first).
+inline const std::string kReferenceData = FRAMEFIT_TEST_DATA_DIR;
+
+inline bool has_key(const models::StateDict& state, const std::string& name) {
+  for (const auto& [key, value] : state) {
+    if (key == name) return true;
+  }
+  return false;
+}
+
+// The largest difference relative to the largest magnitude of `expected`.
+inline double relative_error(const torch::Tensor& got, const torch::Tensor& expected) {
+  return ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item<double>();
+}
 
 // The CPU tracker's budget for the scope's lifetime, removed however the scope ends (a failed
 // ASSERT, an exception), so that no test's budget reaches the next test.

@@ -5,14 +5,11 @@
 #include <fstream>
 #include <sstream>
 
+#include "backends.h"
+
 namespace framefit::memory {
 
 namespace {
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // Phase names are framefit's own, but escape them anyway: the file must stay valid JSON.
 std::string quoted(const std::string& text) {
@@ -33,7 +30,7 @@ std::string quoted(const std::string& text) {
 }
 }  // namespace
 
-TraceRecorder::TraceRecorder(Tracker& tracker) : tracker_(tracker), start_ns_(now_ns()) {
+TraceRecorder::TraceRecorder(Tracker& tracker) : tracker_(tracker), start_ns_(detail::steady_now_ns()) {
   listener_ = tracker_.add_listener([this](const PhaseEvent& e) {
     record({e.kind == PhaseEvent::Kind::Begin ? 'B' : 'E', e.name, e.time_ns, e.in_use_bytes});
     record({'C', "bytes in use", e.time_ns, e.in_use_bytes});
@@ -52,7 +49,7 @@ void TraceRecorder::record(Event event) {
 }
 
 void TraceRecorder::mark(const std::string& name) {
-  record({'i', name, now_ns(), tracker_.current_bytes()});
+  record({'i', name, detail::steady_now_ns(), tracker_.current_bytes()});
 }
 
 size_t TraceRecorder::event_count() const {

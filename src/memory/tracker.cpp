@@ -193,16 +193,8 @@ PeakWindow Tracker::phase(std::string name) {
   return open(std::move(name));
 }
 
-namespace {
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-}  // namespace
-
 PeakWindow Tracker::open(std::string name) {
-  PhaseEvent event{PhaseEvent::Kind::Begin, name, 0, 0, now_ns()};
+  PhaseEvent event{PhaseEvent::Kind::Begin, name, 0, 0, detail::steady_now_ns()};
   size_t depth = 0;
   int64_t entry = 0;
   {
@@ -223,7 +215,7 @@ PeakWindow Tracker::open(std::string name) {
 }
 
 int64_t Tracker::close(size_t depth) {
-  PhaseEvent event{PhaseEvent::Kind::End, "", 0, 0, now_ns()};
+  PhaseEvent event{PhaseEvent::Kind::End, "", 0, 0, detail::steady_now_ns()};
   int64_t peak = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);

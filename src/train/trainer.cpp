@@ -124,7 +124,7 @@ void write_progress(torch::serialize::OutputArchive& archive, const Progress& pr
                 torch::tensor({progress.best_score, progress.seconds}, torch::kDouble));
 }
 
-Progress read_progress(torch::serialize::InputArchive& archive) {
+Progress read_video_progress(torch::serialize::InputArchive& archive) {
   torch::Tensor p, r;
   archive.read("progress", p);
   archive.read("progress_real", r);
@@ -1118,7 +1118,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   // any re-planning after out-of-memory), so its steps are those of the uninterrupted run.
   std::optional<Progress> saved;
   if (resumed) {
-    saved = read_progress(resumed->archive);
+    saved = read_video_progress(resumed->archive);
     warn_config_changes(resumed->stored, config, saved->best_score, on_event);
     info("resuming from " + resume_from + " at step " + std::to_string(saved->step));
   }

@@ -8,15 +8,7 @@
 
 using namespace framefit::models;
 
-namespace {
-bool has_key(const StateDict& state, const std::string& name) {
-  for (const auto& [key, value] : state) {
-    if (key == name) return true;
-  }
-  return false;
-}
-
-}  // namespace
+using framefit::test_util::has_key;
 
 TEST(ResNet, FeatureAndLogitShapes) {
   torch::NoGradGuard no_grad;

@@ -15,13 +15,13 @@
 using namespace framefit;
 
 namespace {
-const std::string kData = FRAMEFIT_TEST_DATA_DIR;
+using framefit::test_util::kReferenceData;
 
 class TorchScript : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!std::ifstream(kData + "/tiny_encoder.pt").good()) {
-      GTEST_SKIP() << "no reference data in " << kData
+    if (!std::ifstream(kReferenceData + "/tiny_encoder.pt").good()) {
+      GTEST_SKIP() << "no reference data in " << kReferenceData
                    << ": run through ctest, which runs tests/python/reference.py first";
     }
   }
@@ -29,13 +29,13 @@ class TorchScript : public ::testing::Test {
 }  // namespace
 
 TEST_F(TorchScript, TrainingStepMatchesPythonsLossAndGradients) {
-  models::TorchScriptEncoder encoder(kData + "/tiny_encoder.pt");
+  models::TorchScriptEncoder encoder(kReferenceData + "/tiny_encoder.pt");
   encoder->train();
   std::map<std::string, torch::Tensor> reference;
-  for (auto& [name, tensor] : models::read_state_dict(kData + "/tiny_encoder_reference.pt")) {
+  for (auto& [name, tensor] : models::read_state_dict(kReferenceData + "/tiny_encoder_reference.pt")) {
     reference[name] = tensor;
   }
-  const auto x = models::read_tensor(kData + "/tiny_encoder_input.pt");
+  const auto x = models::read_tensor(kReferenceData + "/tiny_encoder_input.pt");
   auto loss = encoder->forward(x).pow(2).mean();
   loss.backward();
   EXPECT_NEAR(loss.item<double>(), reference.at("loss").item<double>(), 1e-12);
@@ -57,9 +57,9 @@ TEST_F(TorchScript, TrainingStepMatchesPythonsLossAndGradients) {
 }
 
 TEST_F(TorchScript, ChunkedEngineGradientsEqualNaive) {
-  models::TorchScriptEncoder encoder(kData + "/tiny_encoder.pt");
+  models::TorchScriptEncoder encoder(kReferenceData + "/tiny_encoder.pt");
   encoder->eval();  // BatchNorm statistics per chunk would differ from the whole batch's
-  const auto frames = models::read_tensor(kData + "/tiny_encoder_input.pt");
+  const auto frames = models::read_tensor(kReferenceData + "/tiny_encoder_input.pt");
   const auto frame_encoder = engine::frame_encoder(
       encoder.ptr(), [encoder](const torch::Tensor& x) mutable { return encoder->forward(x); });
   auto grads = [&](int64_t chunk) {

@@ -14,18 +14,16 @@
 using namespace framefit::models;
 
 namespace {
-const std::string kData = FRAMEFIT_TEST_DATA_DIR;
+using framefit::test_util::kReferenceData;
 
-double relative_error(const torch::Tensor& got, const torch::Tensor& expected) {
-  return ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item<double>();
-}
+using framefit::test_util::relative_error;
 
 class TorchvisionParity : public ::testing::TestWithParam<int64_t> {
  protected:
   std::string arch() const { return "resnet" + std::to_string(GetParam()); }
   void SetUp() override {
-    if (!std::ifstream(kData + "/" + arch() + ".pt").good()) {
-      GTEST_SKIP() << "no reference data in " << kData
+    if (!std::ifstream(kReferenceData + "/" + arch() + ".pt").good()) {
+      GTEST_SKIP() << "no reference data in " << kReferenceData
                    << ": run through ctest, which runs tests/python/reference.py first";
     }
   }
@@ -33,7 +31,7 @@ class TorchvisionParity : public ::testing::TestWithParam<int64_t> {
 }  // namespace
 
 TEST_P(TorchvisionParity, SameParameterNamesInTheSameOrder) {
-  const auto expected = framefit::test_util::read_lines(kData + "/" + arch() + "_keys.txt");
+  const auto expected = framefit::test_util::read_lines(kReferenceData + "/" + arch() + "_keys.txt");
   std::vector<std::string> ours;
   for (const auto& entry : state_dict(*ResNet(ResNetOptions(GetParam())))) {
     ours.push_back(entry.first);
@@ -44,13 +42,13 @@ TEST_P(TorchvisionParity, SameParameterNamesInTheSameOrder) {
 TEST_P(TorchvisionParity, LogitsAndFeaturesMatch) {
   torch::NoGradGuard no_grad;
   // The file is an OrderedDict state_dict: strict loading proves every key was read.
-  const auto state = read_state_dict(kData + "/" + arch() + ".pt");
-  const auto x = read_tensor(kData + "/input.pt");
+  const auto state = read_state_dict(kReferenceData + "/" + arch() + ".pt");
+  const auto x = read_tensor(kReferenceData + "/input.pt");
 
   ResNet classifier{ResNetOptions(GetParam())};
   EXPECT_TRUE(load_state_dict(*classifier, state).complete());
   classifier->eval();
-  EXPECT_LE(relative_error(classifier->forward(x), read_tensor(kData + "/" + arch() + "_logits.pt")),
+  EXPECT_LE(relative_error(classifier->forward(x), read_tensor(kReferenceData + "/" + arch() + "_logits.pt")),
             1e-4);
 
   LoadOptions ignore_fc;
@@ -58,13 +56,13 @@ TEST_P(TorchvisionParity, LogitsAndFeaturesMatch) {
   ResNet encoder(ResNetOptions(GetParam()).num_classes(0));
   EXPECT_TRUE(load_state_dict(*encoder, state, ignore_fc).complete());
   encoder->eval();
-  EXPECT_LE(relative_error(encoder->forward(x), read_tensor(kData + "/" + arch() + "_features.pt")),
+  EXPECT_LE(relative_error(encoder->forward(x), read_tensor(kReferenceData + "/" + arch() + "_features.pt")),
             1e-4);
 
   ResNet nhwc(ResNetOptions(GetParam()).channels_last(true));
   load_state_dict(*nhwc, state);
   nhwc->eval();
-  EXPECT_LE(relative_error(nhwc->forward(x), read_tensor(kData + "/" + arch() + "_logits.pt")),
+  EXPECT_LE(relative_error(nhwc->forward(x), read_tensor(kReferenceData + "/" + arch() + "_logits.pt")),
             1e-4);
 }
 
@@ -82,9 +80,9 @@ TEST_P(TorchvisionParity, SavedWeightsLoadInPyTorchAndGiveTheSameOutputs) {
   model->eval();
   torch::NoGradGuard no_grad;
   const auto x = torch::randn({2, 3, 64, 64});
-  const std::string weights = kData + "/" + arch() + "_from_framefit.pt";
-  const std::string input = kData + "/" + arch() + "_from_framefit_input.pt";
-  const std::string expected = kData + "/" + arch() + "_from_framefit_logits.pt";
+  const std::string weights = kReferenceData + "/" + arch() + "_from_framefit.pt";
+  const std::string input = kReferenceData + "/" + arch() + "_from_framefit_input.pt";
+  const std::string expected = kReferenceData + "/" + arch() + "_from_framefit_logits.pt";
   write_state_dict(state_dict(*model), weights);
   write_tensor(x, input);
   write_tensor(model->forward(x), expected);
@@ -101,12 +99,12 @@ INSTANTIATE_TEST_SUITE_P(ResNets, TorchvisionParity, ::testing::Values(18, 50),
 // torchvision's ColorJitter functions and rotate on the same uint8 frames: the same bytes, each
 // alone and in a jittered order.
 TEST(AugmentationParity, SameBytesAsTorchvision) {
-  if (!std::ifstream(kData + "/colors_input.pt").good()) {
-    GTEST_SKIP() << "no reference data in " << kData << ": run through ctest";
+  if (!std::ifstream(kReferenceData + "/colors_input.pt").good()) {
+    GTEST_SKIP() << "no reference data in " << kReferenceData << ": run through ctest";
   }
-  const auto frames = read_tensor(kData + "/colors_input.pt");
+  const auto frames = read_tensor(kReferenceData + "/colors_input.pt");
   const auto check = [&](const std::string& name, framefit::data::Augmentation a) {
-    const auto expected = read_tensor(kData + "/colors_" + name + ".pt");
+    const auto expected = read_tensor(kReferenceData + "/colors_" + name + ".pt");
     const auto got = framefit::data::adjust_colors(frames, a);
     const auto differ = got.ne(expected).sum().item<int64_t>();
     EXPECT_EQ(differ, 0)
@@ -132,7 +130,7 @@ TEST(AugmentationParity, SameBytesAsTorchvision) {
   a.hue = 0.1, a.contrast = 1.2, a.brightness = 0.8, a.saturation = 0.5;
   check("sequence", a);
   for (const auto& [name, degrees] : {std::pair{"rotated", 7.3}, {"rotated_negative", -23.0}}) {
-    const auto expected = read_tensor(kData + "/colors_" + std::string(name) + ".pt");
+    const auto expected = read_tensor(kReferenceData + "/colors_" + std::string(name) + ".pt");
     const auto got = framefit::data::rotate_frames(frames, degrees);
     EXPECT_EQ(got.ne(expected).sum().item<int64_t>(), 0) << name;
   }

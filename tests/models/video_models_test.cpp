@@ -21,12 +21,7 @@ using namespace framefit::models;
 using framefit::test_util::error_message;
 
 namespace {
-bool has_key(const StateDict& state, const std::string& name) {
-  for (const auto& [key, value] : state) {
-    if (key == name) return true;
-  }
-  return false;
-}
+using framefit::test_util::has_key;
 
 int64_t parameter_count(torch::nn::Module& module) {
   int64_t n = 0;

@@ -14,19 +14,17 @@
 using namespace framefit::models;
 
 namespace {
-const std::string kData = FRAMEFIT_TEST_DATA_DIR;
+using framefit::test_util::kReferenceData;
 
-double relative_error(const torch::Tensor& got, const torch::Tensor& expected) {
-  return ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item<double>();
-}
+using framefit::test_util::relative_error;
 
 class VideoParity : public ::testing::TestWithParam<std::string> {
  protected:
   std::string arch() const { return GetParam(); }
-  std::string file(const std::string& suffix) const { return kData + "/" + arch() + suffix; }
+  std::string file(const std::string& suffix) const { return kReferenceData + "/" + arch() + suffix; }
   void SetUp() override {
     if (!std::ifstream(file(".pt")).good()) {
-      GTEST_SKIP() << "no reference data in " << kData
+      GTEST_SKIP() << "no reference data in " << kReferenceData
                    << ": run through ctest, which runs tests/python/reference.py first";
     }
   }
@@ -46,7 +44,7 @@ TEST_P(VideoParity, LogitsAndFeaturesMatch) {
   torch::NoGradGuard no_grad;
   // The file is an OrderedDict state_dict: strict loading proves every key was read.
   const auto state = read_state_dict(file(".pt"));
-  const auto x = read_tensor(kData + "/video_input.pt");
+  const auto x = read_tensor(kReferenceData + "/video_input.pt");
 
   VideoResNet classifier{VideoResNetOptions(arch())};
   const auto report = load_state_dict(*classifier, state);
