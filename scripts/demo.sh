@@ -12,10 +12,10 @@ framefit=build/src/cli/framefit
 python=/usr/bin/python3
 start=$SECONDS
 
-# The short job by default: videos of 150-750 frames at 25 fps (60-300 sampled at 10 fps), MP4
+# The short job by default: videos of 100-400 frames at 25 fps (40-160 sampled at 10 fps), MP4
 # only, 3 epochs (configs/demo.yaml).
 data=demo
-make=(--min-frames 150 --max-frames 750 --no-frame-folders)
+make=(--min-frames 100 --max-frames 400 --no-frame-folders)
 overrides=()
 if [ "${1:-}" = --large ]; then
   data=demo-large

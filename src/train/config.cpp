@@ -845,7 +845,9 @@ std::string describe_step_budget(const TrainingBudget& budget, int64_t step_budg
   text += ")";
   if (budget.covers_process()) {
     text += "; expected RSS about " +
-            memory::format_bytes(expected_rss_bytes(budget, step_budget, predicted_peak));
+            memory::format_bytes(expected_rss_bytes(budget, step_budget, predicted_peak)) +
+            " (up to " + memory::format_bytes(budget.total) +
+            " with the freed blocks the allocator keeps)";
   }
   return text;
 }

@@ -187,7 +187,8 @@ int64_t expected_rss_bytes(const TrainingBudget& budget, int64_t step_budget,
 // What a plan line says after "predicted peak P of S": where the step budget S comes from, and
 // under a process budget the resident memory to expect (runtime, decoded data, the step's peak):
 // " (train.budget 1.00 GiB less the runtime's 233 MiB and 18 MiB of decoded data); expected RSS
-// about 891 MiB". Empty where S is the whole budget.
+// about 891 MiB (up to 1.00 GiB with the freed blocks the allocator keeps)": the allocator's
+// cache may fill the tensors' budget. Empty where S is the whole budget.
 std::string describe_step_budget(const TrainingBudget& budget, int64_t step_budget,
                                  int64_t predicted_peak);
 
