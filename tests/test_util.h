@@ -51,16 +51,6 @@ inline double relative_error(const torch::Tensor& got, const torch::Tensor& expe
   return ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item<double>();
 }
 
-// The CPU tracker's budget for the scope's lifetime, removed however the scope ends (a failed
-// ASSERT, an exception), so that no test's budget reaches the next test.
-class CpuBudget {
- public:
-  explicit CpuBudget(int64_t bytes) { memory::Tracker::cpu().set_budget(bytes); }
-  ~CpuBudget() { memory::Tracker::cpu().set_budget(0); }
-  CpuBudget(const CpuBudget&) = delete;
-  CpuBudget& operator=(const CpuBudget&) = delete;
-};
-
 // Files larger than `bytes` cannot be written while alive, as on a full disk (RLIMIT_FSIZE;
 // SIGXFSZ ignored, so the write fails with EFBIG instead of killing the process).
 class FileSizeLimit {

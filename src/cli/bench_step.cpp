@@ -79,7 +79,7 @@ BenchModel build(const Args& args, const Settings& settings) {
   return m;
 }
 
-engine::Video random_video(const Args& args) {
+Video random_video(const Args& args) {
   auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(args.integer("seed")) + 1);
   const int64_t t = args.integer("frames"), s = args.integer("size");
   return {torch::randint(0, 256, {t, 3, s, s}, gen, torch::kUInt8),

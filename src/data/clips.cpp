@@ -34,7 +34,7 @@ int64_t clip_label(const torch::Tensor& frame_labels, ClipLabel rule) {
   return counts.argmax().item<int64_t>();  // the first maximum: ties go to the smallest id
 }
 
-Clips cut_clips(const engine::Video& video, const ClipOptions& options) {
+Clips cut_clips(const Video& video, const ClipOptions& options) {
   TORCH_CHECK(video.frames.dim() == 4 && video.frames.size(1) == 3, "cut_clips: frames of ",
               video.name, " must be [T,3,H,W]; got ", video.frames.sizes());
   const bool labelled = video.labels.defined();

@@ -733,10 +733,10 @@ Augmentation VideoDataset::augmentation(int64_t i, uint64_t seed, int64_t epoch)
   return draw_augmentation(options_.transform, v.height, v.width, seed, epoch, i);
 }
 
-engine::Video VideoDataset::load(int64_t i, const Augmentation& augmentation) const {
+Video VideoDataset::load(int64_t i, const Augmentation& augmentation) const {
   const auto& v = videos_.at(i);
   if (options_.features) {
-    engine::Video video;
+    Video video;
     video.features =
         every_kth_row(read_features(v.entry.features, v.time_first), options_.features_stride);
     video.labels = labels(i);
@@ -752,7 +752,7 @@ engine::Video VideoDataset::load(int64_t i, const Augmentation& augmentation) co
   Source source;
   source.path = v.entry.video;
   source.frame_files = v.frame_files;
-  engine::Video video;
+  Video video;
   video.frames = decode_source(source, v.sampled, v.height, v.width, options_, augmentation);
   video.labels = labels(i);
   video.name = v.entry.name;
@@ -760,7 +760,7 @@ engine::Video VideoDataset::load(int64_t i, const Augmentation& augmentation) co
   return video;
 }
 
-engine::Video VideoDataset::load_pieces(int64_t i, int64_t piece,
+Video VideoDataset::load_pieces(int64_t i, int64_t piece,
                                         const FramesCallback& on_frames) const {
   if (options_.features) return load(i);
   const auto& v = videos_.at(i);
@@ -768,7 +768,7 @@ engine::Video VideoDataset::load_pieces(int64_t i, int64_t piece,
   source.path = v.entry.video;
   source.frame_files = v.frame_files;
   decode_source_pieces(source, v.sampled, v.height, v.width, options_, piece, on_frames);
-  engine::Video video;
+  Video video;
   video.labels = labels(i);
   video.name = v.entry.name;
   video.tools = tools(i);
@@ -831,7 +831,7 @@ bool skips_error(bool skip_bad, const std::exception& error) {
   return skip_bad && !memory::is_out_of_memory(error);
 }
 
-engine::Video Prefetcher::next() {
+Video Prefetcher::next() {
   std::unique_lock<std::mutex> lock(mutex_);
   TORCH_CHECK(consumed_ < jobs_.size(), "prefetch: no videos left");
   changed_.wait(lock, [&] { return !slots_.empty() && slots_.front().ready; });

@@ -28,6 +28,75 @@
 
 namespace framefit::train::detail {
 
+int64_t RunRecord::setting(const std::string& name, int64_t absent) const {
+  const auto it = settings.find(name);
+  return it == settings.end() ? absent : it->second;
+}
+
+torch::Tensor RunRecord::tensor(const std::string& name) const {
+  const auto it = tensors.find(name);
+  return it == tensors.end() ? torch::Tensor() : it->second;
+}
+
+void write_run_record(torch::serialize::OutputArchive& archive, const RunRecord& record) {
+  torch::serialize::OutputArchive run, settings, tensors;
+  const RunPosition& p = record.position;
+  run.write("format", c10::IValue(kRunRecordFormat));
+  run.write("step", c10::IValue(p.step));
+  run.write("epoch", c10::IValue(p.epoch));
+  run.write("position", c10::IValue(p.position));
+  run.write("skipped", c10::IValue(p.skipped));
+  run.write("best_score", c10::IValue(p.best_score));
+  run.write("stale_epochs", c10::IValue(p.stale_epochs));
+  run.write("seconds", c10::IValue(p.seconds));
+  for (const auto& [name, value] : record.settings) settings.write(name, c10::IValue(value));
+  for (const auto& [name, value] : record.tensors) tensors.write(name, value);
+  run.write("settings", settings);
+  run.write("tensors", tensors);
+  archive.write("run", run);
+}
+
+std::optional<RunRecord> read_run_record(torch::serialize::InputArchive& archive,
+                                         const std::string& checkpoint) {
+  torch::serialize::InputArchive run;
+  if (!archive.try_read("run", run)) return std::nullopt;
+  const auto value = [&](const std::string& key) {
+    c10::IValue v;
+    TORCH_CHECK(run.try_read(key, v), "checkpoint ", checkpoint, ": its run record has no `", key,
+                "`: the file is damaged; resume from another checkpoint");
+    return v;
+  };
+  const int64_t format = value("format").toInt();
+  TORCH_CHECK(format <= kRunRecordFormat, "checkpoint ", checkpoint, " has run record format ",
+              format, ", newer than this framefit reads (", kRunRecordFormat,
+              "): resume it with the framefit that wrote it, or a newer one");
+  RunRecord record;
+  RunPosition& p = record.position;
+  p.step = value("step").toInt();
+  p.epoch = value("epoch").toInt();
+  p.position = value("position").toInt();
+  p.skipped = value("skipped").toInt();
+  p.best_score = value("best_score").toDouble();
+  p.stale_epochs = value("stale_epochs").toInt();
+  p.seconds = value("seconds").toDouble();
+  torch::serialize::InputArchive settings, tensors;
+  TORCH_CHECK(run.try_read("settings", settings) && run.try_read("tensors", tensors),
+              "checkpoint ", checkpoint,
+              ": its run record has no settings: the file is damaged; resume from another "
+              "checkpoint");
+  for (const auto& name : settings.keys()) {
+    c10::IValue v;
+    settings.read(name, v);
+    record.settings[name] = v.toInt();
+  }
+  for (const auto& name : tensors.keys()) {
+    torch::Tensor t;
+    tensors.read(name, t);
+    record.tensors[name] = t;
+  }
+  return record;
+}
+
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }

@@ -6,6 +6,7 @@
 #include <torch/types.h>
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,13 +19,43 @@
 #include "framefit/plan/doctor.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
-#include "framefit/train/trainer.h"
+#include "framefit/train/events.h"
 
 namespace framefit::models {
 class TorchScriptEncoderImpl;
 }
 
 namespace framefit::train::detail {
+
+// Where a run stands: what every task's checkpoint records besides its settings.
+struct RunPosition {
+  int64_t step = 0;
+  int64_t epoch = 0;     // 0-based epoch in progress
+  int64_t position = 0;  // units (videos, clips, images) of that epoch's order already used
+  int64_t skipped = 0;   // units passed over (data.on_error skip)
+  double best_score = -1;
+  int64_t stale_epochs = 0;  // validated epochs since the best
+  double seconds = 0;        // training time up to this position, over every resumed run
+};
+
+// What a checkpoint records about its run, every field by name: the run's position and the
+// task's settings (integers: "chunk", "precision", ...; tensors: layer checkpointing's
+// segments). One format for every task, written under the checkpoint's "run" key with
+// kRunRecordFormat; a reader meets fields it does not know (a newer framefit's) and lacks ones
+// added later, so each setting is read with the value that means "as before it existed".
+struct RunRecord {
+  RunPosition position;
+  std::map<std::string, int64_t> settings;
+  std::map<std::string, torch::Tensor> tensors;
+  int64_t setting(const std::string& name, int64_t absent) const;
+  torch::Tensor tensor(const std::string& name) const;  // undefined where absent
+};
+constexpr int64_t kRunRecordFormat = 2;  // 1: a positional "progress" tensor, read by its task
+void write_run_record(torch::serialize::OutputArchive& archive, const RunRecord& record);
+// The record of a checkpoint of format 2 or later, nullopt for format 1. A format newer than
+// this framefit reads is an error naming `checkpoint` and what to do.
+std::optional<RunRecord> read_run_record(torch::serialize::InputArchive& archive,
+                                         const std::string& checkpoint);
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point start);
@@ -155,23 +186,5 @@ engine::OptimizerOptions optimizer_options(const TrainConfig& train);
 // train.class_weights for the log: "name weight, ..." in class order.
 std::string describe_class_weights(const torch::Tensor& weights,
                                    const std::vector<std::string>& names);
-
-// Sets the tracker's budget for the run and lifts it when the run ends, however it ends. Under a
-// process budget the allocator's cache is held within the tensors' budget too, so that the
-// resident memory stays within train.budget.
-class BudgetScope {
- public:
-  BudgetScope(memory::Tracker& tracker, const TrainingBudget& budget) : tracker_(tracker) {
-    tracker_.set_budget(budget.tensors);
-    if (budget.covers_process()) tracker_.set_held_limit(budget.tensors);
-  }
-  ~BudgetScope() {
-    tracker_.set_held_limit(0);
-    tracker_.set_budget(0);
-  }
-
- private:
-  memory::Tracker& tracker_;
-};
 
 }  // namespace framefit::train::detail

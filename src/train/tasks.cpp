@@ -179,7 +179,7 @@ class TaskData {
 
   // A unit with the epoch's augmentation (training): a video's crop, flip, colour jitter and
   // rotation; an image's the same but the crop.
-  engine::Video load(int64_t unit, uint64_t seed, int64_t epoch) const {
+  Video load(int64_t unit, uint64_t seed, int64_t epoch) const {
     if (videos_) {
       return videos_->load(
           unit, training_ ? videos_->augmentation(unit, seed, epoch) : data::Augmentation{});
@@ -192,7 +192,7 @@ class TaskData {
                                                       image.size(2), seed, epoch, unit),
                               ignore_id_);
     }
-    engine::Video v;
+    Video v;
     v.frames = image.unsqueeze(0);
     v.labels = mask;
     v.name = images_->name(unit);
@@ -200,7 +200,7 @@ class TaskData {
   }
 
   // Sample k of a loaded unit: stored sample and label ([] for a clip, [H,W] for a mask).
-  std::pair<torch::Tensor, torch::Tensor> sample(const engine::Video& loaded, int64_t unit,
+  std::pair<torch::Tensor, torch::Tensor> sample(const Video& loaded, int64_t unit,
                                                  int64_t k) const {
     if (!videos_) return {loaded.frames[0], loaded.labels};
     const auto& clip = index_->at(first_clip_[unit] + k);
@@ -304,7 +304,7 @@ class SampleStream {
   size_t next_;
   std::optional<data::Prefetcher> prefetcher_;
   int64_t loaded_unit_ = -1;
-  engine::Video loaded_;
+  Video loaded_;
 };
 
 engine::Precision batch_precision(const Config& config) {
@@ -358,18 +358,22 @@ std::vector<engine::ChainSegment> segments_from(const torch::Tensor& tensor) {
 }
 
 void write_progress(torch::serialize::OutputArchive& archive, const BatchProgress& p) {
-  archive.write("progress",
-                torch::tensor({p.step, p.epoch, p.position, p.skipped, p.batch, p.micro_batches,
-                               static_cast<int64_t>(p.precision),
-                               static_cast<int64_t>(p.lean_backward), p.eval_batch, p.stale_epochs,
-                               static_cast<int64_t>(p.recompute_norm), p.time_slices},
-                              torch::kLong));
-  archive.write("progress_real", torch::tensor({p.best_score, p.seconds}, torch::kDouble));
-  archive.write("segments", segments_tensor(p.segments));
-  archive.write("fallback_segments", segments_tensor(p.fallback_segments));
+  write_run_record(archive, {p,
+                             {{"batch", p.batch},
+                              {"micro_batches", p.micro_batches},
+                              {"precision", static_cast<int64_t>(p.precision)},
+                              {"lean_backward", p.lean_backward},
+                              {"eval_batch", p.eval_batch},
+                              {"recompute_norm", p.recompute_norm},
+                              {"time_slices", p.time_slices}},
+                             {{"segments", segments_tensor(p.segments)},
+                              {"fallback_segments", segments_tensor(p.fallback_segments)}}});
 }
 
-BatchProgress read_progress(torch::serialize::InputArchive& archive) {
+// Format 1: step, epoch, position, skipped, batch, micro_batches, precision, then added one by
+// one lean_backward, eval_batch, stale_epochs, recompute_norm, time_slices in one int64 tensor;
+// best score and seconds in a double one; the segments beside them.
+BatchProgress read_first_format_batch_progress(torch::serialize::InputArchive& archive) {
   torch::Tensor p, r, segments;
   archive.read("progress", p);
   archive.read("progress_real", r);
@@ -399,6 +403,27 @@ BatchProgress read_progress(torch::serialize::InputArchive& archive) {
   progress.best_score = r[0].item<double>();
   progress.seconds = r[1].item<double>();
   return progress;
+}
+
+BatchProgress read_batch_progress(torch::serialize::InputArchive& archive,
+                                  const std::string& checkpoint) {
+  const auto record = read_run_record(archive, checkpoint);
+  if (!record) return read_first_format_batch_progress(archive);
+  BatchProgress p;
+  static_cast<RunPosition&>(p) = record->position;
+  p.batch = record->setting("batch", 0);
+  p.micro_batches = record->setting("micro_batches", 1);
+  p.precision = static_cast<engine::Precision>(record->setting("precision", 0));
+  p.lean_backward = record->setting("lean_backward", 0) != 0;
+  p.eval_batch = record->setting("eval_batch", p.batch);
+  p.recompute_norm = record->setting("recompute_norm", 0) != 0;
+  p.time_slices = record->setting("time_slices", 0);
+  for (auto [name, segments] : {std::pair{"segments", &p.segments},
+                                {"fallback_segments", &p.fallback_segments}}) {
+    if (const auto tensor = record->tensor(name); tensor.defined())
+      *segments = segments_from(tensor);
+  }
+  return p;
 }
 
 // The evaluation batch: a train.eval_batch count (on resume and in framefit eval too), else the
@@ -870,7 +895,7 @@ BatchModel load_batch_model(const std::string& checkpoint,
           : nullptr);
   load_module(*model.network.module, archive, "network", checkpoint, stored_config_with(overrides));
   model.network.module->to(model.device);
-  const auto progress = read_progress(archive);
+  const auto progress = read_batch_progress(archive, checkpoint);
   model.precision = progress.precision;
   if (model.device.is_cpu() && model.precision == engine::Precision::FP16)
     model.precision = engine::Precision::FP32;
@@ -934,7 +959,7 @@ ClipPrediction predict_clips(BatchModel& model, const torch::Tensor& frames,
   data::ClipOptions options;
   options.length = length;
   options.stride = model.config.data.clip_stride;
-  engine::Video video;
+  Video video;
   video.frames = frames;
   auto clips = data::cut_clips(video, options);
   const auto probabilities = predict_batch(model, clips.clips, on_event);
@@ -1437,7 +1462,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   if (const auto slow = engine::slow_precision_reason(progress.precision, device); !slow.empty())
     emit(Event::note(Event::Kind::Warning, slow));
   if (resumed) {
-    progress = read_progress(resumed->archive);
+    progress = read_batch_progress(resumed->archive, resume_from);
     warn_config_changes(resumed->stored, config, progress.best_score, on_event);
     info("resuming from " + resume_from + " at step " + std::to_string(progress.step) +
          " with its batch of " + std::to_string(progress.batch));
@@ -1507,7 +1532,7 @@ TrainResult train_batch(const Config& config, const std::string& resume,
   const int64_t step_samples = progress.batch * tc.accumulate;
   const auto run =
       run_length(tc, (train_set.samples() + step_samples - 1) / step_samples, step_samples);
-  BudgetScope budget_scope(tracker, budget);
+  const memory::ScopedBudget budget_scope(tracker, budget.tensors, budget.held_limit());
 
   RunHooks hooks;
   hooks.start_epoch = [&] {
@@ -1573,7 +1598,7 @@ DataThroughput read_split(const Config& config, const std::string& split,
   DataThroughput out;
   std::vector<data::Prefetcher::Job> jobs;
   // Each unit loaded as training loads it; the first one's size is the sample size reported.
-  auto count = [&out](const engine::Video& unit) {
+  auto count = [&out](const Video& unit) {
     const bool features = unit.features.defined();
     const auto& loaded = features ? unit.features : unit.frames;
     if (out.units++ == 0) {

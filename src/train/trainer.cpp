@@ -110,21 +110,21 @@ void write_model(torch::serialize::OutputArchive& archive, const Model& model) {
   }
 }
 
-torch::Tensor settings_tensor(const Progress& p) {
-  return torch::tensor(
-      {p.step, p.epoch, p.position, p.skipped, p.settings.chunk, p.settings.keep,
-       static_cast<int64_t>(p.settings.cache_frozen), static_cast<int64_t>(p.settings.precision),
-       p.stale_epochs, static_cast<int64_t>(p.settings.recompute_norm)},
-      torch::kLong);
+void write_progress(torch::serialize::OutputArchive& archive, const Progress& p) {
+  write_run_record(archive,
+                   {p,
+                    {{"chunk", p.settings.chunk},
+                     {"keep", p.settings.keep},
+                     {"cache_frozen", p.settings.cache_frozen},
+                     {"precision", static_cast<int64_t>(p.settings.precision)},
+                     {"recompute_norm", p.settings.recompute_norm}},
+                    {}});
 }
 
-void write_progress(torch::serialize::OutputArchive& archive, const Progress& progress) {
-  archive.write("progress", settings_tensor(progress));
-  archive.write("progress_real",
-                torch::tensor({progress.best_score, progress.seconds}, torch::kDouble));
-}
-
-Progress read_video_progress(torch::serialize::InputArchive& archive) {
+// Format 1: step, epoch, position, skipped, chunk, keep, cache_frozen, precision, stale_epochs,
+// recompute_norm in one int64 tensor (the last two absent in its first checkpoints), best score
+// and seconds in a double one.
+Progress read_first_format_video_progress(torch::serialize::InputArchive& archive) {
   torch::Tensor p, r;
   archive.read("progress", p);
   archive.read("progress_real", r);
@@ -138,11 +138,38 @@ Progress read_video_progress(torch::serialize::InputArchive& archive) {
   progress.settings.keep = v[5];
   progress.settings.cache_frozen = v[6] != 0;
   progress.settings.precision = static_cast<engine::Precision>(v[7]);
-  progress.stale_epochs = p.numel() > 8 ? v[8] : 0;  // older checkpoints: patience starts over
+  progress.stale_epochs = p.numel() > 8 ? v[8] : 0;  // patience starts over
   progress.settings.recompute_norm = p.numel() > 9 && v[9] != 0;
   progress.best_score = r[0].item<double>();
   progress.seconds = r[1].item<double>();
   return progress;
+}
+
+// The checkpoint's record of its run, of either format; nullopt where the file records none.
+std::optional<Progress> try_read_video_progress(torch::serialize::InputArchive& archive,
+                                                const std::string& checkpoint) {
+  if (const auto record = read_run_record(archive, checkpoint)) {
+    Progress p;
+    static_cast<RunPosition&>(p) = record->position;
+    p.settings.chunk = record->setting("chunk", 0);
+    p.settings.keep = record->setting("keep", 0);
+    p.settings.cache_frozen = record->setting("cache_frozen", 0) != 0;
+    p.settings.precision = static_cast<engine::Precision>(record->setting("precision", 0));
+    p.settings.recompute_norm = record->setting("recompute_norm", 0) != 0;
+    return p;
+  }
+  torch::Tensor progress;
+  if (!archive.try_read("progress", progress)) return std::nullopt;
+  return read_first_format_video_progress(archive);
+}
+
+Progress read_video_progress(torch::serialize::InputArchive& archive,
+                             const std::string& checkpoint) {
+  auto progress = try_read_video_progress(archive, checkpoint);
+  TORCH_CHECK(progress, "checkpoint ", checkpoint,
+              " records no run (no training position): resume from a checkpoint that "
+              "framefit train wrote");
+  return *progress;
 }
 
 }  // namespace
@@ -363,9 +390,8 @@ Model load_model(const std::string& checkpoint, const std::vector<std::string>& 
   read_tool_head(archive, model, checkpoint, built_from);
   model.encoder_module().to(model.device);
   model.head->to(model.device);
-  torch::Tensor progress;
-  if (archive.try_read("progress", progress)) {
-    model.precision = static_cast<engine::Precision>(progress[7].item<int64_t>());
+  if (const auto progress = try_read_video_progress(archive, checkpoint)) {
+    model.precision = progress->settings.precision;
     if (model.device.is_cpu() && model.precision == engine::Precision::FP16) {
       model.precision = engine::Precision::FP32;  // fp16 autocast is not a CPU thing
     }
@@ -400,10 +426,10 @@ class FeatureCache {
   // none are kept or the file does not read or fit its frames (the manifest changed under the
   // same settings).
   data::Prefetcher::Job job(const data::VideoDataset& set, int64_t v,
-                            std::function<engine::Video()> load, int64_t feature_dim) const {
+                            std::function<Video()> load, int64_t feature_dim) const {
     if (!has(v)) return {std::move(load), set.frame_bytes(v)};
     return {[&set, v, file = path(v), load] {
-              engine::Video video;
+              Video video;
               video.labels = set.labels(v);
               video.tools = set.tools(v);
               video.name = set.entry(v).name;
@@ -508,7 +534,7 @@ auto halving_chunk_on_oom(Model& model, const EventCallback& on_event, const Run
 
 // The video's features (those it brings, else its frames encoded) through the head;
 // `features_out` receives them on the CPU.
-Prediction predict_video(Model& model, const engine::Video& video, const EventCallback& on_event,
+Prediction predict_video(Model& model, const Video& video, const EventCallback& on_event,
                          torch::Tensor* features_out = nullptr) {
   return halving_chunk_on_oom(model, on_event, [&] {
     torch::InferenceMode inference;
@@ -551,7 +577,7 @@ Prediction predict(Model& model, const torch::Tensor& frames, const EventCallbac
   check_reads_frames(model);
   TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3, "predict expects frames [T,3,H,W], got ",
               frames.sizes());
-  engine::Video video;
+  Video video;
   video.frames = frames;
   return predict_video(model, video, on_event);
 }
@@ -572,7 +598,7 @@ Prediction predict_features(Model& model, const torch::Tensor& features,
               " encoder: it predicts from frames");
   TORCH_CHECK(features.dim() == 2 && features.size(1) == model.feature_dim, "expected features [T,",
               model.feature_dim, "], got ", features.sizes());
-  engine::Video video;
+  Video video;
   video.features = features.to(torch::kFloat32);
   return predict_video(model, video, on_event);
 }
@@ -666,7 +692,7 @@ PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
     in_pieces[i] = !dataset.options().features && !(cache && cache->has(i)) &&
                    dataset.frame_bytes(i) > prefetch_bytes;
     if (in_pieces[i]) {
-      jobs.push_back({[] { return engine::Video(); }, 0});
+      jobs.push_back({[] { return Video(); }, 0});
     } else {
       jobs.push_back(cache ? cache->job(dataset, i, load, model.feature_dim)
                            : data::Prefetcher::Job{load, dataset.frame_bytes(i)});
@@ -677,7 +703,7 @@ PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
   const auto start = Clock::now();
   int64_t frames = 0;
   for (int64_t i = 0; i < dataset.size(); ++i) {
-    engine::Video video;
+    Video video;
     try {
       video = prefetcher.next();
       if (in_pieces[i]) {
@@ -1118,7 +1144,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   // any re-planning after out-of-memory), so its steps are those of the uninterrupted run.
   std::optional<Progress> saved;
   if (resumed) {
-    saved = read_video_progress(resumed->archive);
+    saved = read_video_progress(resumed->archive, resume_from);
     warn_config_changes(resumed->stored, config, saved->best_score, on_event);
     info("resuming from " + resume_from + " at step " + std::to_string(saved->step));
   }
@@ -1267,14 +1293,15 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
   const int64_t videos = train_set.size();
   const auto run = run_length(tc, (videos + tc.accumulate - 1) / tc.accumulate,
                               std::min<int64_t>(tc.accumulate, videos));
-  BudgetScope budget_scope(tracker, step_plan.resolved);
+  const memory::ScopedBudget budget_scope(tracker, step_plan.resolved.tensors,
+                                          step_plan.resolved.held_limit());
 
   RunHooks hooks;
   hooks.start_epoch = [&] {
     struct Epoch {
       std::vector<int64_t> order;
       std::optional<data::Prefetcher> prefetcher;
-      std::vector<engine::Video> batch;   // the next step's videos
+      std::vector<Video> batch;   // the next step's videos
       std::vector<int64_t> batch_videos;  // their indices in train_set
     };
     auto epoch = std::make_shared<Epoch>();

@@ -49,7 +49,7 @@ TEST(ChunkedMemory, BudgetThatNaiveTrainingExceedsButChunkedFits) {
   const int64_t chunked_peak = step_peak(encoder, frames, 16);
   net->zero_grad();
   auto& tracker = memory::Tracker::cpu();
-  test_util::CpuBudget budget(tracker.current_bytes() + chunked_peak * 5 / 4);
+  memory::ScopedBudget budget(tracker, tracker.current_bytes() + chunked_peak * 5 / 4);
   bool naive_failed = false;
   try {
     step_peak(encoder, frames, 0);

@@ -14,7 +14,7 @@
 using namespace framefit;
 
 namespace {
-engine::Video make_video(int64_t frames, uint64_t seed, int64_t classes = 3, int64_t size = 32) {
+framefit::Video make_video(int64_t frames, uint64_t seed, int64_t classes = 3, int64_t size = 32) {
   auto gen = at::detail::createCPUGenerator(seed);
   return {torch::randint(0, 256, {frames, 3, size, size}, gen, torch::kUInt8),
           torch::randint(0, classes, {frames}, gen, torch::kLong), "video" + std::to_string(seed)};
@@ -61,7 +61,7 @@ std::vector<torch::Tensor> state_of(const Setup& s) {
 }
 
 // One step under a tracker budget, lifted however the step ends.
-engine::StepReport step_within_budget(Setup& s, const engine::Video& video, int64_t budget) {
+engine::StepReport step_within_budget(Setup& s, const framefit::Video& video, int64_t budget) {
   auto& tracker = memory::Tracker::cpu();
   tracker.set_budget(budget);
   try {

@@ -67,7 +67,7 @@ Model build(const plan::ModelSpec& spec, const plan::StepSettings& settings) {
   return m;
 }
 
-engine::Video video(int64_t frames, int64_t size, int64_t classes) {
+framefit::Video video(int64_t frames, int64_t size, int64_t classes) {
   auto gen = at::detail::createCPUGenerator(5);
   return {torch::randint(0, 256, {frames, 3, size, size}, gen, torch::kUInt8),
           torch::randint(0, classes, {frames}, gen, torch::kLong), "video"};
@@ -722,7 +722,8 @@ TEST(BatchPlanner, BatchThatRunsOutOfMemoryWhileMeasuredIsNotPlanned) {
   const auto inputs = [](int64_t b) { return torch::randn({b, 64}); };
   plan::BatchCosts costs;
   {
-    test_util::CpuBudget device(memory::Tracker::cpu().current_bytes() + (6 << 20));
+    auto& cpu = memory::Tracker::cpu();
+    memory::ScopedBudget device(cpu, cpu.current_bytes() + (6 << 20));
     costs = plan::calibrate_batch(network, inputs, 0, 0, 1 << 30, torch::kCPU, Precision::FP32);
   }
   ASSERT_GT(costs.failed_batch, 2);

@@ -1540,7 +1540,7 @@ TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {
   std::vector<std::string> split_warnings;
   train::PhaseMetrics split;
   {
-    test_util::CpuBudget budget(tracker.current_bytes() + (one + four) / 2);
+    memory::ScopedBudget budget(tracker, tracker.current_bytes() + (one + four) / 2);
     split = train::evaluate_batch(model, "val", [&](const train::Event& e) {
       if (e.kind == train::Event::Kind::Warning) split_warnings.push_back(e.message);
     });

@@ -845,7 +845,7 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
     std::vector<std::string> warnings;
     train::Prediction halved;
     {
-      test_util::CpuBudget budget(tracker.current_bytes() + (small + whole) / 2);
+      memory::ScopedBudget budget(tracker, tracker.current_bytes() + (small + whole) / 2);
       halved = train::predict(model, long_video, [&](const train::Event& e) {
         if (e.kind == train::Event::Kind::Warning) warnings.push_back(e.message);
       });

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "framefit/data/dataset.h"
-#include "framefit/engine/step.h"
+#include "framefit/core/video.h"
 
 namespace framefit::data {
 
@@ -38,7 +38,7 @@ struct Clips {
   std::vector<int64_t> starts;
 };
 // Cuts a decoded video (frames [T,3,H,W], labels [T] or none, to predict) into its clips.
-Clips cut_clips(const engine::Video& video, const ClipOptions& options);
+Clips cut_clips(const Video& video, const ClipOptions& options);
 
 // Every clip of a data set, known without decoding: (video, start) and the label.
 class ClipIndex {

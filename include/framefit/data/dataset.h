@@ -19,7 +19,7 @@
 
 #include "framefit/data/features.h"
 #include "framefit/data/labels.h"
-#include "framefit/engine/step.h"
+#include "framefit/core/video.h"
 
 namespace framefit::data {
 
@@ -156,11 +156,11 @@ class VideoDataset {
 
   // Decodes video i: frames [T,3,H,W] uint8 and labels [T] (features: Video::features [T,D]
   // float32 instead of frames). Errors name the file.
-  engine::Video load(int64_t i, const Augmentation& augmentation = {}) const;
+  Video load(int64_t i, const Augmentation& augmentation = {}) const;
   // load(i) without augmentation, its frames handed to `on_frames` `piece` at a time as
   // decode_video_pieces hands them: the video returned has no frames. A features data set's
   // video comes with its features, as from load(); `on_frames` is not called.
-  engine::Video load_pieces(int64_t i, int64_t piece, const FramesCallback& on_frames) const;
+  Video load_pieces(int64_t i, int64_t piece, const FramesCallback& on_frames) const;
 
  private:
   struct Item {
@@ -198,7 +198,7 @@ bool skips_error(bool skip_bad, const std::exception& error);
 class Prefetcher {
  public:
   struct Job {
-    std::function<engine::Video()> load;
+    std::function<Video()> load;
     int64_t bytes = 0;  // decoded size, for the memory bound
   };
   Prefetcher(std::vector<Job> jobs, int workers, int64_t max_bytes);
@@ -209,12 +209,12 @@ class Prefetcher {
   bool done() const;
   // The next video in job order; a job's error is rethrown here, in order, except running out
   // of memory (memory::is_out_of_memory) in a worker: that job is run again here, once.
-  engine::Video next();
+  Video next();
 
  private:
   struct Slot {
     bool ready = false;
-    engine::Video video;
+    Video video;
     std::exception_ptr error;
   };
   void work();

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "framefit/core/video.h"
 #include "framefit/engine/amp.h"
 #include "framefit/engine/chunked.h"
 #include "framefit/engine/loss.h"
@@ -23,20 +24,6 @@ namespace framefit::engine {
 namespace detail {
 class StepStart;
 }
-
-// One video: frames [T,3,H,W] (uint8 on the host) and one int64 label per frame [T].
-struct Video {
-  torch::Tensor frames;
-  torch::Tensor labels;
-  std::string name;  // for messages
-  // [T,D] float features of an encoder without trained parameters, from an earlier step
-  // (StepReport::features): the step uses them instead of encoding `frames`, which may then be
-  // undefined. The same numbers as encoding again: such an encoder is a fixed function.
-  torch::Tensor features;
-  // [T,K] float tool presence (1 present, 0 absent, -1 not annotated), for a step with a tool
-  // head; undefined: the video has no tool labels.
-  torch::Tensor tools;
-};
 
 struct OptimizerOptions {
   std::string kind = "adamw";  // sgd | adam | adamw

@@ -217,6 +217,29 @@ class Tracker {
   void notify(const PhaseEvent& event);
 };
 
+// A budget on `tracker` for the scope's lifetime, and with `held_limit` > 0 that held limit
+// (Tracker::set_held_limit). However the scope ends (an exception, a failed test assertion) the
+// earlier budget comes back and the held limit goes back to its default, so that no budget
+// reaches work that did not ask for it.
+class ScopedBudget {
+ public:
+  ScopedBudget(Tracker& tracker, int64_t budget, int64_t held_limit = 0)
+      : tracker_(tracker), earlier_budget_(tracker.budget_bytes()) {
+    tracker_.set_budget(budget);
+    if (held_limit > 0) tracker_.set_held_limit(held_limit);
+  }
+  ~ScopedBudget() {
+    tracker_.set_held_limit(0);
+    tracker_.set_budget(earlier_budget_);
+  }
+  ScopedBudget(const ScopedBudget&) = delete;
+  ScopedBudget& operator=(const ScopedBudget&) = delete;
+
+ private:
+  Tracker& tracker_;
+  int64_t earlier_budget_;
+};
+
 // Makes sure the CPU tracking allocator is installed (it is, from library load on); returns
 // false if another allocator replaced it.
 bool tracking_allocator_installed();

@@ -171,6 +171,9 @@ struct TrainingBudget {
   int64_t runtime = 0;
   int64_t tensors = 0;  // total - runtime: the tracker's budget (and held limit) for the run
   bool covers_process() const { return runtime > 0; }
+  // Under a process budget the allocator's cache is held within the tensors' budget too, so
+  // that the resident memory stays within train.budget; 0 (the tracker's default) otherwise.
+  int64_t held_limit() const { return covers_process() ? tensors : 0; }
 };
 // Measured on the demo (1 GiB, 64x64 frames): resident outside the allocator, 168 MiB when the
 // run was planned, 204 MiB after two epochs' steps (with memory::release_free_heap after each;
