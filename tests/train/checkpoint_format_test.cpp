@@ -2,6 +2,7 @@
 // the build of commit 0875f54) must still load and resume: a change of the checkpoint format
 // reads them or refuses them with a message that says so, never misreads them.
 #include <gtest/gtest.h>
+#include <torch/script.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -60,6 +61,27 @@ TEST(CheckpointFormat, FirstFormatPhasesCheckpointLoadsAndResumes) {
   const auto resumed = train::load_model(result.last_checkpoint);
   EXPECT_FALSE(torch::equal(train::export_state_dict(resumed)[0].second,
                             train::export_state_dict(model)[0].second));
+  test_util::remove_tree(config.train.out_dir);
+}
+
+TEST(CheckpointFormat, ARunRecordOfANewerFormatIsRefusedSayingSo) {
+  const std::string dir = kCheckpoints + "/phases";
+  auto config = train::checkpoint_config(dir + "/step_00000002.pt");
+  config.data.manifest = dir + "/manifest.csv";
+  config.train.out_dir = "/tmp/framefit_checkpoint_format_newer_" + std::to_string(::getpid());
+  config.train.max_steps = 1;
+  test_util::remove_tree(config.train.out_dir);
+  const auto written = train::train(config).last_checkpoint;
+  // The same checkpoint, its run record marked as a later framefit's.
+  auto archive = torch::jit::load(written);
+  archive.attr("run").toModule().setattr("format", c10::IValue(int64_t{3}));
+  const std::string newer = config.train.out_dir + "/newer.pt";
+  archive.save(newer);
+  config.train.max_steps = 2;
+  const auto message = test_util::error_message([&] { train::train(config, newer); });
+  EXPECT_NE(message.find(newer + " has run record format 3, newer than this framefit reads"),
+            std::string::npos)
+      << message;
   test_util::remove_tree(config.train.out_dir);
 }
 
