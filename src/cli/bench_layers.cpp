@@ -276,7 +276,7 @@ int run_bench_layers(const Args& args) {
   if (batch > 0) {
     segments = plan_for(batch);
     predicted =
-        plan::batch_peak_bytes(costs, batch, engine::evaluate_chain(costs.at(batch), segments));
+        plan::batch_peak_bytes(costs, batch, plan::evaluate_chain(costs.at(batch), segments));
     bench.step(batch, segments);  // untimed: kernels for this batch's shapes are set up once
     memory::reset_rss_peak();
     const auto result = bench.step(batch, segments, static_cast<int>(args.integer("repeat")));

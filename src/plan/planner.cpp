@@ -484,7 +484,7 @@ BatchCosts BatchCosts::through(int64_t b1, const std::vector<engine::StageCost>&
   return costs;
 }
 
-int64_t batch_peak_bytes(const BatchCosts& costs, int64_t batch, const engine::ChainPlan& chain) {
+int64_t batch_peak_bytes(const BatchCosts& costs, int64_t batch, const ChainPlan& chain) {
   return costs.static_bytes + costs.library_bytes + batch * costs.input_bytes_per_sample +
          chain.predicted_bytes;
 }
@@ -496,24 +496,24 @@ Recompute parse_recompute(const std::string& checkpointing) {
   TORCH_CHECK(false, "unknown checkpointing \"", checkpointing, "\": use off, auto or all");
 }
 
-engine::ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
+ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
                                    Recompute recompute, int64_t micro_batches) {
   TORCH_CHECK(micro_batches >= 1, "plan_batch_chain: micro_batches must be >= 1");
   const auto scaled = costs.at((batch + micro_batches - 1) / micro_batches);
   const int64_t room = budget_bytes - costs.static_bytes - costs.library_bytes -
                        batch * costs.input_bytes_per_sample;
   const auto stages = static_cast<int64_t>(scaled.size());
-  auto fixed = engine::evaluate_chain(scaled, recompute == Recompute::EveryStage
+  auto fixed = evaluate_chain(scaled, recompute == Recompute::EveryStage
                                                   ? engine::recompute_every(stages, 1)
                                                   : engine::store_all(stages));
   fixed.fits = fixed.predicted_bytes <= room;
   if (recompute != Recompute::AsNeeded || fixed.fits || room <= 0) return fixed;
-  return engine::plan_chain(scaled, room, costs.max_segment_stages);
+  return plan_chain(scaled, room, costs.max_segment_stages);
 }
 
-engine::ChainPlan least_memory_chain(const BatchCosts& costs, int64_t samples) {
+ChainPlan least_memory_chain(const BatchCosts& costs, int64_t samples) {
   // With a budget nothing fits, plan_chain answers with the plan that holds the least.
-  return engine::plan_chain(costs.at(samples), 1, costs.max_segment_stages);
+  return plan_chain(costs.at(samples), 1, costs.max_segment_stages);
 }
 
 BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute recompute,
@@ -556,7 +556,7 @@ std::vector<BatchRow> batch_table(const BatchCosts& costs, int64_t budget_bytes,
     BatchRow row;
     row.batch = b;
     row.plain_peak_bytes =
-        batch_peak_bytes(costs, b, engine::evaluate_chain(costs.at(b), engine::store_all(stages)));
+        batch_peak_bytes(costs, b, evaluate_chain(costs.at(b), engine::store_all(stages)));
     const auto chain = plan_batch_chain(costs, b, budget_bytes, recompute);
     row.planned_peak_bytes = batch_peak_bytes(costs, b, chain);
     row.recomputed_stages = chain.recomputed_stages();

@@ -618,7 +618,7 @@ BatchTaskPlan plan_training_with(bool save_memory, const Config& config, const T
         held->progress.recompute_norm == recompute_norm &&
         held->progress.time_slices == p.time_slices) {
       const auto& h = held->progress;
-      const auto chain = engine::evaluate_chain(
+      const auto chain = plan::evaluate_chain(
           costs.at((h.batch + h.micro_batches - 1) / h.micro_batches), h.segments);
       held->evaluated = true;
       held->peak = plan::batch_peak_bytes(costs, h.batch, chain);
@@ -648,7 +648,7 @@ BatchTaskPlan plan_training_with(bool save_memory, const Config& config, const T
     const int64_t micro_batch = (p.batch + p.micro_batches - 1) / p.micro_batches;
     p.segments = chain.segments;
     p.fallback_segments = plan::least_memory_chain(costs, micro_batch).segments;
-    const auto evaluated = engine::evaluate_chain(costs.at(micro_batch), p.segments);
+    const auto evaluated = plan::evaluate_chain(costs.at(micro_batch), p.segments);
     p.input_bytes = costs.input_bytes_per_sample * p.batch;
     p.library_bytes = costs.library_bytes;
     p.activation_bytes = evaluated.predicted_bytes;

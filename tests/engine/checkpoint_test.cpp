@@ -259,9 +259,9 @@ TEST(Checkpoint, PlannerIsOptimalAgainstExhaustiveSearch) {
       c.peak_bytes = c.kept_bytes + bytes(rng) / 2;
       c.forward_peak_bytes = std::min(c.peak_bytes, c.kept_bytes + bytes(rng) / 4);
     }
-    const auto all = engine::evaluate_chain(costs, engine::store_all(n));
+    const auto all = plan::evaluate_chain(costs, engine::store_all(n));
     const int64_t budget = all.predicted_bytes * (40 + trial * 2) / 100;
-    const auto plan = engine::plan_chain(costs, budget);
+    const auto plan = plan::plan_chain(costs, budget);
     // Every partition into segments (2^(n-1) sets of boundaries), each segment stored,
     // recomputed or (two stages or more) nested.
     double best = std::numeric_limits<double>::infinity();
@@ -290,7 +290,7 @@ TEST(Checkpoint, PlannerIsOptimalAgainstExhaustiveSearch) {
           valid = valid && (kind != 2 || seg.end - seg.begin >= 2);
         }
         if (!valid) continue;
-        const auto p = engine::evaluate_chain(costs, segs);
+        const auto p = plan::evaluate_chain(costs, segs);
         least = std::min(least, p.predicted_bytes);
         if (p.predicted_bytes <= budget - slack) best = std::min(best, p.recompute_seconds);
       }
@@ -305,15 +305,15 @@ TEST(Checkpoint, PlannerIsOptimalAgainstExhaustiveSearch) {
     if (best == std::numeric_limits<double>::infinity()) continue;  // all within the slack
     ASSERT_TRUE(plan.fits) << "trial " << trial;
     EXPECT_LE(plan.predicted_bytes, budget);
-    EXPECT_EQ(engine::evaluate_chain(costs, plan.segments).predicted_bytes, plan.predicted_bytes);
+    EXPECT_EQ(plan::evaluate_chain(costs, plan.segments).predicted_bytes, plan.predicted_bytes);
     EXPECT_LE(plan.recompute_seconds, best + 1e-12) << "trial " << trial;
   }
   // Plenty of memory: nothing recomputed.
   std::vector<engine::StageCost> costs(4, {10, 2, 1.0, 14});
-  const auto plan = engine::plan_chain(costs, 1 << 20);
+  const auto plan = plan::plan_chain(costs, 1 << 20);
   EXPECT_TRUE(plan.fits);
   EXPECT_EQ(plan.recomputed_stages(), 0);
-  EXPECT_FALSE(engine::plan_chain(costs, 1).fits);
+  EXPECT_FALSE(plan::plan_chain(costs, 1).fits);
 }
 
 namespace {
@@ -385,10 +385,10 @@ TEST(Checkpoint, MeasuredPeakStaysWithinThePlannedBudget) {
   const auto costs = engine::measure_stages(chain.stages, chain.input);
   const int64_t plain = chain.measure(engine::store_all(static_cast<int64_t>(chain.stages.size())));
   // A budget well below what training without checkpointing measurably takes.
-  const int64_t least = engine::plan_chain(costs, 1).minimum_bytes;
+  const int64_t least = plan::plan_chain(costs, 1).minimum_bytes;
   ASSERT_LT(least, plain * 7 / 10) << "plain " << plain;
   const int64_t budget = std::max(least, plain * 6 / 10);
-  const auto plan = engine::plan_chain(costs, budget);
+  const auto plan = plan::plan_chain(costs, budget);
   ASSERT_TRUE(plan.fits) << "minimum " << plan.minimum_bytes << " budget " << budget;
   EXPECT_GT(plan.recomputed_stages(), 0);
   const int64_t planned = chain.measure(plan.segments);
@@ -407,7 +407,7 @@ TEST(Checkpoint, StageCostsPredictStoredAndRecomputedStepsClosely) {
   const auto costs = engine::measure_stages(chain.stages, chain.input);
   const auto n = static_cast<int64_t>(chain.stages.size());
   for (const auto& segments : {engine::store_all(n), engine::recompute_every(n, 1)}) {
-    const int64_t predicted = engine::evaluate_chain(costs, segments).predicted_bytes;
+    const int64_t predicted = plan::evaluate_chain(costs, segments).predicted_bytes;
     const int64_t measured = chain.measure(segments);
     EXPECT_GE(predicted, measured * 99 / 100) << segments.size() << " segments";
     EXPECT_LE(predicted, measured * 103 / 100) << segments.size() << " segments";
@@ -452,7 +452,7 @@ TEST(Checkpoint, UNetStageCostsPredictTheStepsPeakClosely) {
       costs = network.measure(x);
     }
     for (const auto& segments : {engine::store_all(n), engine::recompute_every(n, 1)}) {
-      const int64_t predicted = engine::evaluate_chain(costs, segments).predicted_bytes;
+      const int64_t predicted = plan::evaluate_chain(costs, segments).predicted_bytes;
       const int64_t before = tracker.current_bytes();
       tracker.reset_peak();
       step(segments);
@@ -476,7 +476,7 @@ TEST(Checkpoint, NestedSegmentsHoldLessThanEveryStageRecomputed) {
   const int64_t every_measured = chain.measure(every);
   const int64_t nested_measured = chain.measure(nested);
   EXPECT_LT(nested_measured, every_measured * 8 / 10) << "every stage " << every_measured;
-  const auto predicted = engine::evaluate_chain(costs, nested);
+  const auto predicted = plan::evaluate_chain(costs, nested);
   EXPECT_GE(predicted.predicted_bytes, nested_measured * 99 / 100);
   EXPECT_LE(predicted.predicted_bytes, nested_measured * 103 / 100);
   // Its recompute time: the stages once more, and all but each segment's last once again.
@@ -484,7 +484,7 @@ TEST(Checkpoint, NestedSegmentsHoldLessThanEveryStageRecomputed) {
   for (int64_t i = 0; i < 10; ++i) seconds += costs[i].seconds * (i == 4 || i == 9 ? 1 : 2);
   EXPECT_NEAR(predicted.recompute_seconds, seconds, 1e-12);
   // Planned for its least memory, the chain nests.
-  const auto least = engine::plan_chain(costs, 1);
+  const auto least = plan::plan_chain(costs, 1);
   EXPECT_LE(least.minimum_bytes, predicted.predicted_bytes);
   EXPECT_TRUE(std::any_of(least.segments.begin(), least.segments.end(),
                           [](const ChainSegment& s) { return s.nested; }));
@@ -515,7 +515,7 @@ TEST(Checkpoint, RecomputedSegmentsHoldTheirParametersGradientsUntilTheyEnd) {
     tracker.reset_peak();
     engine::run_chain(stages, segments, input).pow(2).sum().backward();
     const int64_t measured = tracker.peak_bytes() - base;
-    const int64_t predicted = engine::evaluate_chain(costs, segments).predicted_bytes;
+    const int64_t predicted = plan::evaluate_chain(costs, segments).predicted_bytes;
     EXPECT_GT(measured, 10 << 20) << "nested " << nested;  // gradients of 3, 4 and 4 MiB
     EXPECT_GE(predicted, measured * 99 / 100) << "nested " << nested;
     EXPECT_LE(predicted, measured * 103 / 100) << "nested " << nested;

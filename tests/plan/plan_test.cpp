@@ -571,7 +571,7 @@ TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
   EXPECT_LE(plain.predicted_peak_bytes, budget);
   EXPECT_GT(plan::batch_peak_bytes(
                 costs, plain.batch + 1,
-                engine::evaluate_chain(costs.at(plain.batch + 1), engine::store_all(6))),
+                plan::evaluate_chain(costs.at(plain.batch + 1), engine::store_all(6))),
             budget);
   EXPECT_EQ(plain.chain.recomputed_stages(), 0);
   // Checkpointing keeps 20 of each stage's 100 bytes per sample: a larger batch fits.
@@ -594,7 +594,7 @@ TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
   // train.checkpointing all: the batch is planned for every stage recomputed.
   const auto every = [&](const plan::BatchCosts& c, int64_t batch) {
     return plan::batch_peak_bytes(
-        c, batch, engine::evaluate_chain(c.at(batch), engine::recompute_every(6, 1)));
+        c, batch, plan::evaluate_chain(c.at(batch), engine::recompute_every(6, 1)));
   };
   const auto all = plan::plan_batch(costs, budget, plan::Recompute::EveryStage);
   EXPECT_EQ(all.chain.recomputed_stages(), 6);
@@ -649,7 +649,7 @@ TEST(BatchPlanner, TableGivesThePeakOfEachBatchAroundTheLargest) {
   EXPECT_LE(batches.back(), 2 * largest);
   for (const auto& r : rows) {
     SCOPED_TRACE(r.batch);
-    const auto plain = engine::evaluate_chain(costs.at(r.batch), engine::store_all(6));
+    const auto plain = plan::evaluate_chain(costs.at(r.batch), engine::store_all(6));
     EXPECT_EQ(r.plain_peak_bytes, plan::batch_peak_bytes(costs, r.batch, plain));
     EXPECT_LE(r.planned_peak_bytes, r.plain_peak_bytes);
     EXPECT_EQ(r.fits, r.batch <= largest);

@@ -4,8 +4,8 @@
 // some of which keep no activations in the forward pass and are recomputed in backward.
 //
 // Which stages to recompute is chosen for a memory budget from measured per-stage costs by
-// dynamic programming over the chain (plan_chain): the least recompute time whose kept
-// activations plus the largest recomputed segment fit. Recomputing replays the random stream
+// plan::plan_chain (plan/chain_plan.h): the least recompute time whose kept activations plus
+// the largest recomputed segment fit. Recomputing replays the random stream
 // (dropout) and leaves BatchNorm statistics as the forward pass set them (updated once, unlike
 // PyTorch's checkpointing), so gradients are exactly those of running without checkpointing.
 // A checkpointed chain is an ordinary function of its input: it works inside the chunked
@@ -94,27 +94,6 @@ struct ChainSegment {
   bool nested = false;
 };
 
-struct ChainPlan {
-  std::vector<ChainSegment> segments;
-  bool fits = false;
-  // Activation memory of the step (evaluate_chain): the largest of the forward pass (what the
-  // stored stages keep plus the recomputed segments' outputs) and of each stage's backward
-  // (what the stages before it keep, plus its own recompute and gradients).
-  int64_t predicted_bytes = 0;
-  double recompute_seconds = 0;  // time added by recomputing
-  int64_t minimum_bytes = 0;     // the least activation memory any plan reaches
-  int64_t recomputed_stages() const;
-};
-
-// The plan with the least recompute time whose activation memory fits `budget_bytes` (0: no
-// budget, nothing recomputed), among segments stored, recomputed and nested. When none fits,
-// fits is false and the plan is the one with the least memory. `max_segment_stages` > 0 limits
-// how many stages one recomputed segment spans (1 for networks that are not a chain, such as a
-// UNet: each stage recomputed on its own).
-ChainPlan plan_chain(const std::vector<StageCost>& costs, int64_t budget_bytes,
-                     int64_t max_segment_stages = 0);
-// The activation memory and recompute time of a given plan under the same model.
-ChainPlan evaluate_chain(const std::vector<StageCost>& costs, std::vector<ChainSegment> segments);
 // Every stage stored (no checkpointing), or every `every` stages one recomputed segment.
 std::vector<ChainSegment> store_all(int64_t stages);
 std::vector<ChainSegment> recompute_every(int64_t stages, int64_t every);
@@ -142,7 +121,7 @@ struct ChainNetwork {
   std::vector<Stage> stages;                  // a chain ...
   std::shared_ptr<models::UNetImpl> unet;     // ... or a UNet
   int64_t stage_count() const;
-  // plan_chain's limit on stages per recomputed segment: 1 for a UNet (not a chain), else none.
+  // plan::plan_chain's limit on stages per recomputed segment: 1 for a UNet (not a chain), else none.
   int64_t max_segment_stages() const { return unet ? 1 : 0; }
   // The network's output with `segments` recomputed (store_all: plain forward).
   torch::Tensor forward(const torch::Tensor& x, const std::vector<ChainSegment>& segments) const;

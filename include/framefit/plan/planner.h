@@ -10,6 +10,7 @@
 
 #include "framefit/engine/checkpoint.h"
 #include "framefit/engine/step.h"
+#include "framefit/plan/chain_plan.h"
 #include "framefit/plan/memory_model.h"
 
 namespace framefit::plan {
@@ -176,12 +177,12 @@ struct BatchCosts {
 };
 struct BatchPlan {
   int64_t batch = 0;        // 0: not even one sample fits
-  engine::ChainPlan chain;  // what to recompute at that batch
+  ChainPlan chain;  // what to recompute at that batch
   int64_t predicted_peak_bytes = 0;
   int64_t minimum_bytes_one_sample = 0;  // with the most checkpointing allowed
 };
 // The predicted peak of a batch: static + inputs + the chain plan's activation memory.
-int64_t batch_peak_bytes(const BatchCosts& costs, int64_t batch, const engine::ChainPlan& chain);
+int64_t batch_peak_bytes(const BatchCosts& costs, int64_t batch, const ChainPlan& chain);
 // What a batch plan may recompute: nothing (train.checkpointing off), what the budget needs
 // (auto), or every stage (all; which can hold more than nothing recomputed, so the batch is
 // planned for it).
@@ -193,11 +194,11 @@ BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute re
 // The chain plan for a given batch (with AsNeeded, checkpointing only if needed to fit). With
 // micro_batches > 1 the batch runs in that many pieces: activations of one piece
 // (ceil(batch / micro_batches) samples) beside the whole batch's inputs.
-engine::ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
+ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
                                    Recompute recompute, int64_t micro_batches = 1);
 // The chain plan that holds the least activation memory for `samples` at once (any time): what
 // one sample needs at the least, and what a step that ran out of memory falls back on.
-engine::ChainPlan least_memory_chain(const BatchCosts& costs, int64_t samples);
+ChainPlan least_memory_chain(const BatchCosts& costs, int64_t samples);
 
 // Predicted peak memory per batch size (seeds/003's table), without checkpointing and with the
 // chain plan `recompute` allows for the budget, at batches 1, 2, 4, ... up to twice `largest`
