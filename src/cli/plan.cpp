@@ -97,6 +97,18 @@ plan::Plan fit_for(const Args& args, plan::PlanRequest& request, Calibrated& cal
 
 namespace {
 
+// One precedence for plan and doctor: --budget over the config's --set over the config file.
+train::Config config_with_flags(const Args& args) {
+  auto overrides = args.list("set");
+  if (args.bytes("budget") > 0) overrides.push_back("train.budget=" + args.text("budget"));
+  return train::load_config(args.text("config"), overrides);
+}
+
+// Without a config: --budget, else what the device has available.
+int64_t flag_budget(const Args& args, const memory::Tracker& tracker) {
+  return args.bytes("budget") > 0 ? args.bytes("budget") : tracker.available_bytes();
+}
+
 nlohmann::json breakdown_json(const plan::Breakdown& b) {
   return {{"parameters", b.parameters},
           {"gradients", b.gradients},
@@ -284,8 +296,7 @@ int doctor_network(const Args& args, const train::Config& config, int64_t full_b
 int run_doctor(const Args& args) {
   auto& tracker = memory::Tracker::of(torch::Device(args.text("device")));
   if (args.has("config")) {
-    auto config = train::load_config(args.text("config"), args.list("set"));
-    if (args.bytes("budget") > 0) config.train.budget = args.bytes("budget");
+    const auto config = config_with_flags(args);
     // What tensors may use of it (on the CPU, a process budget less the runtime's share).
     const int64_t budget = train::resolve_budget(config).tensors;
     // A clips or segmentation config's data, whatever its network.
@@ -329,9 +340,7 @@ int run_doctor(const Args& args) {
         train::is_batch_task(config) ? train::step_budget_bytes(config, budget, 0) : budget;
     return doctor_network(args, checked, budget, step_budget, data_findings);
   }
-  return print_findings(args, plan::diagnose(plan_request(args), args.bytes("budget") > 0
-                                                                     ? args.bytes("budget")
-                                                                     : tracker.available_bytes()));
+  return print_findings(args, plan::diagnose(plan_request(args), flag_budget(args, tracker)));
 }
 
 // framefit plan --config on a phases config: the step `framefit train` will run.
@@ -406,9 +415,7 @@ int plan_phases_config(const Args& args, const train::Config& config) {
 
 // framefit plan --config: what a run of the config will use.
 int plan_config(const Args& args) {
-  auto overrides = args.list("set");
-  if (args.bytes("budget") > 0) overrides.push_back("train.budget=" + args.text("budget"));
-  const auto config = train::load_config(args.text("config"), overrides);
+  const auto config = config_with_flags(args);
   if (!train::is_batch_task(config)) return plan_phases_config(args, config);
   const auto plan = train::plan_batch_task(config, [](const train::Event& e) {
     if (e.kind == train::Event::Kind::Warning) fmt::print(stderr, "warning: {}\n", e.message);
@@ -484,8 +491,7 @@ int run_plan(const Args& args) {
   auto request = plan_request(args);
   const auto device = request.model.device;
   auto& tracker = memory::Tracker::of(device);
-  const int64_t budget =
-      args.bytes("budget") > 0 ? args.bytes("budget") : tracker.available_bytes();
+  const int64_t budget = flag_budget(args, tracker);
   const auto beyond = plan::budget_beyond_device(args.bytes("budget"), device, "--budget");
   if (!beyond.empty()) fmt::print(stderr, "warning: {}\n", beyond);
   const double margin = args.number("margin");
