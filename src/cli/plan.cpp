@@ -400,11 +400,12 @@ int plan_phases_config(const Args& args, const train::Config& config) {
     fmt::print("  {}\n", plan::describe(plan.settings));
     print_breakdown(plan.breakdown, 0);
     if (budget.covers_process()) {
-      fmt::print("  expected RSS about {} (the runtime's, the decoded data and the predicted peak; up "
-                 "to {} with the freed blocks the allocator keeps for reuse)\n",
-                 memory::format_bytes(train::expected_rss_bytes(budget, plan.step_budget_bytes,
-                                                                plan.breakdown.peak_bytes)),
-                 memory::format_bytes(budget.total));
+      fmt::print(
+          "  expected RSS about {} (the runtime's, the decoded data and the predicted peak; up "
+          "to {} with the freed blocks the allocator keeps for reuse)\n",
+          memory::format_bytes(
+              train::expected_rss_bytes(budget, plan.step_budget_bytes, plan.breakdown.peak_bytes)),
+          memory::format_bytes(budget.total));
     }
   } else {
     fmt::print("  does not fit: {}\n", plan.advice);

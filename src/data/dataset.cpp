@@ -760,8 +760,7 @@ Video VideoDataset::load(int64_t i, const Augmentation& augmentation) const {
   return video;
 }
 
-Video VideoDataset::load_pieces(int64_t i, int64_t piece,
-                                        const FramesCallback& on_frames) const {
+Video VideoDataset::load_pieces(int64_t i, int64_t piece, const FramesCallback& on_frames) const {
   if (options_.features) return load(i);
   const auto& v = videos_.at(i);
   Source source;

@@ -30,7 +30,8 @@ std::string quoted(const std::string& text) {
 }
 }  // namespace
 
-TraceRecorder::TraceRecorder(Tracker& tracker) : tracker_(tracker), start_ns_(detail::steady_now_ns()) {
+TraceRecorder::TraceRecorder(Tracker& tracker)
+    : tracker_(tracker), start_ns_(detail::steady_now_ns()) {
   listener_ = tracker_.add_listener([this](const PhaseEvent& e) {
     record({e.kind == PhaseEvent::Kind::Begin ? 'B' : 'E', e.name, e.time_ns, e.in_use_bytes});
     record({'C', "bytes in use", e.time_ns, e.in_use_bytes});

@@ -386,8 +386,8 @@ Plan plan_chunked_step(PlanRequest& request, const StaticSizes& sizes,
   auto plan = choose_norm ? fit_choosing_recompute_norm(request, sizes, costs, cache, budget_bytes,
                                                         margin, on_probe)
                           : fit(request, sizes, costs, budget_bytes, margin);
-  plan = refit_at_planned_chunk(request, sizes, costs, cache, std::move(plan), budget_bytes,
-                                margin, on_probe);
+  plan = refit_at_planned_chunk(request, sizes, costs, cache, std::move(plan), budget_bytes, margin,
+                                on_probe);
   if (!plan.fits && fixed) {
     // What this same path plans with the fixed settings left auto, on the copies: `request` and
     // `costs` stay the fixed plan's (the replanner plans with them).

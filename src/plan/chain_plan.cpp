@@ -9,8 +9,8 @@
 namespace framefit::plan {
 
 using engine::ChainSegment;
-using engine::StageCost;
 using engine::recomputed;
+using engine::StageCost;
 using engine::store_all;
 
 int64_t ChainPlan::recomputed_stages() const {
@@ -33,7 +33,7 @@ struct SegmentCost {
   // Nested, the whole: at each stage, the outputs of the stages before it (recomputed), its own
   // peak and the later stages' parameter gradients.
   int64_t nested_bytes = 0;
-  int64_t outputs_bytes = 0;       // of the stages added so far
+  int64_t outputs_bytes = 0;  // of the stages added so far
   // The recompute's forward, beside the segment's incoming gradient (the last stage's output
   // size): the highest of what the stages before keep plus a stage's forward peak.
   int64_t forward_bytes = 0;

@@ -202,11 +202,11 @@ Plan fit(const PlanRequest& request, const StaticSizes& sizes,
         std::ceil(static_cast<double>(smallest->breakdown.peak_bytes) / (1.0 - margin)));
     // The breakdown shows the peak; the budget it needs adds the margin, which is said so that
     // the two numbers agree.
-    plan.needs = c10::str("needs at least ", memory::format_bytes(plan.minimum_budget_bytes),
-                          " (a predicted peak of ",
-                          memory::format_bytes(smallest->breakdown.peak_bytes), " plus the ",
-                          std::lround(100 * margin), "% margin, with ",
-                          describe(smallest->settings, smallest->accumulate), ")");
+    plan.needs =
+        c10::str("needs at least ", memory::format_bytes(plan.minimum_budget_bytes),
+                 " (a predicted peak of ", memory::format_bytes(smallest->breakdown.peak_bytes),
+                 " plus the ", std::lround(100 * margin), "% margin, with ",
+                 describe(smallest->settings, smallest->accumulate), ")");
     plan.advice = plan.needs;
     // Settings the user fixed may be what stands in the way.
     PlanRequest relaxed = request;
@@ -219,7 +219,8 @@ Plan fit(const PlanRequest& request, const StaticSizes& sizes,
       if (c.breakdown.peak_bytes <= limit && (!relaxed_best || better(c, *relaxed_best)))
         relaxed_best = c;
     });
-    if (relaxed_best) plan.advice += fits_when_auto(relaxed_best->settings, relaxed_best->accumulate);
+    if (relaxed_best)
+      plan.advice += fits_when_auto(relaxed_best->settings, relaxed_best->accumulate);
   }
   return plan;
 }
@@ -497,15 +498,15 @@ Recompute parse_recompute(const std::string& checkpointing) {
 }
 
 ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
-                                   Recompute recompute, int64_t micro_batches) {
+                           Recompute recompute, int64_t micro_batches) {
   TORCH_CHECK(micro_batches >= 1, "plan_batch_chain: micro_batches must be >= 1");
   const auto scaled = costs.at((batch + micro_batches - 1) / micro_batches);
   const int64_t room = budget_bytes - costs.static_bytes - costs.library_bytes -
                        batch * costs.input_bytes_per_sample;
   const auto stages = static_cast<int64_t>(scaled.size());
-  auto fixed = evaluate_chain(scaled, recompute == Recompute::EveryStage
-                                                  ? engine::recompute_every(stages, 1)
-                                                  : engine::store_all(stages));
+  auto fixed =
+      evaluate_chain(scaled, recompute == Recompute::EveryStage ? engine::recompute_every(stages, 1)
+                                                                : engine::store_all(stages));
   fixed.fits = fixed.predicted_bytes <= room;
   if (recompute != Recompute::AsNeeded || fixed.fits || room <= 0) return fixed;
   return plan_chain(scaled, room, costs.max_segment_stages);

@@ -80,8 +80,8 @@ std::optional<RunRecord> read_run_record(torch::serialize::InputArchive& archive
   p.stale_epochs = value("stale_epochs").toInt();
   p.seconds = value("seconds").toDouble();
   torch::serialize::InputArchive settings, tensors;
-  TORCH_CHECK(run.try_read("settings", settings) && run.try_read("tensors", tensors),
-              "checkpoint ", checkpoint,
+  TORCH_CHECK(run.try_read("settings", settings) && run.try_read("tensors", tensors), "checkpoint ",
+              checkpoint,
               ": its run record has no settings: the file is damaged; resume from another "
               "checkpoint");
   for (const auto& name : settings.keys()) {

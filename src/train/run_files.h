@@ -18,8 +18,8 @@
 #include "framefit/models/weights.h"
 #include "framefit/plan/doctor.h"
 #include "framefit/train/config.h"
-#include "framefit/train/metrics.h"
 #include "framefit/train/events.h"
+#include "framefit/train/metrics.h"
 
 namespace framefit::models {
 class TorchScriptEncoderImpl;

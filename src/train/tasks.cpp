@@ -418,8 +418,8 @@ BatchProgress read_batch_progress(torch::serialize::InputArchive& archive,
   p.eval_batch = record->setting("eval_batch", p.batch);
   p.recompute_norm = record->setting("recompute_norm", 0) != 0;
   p.time_slices = record->setting("time_slices", 0);
-  for (auto [name, segments] : {std::pair{"segments", &p.segments},
-                                {"fallback_segments", &p.fallback_segments}}) {
+  for (auto [name, segments] :
+       {std::pair{"segments", &p.segments}, {"fallback_segments", &p.fallback_segments}}) {
     if (const auto tensor = record->tensor(name); tensor.defined())
       *segments = segments_from(tensor);
   }

@@ -111,22 +111,21 @@ void write_model(torch::serialize::OutputArchive& archive, const Model& model) {
 }
 
 void write_progress(torch::serialize::OutputArchive& archive, const Progress& p) {
-  write_run_record(archive,
-                   {p,
-                    {{"chunk", p.settings.chunk},
-                     {"keep", p.settings.keep},
-                     {"cache_frozen", p.settings.cache_frozen},
-                     {"precision", static_cast<int64_t>(p.settings.precision)},
-                     {"recompute_norm", p.settings.recompute_norm}},
-                    {}});
+  write_run_record(archive, {p,
+                             {{"chunk", p.settings.chunk},
+                              {"keep", p.settings.keep},
+                              {"cache_frozen", p.settings.cache_frozen},
+                              {"precision", static_cast<int64_t>(p.settings.precision)},
+                              {"recompute_norm", p.settings.recompute_norm}},
+                             {}});
 }
 
 // Format 1: step, epoch, position, skipped, chunk, keep, cache_frozen, precision, stale_epochs,
 // recompute_norm in one int64 tensor (the last two absent in its first checkpoints), best score
-// and seconds in a double one.
-Progress read_first_format_video_progress(torch::serialize::InputArchive& archive) {
-  torch::Tensor p, r;
-  archive.read("progress", p);
+// and seconds in a double one. `p`: the first, already read.
+Progress read_first_format_video_progress(torch::serialize::InputArchive& archive,
+                                          const torch::Tensor& p) {
+  torch::Tensor r;
   archive.read("progress_real", r);
   const auto* v = p.data_ptr<int64_t>();
   Progress progress;
@@ -160,7 +159,7 @@ std::optional<Progress> try_read_video_progress(torch::serialize::InputArchive& 
   }
   torch::Tensor progress;
   if (!archive.try_read("progress", progress)) return std::nullopt;
-  return read_first_format_video_progress(archive);
+  return read_first_format_video_progress(archive, progress);
 }
 
 Progress read_video_progress(torch::serialize::InputArchive& archive,
@@ -425,8 +424,8 @@ class FeatureCache {
   // The prefetch job for video v of `set`: its kept features with its labels, or `load` where
   // none are kept or the file does not read or fit its frames (the manifest changed under the
   // same settings).
-  data::Prefetcher::Job job(const data::VideoDataset& set, int64_t v,
-                            std::function<Video()> load, int64_t feature_dim) const {
+  data::Prefetcher::Job job(const data::VideoDataset& set, int64_t v, std::function<Video()> load,
+                            int64_t feature_dim) const {
     if (!has(v)) return {std::move(load), set.frame_bytes(v)};
     return {[&set, v, file = path(v), load] {
               Video video;
@@ -991,8 +990,8 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
     plan::CalibrationCache cache(plan::CalibrationCache::default_path());
     result.costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
     // request.model.recompute_norm and the costs (the replanner's) become those chosen.
-    chosen = plan::plan_chunked_step(request, result.sizes, result.costs, cache,
-                                     result.step_budget, kStepMargin, choose_norm, info);
+    chosen = plan::plan_chunked_step(request, result.sizes, result.costs, cache, result.step_budget,
+                                     kStepMargin, choose_norm, info);
   }
   if (!chosen.reason.empty()) info(chosen.reason);
   if (fixed && check_fixed) {
@@ -1301,7 +1300,7 @@ TrainResult train(const Config& given, const std::string& resume, const EventCal
     struct Epoch {
       std::vector<int64_t> order;
       std::optional<data::Prefetcher> prefetcher;
-      std::vector<Video> batch;   // the next step's videos
+      std::vector<Video> batch;           // the next step's videos
       std::vector<int64_t> batch_videos;  // their indices in train_set
     };
     auto epoch = std::make_shared<Epoch>();

@@ -715,7 +715,7 @@ TEST(Prefetch, DeliversInOrderWithinTheMemoryBoundAndRethrows) {
                       if (i == 7)
                         throw c10::Error({__func__, __FILE__, __LINE__}, "video 7 is broken");
                       return framefit::Video{torch::full({1}, i), torch::zeros({1}, torch::kLong),
-                                           std::to_string(i)};
+                                             std::to_string(i)};
                     },
                     100});
   }
@@ -745,7 +745,8 @@ TEST(Prefetch, VideoThatRanOutOfMemoryInAWorkerIsDecodedAgainNotCalledBad) {
   std::vector<data::Prefetcher::Job> jobs;
   jobs.push_back({[&] {
                     if (attempts++ == 0) out_of_memory();
-                    return framefit::Video{torch::full({1}, 0), torch::zeros({1}, torch::kLong), "0"};
+                    return framefit::Video{torch::full({1}, 0), torch::zeros({1}, torch::kLong),
+                                           "0"};
                   },
                   100});
   jobs.push_back({[&]() -> framefit::Video {
@@ -784,7 +785,7 @@ TEST(Clips, StartsLabelsAndLayout) {
   EXPECT_THROW(data::clip_starts(10, options), c10::Error);
 
   framefit::Video video{torch::randint(0, 256, {9, 3, 4, 5}, torch::kUInt8),
-                      torch::tensor({0, 0, 0, 1, 1, 1, 1, 0, 0}, torch::kLong), "v"};
+                        torch::tensor({0, 0, 0, 1, 1, 1, 1, 0, 0}, torch::kLong), "v"};
   options.length = 3;
   options.stride = 3;
   const auto clips = data::cut_clips(video, options);

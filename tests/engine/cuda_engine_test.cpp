@@ -89,7 +89,7 @@ TEST_F(CudaEngine, Fp16StepWithLossScaling) {
   for (auto& p : head->parameters()) params.push_back(p);
   engine::TrainingStep step(encoder, head, engine::make_optimizer(params, {}), options);
   framefit::Video video{torch::randint(0, 256, {40, 3, 64, 64}).to(torch::kUInt8),
-                      torch::randint(0, 7, {40}, torch::kLong), "gpu video"};
+                        torch::randint(0, 7, {40}, torch::kLong), "gpu video"};
   auto report = step.step({video});
   EXPECT_TRUE(std::isfinite(report.loss));
   EXPECT_TRUE(report.optimizer_stepped || report.overflow_skipped);
@@ -141,8 +141,9 @@ TEST_F(CudaEngine, PlannedStepFitsTheBudgetAndMatchesThePrediction) {
   engine::OptimizerOptions optimizer;
   optimizer.kind = spec.optimizer;
   engine::TrainingStep step(encoder, head, engine::make_optimizer(params, optimizer), options);
-  framefit::Video video{torch::randint(0, 256, {request.frames, 3, spec.size, spec.size}).to(torch::kUInt8),
-                      torch::randint(0, spec.classes, {request.frames}, torch::kLong), "gpu video"};
+  framefit::Video video{
+      torch::randint(0, 256, {request.frames, 3, spec.size, spec.size}).to(torch::kUInt8),
+      torch::randint(0, spec.classes, {request.frames}, torch::kLong), "gpu video"};
   auto& tracker = memory::Tracker::of(cuda);
   tracker.set_budget(budget);
   engine::StepReport first, second;

@@ -32,7 +32,8 @@ TEST_F(TorchScript, TrainingStepMatchesPythonsLossAndGradients) {
   models::TorchScriptEncoder encoder(kReferenceData + "/tiny_encoder.pt");
   encoder->train();
   std::map<std::string, torch::Tensor> reference;
-  for (auto& [name, tensor] : models::read_state_dict(kReferenceData + "/tiny_encoder_reference.pt")) {
+  for (auto& [name, tensor] :
+       models::read_state_dict(kReferenceData + "/tiny_encoder_reference.pt")) {
     reference[name] = tensor;
   }
   const auto x = models::read_tensor(kReferenceData + "/tiny_encoder_input.pt");

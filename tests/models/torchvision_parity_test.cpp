@@ -31,7 +31,8 @@ class TorchvisionParity : public ::testing::TestWithParam<int64_t> {
 }  // namespace
 
 TEST_P(TorchvisionParity, SameParameterNamesInTheSameOrder) {
-  const auto expected = framefit::test_util::read_lines(kReferenceData + "/" + arch() + "_keys.txt");
+  const auto expected =
+      framefit::test_util::read_lines(kReferenceData + "/" + arch() + "_keys.txt");
   std::vector<std::string> ours;
   for (const auto& entry : state_dict(*ResNet(ResNetOptions(GetParam())))) {
     ours.push_back(entry.first);
@@ -48,7 +49,8 @@ TEST_P(TorchvisionParity, LogitsAndFeaturesMatch) {
   ResNet classifier{ResNetOptions(GetParam())};
   EXPECT_TRUE(load_state_dict(*classifier, state).complete());
   classifier->eval();
-  EXPECT_LE(relative_error(classifier->forward(x), read_tensor(kReferenceData + "/" + arch() + "_logits.pt")),
+  EXPECT_LE(relative_error(classifier->forward(x),
+                           read_tensor(kReferenceData + "/" + arch() + "_logits.pt")),
             1e-4);
 
   LoadOptions ignore_fc;
@@ -56,14 +58,16 @@ TEST_P(TorchvisionParity, LogitsAndFeaturesMatch) {
   ResNet encoder(ResNetOptions(GetParam()).num_classes(0));
   EXPECT_TRUE(load_state_dict(*encoder, state, ignore_fc).complete());
   encoder->eval();
-  EXPECT_LE(relative_error(encoder->forward(x), read_tensor(kReferenceData + "/" + arch() + "_features.pt")),
+  EXPECT_LE(relative_error(encoder->forward(x),
+                           read_tensor(kReferenceData + "/" + arch() + "_features.pt")),
             1e-4);
 
   ResNet nhwc(ResNetOptions(GetParam()).channels_last(true));
   load_state_dict(*nhwc, state);
   nhwc->eval();
-  EXPECT_LE(relative_error(nhwc->forward(x), read_tensor(kReferenceData + "/" + arch() + "_logits.pt")),
-            1e-4);
+  EXPECT_LE(
+      relative_error(nhwc->forward(x), read_tensor(kReferenceData + "/" + arch() + "_logits.pt")),
+      1e-4);
 }
 
 TEST_P(TorchvisionParity, SavedWeightsLoadInPyTorchAndGiveTheSameOutputs) {

@@ -21,7 +21,9 @@ using framefit::test_util::relative_error;
 class VideoParity : public ::testing::TestWithParam<std::string> {
  protected:
   std::string arch() const { return GetParam(); }
-  std::string file(const std::string& suffix) const { return kReferenceData + "/" + arch() + suffix; }
+  std::string file(const std::string& suffix) const {
+    return kReferenceData + "/" + arch() + suffix;
+  }
   void SetUp() override {
     if (!std::ifstream(file(".pt")).good()) {
       GTEST_SKIP() << "no reference data in " << kReferenceData

@@ -569,10 +569,10 @@ TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
   const auto plain = plan::plan_batch(costs, budget, plan::Recompute::Nothing);
   ASSERT_GT(plain.batch, 0);
   EXPECT_LE(plain.predicted_peak_bytes, budget);
-  EXPECT_GT(plan::batch_peak_bytes(
-                costs, plain.batch + 1,
-                plan::evaluate_chain(costs.at(plain.batch + 1), engine::store_all(6))),
-            budget);
+  EXPECT_GT(
+      plan::batch_peak_bytes(costs, plain.batch + 1,
+                             plan::evaluate_chain(costs.at(plain.batch + 1), engine::store_all(6))),
+      budget);
   EXPECT_EQ(plain.chain.recomputed_stages(), 0);
   // Checkpointing keeps 20 of each stage's 100 bytes per sample: a larger batch fits.
   const auto checkpointed = plan::plan_batch(costs, budget, plan::Recompute::AsNeeded);
@@ -593,8 +593,8 @@ TEST(BatchPlanner, LargestBatchFitsAndTheNextDoesNot) {
   EXPECT_GT(none.minimum_bytes_one_sample, 1050);
   // train.checkpointing all: the batch is planned for every stage recomputed.
   const auto every = [&](const plan::BatchCosts& c, int64_t batch) {
-    return plan::batch_peak_bytes(
-        c, batch, plan::evaluate_chain(c.at(batch), engine::recompute_every(6, 1)));
+    return plan::batch_peak_bytes(c, batch,
+                                  plan::evaluate_chain(c.at(batch), engine::recompute_every(6, 1)));
   };
   const auto all = plan::plan_batch(costs, budget, plan::Recompute::EveryStage);
   EXPECT_EQ(all.chain.recomputed_stages(), 6);

@@ -56,8 +56,8 @@ TEST(CheckpointFormat, FirstFormatPhasesCheckpointLoadsAndResumes) {
   config.train.max_steps = 3;
   test_util::remove_tree(config.train.out_dir);
   const auto result = train::train(config, checkpoint);
-  EXPECT_EQ(result.steps, 3);                         // steps 1-2 were the checkpoint's
-  EXPECT_EQ(step_records(config.train.out_dir), 1);   // this run trained step 3 alone
+  EXPECT_EQ(result.steps, 3);                        // steps 1-2 were the checkpoint's
+  EXPECT_EQ(step_records(config.train.out_dir), 1);  // this run trained step 3 alone
   const auto resumed = train::load_model(result.last_checkpoint);
   EXPECT_FALSE(torch::equal(train::export_state_dict(resumed)[0].second,
                             train::export_state_dict(model)[0].second));

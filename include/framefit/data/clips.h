@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "framefit/data/dataset.h"
 #include "framefit/core/video.h"
+#include "framefit/data/dataset.h"
 
 namespace framefit::data {
 

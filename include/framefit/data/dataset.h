@@ -17,9 +17,9 @@
 #include <utility>
 #include <vector>
 
+#include "framefit/core/video.h"
 #include "framefit/data/features.h"
 #include "framefit/data/labels.h"
-#include "framefit/core/video.h"
 
 namespace framefit::data {
 

@@ -121,7 +121,8 @@ struct ChainNetwork {
   std::vector<Stage> stages;                  // a chain ...
   std::shared_ptr<models::UNetImpl> unet;     // ... or a UNet
   int64_t stage_count() const;
-  // plan::plan_chain's limit on stages per recomputed segment: 1 for a UNet (not a chain), else none.
+  // plan::plan_chain's limit on stages per recomputed segment: 1 for a UNet (not a chain), else
+  // none.
   int64_t max_segment_stages() const { return unet ? 1 : 0; }
   // The network's output with `segments` recomputed (store_all: plain forward).
   torch::Tensor forward(const torch::Tensor& x, const std::vector<ChainSegment>& segments) const;

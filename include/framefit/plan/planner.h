@@ -177,7 +177,7 @@ struct BatchCosts {
 };
 struct BatchPlan {
   int64_t batch = 0;        // 0: not even one sample fits
-  ChainPlan chain;  // what to recompute at that batch
+  ChainPlan chain;          // what to recompute at that batch
   int64_t predicted_peak_bytes = 0;
   int64_t minimum_bytes_one_sample = 0;  // with the most checkpointing allowed
 };
@@ -195,7 +195,7 @@ BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute re
 // micro_batches > 1 the batch runs in that many pieces: activations of one piece
 // (ceil(batch / micro_batches) samples) beside the whole batch's inputs.
 ChainPlan plan_batch_chain(const BatchCosts& costs, int64_t batch, int64_t budget_bytes,
-                                   Recompute recompute, int64_t micro_batches = 1);
+                           Recompute recompute, int64_t micro_batches = 1);
 // The chain plan that holds the least activation memory for `samples` at once (any time): what
 // one sample needs at the least, and what a step that ran out of memory falls back on.
 ChainPlan least_memory_chain(const BatchCosts& costs, int64_t samples);

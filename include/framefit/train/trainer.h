@@ -43,7 +43,6 @@ struct TrainResult {
   bool stopped_early = false;
 };
 
-
 // Any task: phases here, clips and segmentation through train_batch (train/tasks.h).
 // resume: "" starts afresh (refusing an out_dir that holds checkpoints), "auto" continues from
 // the newest checkpoint in out_dir, anything else is a checkpoint path.
