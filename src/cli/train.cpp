@@ -23,6 +23,7 @@
 #include "framefit/data/demo.h"
 #include "framefit/data/media.h"
 #include "framefit/memory/tracker.h"
+#include "framefit/train/task.h"
 #include "framefit/train/tasks.h"
 #include "framefit/train/timeline.h"
 #include "framefit/train/trainer.h"

@@ -17,7 +17,6 @@
 #include "framefit/core/runtime.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/plan/planner.h"
-#include "framefit/train/tasks.h"
 
 namespace framefit::train {
 
@@ -770,6 +769,10 @@ std::string display(const YAML::Node& node) {
   return out.str();
 }
 }  // namespace
+
+bool is_batch_task(const Config& config) {
+  return config.task == "clips" || config.task == "segmentation";
+}
 
 std::string best_metric(const Config& config) {
   if (config.train.best_by != "auto") return config.train.best_by;

@@ -20,23 +20,13 @@
 #include "framefit/train/config.h"
 #include "framefit/train/events.h"
 #include "framefit/train/metrics.h"
+#include "framefit/train/task.h"
 
 namespace framefit::models {
 class TorchScriptEncoderImpl;
 }
 
 namespace framefit::train::detail {
-
-// Where a run stands: what every task's checkpoint records besides its settings.
-struct RunPosition {
-  int64_t step = 0;
-  int64_t epoch = 0;     // 0-based epoch in progress
-  int64_t position = 0;  // units (videos, clips, images) of that epoch's order already used
-  int64_t skipped = 0;   // units passed over (data.on_error skip)
-  double best_score = -1;
-  int64_t stale_epochs = 0;  // validated epochs since the best
-  double seconds = 0;        // training time up to this position, over every resumed run
-};
 
 // What a checkpoint records about its run, every field by name: the run's position and the
 // task's settings (integers: "chunk", "precision", ...; tensors: layer checkpointing's

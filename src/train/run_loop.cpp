@@ -291,12 +291,16 @@ RunLength run_length(const TrainConfig& train, int64_t steps_per_epoch, int64_t 
   return run;
 }
 
-TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config& config,
-                       bool resumed, const RunHooks& hooks, const StopRequest& stop,
+TrainResult run_epochs(TaskRun& task_run, const RunLength& run, bool resumed,
+                       memory::Tracker& tracker, const StopRequest& stop,
                        const EventCallback& on_event) {
   auto emit = [&](Event e) {
     if (on_event) on_event(e);
   };
+  const Config& config = task_run.config();
+  RunPosition& progress = task_run.position();
+  const RunNames names = task_run.names();
+  const bool validates = task_run.validates();
   const auto& tc = config.train;
   const torch::Device device(config.device);
   const std::string checkpoint_dir = tc.out_dir + "/checkpoints";
@@ -305,10 +309,9 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
   result.best_checkpoint = tc.out_dir + "/best.pt";
   // A run resumed after its best epoch reports that epoch's metrics (best.pt holds its weights),
   // read from the log where they are the checkpoint's best (train.best_by unchanged).
-  if (resumed && hooks.validate && progress.best_score >= 0 && !log.best_validation().is_null()) {
+  if (resumed && validates && progress.best_score >= 0 && !log.best_validation().is_null()) {
     try {
-      auto best =
-          metrics_from_json(log.best_validation().dump(), hooks.class_names, hooks.tool_names);
+      auto best = metrics_from_json(log.best_validation().dump(), names.classes, names.tools);
       if (metric_value(best, best_metric(config)) == progress.best_score) {
         result.best = std::move(best);
         result.validated = true;
@@ -333,8 +336,8 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
   if (!run.lr_note.empty() && on_event) on_event(Event::note(Event::Kind::Info, run.lr_note));
   auto save = [&](const RunPosition& at, const std::string& path, bool resumable) {
     torch::serialize::OutputArchive archive;
-    hooks.write(with_time(at), archive);
-    if (resumable) write_resume_state(archive, *hooks.optimizer, *hooks.scaler, device);
+    task_run.write(with_time(at), archive);
+    if (resumable) write_resume_state(archive, task_run.optimizer(), task_run.scaler(), device);
     save_atomically(archive, path);
   };
   auto checkpoint = [&](const RunPosition& at) {
@@ -353,18 +356,17 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
     e.epoch = progress.epoch + 1;
     e.epochs = run.epochs;
     e.elapsed_seconds = progress.seconds + seconds_since(start);
-    e.rate_unit = hooks.rate_unit;
+    e.rate_unit = names.rate_unit;
     return e;
   };
 
   bool data_bound_warned = false;
   LossWatch loss_watch;
-  auto& tracker = memory::Tracker::of(device);
   memory::LeakDetectorOptions leak_options;
   leak_options.min_growth_bytes = int64_t(1) << 20;
   memory::LeakDetector leaks(leak_options);
   for (; progress.epoch < run.epochs && progress.step < run.total_steps; ++progress.epoch) {
-    auto epoch = hooks.start_epoch();
+    auto epoch = task_run.start_epoch();
     EpochTotals totals;
     double data_seconds = 0;  // getting the next step's data (skipped units included)
     while (!epoch.done() && progress.step < run.total_steps) {
@@ -392,7 +394,7 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
       }
       if (loss_watch.diverging(outcome.loss, progress.step, on_event)) {
         checkpoint(progress);
-        loss_watch.diverged(result.last_checkpoint, config, run, hooks.precision);
+        loss_watch.diverged(result.last_checkpoint, config, run, names.precision);
       }
       // A checkpoint that completes the epoch is written after its validation, below.
       if (tc.checkpoint_every > 0 && progress.step % tc.checkpoint_every == 0 && !epoch.done()) {
@@ -405,13 +407,13 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
     if (epoch.release) epoch.release();
 
     EpochValidation validation;
-    if (hooks.validate) {
-      validation.validate = hooks.validate;
+    if (validates) {
+      validation.validate = [&] { return task_run.validate(); };
       validation.best_by = best_metric(config);
       validation.save_best = save_best;
-      validation.tool_names = hooks.tool_names;
+      validation.tool_names = names.tools;
     }
-    end_epoch(progress_event(Event::Kind::Epoch), totals, validation, hooks.class_names,
+    end_epoch(progress_event(Event::Kind::Epoch), totals, validation, names.classes,
               progress.best_score, progress.stale_epochs, result, emit, log);
     warn_if_data_bound(totals, progress.epoch + 1, config, data_bound_warned, on_event);
     progress.position = 0;
@@ -427,7 +429,7 @@ TrainResult run_epochs(RunPosition& progress, const RunLength& run, const Config
     }
   }
   if (last_saved_step != progress.step) checkpoint(progress);
-  if (last_weights_are_best(hooks.validate != nullptr, progress.best_score, result, emit)) {
+  if (last_weights_are_best(validates, progress.best_score, result, emit)) {
     save_best();
   }
   result.steps = progress.step;

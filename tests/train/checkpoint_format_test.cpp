@@ -13,6 +13,7 @@
 
 #include "framefit/models/weights.h"
 #include "framefit/train/config.h"
+#include "framefit/train/task.h"
 #include "framefit/train/tasks.h"
 #include "framefit/train/trainer.h"
 

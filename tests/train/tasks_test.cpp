@@ -26,6 +26,7 @@
 #include "framefit/models/video_resnet.h"
 #include "framefit/models/weights.h"
 #include "framefit/train/config.h"
+#include "framefit/train/task.h"
 #include "framefit/train/tasks.h"
 #include "framefit/train/trainer.h"
 

@@ -219,6 +219,8 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
 Config parse_config(const std::string& yaml_text, const std::string& source,
                     const std::vector<std::string>& overrides = {});
 std::string to_yaml(const Config& config);  // every key, loadable by parse_config
+// Task clips or segmentation: trained on batches of samples (train/tasks.h), not video by video.
+bool is_batch_task(const Config& config);
 // train.best_by with auto resolved: the metric_value name that picks best.pt.
 std::string best_metric(const Config& config);
 

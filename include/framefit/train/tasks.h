@@ -3,7 +3,7 @@
 // R(2+1)D-18, a UNet, or a TorchScript module) trained on batches of clips or images with the
 // run features of phase recognition: the batch and layer checkpointing planned for the budget,
 // mixed precision, per-epoch validation, atomic checkpoints (keep-last-N plus best) and exact
-// resume. train() runs these for config.task clips and segmentation.
+// resume. train() (train/task.h) trains them for config.task clips and segmentation.
 #include <torch/types.h>
 
 #include <string>
@@ -19,8 +19,6 @@
 #include "framefit/train/trainer.h"
 
 namespace framefit::train {
-
-bool is_batch_task(const Config& config);  // task clips or segmentation
 
 // The network config.model.network names, with "" resolved for the task.
 std::string network_kind(const Config& config);
@@ -171,9 +169,5 @@ std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t bud
 // `summary` receives what each split holds.
 std::vector<plan::Finding> diagnose_batch_data(const Config& config,
                                                std::string* summary = nullptr);
-
-// Training for task clips or segmentation; as train().
-TrainResult train_batch(const Config& config, const std::string& resume = "",
-                        const EventCallback& on_event = {}, const StopRequest& stop = {});
 
 }  // namespace framefit::train

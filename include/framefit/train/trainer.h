@@ -1,9 +1,8 @@
 #pragma once
-// Training runs: a model from a config, trained through the planner-chosen chunked step on a
-// video data set, validated each epoch, checkpointed atomically (keep-last-N plus best) and
-// resumable exactly; evaluation, prediction and export from checkpoints. The library never
-// prints: everything worth saying arrives as an Event; files go to train.out_dir
-// (checkpoints/, best.pt, log.jsonl, config.yaml).
+// Phase recognition's model and plan: a per-frame encoder and a temporal head built from a config
+// or loaded from a checkpoint; the step a phases run trains with (train/task.h's train() runs
+// it); evaluation, prediction, feature extraction and export. The library never prints:
+// everything worth saying arrives as an Event.
 #include <torch/types.h>
 
 #include <functional>
@@ -28,26 +27,6 @@ class TorchScriptEncoderImpl;
 }
 
 namespace framefit::train {
-
-struct TrainResult {
-  int64_t steps = 0;
-  double seconds = 0;
-  bool validated = false;
-  PhaseMetrics best;  // best validation metrics (frame accuracy decides)
-  std::string best_checkpoint;
-  std::string last_checkpoint;
-  int64_t skipped_videos = 0;  // data.on_error: skip
-  // Ended early on a stop request: last_checkpoint continues it (--resume auto).
-  bool stopped = false;
-  // Ended by train.patience: validation had not improved for that many epochs.
-  bool stopped_early = false;
-};
-
-// Any task: phases here, clips and segmentation through train_batch (train/tasks.h).
-// resume: "" starts afresh (refusing an out_dir that holds checkpoints), "auto" continues from
-// the newest checkpoint in out_dir, anything else is a checkpoint path.
-TrainResult train(const Config& config, const std::string& resume = "",
-                  const EventCallback& on_event = {}, const StopRequest& stop = {});
 
 // What `train` will run a phases config with, without training: the step settings for the
 // longest training video at the largest frame size, within train.budget less the prefetch
@@ -175,21 +154,6 @@ data::DataOptions data_options(const Config& config, bool training);
 // The data set of `split` as the config describes it (training augmentation off).
 data::VideoDataset make_dataset(const Config& config, const std::string& split, bool training,
                                 const EventCallback& on_event = {});
-
-// framefit bench-data: every unit of `split` (a video, a features file, or an image with its
-// mask) loaded as training loads it (with epoch 0's augmentation) through data.workers prefetching
-// threads, timed. Tensor bytes and RSS are the caller's to measure around it.
-struct DataThroughput {
-  int64_t units = 0;              // videos, features files or images read
-  int64_t samples = 0;            // frames, feature rows or images
-  int64_t height = 0, width = 0;  // the first unit's frame or image size (0 for features)
-  int64_t feature_dim = 0;        // features files: features per row (else 0)
-  double seconds = 0;
-  std::string unit_name;    // "video", "features file", "image"
-  std::string sample_name;  // "frame", "feature row", "image"
-};
-DataThroughput read_split(const Config& config, const std::string& split,
-                          const EventCallback& on_event = {});
 
 // The error for a split that gave no videos: names the manifest and, when the manifest has no
 // video in that split at all (a typo), the splits it has, with their video counts.

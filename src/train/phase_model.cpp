@@ -23,14 +23,14 @@
 #include "framefit/plan/calibration.h"
 #include "framefit/plan/planner.h"
 #include "framefit/train/tasks.h"
+#include "phase_model.h"
 #include "run_files.h"
-#include "run_loop.h"
 
 namespace framefit::train {
 
-namespace {
-
 using namespace detail;
+
+namespace detail {
 
 bool is_script_encoder(const Config& config) { return config.model.encoder == "torchscript"; }
 bool reads_features(const Config& config) { return config.model.encoder == "features"; }
@@ -88,11 +88,6 @@ void read_tool_head(torch::serialize::InputArchive& archive, Model& model,
   load_module(*model.tools, archive, "tools", checkpoint, built_from);
   model.tools->to(model.device);
 }
-
-// What a checkpoint records about the run's position and settings.
-struct Progress : RunPosition {  // position: videos of the epoch's order used
-  plan::StepSettings settings;
-};
 
 void write_model(torch::serialize::OutputArchive& archive, const Model& model) {
   archive.write("format", c10::IValue(std::string("framefit-checkpoint-1")));
@@ -171,7 +166,7 @@ Progress read_video_progress(torch::serialize::InputArchive& archive,
   return *progress;
 }
 
-}  // namespace
+}  // namespace detail
 
 // ---------------------------------------------------------------------------------------------
 
@@ -245,7 +240,7 @@ std::string no_videos_in_split(const Config& config, const std::string& split) {
                   listed.empty() ? "none" : c10::Join(", ", listed));
 }
 
-namespace {
+namespace detail {
 
 engine::FrameEncoder script_frame_encoder(std::shared_ptr<models::TorchScriptEncoderImpl> script) {
   return engine::frame_encoder(script,
@@ -256,7 +251,7 @@ engine::FrameEncoder script_frame_encoder(std::shared_ptr<models::TorchScriptEnc
 // like framefit's own models.
 std::shared_ptr<models::TorchScriptEncoderImpl> load_script_encoder(
     const Config& config, torch::Device device,
-    std::shared_ptr<models::TorchScriptEncoderImpl> stored = nullptr) {
+    std::shared_ptr<models::TorchScriptEncoderImpl> stored) {
   TORCH_CHECK(!config.model.script.empty(),
               "model.encoder torchscript needs model.script: the file torch.jit.save wrote");
   TORCH_CHECK(config.model.weights.empty(),
@@ -303,6 +298,10 @@ int64_t script_feature_dim(models::TorchScriptEncoderImpl& script, const Config&
               out.sizes());
   return out.size(1);
 }
+
+}  // namespace detail
+
+namespace {
 
 Model build_model(const Config& config,
                   std::shared_ptr<models::TorchScriptEncoderImpl> stored_script) {
@@ -398,56 +397,7 @@ Model load_model(const std::string& checkpoint, const std::vector<std::string>& 
   return model;
 }
 
-namespace {
-
-// A data set's per-video features of an encoder that trains nothing, one file per video in
-// `folder`, valid for the settings that produced them (`fingerprint`): files made under other
-// settings are removed first.
-class FeatureCache {
- public:
-  FeatureCache(std::string folder, const std::string& fingerprint) : folder_(std::move(folder)) {
-    const auto stamp = folder_ + "/settings.yaml";
-    std::ifstream in(stamp);
-    const std::string stored((std::istreambuf_iterator<char>(in)),
-                             std::istreambuf_iterator<char>());
-    if (stored != fingerprint) {
-      std::filesystem::remove_all(folder_);
-      make_directories(folder_);
-      std::ofstream(stamp) << fingerprint;
-    }
-  }
-  std::string path(int64_t video) const { return folder_ + "/" + std::to_string(video) + ".pt"; }
-  bool has(int64_t video) const { return std::filesystem::exists(path(video)); }
-  void write(int64_t video, const torch::Tensor& features) const {
-    models::write_tensor(features, path(video));  // atomically: a killed run leaves no half file
-  }
-  // The prefetch job for video v of `set`: its kept features with its labels, or `load` where
-  // none are kept or the file does not read or fit its frames (the manifest changed under the
-  // same settings).
-  data::Prefetcher::Job job(const data::VideoDataset& set, int64_t v, std::function<Video()> load,
-                            int64_t feature_dim) const {
-    if (!has(v)) return {std::move(load), set.frame_bytes(v)};
-    return {[&set, v, file = path(v), load] {
-              Video video;
-              video.labels = set.labels(v);
-              video.tools = set.tools(v);
-              video.name = set.entry(v).name;
-              try {
-                video.features = models::read_tensor(file);
-              } catch (const c10::Error&) {
-                return load();
-              }
-              const bool fits =
-                  video.features.dim() == 2 && video.features.size(0) == video.labels.size(0);
-              return fits ? video : load();
-            },
-            set.frames(v) * feature_dim * 4};
-  }
-  const std::string& folder() const { return folder_; }
-
- private:
-  std::string folder_;
-};
+namespace detail {
 
 // What the cached features depend on: the model, the data and how frames are sampled and
 // transformed, the precision they were computed in - not the optimizer or the schedule.
@@ -474,6 +424,10 @@ std::string feature_fingerprint(const Config& config, engine::Precision precisio
   if (!config.model.weights.empty()) stamp(config.model.weights);
   return to_yaml(key) + "# precision " + engine::to_string(precision) + "\n" + files;
 }
+
+}  // namespace detail
+
+namespace {
 
 // Frames' features for inference: the encoder in eval mode, model.chunk frames at a time, in the
 // model's precision (mixed precision in the encoder only: the head runs in float32, as in
@@ -664,7 +618,7 @@ Prediction OnlinePredictor::push_features(const torch::Tensor& features) {
   return p;
 }
 
-namespace {
+namespace detail {
 // evaluate(), taking and keeping the videos' features in `cache` where one is given, holding
 // `prefetch_bytes` of decoded videos ahead (within a training budget, its prefetch reserve).
 PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
@@ -754,7 +708,7 @@ PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
   if (tools) metrics.tools = tools->metrics();
   return metrics;
 }
-}  // namespace
+}  // namespace detail
 
 PhaseMetrics evaluate(Model& model, const data::VideoDataset& dataset,
                       const EventCallback& on_event, std::vector<VideoMetrics>* per_video,
@@ -862,540 +816,6 @@ models::StateDict export_state_dict(const Model& model) {
     }
   }
   return out;
-}
-
-// ---------------------------------------------------------------------------------------------
-
-namespace {
-
-// The share of the step budget a phases plan leaves free for what the memory model does not see.
-constexpr double kStepMargin = 0.1;
-
-// The step a phases run trains with: planned for the longest training video (and the largest
-// frame) within train.budget less the prefetch reserve, unless chunk, keep and precision are all
-// fixed, by the config or by `fixed` (a resumed run's settings).
-struct StepPlan {
-  plan::PlanRequest request;
-  plan::StaticSizes sizes;  // planned only, as are the costs
-  std::map<engine::Precision, plan::ChunkCosts> costs;
-  plan::Plan chosen;
-  bool planned = false;
-  TrainingBudget resolved;  // train.budget as the run spends it
-  // What the step may use of the tensors' budget, and the prefetch reserve the rest holds.
-  int64_t step_budget = 0, prefetch = 0;
-  // A resumed run under a changed budget: the prediction for the checkpoint's settings, and
-  // whether they were replaced because they do not fit it.
-  std::optional<plan::Plan> resumed;
-  bool replanned = false;
-};
-
-// The step `train` runs for the longest training video, and the budget it is planned in:
-// train.budget (else the device's available memory), less on the CPU the runtime's share, less
-// the prefetch reserve.
-StepPlan step_request(const Config& config, const data::VideoDataset& train_set) {
-  const auto& tc = config.train;
-  const torch::Device device(config.device);
-  StepPlan result;
-  result.resolved = resolve_budget(config);
-  int64_t longest = 0, shortest = std::numeric_limits<int64_t>::max(), largest_bytes = 0;
-  for (int64_t i = 0; i < train_set.size(); ++i) {
-    longest = std::max(longest, train_set.frames(i));
-    shortest = std::min(shortest, train_set.frames(i));
-    largest_bytes = std::max(largest_bytes, train_set.frame_bytes(i));
-  }
-  result.step_budget = step_budget_bytes(config, result.resolved.tensors, largest_bytes);
-  result.prefetch = prefetch_reserve_bytes(config, result.resolved.tensors, largest_bytes);
-  auto& request = result.request;
-  request.model = model_spec(config, frame_size_for_planning(train_set), device);
-  request.frames = longest;
-  request.shorter_videos = shortest < longest;
-  // A step takes train.accumulate videos, or every one where there are fewer.
-  request.videos = std::max<int64_t>(1, std::min<int64_t>(tc.accumulate, train_set.size()));
-  request.accumulate = 1;
-  request.chunk = fixed_count(tc.chunk);
-  request.keep = fixed_count(tc.keep);
-  request.precisions = tc.precision == "auto"
-                           ? plan::candidate_precisions(device)
-                           : std::vector<engine::Precision>{engine::parse_precision(tc.precision)};
-  for (const auto precision : request.precisions) engine::check_runs_on(precision, device);
-  return result;
-}
-
-// A resumed run (`fixed`) keeps the checkpoint's settings, so that it goes on as the
-// uninterrupted run would have; with `check_fixed` (its budget changed) they are checked against
-// the new budget and, where they do not fit, chunk, keep and caching are planned again as the
-// config leaves them, the precision held (the loss scaler's state and the numbers stay its).
-StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
-                   const std::optional<plan::StepSettings>& fixed,
-                   const std::function<void(const std::string&)>& info, bool check_fixed = false) {
-  const torch::Device device(config.device);
-  StepPlan result = step_request(config, train_set);
-  auto& request = result.request;
-  if (reads_features(config)) {
-    // Only the head runs, in float32, on whole videos: nothing to choose or calibrate.
-    request.model.size = 0;  // no frames
-    result.chosen.fits = true;
-    auto& settings = result.chosen.settings;
-    settings.frames = settings.chunk = request.frames;
-    settings.keep = 0;
-    settings.precision = engine::Precision::FP32;
-    return result;
-  }
-  // model.recompute_norm auto: the checkpoint's choice, else the planner's (below).
-  const bool auto_norm = config.model.recompute_norm == "auto";
-  if (fixed) {
-    request.chunk = fixed->chunk;
-    request.keep = fixed->keep;
-    request.cache_frozen = fixed->cache_frozen;
-    request.precisions = {fixed->precision};
-    if (auto_norm) request.model.recompute_norm = fixed->recompute_norm;
-  }
-  // With chunk, keep and precision all fixed there is nothing to choose: no calibration, and an
-  // out-of-memory step falls back to halving the chunk. Otherwise the planner decides.
-  result.planned =
-      !request.chunk || !request.keep || request.precisions.size() > 1 || (fixed && check_fixed);
-  auto& chosen = result.chosen;
-  if (!result.planned) {
-    chosen.fits = true;
-    chosen.settings.frames = request.frames;
-    chosen.settings.shorter_videos = request.shorter_videos;
-    chosen.settings.chunk = *request.chunk;
-    chosen.settings.keep = *request.keep;
-    chosen.settings.cache_frozen = request.cache_frozen.value_or(false);
-    chosen.settings.precision = request.precisions.front();
-    chosen.settings.recompute_norm = request.model.recompute_norm;
-    return result;
-  }
-  // A TorchScript encoder is sized and calibrated on a copy loaded again from its file (probes
-  // move BatchNorm statistics); its costs are not cached, as the file may change under its name.
-  std::shared_ptr<models::TorchScriptEncoderImpl> probe_script;
-  int64_t script_features = 0;
-  if (is_script_encoder(config)) {
-    probe_script = load_script_encoder(config, device);
-    script_features = script_feature_dim(*probe_script, config, device);
-  }
-  const bool choose_norm = auto_norm && !fixed && !probe_script;
-  result.sizes = probe_script ? plan::static_sizes(request.model, *probe_script, script_features)
-                              : plan::static_sizes(request.model);
-  result.sizes.library_bytes = plan::library_bytes_on(device);
-  if (probe_script) {
-    for (const auto precision : request.precisions) {
-      info("calibrating the TorchScript encoder at " + engine::to_string(precision) +
-           " (probe runs)");
-      result.costs[precision] = plan::calibrate(request.model, script_frame_encoder(probe_script),
-                                                script_features, precision);
-    }
-    chosen = plan::fit(request, result.sizes, result.costs, result.step_budget, kStepMargin);
-  } else {
-    plan::CalibrationCache cache(plan::CalibrationCache::default_path());
-    result.costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
-    // request.model.recompute_norm and the costs (the replanner's) become those chosen.
-    chosen = plan::plan_chunked_step(request, result.sizes, result.costs, cache, result.step_budget,
-                                     kStepMargin, choose_norm, info);
-  }
-  if (!chosen.reason.empty()) info(chosen.reason);
-  if (fixed && check_fixed) {
-    result.resumed = chosen;
-    const auto& tc = config.train;
-    auto again = request;
-    again.chunk = fixed_count(tc.chunk);
-    again.keep = fixed_count(tc.keep);
-    again.cache_frozen.reset();
-    if (!chosen.fits) {
-      const auto replanned =
-          plan::fit(again, result.sizes, result.costs, result.step_budget, kStepMargin);
-      if (replanned.fits) {
-        chosen = replanned;
-        result.replanned = true;
-      }
-      // Where nothing fits, the checkpoint's settings stay (as they ran before): a step that
-      // runs out of memory is re-planned.
-      chosen.fits = true;
-    }
-    // The out-of-memory replanner may change what the config leaves as auto.
-    request = again;
-  }
-  return result;
-}
-
-}  // namespace
-
-PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
-  TORCH_CHECK(!is_batch_task(config), "plan_phases is for task phases; task ", config.task,
-              " is planned by plan_batch_task");
-  warn_if_budget_beyond_device(config, on_event);
-  const auto train_set = make_dataset(config, config.data.train_split, true, on_event);
-  TORCH_CHECK(train_set.size() > 0, no_videos_in_split(config, config.data.train_split));
-  const auto step = plan_step(config, train_set, std::nullopt, [&](const std::string& message) {
-    if (on_event) on_event(Event::note(Event::Kind::Info, message));
-  });
-  PhasePlan result;
-  result.planned = step.planned;
-  result.fits = step.chosen.fits;
-  result.settings = step.chosen.settings;
-  result.breakdown = step.chosen.breakdown;
-  result.advice = step.chosen.advice;
-  result.videos = train_set.size();
-  result.longest_frames = step.request.frames;
-  result.frame_size = step.request.model.size;
-  result.budget = step.resolved;
-  result.step_budget_bytes = step.step_budget;
-  return result;
-}
-
-std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* summary) {
-  TORCH_CHECK(!is_batch_task(config), "diagnose_phases is for task phases; task ", config.task,
-              " is checked by diagnose_batch_task");
-  auto findings = diagnose_label_settings(config);
-  const auto error = [&](const std::string& problem, const std::string& fix) {
-    add_error_once(findings, problem, fix);
-  };
-  // Every split probed as training probes it, but each bad video reported instead of the first.
-  auto probing = config;
-  probing.data.on_error = "skip";
-  std::optional<data::VideoDataset> train_set;
-  for (const auto& split : distinct_splits(config)) {
-    try {
-      auto set = make_dataset(
-          probing, split, split == config.data.train_split,
-          skipped_as_errors(findings,
-                            "fix or replace the file, or set data.on_error: skip to train "
-                            "without it"));
-      if (split == config.data.train_split) train_set.emplace(std::move(set));
-    } catch (const c10::Error& e) {
-      error(e.what_without_backtrace(), "fix the config or the manifest");
-    }
-  }
-  if (!train_set || train_set->size() == 0) {
-    if (train_set) {
-      error(no_videos_in_split(config, config.data.train_split),
-            "set data.train_split to a split of the manifest, or list training videos in it");
-    }
-    return findings;
-  }
-  if (reads_features(config)) {
-    if (summary) {
-      *summary = c10::str(train_set->size(), " training videos of precomputed features (",
-                          train_set->feature_dim(), " per frame); the head trains on them alone");
-    }
-    return findings;
-  }
-  const auto step = step_request(config, *train_set);
-  const auto more = plan::diagnose(step.request, step.step_budget);
-  findings.insert(findings.end(), more.begin(), more.end());
-  if (summary) {
-    const int64_t size = step.request.model.size;
-    *summary = c10::str(train_set->size(), " training videos, the longest ", step.request.frames,
-                        " sampled frames at ", size, "x", size, "; step budget ",
-                        memory::format_bytes(step.step_budget), " (",
-                        describe_budget(step.resolved),
-                        step.resolved.covers_process() ? " and " : " less ",
-                        "the prefetch reserve); `framefit plan --config` chooses the settings");
-  }
-  return findings;
-}
-
-TrainResult train(const Config& given, const std::string& resume, const EventCallback& on_event,
-                  const StopRequest& stop) {
-  if (is_batch_task(given)) return train_batch(given, resume, on_event, stop);
-  plan::refuse_errors(diagnose_label_settings(given));
-  Config config = given;  // model.feature_dim comes from the data where it is 0
-  auto emit = [&](Event e) {
-    if (on_event) on_event(e);
-  };
-  auto info = [&](const std::string& message) { emit(Event::note(Event::Kind::Info, message)); };
-  const auto& tc = config.train;
-  RunFolder folder(config, resume);
-  const std::string& out_dir = folder.out_dir;
-  const std::string& resume_from = folder.resume_from;
-  auto& resumed = folder.resumed;
-  warn_if_budget_beyond_device(config, on_event);
-
-  const torch::Device device(config.device);
-  auto train_set = make_dataset(config, config.data.train_split, true, on_event);
-  TORCH_CHECK(train_set.size() > 0, no_videos_in_split(config, config.data.train_split));
-  std::optional<data::VideoDataset> val_set;
-  if (tc.validate) {
-    auto candidate = make_dataset(config, config.data.val_split, false, on_event);
-    if (candidate.size() > 0) val_set.emplace(std::move(candidate));
-  }
-  warn_unused_splits(config, on_event);
-  if (reads_features(config)) {
-    const int64_t dim = train_set.feature_dim();
-    TORCH_CHECK(config.model.feature_dim == 0 || config.model.feature_dim == dim,
-                "model.feature_dim is ", config.model.feature_dim,
-                " but the training split's features files have ", dim, " features per frame");
-    TORCH_CHECK(!val_set || val_set->feature_dim() == dim,
-                "the validation split's features files have ", val_set ? val_set->feature_dim() : 0,
-                " features per frame, the training split's ", dim,
-                ": both must come from the same encoder");
-    config.model.feature_dim = dim;
-  }
-  info("data: " + std::to_string(train_set.size()) + " training videos (" +
-       std::to_string(train_set.total_frames()) + " frames)" +
-       (val_set ? ", " + std::to_string(val_set->size()) + " validation videos" : std::string()) +
-       (train_set.skipped() ? ", " + std::to_string(train_set.skipped()) + " skipped"
-                            : std::string()));
-
-  write_config(config, out_dir);
-
-  // A resumed run continues with the checkpoint's settings (the plan it was trained with, and
-  // any re-planning after out-of-memory), so its steps are those of the uninterrupted run.
-  std::optional<Progress> saved;
-  if (resumed) {
-    saved = read_video_progress(resumed->archive, resume_from);
-    warn_config_changes(resumed->stored, config, saved->best_score, on_event);
-    info("resuming from " + resume_from + " at step " + std::to_string(saved->step));
-  }
-  auto& tracker = memory::Tracker::of(device);
-  const std::string budget_changed = resumed ? budget_change(resumed->stored, config) : "";
-  const auto step_plan = plan_step(
-      config, train_set, saved ? std::optional<plan::StepSettings>(saved->settings) : std::nullopt,
-      info, !budget_changed.empty());
-  const auto& chosen = step_plan.chosen;
-  const bool planned = step_plan.planned;
-  const int64_t step_budget = step_plan.step_budget;
-  // Decoded videos held ahead (training and validation) stay within what the step budget leaves.
-  const int64_t prefetch_bytes = step_plan.prefetch;
-  const int64_t longest = step_plan.request.frames;
-  TORCH_CHECK(chosen.fits, "training does not fit in ", describe_budget(step_plan.resolved), ": ",
-              chosen.advice);
-
-  // Built after calibration, which seeds the global generator for its probes: the model's
-  // initialisation and the generator state training starts from must not depend on whether
-  // the calibration was cached.
-  Model model = build_model(config);
-  Progress progress;
-  if (saved) progress = *saved;
-  progress.settings = chosen.settings;
-  progress.settings.frames = longest;
-  models::set_recompute_norm(model.encoder_module(), progress.settings.recompute_norm);
-  if (step_plan.resumed) {
-    const auto& kept = *step_plan.resumed;
-    const std::string change = budget_changed + ": the checkpoint's " +
-                               plan::describe(kept.settings) + " is predicted to need " +
-                               memory::format_bytes(kept.breakdown.peak_bytes);
-    const std::string limit = memory::format_bytes(kept.budget_bytes - kept.margin_bytes) +
-                              " planned for (step budget " + memory::format_bytes(step_budget) +
-                              c10::str(" less a ", std::lround(100 * kStepMargin), "% margin)");
-    if (step_plan.replanned) {
-      emit(Event::note(
-          Event::Kind::Warning,
-          change + ", more than the " + limit + "; re-planned to " +
-              plan::describe(progress.settings) + " (predicted " +
-              memory::format_bytes(chosen.breakdown.peak_bytes) +
-              "): from here the run may differ from the uninterrupted one by rounding" +
-              (config.model.norm == "bn" ? " and BatchNorm's statistics per chunk" : "")));
-    } else if (kept.fits) {
-      info(change + ", within the " + limit + "; kept, so the run goes on as it would have");
-    } else {
-      emit(Event::note(Event::Kind::Warning,
-                       change + "; nothing fits the " + limit + " (" + kept.advice +
-                           "): kept (a step that runs out of memory is re-planned)"));
-    }
-  }
-  if (planned && !step_plan.resumed) {
-    info("plan: " + plan::describe(progress.settings) + ", predicted peak " +
-         memory::format_bytes(chosen.breakdown.peak_bytes) + " of " +
-         memory::format_bytes(step_budget) +
-         describe_step_budget(step_plan.resolved, step_budget, chosen.breakdown.peak_bytes));
-  } else if (reads_features(config)) {
-    info(c10::str("settings: the head alone on precomputed features (", model.feature_dim,
-                  " per frame), float32, whole videos"));
-  } else {
-    info("settings: " + plan::describe(progress.settings) +
-         (!saved                ? " (fixed by the config; not planned)"
-          : step_plan.replanned ? " (re-planned for the new budget)"
-                                : " (from the checkpoint)"));
-  }
-
-  const auto slow = engine::slow_precision_reason(progress.settings.precision, device);
-  if (!slow.empty()) emit(Event::note(Event::Kind::Warning, slow));
-
-  engine::StepOptions options;
-  options.chunked.chunk = progress.settings.chunk;
-  options.chunked.keep = progress.settings.keep;
-  options.chunked.cache_frozen = progress.settings.cache_frozen;
-  options.chunked.device = device;
-  options.chunked.channels_last = channels_last_input(config, device);
-  options.precision = progress.settings.precision;
-  options.clip_grad_norm = tc.clip_grad_norm;
-  options.loss.smoothing = tc.smoothing;
-  options.loss.label_smoothing = tc.label_smoothing;
-  if (tc.class_weights) {
-    auto counts = torch::zeros({model.classes.size()}, torch::kDouble);
-    for (int64_t i = 0; i < train_set.size(); ++i) {
-      counts += torch::bincount(train_set.labels(i), {}, model.classes.size()).to(torch::kDouble);
-    }
-    const auto weights = engine::inverse_frequency_weights(counts);
-    info("class weights (inverse frequency over the training frames): " +
-         describe_class_weights(weights, model.classes.names()));
-    options.loss.class_weights = weights.to(device);
-    if (model.tools) {
-      const auto k = model.tools->options.out_features();
-      auto present = torch::zeros({k}, torch::kDouble),
-           annotated = torch::zeros({k}, torch::kDouble);
-      for (int64_t i = 0; i < train_set.size(); ++i) {
-        const auto tools = train_set.tools(i).to(torch::kDouble);
-        present += tools.clamp_min(0).sum(0);
-        annotated += tools.ge(0).sum(0).to(torch::kDouble);
-      }
-      const auto positive = engine::tool_positive_weights(present, annotated);
-      info("tool weights of present frames (absent over present annotated training frames): " +
-           describe_class_weights(positive, config.data.tools));
-      options.tool_positive_weight = positive.to(device);
-    }
-  }
-  auto encoder = model.frame_encoder();
-  std::optional<FeatureCache> feature_cache, val_feature_cache;
-  if (encoder.parameters.empty() && tc.cache_features == "auto" && !reads_features(config)) {
-    if (config.data.augment) {
-      info(
-          "the encoder trains nothing: with data.augment false its features would be computed "
-          "once and the head trained on them in later epochs");
-    } else {
-      const auto fingerprint = feature_fingerprint(config, progress.settings.precision,
-                                                   {&train_set, val_set ? &*val_set : nullptr});
-      feature_cache.emplace(out_dir + "/feature_cache", fingerprint);
-      if (val_set) val_feature_cache.emplace(out_dir + "/feature_cache/validation", fingerprint);
-      options.return_features = true;
-      info("the encoder trains nothing: each video's features are kept in " +
-           feature_cache->folder() + " after its first step (validation: its first " +
-           "evaluation), and later epochs run the head on them without decoding the video");
-    }
-  }
-  auto parameters = encoder.parameters;
-  for (auto& p : model.head->parameters()) parameters.push_back(p);
-  if (model.tools) {
-    for (auto& p : model.tools->parameters()) parameters.push_back(p);
-    options.tool_weight = tc.tool_weight;
-  }
-  auto optimizer = engine::make_optimizer(parameters, optimizer_options(tc));
-  engine::TrainingStep step(encoder, model.head, optimizer, options,
-                            model.tools ? model.tools.ptr() : nullptr);
-  if (planned) {
-    step.replan = plan::make_replanner(step_plan.request, step_plan.sizes,
-                                       step_plan.costs.at(progress.settings.precision),
-                                       progress.settings.precision, step_budget, kStepMargin);
-  }
-
-  if (resumed) {
-    const std::string built_from = "the config this run resumes with";
-    load_module(model.encoder_module(), resumed->archive, "encoder", resume_from, built_from);
-    load_module(*model.head, resumed->archive, "head", resume_from, built_from);
-    read_tool_head(resumed->archive, model, resume_from, built_from);
-    model.encoder_module().to(device);
-    model.head->to(device);
-    read_resume_state(resumed->archive, *optimizer, step.scaler(), device);
-  }
-
-  const int64_t videos = train_set.size();
-  const auto run = run_length(tc, (videos + tc.accumulate - 1) / tc.accumulate,
-                              std::min<int64_t>(tc.accumulate, videos));
-  const memory::ScopedBudget budget_scope(tracker, step_plan.resolved.tensors,
-                                          step_plan.resolved.held_limit());
-
-  RunHooks hooks;
-  hooks.start_epoch = [&] {
-    struct Epoch {
-      std::vector<int64_t> order;
-      std::optional<data::Prefetcher> prefetcher;
-      std::vector<Video> batch;           // the next step's videos
-      std::vector<int64_t> batch_videos;  // their indices in train_set
-    };
-    auto epoch = std::make_shared<Epoch>();
-    epoch->order = data::epoch_order(videos, tc.seed, progress.epoch, true);
-    std::vector<data::Prefetcher::Job> jobs;
-    int64_t from_cache = 0;
-    for (int64_t k = progress.position; k < videos; ++k) {
-      const int64_t v = epoch->order[k];
-      const auto augmentation = train_set.augmentation(v, tc.seed, progress.epoch);
-      auto load = [&train_set, v, augmentation] { return train_set.load(v, augmentation); };
-      if (feature_cache) {
-        from_cache += feature_cache->has(v);
-        jobs.push_back(feature_cache->job(train_set, v, load, model.feature_dim));
-      } else {
-        jobs.push_back({load, train_set.frame_bytes(v)});
-      }
-    }
-    if (from_cache > 0) {
-      info(c10::str("epoch ", progress.epoch + 1, ": ", from_cache, " of ", jobs.size(),
-                    " videos' features from the feature cache"));
-    }
-    epoch->prefetcher.emplace(std::move(jobs), static_cast<int>(config.data.workers),
-                              prefetch_bytes);
-    EpochSteps steps;
-    steps.done = [&] { return progress.position >= videos; };
-    steps.fetch = [&, epoch] {
-      while (static_cast<int64_t>(epoch->batch.size()) < tc.accumulate &&
-             progress.position < videos) {
-        const int64_t v = epoch->order[progress.position];
-        ++progress.position;
-        try {
-          epoch->batch.push_back(epoch->prefetcher->next());
-          epoch->batch_videos.push_back(v);
-        } catch (const c10::Error& e) {
-          if (!data::skips_error(train_set.options().skip_bad, e)) throw;
-          ++progress.skipped;
-          emit(Event::note(Event::Kind::Warning,
-                           std::string("skipping a video: ") + e.what_without_backtrace()));
-        }
-      }
-      return !epoch->batch.empty();
-    };
-    steps.step = [&, epoch](double lr) {
-      // Taken out of the epoch, so that they are let go when the step ends.
-      const auto batch = std::move(epoch->batch);
-      const auto batch_videos = std::move(epoch->batch_videos);
-      epoch->batch.clear();
-      epoch->batch_videos.clear();
-      for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
-      model.encoder_module().train();  // validation and prediction leave it in eval mode
-      model.head->train();
-      if (model.tools) model.tools->train();
-      const auto report = step.step(batch);
-      if (feature_cache) {
-        for (size_t i = 0; i < batch.size(); ++i) {
-          if (!batch[i].features.defined())
-            feature_cache->write(batch_videos[i], report.features[i]);
-        }
-      }
-      // A step that ran out of memory was retried with new settings: later steps and
-      // checkpoints (so a resumed run) use them.
-      progress.settings.chunk = step.options().chunked.chunk;
-      progress.settings.keep = step.options().chunked.keep;
-      progress.settings.cache_frozen = step.options().chunked.cache_frozen;
-      for (const auto& r : report.replans) emit(Event::note(Event::Kind::Warning, r));
-      return StepOutcome{report.loss,       report.frames,
-                         "frames",          report.seconds,
-                         report.peak_bytes, report.overflow_skipped || report.not_finite_skipped,
-                         report.phases};
-    };
-    steps.release = [epoch] { epoch->prefetcher.reset(); };
-    return steps;
-  };
-  hooks.write = [&](const RunPosition& at, torch::serialize::OutputArchive& archive) {
-    write_model(archive, model);
-    write_progress(archive, at_position(progress, at));
-  };
-  hooks.optimizer = optimizer.get();
-  hooks.scaler = &step.scaler();
-  if (val_set) {
-    hooks.validate = [&] {
-      model.precision = progress.settings.precision;  // validate as `framefit eval` will
-      if (device.is_cpu() && model.precision == engine::Precision::FP16)
-        model.precision = engine::Precision::FP32;
-      return evaluate_with(model, *val_set, {}, nullptr, {},
-                           val_feature_cache ? &*val_feature_cache : nullptr, prefetch_bytes);
-    };
-  }
-  hooks.class_names = model.classes.names();
-  hooks.tool_names = config.data.tools;
-  hooks.precision = progress.settings.precision;
-
-  auto result = run_epochs(progress, run, config, resumed.has_value(), hooks, stop, on_event);
-  result.skipped_videos = progress.skipped + train_set.skipped();
-  return result;
 }
 
 }  // namespace framefit::train

@@ -1,0 +1,21 @@
+#pragma once
+// The tasks train() runs (train/task.h), one file each under src/train/tasks/, and what their
+// data loading shares. Private to src/train.
+#include <vector>
+
+#include "framefit/data/dataset.h"
+#include "framefit/train/config.h"
+#include "framefit/train/task.h"
+
+namespace framefit::train::detail {
+
+const Task& phases_task();  // tasks/phases.cpp
+const Task& batch_task();   // tasks/batch.cpp: clips and segmentation
+
+// Task::read_split's timing: `jobs` (a split's units, each loaded as training loads it) through
+// data.workers prefetching threads within data.prefetch_bytes, timed from the first job on
+// (opening the data set, which probes every video, is not reading it). Counts units and samples
+// and takes the first unit's size; the names are the caller's to fill.
+DataThroughput time_loading(std::vector<data::Prefetcher::Job> jobs, const Config& config);
+
+}  // namespace framefit::train::detail
