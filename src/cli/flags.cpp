@@ -501,13 +501,13 @@ const std::vector<Flag>& flag_table() {
       {"config",
        {"bench-data"},
        FlagType::ExistingFile,
-       "YAML config: model.*, data.*, train.*, device (see docs/training.md for every key).",
+       "YAML config: model.*, data.*, train.*, device (see docs/configuration.md for every key).",
        "",
        true},
       {"config",
        {"train"},
        FlagType::ExistingFile,
-       "YAML config: model.*, data.*, train.*, device (see docs/training.md for every key). "
+       "YAML config: model.*, data.*, train.*, device (see docs/configuration.md for every key). "
        "Required, except with --resume CHECKPOINT: the run then goes on with the config the "
        "checkpoint holds (and --set), in the run folder that holds the checkpoint.",
        ""},
