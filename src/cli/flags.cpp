@@ -650,6 +650,20 @@ const std::vector<Flag>& flag_table() {
   return flags;
 }
 
+Args::Args(std::string command, std::map<std::string, std::string> values)
+    : command_(std::move(command)), values_(std::move(values)) {
+  for (const auto& flag : flag_table()) {
+    const auto value = values_.find(flag.name);
+    if (value == values_.end() ||
+        std::find(flag.commands.begin(), flag.commands.end(), command_) == flag.commands.end()) {
+      continue;
+    }
+    if (flag.type == FlagType::Int) integers_[flag.name] = std::stoll(value->second);
+    if (flag.type == FlagType::Bytes) integers_[flag.name] = memory::parse_bytes(value->second);
+    if (flag.type == FlagType::Fraction) numbers_[flag.name] = std::stod(value->second);
+  }
+}
+
 bool Args::has(const std::string& flag) const { return values_.count(flag) > 0; }
 
 double Args::frame_rate(const std::string& flag) const {
@@ -668,12 +682,20 @@ std::string Args::text(const std::string& flag) const {
   return it->second;
 }
 
-int64_t Args::integer(const std::string& flag) const { return std::stoll(text(flag)); }
+int64_t Args::integer(const std::string& flag) const {
+  const auto parsed = integers_.find(flag);
+  return parsed != integers_.end() ? parsed->second : std::stoll(text(flag));
+}
 
-double Args::number(const std::string& flag) const { return std::stod(text(flag)); }
+double Args::number(const std::string& flag) const {
+  const auto parsed = numbers_.find(flag);
+  return parsed != numbers_.end() ? parsed->second : std::stod(text(flag));
+}
 
 int64_t Args::bytes(const std::string& flag) const {
-  return has(flag) ? memory::parse_bytes(text(flag)) : 0;
+  if (!has(flag)) return 0;
+  const auto parsed = integers_.find(flag);
+  return parsed != integers_.end() ? parsed->second : memory::parse_bytes(text(flag));
 }
 
 bool Args::on(const std::string& flag) const { return has(flag) && text(flag) == "true"; }

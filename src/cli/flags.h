@@ -45,11 +45,12 @@ struct Command {
 const std::vector<Command>& command_table();
 const std::vector<Flag>& flag_table();
 
-// A parsed command line: the command and each of its flags' values, defaults filled in.
+// A parsed command line: the command and each of its flags' values, defaults filled in. Values
+// of the table's numeric types (Int, Bytes, Fraction) are converted once, here; reads of other
+// flags as numbers convert their text.
 class Args {
  public:
-  Args(std::string command, std::map<std::string, std::string> values)
-      : command_(std::move(command)), values_(std::move(values)) {}
+  Args(std::string command, std::map<std::string, std::string> values);
   const std::string& command() const { return command_; }
   bool has(const std::string& flag) const;  // given, or has a default
   std::string text(const std::string& flag) const;
@@ -64,6 +65,8 @@ class Args {
  private:
   std::string command_;
   std::map<std::string, std::string> values_;
+  std::map<std::string, int64_t> integers_;  // Int and Bytes flags
+  std::map<std::string, double> numbers_;    // Fraction flags
 };
 
 // The outcome of parsing: args to run, or text to print and an exit code (help, or an error

@@ -12,7 +12,10 @@
 #include "framefit/memory/tracker.h"
 #include "framefit/plan/calibration.h"
 #include "framefit/plan/doctor.h"
+#include "framefit/train/budget.h"
 #include "framefit/train/config.h"
+#include "framefit/train/schedule.h"
+#include "framefit/train/task.h"
 #include "framefit/train/tasks.h"
 #include "framefit/train/trainer.h"
 
@@ -299,32 +302,22 @@ int run_doctor(const Args& args) {
     const auto config = config_with_flags(args);
     // What tensors may use of it (on the CPU, a process budget less the runtime's share).
     const int64_t budget = train::resolve_budget(config).tensors;
+    // A model the task builds; a layer list is checked as a network, below.
+    const bool layer_list = train::is_batch_task(config) ? train::network_kind(config) == "layers"
+                                                         : !config.model.layers.empty();
+    if (!layer_list) {
+      const auto diagnosis = train::task_for(config).diagnose(config, budget);
+      for (const auto& line : diagnosis.summary) {
+        if (!args.on("json")) fmt::print("framefit doctor: {}\n", line);
+      }
+      return print_findings(args, diagnosis.findings);
+    }
     // A clips or segmentation config's data, whatever its network.
     std::vector<plan::Finding> data_findings;
     if (train::is_batch_task(config)) {
       std::string summary;
       data_findings = train::diagnose_batch_data(config, &summary);
       if (!args.on("json")) fmt::print("framefit doctor: {}\n", summary);
-    }
-    if (train::is_batch_task(config) && train::network_kind(config) != "layers") {
-      int64_t static_bytes = 0;
-      auto findings = train::diagnose_batch_task(config, budget, &static_bytes);
-      findings.insert(findings.end(), data_findings.begin(), data_findings.end());
-      if (!args.on("json") && static_bytes > 0) {
-        fmt::print(
-            "framefit doctor: {} for task {}: static memory (parameters, buffers, gradients, "
-            "{} state) {} of budget {}; `framefit plan --config` finds the batch\n",
-            train::network_kind(config), config.task, config.train.optimizer,
-            memory::format_bytes(static_bytes), memory::format_bytes(budget));
-      }
-      return print_findings(args, findings);
-    }
-    // A phases config without a layer list (one with it is checked as a network, below).
-    if (!train::is_batch_task(config) && config.model.layers.empty()) {
-      std::string summary;
-      const auto findings = train::diagnose_phases(config, &summary);
-      if (!args.on("json") && !summary.empty()) fmt::print("framefit doctor: {}\n", summary);
-      return print_findings(args, findings);
     }
     // A clips or segmentation config's input follows from its data settings where they fix it.
     auto checked = config;

@@ -896,20 +896,11 @@ int run_bench_data(const Args& args) {
 
 int run_export(const Args& args) {
   const std::string checkpoint = args.text("checkpoint");
-  models::StateDict state;
-  std::string names;
-  if (train::is_batch_task(train::checkpoint_config(checkpoint))) {
-    const auto model = train::load_batch_model(checkpoint, {"device=cpu"});
-    state = models::state_dict(*model.network.module);
-    names = "the network's own names (torchvision's for r3d_18 and r2plus1d_18)";
-  } else {
-    const auto model = train::load_model(checkpoint, {"device=cpu"});
-    state = train::export_state_dict(model);
-    names = model.features_input ? "head.*; the model has no encoder"
-                                 : "encoder.* in torchvision names, head.*";
-  }
-  models::write_state_dict(state, args.text("out"));
-  fmt::print("wrote {} tensors to {} ({})\n", state.size(), args.text("out"), names);
+  const auto& task = train::task_for(train::checkpoint_config(checkpoint));
+  const auto weights = task.export_weights(checkpoint);
+  models::write_state_dict(weights.state, args.text("out"));
+  fmt::print("wrote {} tensors to {} ({})\n", weights.state.size(), args.text("out"),
+             weights.names);
   return 0;
 }
 

@@ -511,22 +511,6 @@ PhaseMetrics metrics_from_json(const std::string& json, const std::vector<std::s
   return m;
 }
 
-double learning_rate(const Schedule& s, int64_t step, int64_t total) {
-  if (s.warmup > 0 && step < s.warmup) return s.lr * static_cast<double>(step + 1) / s.warmup;
-  const int64_t after = step - s.warmup;
-  const int64_t span = std::max<int64_t>(1, total - s.warmup);
-  if (s.kind == "step") {
-    return s.lr * std::pow(s.gamma, static_cast<double>(after / std::max<int64_t>(1, s.step_size)));
-  }
-  if (s.kind == "cosine") {
-    const double progress = std::min(1.0, static_cast<double>(after) / span);
-    return s.min_lr + (s.lr - s.min_lr) * 0.5 * (1 + std::cos(M_PI * progress));
-  }
-  TORCH_CHECK(s.kind == "constant", "unknown learning-rate schedule \"", s.kind,
-              "\" (constant | step | cosine)");
-  return s.lr;
-}
-
 double average_precision(const torch::Tensor& scores, const torch::Tensor& targets) {
   TORCH_CHECK(scores.dim() == 1 && targets.sizes() == scores.sizes(),
               "average_precision: scores and targets must both be [N]; got ", scores.sizes(),

@@ -124,18 +124,13 @@ Progress read_first_format_video_progress(torch::serialize::InputArchive& archiv
   archive.read("progress_real", r);
   const auto* v = p.data_ptr<int64_t>();
   Progress progress;
-  progress.step = v[0];
-  progress.epoch = v[1];
-  progress.position = v[2];
-  progress.skipped = v[3];
+  static_cast<RunPosition&>(progress) = first_format_position(p, r);
   progress.settings.chunk = v[4];
   progress.settings.keep = v[5];
   progress.settings.cache_frozen = v[6] != 0;
   progress.settings.precision = static_cast<engine::Precision>(v[7]);
   progress.stale_epochs = p.numel() > 8 ? v[8] : 0;  // patience starts over
   progress.settings.recompute_norm = p.numel() > 9 && v[9] != 0;
-  progress.best_score = r[0].item<double>();
-  progress.seconds = r[1].item<double>();
   return progress;
 }
 

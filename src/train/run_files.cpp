@@ -38,6 +38,18 @@ torch::Tensor RunRecord::tensor(const std::string& name) const {
   return it == tensors.end() ? torch::Tensor() : it->second;
 }
 
+RunPosition first_format_position(const torch::Tensor& progress, const torch::Tensor& real) {
+  const auto* v = progress.data_ptr<int64_t>();
+  RunPosition position;
+  position.step = v[0];
+  position.epoch = v[1];
+  position.position = v[2];
+  position.skipped = v[3];
+  position.best_score = real[0].item<double>();
+  position.seconds = real[1].item<double>();
+  return position;
+}
+
 void write_run_record(torch::serialize::OutputArchive& archive, const RunRecord& record) {
   torch::serialize::OutputArchive run, settings, tensors;
   const RunPosition& p = record.position;

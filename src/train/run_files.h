@@ -42,6 +42,9 @@ struct RunRecord {
 };
 constexpr int64_t kRunRecordFormat = 2;  // 1: a positional "progress" tensor, read by its task
 void write_run_record(torch::serialize::OutputArchive& archive, const RunRecord& record);
+// Format 1's position, which every task wrote alike: step, epoch, position and skipped first in
+// the int64 `progress` tensor, best score and seconds in the double `progress_real`.
+RunPosition first_format_position(const torch::Tensor& progress, const torch::Tensor& real);
 // The record of a checkpoint of format 2 or later, nullopt for format 1. A format newer than
 // this framefit reads is an error naming `checkpoint` and what to do.
 std::optional<RunRecord> read_run_record(torch::serialize::InputArchive& archive,

@@ -16,6 +16,7 @@
 #include "framefit/memory/tracker.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
+#include "framefit/train/schedule.h"
 #include "framefit/train/task.h"
 #include "run_files.h"
 

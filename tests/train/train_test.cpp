@@ -23,6 +23,7 @@
 #include "framefit/plan/planner.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
+#include "framefit/train/schedule.h"
 #include "framefit/train/task.h"
 #include "framefit/train/tasks.h"
 #include "framefit/train/timeline.h"

@@ -187,17 +187,4 @@ class ConfusionMatrix {
   torch::Tensor counts_;
 };
 
-// Learning rate at optimizer step `step` (0-based) of `total`: linear warm-up from 0 over
-// `warmup` steps, then constant, step decay (times gamma every step_size steps) or cosine
-// decay to min_lr at `total`.
-struct Schedule {
-  std::string kind = "cosine";  // constant | step | cosine
-  double lr = 1e-3;
-  int64_t warmup = 0;
-  int64_t step_size = 1;
-  double gamma = 0.1;
-  double min_lr = 0;
-};
-double learning_rate(const Schedule& schedule, int64_t step, int64_t total);
-
 }  // namespace framefit::train

@@ -22,7 +22,9 @@
 
 #include "framefit/engine/amp.h"
 #include "framefit/memory/tracker.h"
+#include "framefit/models/weights.h"
 #include "framefit/plan/doctor.h"
+#include "framefit/train/budget.h"
 #include "framefit/train/config.h"
 #include "framefit/train/events.h"
 #include "framefit/train/metrics.h"
@@ -143,6 +145,18 @@ struct DataThroughput {
   std::string sample_name;  // "frame", "feature row", "image"
 };
 
+// What the doctor found in a task's config: its findings, and lines saying what was checked.
+struct Diagnosis {
+  std::vector<plan::Finding> findings;
+  std::vector<std::string> summary;
+};
+
+// A checkpoint's weights as a PyTorch state_dict (on the CPU), and how they are named.
+struct ExportedWeights {
+  models::StateDict state;
+  std::string names;  // "encoder.* in torchvision names, head.*", ...
+};
+
 class Task {
  public:
   virtual ~Task() = default;
@@ -156,6 +170,13 @@ class Task {
   // and a resumed checkpoint's weights and optimizer state loaded.
   virtual std::unique_ptr<TaskRun> start(const Config& config, const RunStart& start,
                                          const EventCallback& on_event) const = 0;
+  // framefit doctor --config for a model the task builds (not a layer list, which
+  // plan::diagnose_network checks): every split's data probed as training probes it, each bad
+  // unit named, and the model's memory checked against `tensors_budget` (resolve_budget's
+  // tensors); nothing trained, calibrated or allocated on the device.
+  virtual Diagnosis diagnose(const Config& config, int64_t tensors_budget) const = 0;
+  // framefit export: the model a checkpoint of this task holds, as a state_dict.
+  virtual ExportedWeights export_weights(const std::string& checkpoint) const = 0;
   // A split's units loaded as training loads them, timed (framefit bench-data).
   virtual DataThroughput read_split(const Config& config, const std::string& split,
                                     const EventCallback& on_event) const = 0;

@@ -14,6 +14,7 @@
 #include "framefit/engine/checkpoint.h"
 #include "framefit/plan/doctor.h"
 #include "framefit/plan/planner.h"
+#include "framefit/train/budget.h"
 #include "framefit/train/config.h"
 #include "framefit/train/metrics.h"
 #include "framefit/train/trainer.h"

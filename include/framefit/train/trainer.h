@@ -18,6 +18,7 @@
 #include "framefit/models/weights.h"
 #include "framefit/plan/doctor.h"
 #include "framefit/plan/memory_model.h"
+#include "framefit/train/budget.h"
 #include "framefit/train/config.h"
 #include "framefit/train/events.h"
 #include "framefit/train/metrics.h"

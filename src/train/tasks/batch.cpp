@@ -17,6 +17,7 @@
 #include "../run_files.h"
 #include "../run_loop.h"
 #include "batch_data.h"
+#include "batch_record.h"
 #include "framefit/data/clips.h"
 #include "framefit/data/dataset.h"
 #include "framefit/data/media.h"
@@ -43,8 +44,6 @@ namespace {
 
 using namespace detail;
 
-constexpr const char* kFormat = "framefit-checkpoint-1";
-
 engine::Precision batch_precision(const Config& config) {
   // auto: fp32. bf16 or fp16 trade precision for a larger batch; the user chooses that.
   const auto precision = config.train.precision == "auto"
@@ -52,116 +51,6 @@ engine::Precision batch_precision(const Config& config) {
                              : engine::parse_precision(config.train.precision);
   engine::check_runs_on(precision, torch::Device(config.device));
   return precision;
-}
-
-// What a batch-task checkpoint records about the run.
-struct BatchProgress : RunPosition {  // position: samples of the epoch's order used
-  int64_t batch = 0;
-  int64_t micro_batches = 1;
-  engine::Precision precision = engine::Precision::FP32;
-  std::vector<engine::ChainSegment> segments;           // the recomputation the step runs with
-  std::vector<engine::ChainSegment> fallback_segments;  // after out of memory, as planned
-  bool lean_backward = false;                           // models/conv3d.h, as planned
-  bool recompute_norm = false;                          // models/norm_relu_conv.h, as planned
-  int64_t time_slices = 0;                              // models/network.h, as planned
-  int64_t eval_batch = 0;                               // validation's batch, as planned
-};
-
-void write_network(torch::serialize::OutputArchive& archive, const BatchModel& model) {
-  archive.write("format", c10::IValue(std::string(kFormat)));
-  archive.write("config", c10::IValue(to_yaml(model.config)));
-  archive.write("input", torch::tensor(model.input, torch::kLong));
-  torch::serialize::OutputArchive network;
-  model.network.module->save(network);
-  archive.write("network", network);
-  if (auto script = std::dynamic_pointer_cast<models::TorchScriptEncoderImpl>(model.network.module))
-    write_script(archive, *script);
-}
-
-// [S,3]: begin, end, 0 stored, 1 recomputed, 2 nested.
-torch::Tensor segments_tensor(const std::vector<engine::ChainSegment>& segments) {
-  std::vector<int64_t> rows;
-  for (const auto& g : segments) {
-    rows.insert(rows.end(), {g.begin, g.end, g.recompute ? (g.nested ? 2 : 1) : 0});
-  }
-  return torch::tensor(rows, torch::kLong).view({-1, 3});
-}
-
-std::vector<engine::ChainSegment> segments_from(const torch::Tensor& tensor) {
-  std::vector<engine::ChainSegment> segments;
-  const auto rows = tensor.accessor<int64_t, 2>();
-  for (int64_t i = 0; i < rows.size(0); ++i)
-    segments.push_back({rows[i][0], rows[i][1], rows[i][2] != 0, rows[i][2] == 2});
-  return segments;
-}
-
-void write_progress(torch::serialize::OutputArchive& archive, const BatchProgress& p) {
-  write_run_record(archive, {p,
-                             {{"batch", p.batch},
-                              {"micro_batches", p.micro_batches},
-                              {"precision", static_cast<int64_t>(p.precision)},
-                              {"lean_backward", p.lean_backward},
-                              {"eval_batch", p.eval_batch},
-                              {"recompute_norm", p.recompute_norm},
-                              {"time_slices", p.time_slices}},
-                             {{"segments", segments_tensor(p.segments)},
-                              {"fallback_segments", segments_tensor(p.fallback_segments)}}});
-}
-
-// Format 1: step, epoch, position, skipped, batch, micro_batches, precision, then added one by
-// one lean_backward, eval_batch, stale_epochs, recompute_norm, time_slices in one int64 tensor;
-// best score and seconds in a double one; the segments beside them.
-BatchProgress read_first_format_batch_progress(torch::serialize::InputArchive& archive) {
-  torch::Tensor p, r, segments;
-  archive.read("progress", p);
-  archive.read("progress_real", r);
-  archive.read("segments", segments);
-  const auto* v = p.data_ptr<int64_t>();
-  BatchProgress progress;
-  progress.step = v[0];
-  progress.epoch = v[1];
-  progress.position = v[2];
-  progress.skipped = v[3];
-  progress.batch = v[4];
-  progress.micro_batches = v[5];
-  progress.precision = static_cast<engine::Precision>(v[6]);
-  // Checkpoints from before the lean backward ran every convolution's backward through oneDNN.
-  progress.lean_backward = p.numel() > 7 && v[7] != 0;
-  // ... and evaluated at the training batch.
-  progress.eval_batch = p.numel() > 8 ? v[8] : progress.batch;
-  progress.stale_epochs = p.numel() > 9 ? v[9] : 0;        // ... and had no train.patience
-  progress.recompute_norm = p.numel() > 10 && v[10] != 0;  // ... and kept every BatchNorm input
-  progress.time_slices = p.numel() > 11 ? v[11] : 0;       // ... and ran convolutions whole
-  progress.segments = segments_from(segments);
-  // Older checkpoints have none: their runs fell back on every stage recomputed.
-  torch::Tensor fallback;
-  if (archive.try_read("fallback_segments", fallback)) {
-    progress.fallback_segments = segments_from(fallback);
-  }
-  progress.best_score = r[0].item<double>();
-  progress.seconds = r[1].item<double>();
-  return progress;
-}
-
-BatchProgress read_batch_progress(torch::serialize::InputArchive& archive,
-                                  const std::string& checkpoint) {
-  const auto record = read_run_record(archive, checkpoint);
-  if (!record) return read_first_format_batch_progress(archive);
-  BatchProgress p;
-  static_cast<RunPosition&>(p) = record->position;
-  p.batch = record->setting("batch", 0);
-  p.micro_batches = record->setting("micro_batches", 1);
-  p.precision = static_cast<engine::Precision>(record->setting("precision", 0));
-  p.lean_backward = record->setting("lean_backward", 0) != 0;
-  p.eval_batch = record->setting("eval_batch", p.batch);
-  p.recompute_norm = record->setting("recompute_norm", 0) != 0;
-  p.time_slices = record->setting("time_slices", 0);
-  for (auto [name, segments] :
-       {std::pair{"segments", &p.segments}, {"fallback_segments", &p.fallback_segments}}) {
-    if (const auto tensor = record->tensor(name); tensor.defined())
-      *segments = segments_from(tensor);
-  }
-  return p;
 }
 
 // The evaluation batch: a train.eval_batch count (on resume and in framefit eval too), else the
@@ -985,6 +874,30 @@ class BatchTask final : public Task {
   std::unique_ptr<TaskRun> start(const Config& config, const RunStart& start,
                                  const EventCallback& on_event) const override {
     return std::make_unique<BatchRun>(config, start, on_event);
+  }
+  // The data's summary and findings, then the named network's (r3d_18, r2plus1d_18, unet,
+  // torchscript) static memory against the budget.
+  Diagnosis diagnose(const Config& config, int64_t tensors_budget) const override {
+    Diagnosis out;
+    std::string summary;
+    const auto data_findings = diagnose_batch_data(config, &summary);
+    out.summary.push_back(summary);
+    int64_t static_bytes = 0;
+    out.findings = diagnose_batch_task(config, tensors_budget, &static_bytes);
+    out.findings.insert(out.findings.end(), data_findings.begin(), data_findings.end());
+    if (static_bytes > 0) {
+      out.summary.push_back(c10::str(
+          network_kind(config), " for task ", config.task,
+          ": static memory (parameters, buffers, gradients, ", config.train.optimizer, " state) ",
+          memory::format_bytes(static_bytes), " of budget ", memory::format_bytes(tensors_budget),
+          "; `framefit plan --config` finds the batch"));
+    }
+    return out;
+  }
+  ExportedWeights export_weights(const std::string& checkpoint) const override {
+    const auto model = load_batch_model(checkpoint, {"device=cpu"});
+    return {models::state_dict(*model.network.module),
+            "the network's own names (torchvision's for r3d_18 and r2plus1d_18)"};
   }
   DataThroughput read_split(const Config& config, const std::string& split,
                             const EventCallback& on_event) const override {

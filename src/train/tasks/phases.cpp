@@ -590,6 +590,19 @@ class PhasesTask final : public Task {
                                  const EventCallback& on_event) const override {
     return std::make_unique<PhasesRun>(config, start, on_event);
   }
+  Diagnosis diagnose(const Config& config, int64_t) const override {
+    Diagnosis out;
+    std::string summary;
+    out.findings = diagnose_phases(config, &summary);
+    if (!summary.empty()) out.summary.push_back(summary);
+    return out;
+  }
+  ExportedWeights export_weights(const std::string& checkpoint) const override {
+    const auto model = load_model(checkpoint, {"device=cpu"});
+    return {export_state_dict(model), model.features_input
+                                          ? "head.*; the model has no encoder"
+                                          : "encoder.* in torchvision names, head.*"};
+  }
   DataThroughput read_split(const Config& config, const std::string& split,
                             const EventCallback& on_event) const override {
     const auto dataset = make_dataset(config, split, true, on_event);
