@@ -86,6 +86,27 @@ TEST(CheckpointFormat, ARunRecordOfANewerFormatIsRefusedSayingSo) {
   test_util::remove_tree(config.train.out_dir);
 }
 
+TEST(CheckpointFormat, ABatchCheckpointThatRecordsNoRunIsRefusedSayingSo) {
+  // A segmentation checkpoint's network and config without its run record (neither format's):
+  // eval and export need the record's precision and evaluation batch.
+  const std::string dir = kCheckpoints + "/segmentation";
+  const auto model = train::load_batch_model(dir + "/step_00000002.pt");
+  const std::string file =
+      "/tmp/framefit_checkpoint_format_norun_" + std::to_string(::getpid()) + ".pt";
+  torch::serialize::OutputArchive archive, network;
+  archive.write("format", c10::IValue(std::string("framefit-checkpoint-1")));
+  archive.write("config", c10::IValue(train::to_yaml(model.config)));
+  archive.write("input", torch::tensor(model.input, torch::kLong));
+  model.network.module->save(network);
+  archive.write("network", network);
+  archive.save_to(file);
+  const auto message = test_util::error_message([&] { train::load_batch_model(file); });
+  EXPECT_NE(message.find("checkpoint " + file + " records no run (no training position)"),
+            std::string::npos)
+      << message;
+  std::remove(file.c_str());
+}
+
 #ifdef FRAMEFIT_WITH_FFMPEG
 TEST(CheckpointFormat, FirstFormatSegmentationCheckpointLoadsAndResumes) {
   // A UNet (width 4, depth 2, BatchNorm) on 16x16 images, stopped at step 2.
