@@ -43,7 +43,6 @@ models::StageLayout stage_layout(const Config& config, torch::Device device) {
   return models::resolve_layout(layout, models::parse_norm_kind(config.model.norm), device.type());
 }
 
-// The layout of the frames fed to the encoder: that of its first stage.
 bool channels_last_input(const Config& config, torch::Device device) {
   return stage_layout(config, device).channels_last;
 }
@@ -78,7 +77,6 @@ int64_t frame_size_for_planning(const data::VideoDataset& dataset) {
   return largest;
 }
 
-// The tool head's weights, where the model has one.
 void read_tool_head(torch::serialize::InputArchive& archive, Model& model,
                     const std::string& checkpoint, const std::string& built_from) {
   if (!model.tools) return;
@@ -134,7 +132,6 @@ Progress read_first_format_video_progress(torch::serialize::InputArchive& archiv
   return progress;
 }
 
-// The checkpoint's record of its run, of either format; nullopt where the file records none.
 std::optional<Progress> try_read_video_progress(torch::serialize::InputArchive& archive,
                                                 const std::string& checkpoint) {
   if (const auto record = read_run_record(archive, checkpoint)) {
@@ -242,8 +239,6 @@ engine::FrameEncoder script_frame_encoder(std::shared_ptr<models::TorchScriptEnc
                                [script](const torch::Tensor& x) { return script->forward(x); });
 }
 
-// A TorchScript encoder from config.model.script (or the module a checkpoint stored), in float32
-// like framefit's own models.
 std::shared_ptr<models::TorchScriptEncoderImpl> load_script_encoder(
     const Config& config, torch::Device device,
     std::shared_ptr<models::TorchScriptEncoderImpl> stored) {
@@ -269,8 +264,6 @@ std::shared_ptr<models::TorchScriptEncoderImpl> load_script_encoder(
   return script;
 }
 
-// Features per frame of a TorchScript encoder: one frame of the configured size through it in
-// eval mode (no BatchNorm statistics move, no dropout draws).
 int64_t script_feature_dim(models::TorchScriptEncoderImpl& script, const Config& config,
                            torch::Device device) {
   const int64_t side =
@@ -614,8 +607,6 @@ Prediction OnlinePredictor::push_features(const torch::Tensor& features) {
 }
 
 namespace detail {
-// evaluate(), taking and keeping the videos' features in `cache` where one is given, holding
-// `prefetch_bytes` of decoded videos ahead (within a training budget, its prefetch reserve).
 PhaseMetrics evaluate_with(Model& model, const data::VideoDataset& dataset,
                            const EventCallback& on_event, std::vector<VideoMetrics>* per_video,
                            const PredictionCallback& on_prediction, const FeatureCache* cache,

@@ -513,8 +513,7 @@ BatchModel load_batch_model(const std::string& checkpoint,
 
 PhaseMetrics evaluate_batch(BatchModel& model, const std::string& split,
                             const EventCallback& on_event) {
-  const auto data = batch_data(model.config, split, false, on_event);
-  TORCH_CHECK(data->samples() > 0, data->no_samples(split));
+  const auto data = batch_data_with_samples(model.config, split, false, on_event);
   return evaluate_data(model, *data, on_event, model.config.data.prefetch_bytes);
 }
 
@@ -675,8 +674,7 @@ BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_even
   TORCH_CHECK(is_batch_task(config), "plan_batch_task is for task clips or segmentation");
   check_train_settings(config);
   warn_if_budget_beyond_device(config, on_event);
-  const auto data = batch_data(config, config.data.train_split, true, on_event);
-  TORCH_CHECK(data->samples() > 0, data->no_samples(config.data.train_split));
+  const auto data = batch_data_with_samples(config, config.data.train_split, true, on_event);
   const torch::Device device(config.device);
   const auto budget = resolve_budget(config);
   const int64_t step_budget = step_budget_bytes(
@@ -735,10 +733,9 @@ class BatchRun final : public TaskRun {
 BatchRun::BatchRun(const Config& config, const RunStart& start, const EventCallback& on_event)
     : config_(config),
       on_event_(on_event),
-      train_set_(batch_data(config, config.data.train_split, true, on_event)) {
+      train_set_(batch_data_with_samples(config, config.data.train_split, true, on_event)) {
   const auto& tc = config_.train;
   const torch::Device device(config_.device);
-  TORCH_CHECK(train_set_->samples() > 0, train_set_->no_samples(config_.data.train_split));
   val_set_ = validation_data(config_, on_event);
   if (config_.task == "clips") warn_unused_splits(config_, on_event);
   info("data: " + train_set_->describe() + " for training" +

@@ -32,6 +32,13 @@ std::unique_ptr<BatchData> batch_data(const Config& config, const std::string& s
   return image_data(config, split, training);
 }
 
+std::unique_ptr<BatchData> batch_data_with_samples(const Config& config, const std::string& split,
+                                                   bool training, const EventCallback& on_event) {
+  auto data = batch_data(config, split, training, on_event);
+  TORCH_CHECK(data->samples() > 0, data->no_samples(split));
+  return data;
+}
+
 std::string replace_split(std::string path, const std::string& split) {
   const std::string key = "{split}";
   for (auto at = path.find(key); at != std::string::npos; at = path.find(key, at)) {

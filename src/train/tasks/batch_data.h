@@ -51,6 +51,9 @@ class BatchData {
 // The split's data of the config's task (clips or segmentation); `training`: augmented.
 std::unique_ptr<BatchData> batch_data(const Config& config, const std::string& split, bool training,
                                       const EventCallback& on_event);
+// As batch_data; a split without samples is an error saying why (BatchData::no_samples).
+std::unique_ptr<BatchData> batch_data_with_samples(const Config& config, const std::string& split,
+                                                   bool training, const EventCallback& on_event);
 std::unique_ptr<BatchData> clip_data(const Config& config, const std::string& split, bool training,
                                      const EventCallback& on_event);
 std::unique_ptr<BatchData> image_data(const Config& config, const std::string& split,

@@ -29,6 +29,15 @@ using namespace detail;
 
 namespace {
 
+// A split's videos as training reads them (augmented); a split without any is an error saying
+// why.
+data::VideoDataset videos_to_train_on(const Config& config, const std::string& split,
+                                      const EventCallback& on_event) {
+  auto videos = make_dataset(config, split, true, on_event);
+  TORCH_CHECK(videos.size() > 0, no_videos_in_split(config, split));
+  return videos;
+}
+
 // The share of the step budget a phases plan leaves free for what the memory model does not see.
 constexpr double kStepMargin = 0.1;
 
@@ -185,8 +194,7 @@ PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
   TORCH_CHECK(!is_batch_task(config), "plan_phases is for task phases; task ", config.task,
               " is planned by plan_batch_task");
   warn_if_budget_beyond_device(config, on_event);
-  const auto train_set = make_dataset(config, config.data.train_split, true, on_event);
-  TORCH_CHECK(train_set.size() > 0, no_videos_in_split(config, config.data.train_split));
+  const auto train_set = videos_to_train_on(config, config.data.train_split, on_event);
   const auto step = plan_step(config, train_set, std::nullopt, [&](const std::string& message) {
     if (on_event) on_event(Event::note(Event::Kind::Info, message));
   });
@@ -314,14 +322,8 @@ class PhasesRun final : public TaskRun {
   std::optional<engine::TrainingStep> step_;
 };
 
-data::VideoDataset training_videos(const Config& config, const EventCallback& on_event) {
-  auto train_set = make_dataset(config, config.data.train_split, true, on_event);
-  TORCH_CHECK(train_set.size() > 0, no_videos_in_split(config, config.data.train_split));
-  return train_set;
-}
-
 PhasesRun::PhasesRun(const Config& given, const RunStart& start, const EventCallback& on_event)
-    : config_(given), on_event_(on_event), train_set_(training_videos(given, on_event)) {
+    : config_(given), on_event_(on_event), train_set_(videos_to_train_on(given, given.data.train_split, on_event)) {
   const auto& tc = config_.train;
   const torch::Device device(config_.device);
   if (tc.validate) {
@@ -605,8 +607,7 @@ class PhasesTask final : public Task {
   }
   DataThroughput read_split(const Config& config, const std::string& split,
                             const EventCallback& on_event) const override {
-    const auto dataset = make_dataset(config, split, true, on_event);
-    TORCH_CHECK(dataset.size() > 0, no_videos_in_split(config, split));
+    const auto dataset = videos_to_train_on(config, split, on_event);
     std::vector<data::Prefetcher::Job> jobs;
     for (int64_t i = 0; i < dataset.size(); ++i) {
       const auto augmentation = dataset.augmentation(i, config.train.seed, 0);
