@@ -160,7 +160,7 @@ class Bench {
     auto [x, labels] = batch_of(1);
     return plan::calibrate_batch(
         net_.chain, [&](int64_t batch) { return batch_of(batch).first; }, tracker_.current_bytes(),
-        static_cast<int64_t>(x.nbytes() + labels.nbytes()), args_.bytes("budget"), device_,
+        static_cast<int64_t>(x.nbytes() + labels.nbytes()), args_.bytes("budget"), tracker_,
         precision_);
   }
 

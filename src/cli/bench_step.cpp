@@ -75,7 +75,8 @@ BenchModel build(const Args& args, const Settings& settings) {
   engine::OptimizerOptions optimizer;
   optimizer.kind = args.text("optimizer");
   m.step = std::make_unique<engine::TrainingStep>(encoder, m.head,
-                                                  engine::make_optimizer(parameters, optimizer), step);
+                                                  engine::make_optimizer(parameters, optimizer),
+                                                  step, memory::Tracker::of(device));
   return m;
 }
 
@@ -131,7 +132,7 @@ Planned plan_step(const Args& args) {
   if (!auto_chunk && (tracker.budget_bytes() == 0 || args.on("no-retry"))) return planned;
   // The doctor's static minimum needs no calibration: an impossible budget fails right away.
   auto sizes = plan::static_sizes(request.model);
-  sizes.library_bytes = plan::library_bytes_on(request.model.device);
+  sizes.library_bytes = tracker.library_bytes();
   const int64_t minimum = plan::static_minimum_bytes(sizes, request.frames);
   if (minimum > budget) {
     // The doctor's finding says what would lower the minimum; chunking cannot.
@@ -177,7 +178,8 @@ Planned plan_step(const Args& args) {
 int run_bench_step(const Args& args) {
   const torch::Device device(args.text("device"));
   auto& tracker = memory::Tracker::of(device);
-  const auto beyond = plan::budget_beyond_device(args.bytes("budget"), device, "--budget");
+  const auto beyond = plan::budget_beyond_device(args.bytes("budget"), tracker.available_bytes(),
+                                                 device, "--budget");
   if (!beyond.empty()) fmt::print(stderr, "warning: {}\n", beyond);
   tracker.set_budget(args.bytes("budget"));
   const auto video = random_video(args);

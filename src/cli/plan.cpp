@@ -83,19 +83,23 @@ std::function<void(const std::string&)> announce(const Args& args) {
 }  // namespace
 
 Calibrated calibrate_for(const Args& args, const plan::PlanRequest& request) {
+  auto& tracker = memory::Tracker::of(request.model.device);
   Calibrated result;
   result.sizes = plan::static_sizes(request.model);
-  result.sizes.library_bytes = plan::library_bytes_on(request.model.device);
+  result.sizes.library_bytes = tracker.library_bytes();
   auto cache = calibration_cache(args);
-  result.costs = plan::calibrated_costs(request.model, request.precisions, cache, announce(args));
+  result.costs = plan::calibrated_costs(request.model, request.precisions,
+                                        plan::Calibrator{cache, tracker, announce(args)});
   return result;
 }
 
 plan::Plan fit_for(const Args& args, plan::PlanRequest& request, Calibrated& calibrated,
                    int64_t budget_bytes, double margin) {
   auto cache = calibration_cache(args);
-  return plan::plan_chunked_step(request, calibrated.sizes, calibrated.costs, cache, budget_bytes,
-                                 margin, args.text("recompute-norm") == "auto", announce(args));
+  const plan::Calibrator calibrator{cache, memory::Tracker::of(request.model.device),
+                                    announce(args)};
+  return plan::plan_chunked_step(request, calibrated.sizes, calibrated.costs, calibrator,
+                                 budget_bytes, margin, args.text("recompute-norm") == "auto");
 }
 
 namespace {
@@ -301,12 +305,14 @@ int run_doctor(const Args& args) {
   if (args.has("config")) {
     const auto config = config_with_flags(args);
     // What tensors may use of it (on the CPU, a process budget less the runtime's share).
-    const int64_t budget = train::resolve_budget(config).tensors;
+    const auto resolved =
+        train::resolve_budget(config, memory::Tracker::of(torch::Device(config.device)));
+    const int64_t budget = resolved.tensors;
     // A model the task builds; a layer list is checked as a network, below.
     const bool layer_list = train::is_batch_task(config) ? train::network_kind(config) == "layers"
                                                          : !config.model.layers.empty();
     if (!layer_list) {
-      const auto diagnosis = train::task_for(config).diagnose(config, budget);
+      const auto diagnosis = train::task_for(config).diagnose(config, resolved);
       for (const auto& line : diagnosis.summary) {
         if (!args.on("json")) fmt::print("framefit doctor: {}\n", line);
       }
@@ -338,7 +344,8 @@ int run_doctor(const Args& args) {
 
 // framefit plan --config on a phases config: the step `framefit train` will run.
 int plan_phases_config(const Args& args, const train::Config& config) {
-  const auto plan = train::plan_phases(config, [&](const train::Event& e) {
+  auto& tracker = memory::Tracker::of(torch::Device(config.device));
+  const auto plan = train::plan_phases(config, tracker, [&](const train::Event& e) {
     if (e.kind == train::Event::Kind::Warning) fmt::print(stderr, "warning: {}\n", e.message);
     if (e.kind == train::Event::Kind::Info && !args.on("json"))
       fmt::print(stderr, "framefit plan: {}\n", e.message);
@@ -411,7 +418,8 @@ int plan_phases_config(const Args& args, const train::Config& config) {
 int plan_config(const Args& args) {
   const auto config = config_with_flags(args);
   if (!train::is_batch_task(config)) return plan_phases_config(args, config);
-  const auto plan = train::plan_batch_task(config, [](const train::Event& e) {
+  auto& tracker = memory::Tracker::of(torch::Device(config.device));
+  const auto plan = train::plan_batch_task(config, tracker, [](const train::Event& e) {
     if (e.kind == train::Event::Kind::Warning) fmt::print(stderr, "warning: {}\n", e.message);
   });
   const auto flags = engine::recomputed(plan.segments);
@@ -486,7 +494,8 @@ int run_plan(const Args& args) {
   const auto device = request.model.device;
   auto& tracker = memory::Tracker::of(device);
   const int64_t budget = flag_budget(args, tracker);
-  const auto beyond = plan::budget_beyond_device(args.bytes("budget"), device, "--budget");
+  const auto beyond = plan::budget_beyond_device(args.bytes("budget"), tracker.available_bytes(),
+                                                 device, "--budget");
   if (!beyond.empty()) fmt::print(stderr, "warning: {}\n", beyond);
   const double margin = args.number("margin");
   // Problems the planner cannot plan around come first, before any probe allocates.

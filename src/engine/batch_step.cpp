@@ -29,12 +29,15 @@ std::vector<std::tuple<int64_t, int64_t, bool>> recomputed_segments(
 
 BatchTrainingStep::BatchTrainingStep(ChainNetwork network,
                                      std::shared_ptr<torch::optim::Optimizer> optimizer,
-                                     BatchStepOptions options)
+                                     BatchStepOptions options, memory::Tracker& tracker)
     : network_(std::move(network)),
       optimizer_(std::move(optimizer)),
       options_(std::move(options)),
+      tracker_(tracker),
       scaler_(scaler_options_for(options_.scaler, options_.precision)) {
   TORCH_CHECK(network_.module, "BatchTrainingStep needs a network");
+  TORCH_CHECK(tracker_.device().type() == options_.device.type(), "BatchTrainingStep on ",
+              options_.device, " needs that device's tracker, not ", tracker_.device(), "'s");
   TORCH_CHECK(options_.micro_batches >= 1, "micro_batches must be at least 1, got ",
               options_.micro_batches);
   if (options_.segments.empty()) options_.segments = store_all(network_.stage_count());
@@ -111,7 +114,7 @@ BatchStepReport BatchTrainingStep::step(const torch::Tensor& samples, const torc
                 low.item<int64_t>(), " to ", high.item<int64_t>());
   }
   const auto start = std::chrono::steady_clock::now();
-  auto& tracker = memory::Tracker::of(options_.device);
+  auto& tracker = tracker_;
   auto window = tracker.mark();
   BatchStepReport report;
   report.samples = samples.size(0);

@@ -337,8 +337,10 @@ namespace {
 // nothing: BatchNorm statistics are restored, the random stream replayed, and gradients are
 // returned (torch::autograd::grad), not accumulated.
 StageCost measure_stage(const MultiStage& stage, const std::vector<torch::Tensor>& inputs,
-                        torch::Tensor& output, bool held_gradient) {
-  auto& tracker = memory::Tracker::of(inputs.front().device());
+                        torch::Tensor& output, bool held_gradient, memory::Tracker& tracker) {
+  TORCH_CHECK(tracker.device().type() == inputs.front().device().type(), "a stage on ",
+              inputs.front().device(), " is measured on that device's tracker, not ",
+              tracker.device(), "'s");
   torch::AutoGradMode grad_mode(true);
   const auto rng = detail::RngState::capture(inputs.front().device());
   StageCost cost;
@@ -382,14 +384,14 @@ StageCost measure_stage(const MultiStage& stage, const std::vector<torch::Tensor
 
 }  // namespace
 
-std::vector<StageCost> measure_stages(const std::vector<Stage>& stages,
-                                      const torch::Tensor& input) {
+std::vector<StageCost> measure_stages(const std::vector<Stage>& stages, const torch::Tensor& input,
+                                      memory::Tracker& tracker) {
   std::vector<StageCost> costs;
   std::vector<torch::Tensor> outputs;  // the whole graph stays alive, as without checkpointing
   auto x = input;
   for (const auto& stage : stages) {
     torch::Tensor y;
-    costs.push_back(measure_stage(as_multi(stage), {x}, y, /*held_gradient=*/false));
+    costs.push_back(measure_stage(as_multi(stage), {x}, y, /*held_gradient=*/false, tracker));
     outputs.push_back(y);
     x = y;
   }
@@ -432,14 +434,22 @@ std::vector<std::string> unet_stage_names(const models::UNetImpl& unet) {
   return names;
 }
 
-torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const torch::Tensor& x,
-                           const std::vector<bool>& recompute, std::vector<StageCost>* costs) {
+namespace {
+
+// Where a UNet's plain forward measures each stage's cost on the way.
+struct StageMeasure {
+  std::vector<StageCost>& costs;
+  memory::Tracker& tracker;
+};
+
+torch::Tensor unet_pass(const std::shared_ptr<models::UNetImpl>& unet, const torch::Tensor& x,
+                        const std::vector<bool>& recompute, const StageMeasure* measure) {
   TORCH_CHECK(unet != nullptr, "unet_forward: no UNet");
   const auto names = unet_stage_names(*unet);
   TORCH_CHECK(recompute.empty() || recompute.size() == names.size(),
               "unet_forward: ", recompute.size(), " recompute flags for the ", names.size(),
               " stages of this UNet");
-  TORCH_CHECK(costs == nullptr || recompute.empty(),
+  TORCH_CHECK(measure == nullptr || recompute.empty(),
               "unet_forward: measure costs without checkpointing");
   unet->check_input(x);
   const int64_t depth = unet->depth();
@@ -457,12 +467,12 @@ torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const 
       return checkpoint(MultiStage{names[i], std::move(forward), stage.parameters, stage.buffers},
                         inputs);
     }
-    if (costs == nullptr) return forward(inputs);
+    if (measure == nullptr) return forward(inputs);
     const auto stage = make_stage(names[i], module, {});
     torch::Tensor y;
-    costs->push_back(
+    measure->costs.push_back(
         measure_stage(MultiStage{names[i], std::move(forward), stage.parameters, stage.buffers},
-                      inputs, y, held_gradient));
+                      inputs, y, held_gradient, measure->tracker));
     return y;
   };
   std::vector<torch::Tensor> skips;
@@ -485,6 +495,13 @@ torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const 
              [unet](const std::vector<torch::Tensor>& in) { return unet->head(in[0]); }, {h});
 }
 
+}  // namespace
+
+torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const torch::Tensor& x,
+                           const std::vector<bool>& recompute) {
+  return unet_pass(unet, x, recompute, nullptr);
+}
+
 int64_t ChainNetwork::stage_count() const {
   return unet ? static_cast<int64_t>(unet_stage_names(*unet).size())
               : static_cast<int64_t>(stages.size());
@@ -496,11 +513,13 @@ torch::Tensor ChainNetwork::forward(const torch::Tensor& x,
   return run_chain(stages, segments, x);
 }
 
-std::vector<StageCost> ChainNetwork::measure(const torch::Tensor& x) const {
-  if (!unet) return measure_stages(stages, x);
+std::vector<StageCost> ChainNetwork::measure(const torch::Tensor& x,
+                                             memory::Tracker& tracker) const {
+  if (!unet) return measure_stages(stages, x, tracker);
   std::vector<StageCost> costs;
   torch::AutoGradMode grad(true);
-  unet_forward(unet, x, {}, &costs);
+  const StageMeasure measure{costs, tracker};
+  unet_pass(unet, x, {}, &measure);
   return costs;
 }
 

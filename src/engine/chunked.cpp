@@ -4,6 +4,8 @@
 #include <ATen/core/Generator.h>
 #include <torch/torch.h>
 
+#include <optional>
+
 #include "framefit/engine/amp.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/resnet.h"
@@ -49,6 +51,12 @@ FrameEncoder frame_encoder(const std::shared_ptr<torch::nn::Module>& module,
 
 namespace {
 
+// The memory phase `name` on the options' tracker while the result lives; none without one.
+std::optional<memory::PeakWindow> memory_phase(const ChunkedOptions& options, const char* name) {
+  if (options.tracker == nullptr) return std::nullopt;
+  return options.tracker->phase(name);
+}
+
 // Frames [N,3,H,W] as the trainable stages take them: converted, normalised, on the device, and
 // through the frozen stages, which never need grad (their output is never differentiated).
 torch::Tensor frozen_output(const FrameEncoder& encoder, const torch::Tensor& frames,
@@ -84,7 +92,7 @@ class ChunkedEncodeFunction : public torch::autograd::Function<ChunkedEncodeFunc
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx,
                                c10::intrusive_ptr<ChunkedState> state, at::TensorList parameters) {
     auto& s = *state;
-    auto phase = memory::Tracker::of(s.options.device).phase("encode");
+    const auto phase = memory_phase(s.options, "encode");
     const int64_t total = s.frames.size(0);
     const size_t n = s.chunks.size();
     const size_t first_kept = n - static_cast<size_t>(std::min<int64_t>(s.options.keep, n));
@@ -126,7 +134,7 @@ class ChunkedEncodeFunction : public torch::autograd::Function<ChunkedEncodeFunc
     auto state =
         c10::static_intrusive_pointer_cast<ChunkedState>(ctx->saved_data["state"].toCapsule());
     auto& s = *state;
-    auto phase = memory::Tracker::of(s.options.device).phase("recompute");
+    const auto phase = memory_phase(s.options, "recompute");
     const auto& grad = grad_outputs.at(0);
     const auto& params = s.encoder.parameters;
     std::vector<torch::Tensor> sums(params.size());
@@ -185,7 +193,7 @@ torch::Tensor chunked_encode(const FrameEncoder& encoder, const torch::Tensor& f
   if (!differentiable || options.chunk == 0 || options.chunk >= total) {
     // Naive training (one pass with grad), or a pass without grad (inference, evaluation): that
     // one runs chunk by chunk too, so it holds one chunk's activations, not the video's.
-    auto phase = memory::Tracker::of(options.device).phase("encode");
+    const auto phase = memory_phase(options, "encode");
     const int64_t step = differentiable || options.chunk == 0 ? total : options.chunk;
     torch::Tensor features;
     for (int64_t begin = 0; begin < total; begin += step) {

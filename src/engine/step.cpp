@@ -83,15 +83,21 @@ std::optional<RetrySettings> halve_chunk(const OutOfMemoryEvent& event) {
 
 TrainingStep::TrainingStep(FrameEncoder encoder, std::shared_ptr<models::TemporalHead> head,
                            std::shared_ptr<torch::optim::Optimizer> optimizer, StepOptions options,
+                           memory::Tracker& tracker,
                            std::shared_ptr<torch::nn::LinearImpl> tool_head)
     : encoder_(std::move(encoder)),
       head_(std::move(head)),
       tool_head_(std::move(tool_head)),
       optimizer_(std::move(optimizer)),
       options_(std::move(options)),
+      tracker_(tracker),
       scaler_(scaler_options_for(options_.scaler, options_.precision)) {
   TORCH_CHECK(head_ != nullptr && optimizer_ != nullptr,
               "TrainingStep needs a head and an optimizer");
+  TORCH_CHECK(tracker_.device().type() == options_.chunked.device.type(), "TrainingStep on ",
+              options_.chunked.device, " needs that device's tracker, not ", tracker_.device(),
+              "'s");
+  options_.chunked.tracker = &tracker_;
   TORCH_CHECK(options_.accumulate >= 1, "accumulate must be >= 1 step; got ", options_.accumulate);
   TORCH_CHECK(options_.clip_grad_norm >= 0, "clip_grad_norm must be >= 0; got ",
               options_.clip_grad_norm);
@@ -110,7 +116,7 @@ TrainingStep::TrainingStep(FrameEncoder encoder, std::shared_ptr<models::Tempora
 }
 
 void TrainingStep::accumulate_gradients(const std::vector<Video>& videos, StepReport& report) {
-  auto& tracker = memory::Tracker::of(options_.chunked.device);
+  auto& tracker = tracker_;
   // Each video's loss is scaled so that the summed gradients are the mean over every video of
   // the accumulated steps; one video's graph at a time is alive.
   const double share = 1.0 / (static_cast<double>(videos.size()) * options_.accumulate);
@@ -171,7 +177,7 @@ StepReport TrainingStep::step(const std::vector<Video>& videos) {
     }
   }
   const auto start = std::chrono::steady_clock::now();
-  auto& tracker = memory::Tracker::of(options_.chunked.device);
+  auto& tracker = tracker_;
   tracker.clear_phase_stats();
   auto window = tracker.mark();
   StepReport report;

@@ -42,9 +42,8 @@ struct ChunkProbe {
 };
 
 ChunkProbe probe_chunk(const ModelSpec& spec, engine::Precision precision,
-                       const engine::FrameEncoder& encoder, int64_t n,
+                       const engine::FrameEncoder& encoder, int64_t n, memory::Tracker& tracker,
                        const CalibrationOptions& options) {
-  auto& tracker = memory::Tracker::of(spec.device);
   const auto frames = torch::randint(0, 256, {n, 3, spec.size, spec.size}, torch::kUInt8);
   auto input = [&] {
     return engine::frames_to_input(frames, spec.device, spec.dtype, spec.channels_last);
@@ -134,8 +133,7 @@ struct HeadProbe {
 };
 
 HeadProbe probe_head(const ModelSpec& spec, models::TemporalHead& head, int64_t feature_dim,
-                     int64_t n, const CalibrationOptions& options) {
-  auto& tracker = memory::Tracker::of(spec.device);
+                     int64_t n, memory::Tracker& tracker, const CalibrationOptions& options) {
   const auto dtype = spec.dtype == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
   const auto labels = torch::randint(0, spec.classes, {n}, torch::kLong).to(spec.device);
   HeadProbe probe;
@@ -156,19 +154,21 @@ HeadProbe probe_head(const ModelSpec& spec, models::TemporalHead& head, int64_t 
 
 }  // namespace
 
-ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision,
+ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision, memory::Tracker& tracker,
                      const CalibrationOptions& options) {
   torch::manual_seed(options.seed);
   auto encoder = models::ResNet(spec.encoder_options());
   encoder->to(spec.device, spec.dtype);
   encoder->train();
   return calibrate(spec, engine::frame_encoder(encoder.ptr()), encoder->feature_dim(), precision,
-                   options);
+                   tracker, options);
 }
 
 ChunkCosts calibrate(const ModelSpec& spec, const engine::FrameEncoder& encoder,
-                     int64_t feature_dim, engine::Precision precision,
+                     int64_t feature_dim, engine::Precision precision, memory::Tracker& tracker,
                      const CalibrationOptions& options) {
+  TORCH_CHECK(tracker.device().type() == spec.device.type(), "calibrating on ", spec.device,
+              " needs that device's tracker, not ", tracker.device(), "'s");
   TORCH_CHECK(
       options.chunk_frames.size() == 2 && options.chunk_frames[0] != options.chunk_frames[1] &&
           options.head_frames.size() == 2 && options.head_frames[0] != options.head_frames[1],
@@ -202,10 +202,11 @@ ChunkCosts calibrate(const ModelSpec& spec, const engine::FrameEncoder& encoder,
   };
   for (size_t i = 0; i < 2; ++i) {
     timed(c10::str("the encoder on ", chunk_frames[i], " frames"), [&] {
-      chunk[i] = probe_chunk(spec, precision, encoder, chunk_frames[i], options);
+      chunk[i] = probe_chunk(spec, precision, encoder, chunk_frames[i], tracker, options);
     });
     timed(c10::str("the head on ", options.head_frames[i], " frames"), [&] {
-      head_probe[i] = probe_head(spec, *head, feature_dim, options.head_frames[i], options);
+      head_probe[i] =
+          probe_head(spec, *head, feature_dim, options.head_frames[i], tracker, options);
     });
   }
   const double n1 = static_cast<double>(chunk_frames[0]);
@@ -239,9 +240,10 @@ ChunkCosts calibrate(const ModelSpec& spec, const engine::FrameEncoder& encoder,
     if (t->intercept < 0) *t = Linear{0.0, std::max(0.0, t->intercept + t->slope * n) / n};
   }
   // One-frame chunks, timed apart: no line through larger chunks gives them (ChunkCosts).
-  const auto one = chunk_frames[0] == 1   ? chunk[0]
-                   : chunk_frames[1] == 1 ? chunk[1]
-                                          : probe_chunk(spec, precision, encoder, 1, options);
+  const auto one = chunk_frames[0] == 1 ? chunk[0]
+                   : chunk_frames[1] == 1
+                       ? chunk[1]
+                       : probe_chunk(spec, precision, encoder, 1, tracker, options);
   costs.one_frame = {one.nograd_seconds, one.grad_seconds, one.backward_seconds,
                      one.frozen_seconds};
   return costs;
@@ -354,8 +356,9 @@ void CalibrationCache::save() const {
 
 std::map<engine::Precision, ChunkCosts> calibrated_costs(
     const ModelSpec& spec, const std::vector<engine::Precision>& precisions,
-    CalibrationCache& cache, const std::function<void(const std::string&)>& on_probe,
-    const CalibrationOptions& options) {
+    const Calibrator& calibrator, const CalibrationOptions& options) {
+  auto& cache = calibrator.cache;
+  const auto& on_probe = calibrator.on_probe;
   std::map<engine::Precision, ChunkCosts> result;
   bool changed = false;
   for (const auto precision : precisions) {
@@ -367,7 +370,7 @@ std::map<engine::Precision, ChunkCosts> calibrated_costs(
     if (on_probe) on_probe("calibrating " + key + " (probe runs, once per machine)");
     auto told = options;
     if (!told.on_progress) told.on_progress = on_probe;
-    result[precision] = calibrate(spec, precision, told);
+    result[precision] = calibrate(spec, precision, calibrator.tracker, told);
     cache.put(key, result[precision]);
     changed = true;
   }
@@ -376,18 +379,17 @@ std::map<engine::Precision, ChunkCosts> calibrated_costs(
 }
 
 Plan plan_chunked_step(PlanRequest& request, const StaticSizes& sizes,
-                       std::map<engine::Precision, ChunkCosts>& costs, CalibrationCache& cache,
-                       int64_t budget_bytes, double margin, bool choose_norm,
-                       const std::function<void(const std::string&)>& on_probe) {
+                       std::map<engine::Precision, ChunkCosts>& costs, const Calibrator& calibrator,
+                       int64_t budget_bytes, double margin, bool choose_norm) {
   const bool fixed = request.chunk || request.keep || request.cache_frozen || request.accumulate;
   // The request and costs as given, for the advice below: the fixed plan changes both.
   auto relaxed_request = request;
   auto relaxed_costs = costs;
-  auto plan = choose_norm ? fit_choosing_recompute_norm(request, sizes, costs, cache, budget_bytes,
-                                                        margin, on_probe)
+  auto plan = choose_norm ? fit_choosing_recompute_norm(request, sizes, costs, calibrator,
+                                                        budget_bytes, margin)
                           : fit(request, sizes, costs, budget_bytes, margin);
-  plan = refit_at_planned_chunk(request, sizes, costs, cache, std::move(plan), budget_bytes, margin,
-                                on_probe);
+  plan = refit_at_planned_chunk(request, sizes, costs, calibrator, std::move(plan), budget_bytes,
+                                margin);
   if (!plan.fits && fixed) {
     // What this same path plans with the fixed settings left auto, on the copies: `request` and
     // `costs` stay the fixed plan's (the replanner plans with them).
@@ -395,8 +397,8 @@ Plan plan_chunked_step(PlanRequest& request, const StaticSizes& sizes,
     relaxed_request.keep.reset();
     relaxed_request.cache_frozen.reset();
     relaxed_request.accumulate.reset();
-    const auto relaxed = plan_chunked_step(relaxed_request, sizes, relaxed_costs, cache,
-                                           budget_bytes, margin, choose_norm, on_probe);
+    const auto relaxed = plan_chunked_step(relaxed_request, sizes, relaxed_costs, calibrator,
+                                           budget_bytes, margin, choose_norm);
     plan.advice = plan.needs;
     if (relaxed.fits) plan.advice += fits_when_auto(relaxed.settings, relaxed.accumulate);
   }
@@ -405,8 +407,8 @@ Plan plan_chunked_step(PlanRequest& request, const StaticSizes& sizes,
 
 Plan fit_choosing_recompute_norm(PlanRequest& request, const StaticSizes& sizes,
                                  std::map<engine::Precision, ChunkCosts>& costs,
-                                 CalibrationCache& cache, int64_t budget_bytes, double margin,
-                                 const std::function<void(const std::string&)>& on_probe) {
+                                 const Calibrator& calibrator, int64_t budget_bytes,
+                                 double margin) {
   const auto& allowed = request.precisions;
   const bool fp32 = std::count(allowed.begin(), allowed.end(), engine::Precision::FP32) > 0;
   if (!request.model.takes_recompute_norm() || !fp32) {
@@ -414,7 +416,7 @@ Plan fit_choosing_recompute_norm(PlanRequest& request, const StaticSizes& sizes,
   }
   auto spec = request.model;
   spec.recompute_norm = true;
-  auto recomputed = calibrated_costs(spec, {engine::Precision::FP32}, cache, on_probe);
+  auto recomputed = calibrated_costs(spec, {engine::Precision::FP32}, calibrator);
   auto chosen = fit_recompute_norm(request, sizes, costs, recomputed, budget_bytes, margin);
   request.model.recompute_norm = chosen.settings.recompute_norm;
   if (chosen.settings.recompute_norm) costs = std::move(recomputed);
@@ -423,9 +425,10 @@ Plan fit_choosing_recompute_norm(PlanRequest& request, const StaticSizes& sizes,
 
 Plan refit_at_planned_chunk(const PlanRequest& request, const StaticSizes& sizes,
                             std::map<engine::Precision, ChunkCosts>& costs,
-                            CalibrationCache& cache, Plan plan, int64_t budget_bytes, double margin,
-                            const std::function<void(const std::string&)>& on_probe,
-                            const CalibrationOptions& options) {
+                            const Calibrator& calibrator, Plan plan, int64_t budget_bytes,
+                            double margin, const CalibrationOptions& options) {
+  auto& cache = calibrator.cache;
+  const auto& on_probe = calibrator.on_probe;
   const int64_t probed = *std::max_element(options.chunk_frames.begin(), options.chunk_frames.end());
   std::set<std::pair<engine::Precision, int64_t>> measured;
   for (int round = 0; round < 3; ++round) {
@@ -440,7 +443,7 @@ Plan refit_at_planned_chunk(const PlanRequest& request, const StaticSizes& sizes
       auto through = options;
       through.chunk_frames = {probed, s.chunk};
       if (!through.on_progress) through.on_progress = on_probe;
-      costs[s.precision] = calibrate(request.model, s.precision, through);
+      costs[s.precision] = calibrate(request.model, s.precision, calibrator.tracker, through);
       cache.put(key, costs[s.precision]);
       cache.save();
     }
@@ -519,16 +522,16 @@ BatchCosts lines_toward_budget(const std::function<std::vector<engine::StageCost
 BatchCosts calibrate_batch(const engine::ChainNetwork& network,
                            const std::function<torch::Tensor(int64_t)>& inputs,
                            int64_t static_bytes, int64_t input_bytes_per_sample,
-                           int64_t budget_bytes, torch::Device device,
+                           int64_t budget_bytes, memory::Tracker& tracker,
                            engine::Precision precision) {
   const auto at = [&](int64_t batch) {
     const auto x = inputs(batch);
-    engine::AutocastGuard autocast(device, precision);
-    return network.measure(x);
+    engine::AutocastGuard autocast(tracker.device(), precision);
+    return network.measure(x, tracker);
   };
   BatchCosts base;
   base.static_bytes = static_bytes;
-  base.library_bytes = library_bytes_on(device);
+  base.library_bytes = tracker.library_bytes();
   base.input_bytes_per_sample = input_bytes_per_sample;
   base.max_segment_stages = network.max_segment_stages();
   return lines_toward_budget(at, base, budget_bytes, 4096);
@@ -537,12 +540,12 @@ BatchCosts calibrate_batch(const engine::ChainNetwork& network,
 BatchCosts calibrate_inference(const engine::ChainNetwork& network,
                                const std::function<torch::Tensor(int64_t)>& inputs,
                                int64_t static_bytes, int64_t input_bytes_per_sample,
-                               int64_t budget_bytes, torch::Device device,
+                               int64_t budget_bytes, memory::Tracker& tracker,
                                engine::Precision precision, int64_t max_batch) {
   auto& module = *network.module;
   const bool was_training = module.is_training();
   module.eval();
-  auto& tracker = memory::Tracker::of(device);
+  const auto device = tracker.device();
   const auto segments = engine::store_all(network.stage_count());
   // One stage that keeps nothing: nothing is saved for a backward pass.
   const auto at = [&](int64_t batch) {
@@ -561,7 +564,7 @@ BatchCosts calibrate_inference(const engine::ChainNetwork& network,
   };
   BatchCosts base;
   base.static_bytes = static_bytes;
-  base.library_bytes = library_bytes_on(device);
+  base.library_bytes = tracker.library_bytes();
   base.input_bytes_per_sample = input_bytes_per_sample;
   base.max_segment_stages = 1;
   const auto costs = lines_toward_budget(at, base, budget_bytes, max_batch);

@@ -6,7 +6,6 @@
 #include <cmath>
 
 #include "framefit/core/runtime.h"
-#include "framefit/memory/tracker.h"
 #include "framefit/models/heads.h"
 #include "framefit/models/resnet.h"
 
@@ -90,10 +89,6 @@ StaticSizes static_sizes(const ModelSpec& spec, const torch::nn::Module& encoder
   for (const auto& b : encoder.buffers()) sizes.parameter_bytes += static_cast<int64_t>(b.nbytes());
   sizes.min_input_size = 1;
   return with_head(sizes, spec, feature_dim, largest);
-}
-
-int64_t library_bytes_on(torch::Device device) {
-  return device.is_cuda() ? memory::Tracker::of(device).library_bytes() : 0;
 }
 
 Linear Linear::through(double n1, double y1, double n2, double y2) {

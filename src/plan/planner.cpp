@@ -157,11 +157,10 @@ int64_t allocator_margin_bytes(int64_t budget_bytes, torch::Device device) {
   return device.is_cuda() ? budget_bytes - usable(budget_bytes, kCudaMargin) : 0;
 }
 
-std::string budget_beyond_device(int64_t budget_bytes, torch::Device device,
-                                 const std::string& what) {
-  if (budget_bytes <= 0) return "";
-  const int64_t available = memory::Tracker::of(device).available_bytes();
-  if (budget_bytes <= available) return "";
+std::string budget_beyond_device(int64_t budget_bytes, int64_t available_bytes,
+                                 torch::Device device, const std::string& what) {
+  if (budget_bytes <= 0 || budget_bytes <= available_bytes) return "";
+  const int64_t available = available_bytes;
   const bool cuda = device.is_cuda();
   return c10::str(what, " ", memory::format_bytes(budget_bytes), " is more than the ",
                   cuda ? "device's free memory" : "system's available memory", " (",

@@ -9,11 +9,11 @@
 
 namespace framefit::train {
 
-TrainingBudget resolve_budget(const Config& config) {
+TrainingBudget resolve_budget(const Config& config, const memory::Tracker& tracker) {
   const torch::Device device(config.device);
   TrainingBudget b;
   if (config.train.budget <= 0) {
-    b.total = b.tensors = memory::Tracker::of(device).available_bytes();
+    b.total = b.tensors = tracker.available_bytes();
     return b;
   }
   b.total = config.train.budget;

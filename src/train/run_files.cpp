@@ -131,9 +131,10 @@ void make_directories(const std::string& path) {
               path, ": a file of that name exists");
 }
 
-void warn_if_budget_beyond_device(const Config& config, const EventCallback& on_event) {
-  const auto warning =
-      plan::budget_beyond_device(config.train.budget, torch::Device(config.device), "train.budget");
+void warn_if_budget_beyond_device(const Config& config, const memory::Tracker& tracker,
+                                  const EventCallback& on_event) {
+  const auto warning = plan::budget_beyond_device(config.train.budget, tracker.available_bytes(),
+                                                  torch::Device(config.device), "train.budget");
   if (!warning.empty() && on_event) on_event(Event::note(Event::Kind::Warning, warning));
 }
 

@@ -57,7 +57,8 @@ void make_directories(const std::string& path);
 
 // plan::budget_beyond_device's warning for train.budget on the config's device, as a Warning
 // event, where there is one.
-void warn_if_budget_beyond_device(const Config& config, const EventCallback& on_event);
+void warn_if_budget_beyond_device(const Config& config, const memory::Tracker& tracker,
+                                  const EventCallback& on_event);
 
 // "train.budget changed from 8 GiB to 2 GiB" where a resumed run's budget is not its
 // checkpoint's (which then checks its settings against the new one), "" where it is the same.

@@ -24,7 +24,8 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
   const Task& task = task_for(config);
   plan::refuse_errors(task.check_settings(config));
   detail::RunFolder folder(config, resume);
-  detail::warn_if_budget_beyond_device(config, on_event);
+  auto& tracker = memory::Tracker::of(torch::Device(config.device));
+  detail::warn_if_budget_beyond_device(config, tracker, on_event);
   RunStart start;
   start.out_dir = folder.out_dir;
   start.resume_from = folder.resume_from;
@@ -32,10 +33,9 @@ TrainResult train(const Config& config, const std::string& resume, const EventCa
     start.archive = &folder.resumed->archive;
     start.stored = &folder.resumed->stored;
   }
-  const auto run = task.start(config, start, on_event);
+  const auto run = task.start(config, start, tracker, on_event);
   const auto length =
       detail::run_length(config.train, run->steps_per_epoch(), run->samples_per_step());
-  auto& tracker = memory::Tracker::of(torch::Device(config.device));
   const auto budget = run->budget();
   const memory::ScopedBudget budget_scope(tracker, budget.tensors, budget.held_limit());
   auto result = detail::run_epochs(*run, length, start.resumed(), tracker, stop, on_event);

@@ -382,7 +382,7 @@ TEST(Checkpoint, VideoResNetBlocksWithBatchNormRecomputed) {
 
 TEST(Checkpoint, MeasuredPeakStaysWithinThePlannedBudget) {
   ConvChain chain;
-  const auto costs = engine::measure_stages(chain.stages, chain.input);
+  const auto costs = engine::measure_stages(chain.stages, chain.input, memory::Tracker::cpu());
   const int64_t plain = chain.measure(engine::store_all(static_cast<int64_t>(chain.stages.size())));
   // A budget well below what training without checkpointing measurably takes.
   const int64_t least = plan::plan_chain(costs, 1).minimum_bytes;
@@ -404,7 +404,7 @@ TEST(Checkpoint, StageCostsPredictStoredAndRecomputedStepsClosely) {
   // stage (8% high on seeds/001's network). Not modelled: each checkpoint's saved random state
   // (5 KB), 0.7% of this small network's recomputed step.
   ConvChain chain;
-  const auto costs = engine::measure_stages(chain.stages, chain.input);
+  const auto costs = engine::measure_stages(chain.stages, chain.input, memory::Tracker::cpu());
   const auto n = static_cast<int64_t>(chain.stages.size());
   for (const auto& segments : {engine::store_all(n), engine::recompute_every(n, 1)}) {
     const int64_t predicted = plan::evaluate_chain(costs, segments).predicted_bytes;
@@ -449,7 +449,7 @@ TEST(Checkpoint, UNetStageCostsPredictTheStepsPeakClosely) {
     std::vector<engine::StageCost> costs;
     {
       engine::AutocastGuard autocast(torch::kCPU, precision);
-      costs = network.measure(x);
+      costs = network.measure(x, memory::Tracker::cpu());
     }
     for (const auto& segments : {engine::store_all(n), engine::recompute_every(n, 1)}) {
       const int64_t predicted = plan::evaluate_chain(costs, segments).predicted_bytes;
@@ -468,7 +468,7 @@ TEST(Checkpoint, NestedSegmentsHoldLessThanEveryStageRecomputed) {
   // segments keep only their inputs while the other runs backward, and one stage's recompute
   // at a time inside them. The model predicts the difference.
   ConvChain chain;
-  const auto costs = engine::measure_stages(chain.stages, chain.input);
+  const auto costs = engine::measure_stages(chain.stages, chain.input, memory::Tracker::cpu());
   const auto n = static_cast<int64_t>(chain.stages.size());
   ASSERT_EQ(n, 11);  // ten conv blocks and fc
   const auto every = engine::recompute_every(n, 1);
@@ -506,7 +506,7 @@ TEST(Checkpoint, RecomputedSegmentsHoldTheirParametersGradientsUntilTheyEnd) {
   const auto stages = engine::network_stages(net.ptr());
   ASSERT_EQ(stages.size(), 5u);  // flatten, three linear + relu, the last linear
   const auto input = torch::randn({4, 3, 16, 16});
-  const auto costs = engine::measure_stages(stages, input);
+  const auto costs = engine::measure_stages(stages, input, memory::Tracker::cpu());
   auto& tracker = memory::Tracker::cpu();
   for (const bool nested : {false, true}) {
     const std::vector<ChainSegment> segments = {{0, 1}, {1, 4, true, nested}, {4, 5}};

@@ -87,7 +87,8 @@ TEST_F(CudaEngine, Fp16StepWithLossScaling) {
   auto encoder = engine::frame_encoder(net.ptr());
   auto params = encoder.parameters;
   for (auto& p : head->parameters()) params.push_back(p);
-  engine::TrainingStep step(encoder, head, engine::make_optimizer(params, {}), options);
+  engine::TrainingStep step(encoder, head, engine::make_optimizer(params, {}), options,
+                            memory::Tracker::of(cuda));
   framefit::Video video{torch::randint(0, 256, {40, 3, 64, 64}).to(torch::kUInt8),
                         torch::randint(0, 7, {40}, torch::kLong), "gpu video"};
   auto report = step.step({video});
@@ -103,12 +104,12 @@ TEST_F(CudaEngine, Fp16StepWithLossScaling) {
 // plan and naive training, and real steps under that budget (CUDA's tracker enforces it).
 TEST_F(CudaEngine, PlannedStepFitsTheBudgetAndMatchesThePrediction) {
   const auto spec = test_util::tiny_plan_spec(cuda);
-  const auto costs =
-      plan::calibrate(spec, engine::Precision::FP32, test_util::quick_calibration());
+  const auto costs = plan::calibrate(spec, engine::Precision::FP32, memory::Tracker::of(cuda),
+                                     test_util::quick_calibration());
   auto sizes = plan::static_sizes(spec);
   // The cuBLAS workspaces the tracker measured when made (32 MiB each on Hopper) are in every
   // step's peak; the plan counts them.
-  sizes.library_bytes = plan::library_bytes_on(cuda);
+  sizes.library_bytes = memory::Tracker::of(cuda).library_bytes();
   EXPECT_GT(sizes.library_bytes, 0);
   const std::map<engine::Precision, plan::ChunkCosts> by_precision = {{engine::Precision::FP32, costs}};
   plan::PlanRequest request;
@@ -140,7 +141,8 @@ TEST_F(CudaEngine, PlannedStepFitsTheBudgetAndMatchesThePrediction) {
   options.chunked.device = cuda;
   engine::OptimizerOptions optimizer;
   optimizer.kind = spec.optimizer;
-  engine::TrainingStep step(encoder, head, engine::make_optimizer(params, optimizer), options);
+  engine::TrainingStep step(encoder, head, engine::make_optimizer(params, optimizer), options,
+                            memory::Tracker::of(cuda));
   framefit::Video video{
       torch::randint(0, 256, {request.frames, 3, spec.size, spec.size}).to(torch::kUInt8),
       torch::randint(0, spec.classes, {request.frames}, torch::kLong), "gpu video"};

@@ -43,7 +43,8 @@ Setup make_setup(engine::StepOptions options, torch::ScalarType dtype = torch::k
   opt.lr = lr;
   opt.weight_decay = 0;
   options.chunked.dtype = dtype;
-  s.step = std::make_unique<engine::TrainingStep>(encoder, s.head, engine::make_optimizer(params, opt), options);
+  s.step = std::make_unique<engine::TrainingStep>(
+      encoder, s.head, engine::make_optimizer(params, opt), options, memory::Tracker::cpu());
   return s;
 }
 
@@ -159,8 +160,8 @@ TEST(TrainingStep, EncoderFrozenThroughItsLastStageTrainsTheHead) {
   engine::StepOptions options;
   options.chunked.chunk = 4;
   options.chunked.dtype = torch::kFloat64;
-  engine::TrainingStep step(encoder, head, engine::make_optimizer(head->parameters(), opt),
-                            options);
+  engine::TrainingStep step(encoder, head, engine::make_optimizer(head->parameters(), opt), options,
+                            memory::Tracker::cpu());
   const auto before = snapshot(resnet->parameters());
   const double first = step.step({video}).loss;
   double last = first;
@@ -408,7 +409,7 @@ TEST(TrainingStep, ToolHeadGradientsAreExactThroughTheChunkedEncoder) {
     for (auto& p : tools->parameters()) params.push_back(p);
     engine::TrainingStep step(engine::frame_encoder(s.encoder.ptr()), s.head,
                               engine::make_optimizer(params, engine::OptimizerOptions{}), options,
-                              tools.ptr());
+                              memory::Tracker::cpu(), tools.ptr());
     ASSERT_EQ(step.parameters().size(), params.size());
     step.on_gradients_ready = [&](const std::vector<torch::Tensor>& ready) {
       std::vector<torch::Tensor> g;

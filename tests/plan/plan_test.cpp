@@ -62,8 +62,8 @@ Model build(const plan::ModelSpec& spec, const plan::StepSettings& settings) {
   options.chunked.cache_frozen = settings.cache_frozen;
   engine::OptimizerOptions optimizer;
   optimizer.kind = spec.optimizer;
-  m.step = std::make_unique<engine::TrainingStep>(encoder, m.head,
-                                                  engine::make_optimizer(params, optimizer), options);
+  m.step = std::make_unique<engine::TrainingStep>(
+      encoder, m.head, engine::make_optimizer(params, optimizer), options, memory::Tracker::cpu());
   return m;
 }
 
@@ -75,7 +75,8 @@ framefit::Video video(int64_t frames, int64_t size, int64_t classes) {
 
 // Calibrated once for the tests that run real steps.
 const plan::ChunkCosts& tiny_costs() {
-  static const plan::ChunkCosts costs = plan::calibrate(tiny_spec(), Precision::FP32, quick_calibration());
+  static const plan::ChunkCosts costs =
+      plan::calibrate(tiny_spec(), Precision::FP32, memory::Tracker::cpu(), quick_calibration());
   return costs;
 }
 
@@ -267,7 +268,7 @@ TEST(MemoryModel, LibraryWorkspacesCountInEveryPhaseAndTheMinimum) {
   // cuBLAS's workspaces (CUDA) stay allocated through the step: every phase's peak, the
   // breakdown's workspace part and the doctor's minimum hold them once. The CPU has none.
   const auto spec = tiny_spec();
-  EXPECT_EQ(plan::library_bytes_on(torch::kCPU), 0);
+  EXPECT_EQ(memory::Tracker::cpu().library_bytes(), 0);
   const auto plain = plan::static_sizes(spec);
   auto with_libraries = plain;
   with_libraries.library_bytes = 32 << 20;
@@ -338,14 +339,17 @@ TEST(Planner, AdviceForFixedSettingsNamesWhatTheAutoPlanChooses) {
   const std::string path = "/tmp/framefit_advice_cache_" + std::to_string(::getpid()) + ".json";
   std::remove(path.c_str());
   plan::CalibrationCache cache(path);
+  const plan::Calibrator calibrator{cache, memory::Tracker::cpu(), {}};
   auto naive = request;
   naive.chunk = 0;
   naive.keep = 0;
   auto naive_costs = costs;
-  const auto fixed = plan::plan_chunked_step(naive, sizes, naive_costs, cache, budget, 0.1, false);
+  const auto fixed =
+      plan::plan_chunked_step(naive, sizes, naive_costs, calibrator, budget, 0.1, false);
   auto free = request;
   auto free_costs = costs;
-  const auto chosen = plan::plan_chunked_step(free, sizes, free_costs, cache, budget, 0.1, false);
+  const auto chosen =
+      plan::plan_chunked_step(free, sizes, free_costs, calibrator, budget, 0.1, false);
   std::remove(path.c_str());
   ASSERT_FALSE(fixed.fits);
   ASSERT_TRUE(chosen.fits);
@@ -480,9 +484,11 @@ TEST(Planner, BatchNormRecomputationIsPlannedFromItsOwnCalibration) {
   with.recompute_norm = true;
   const auto sizes = plan::static_sizes(spec);
   const std::map<Precision, plan::ChunkCosts> plain = {
-      {Precision::FP32, plan::calibrate(spec, Precision::FP32, quick_calibration())}};
+      {Precision::FP32,
+       plan::calibrate(spec, Precision::FP32, memory::Tracker::cpu(), quick_calibration())}};
   const std::map<Precision, plan::ChunkCosts> recomputed = {
-      {Precision::FP32, plan::calibrate(with, Precision::FP32, quick_calibration())}};
+      {Precision::FP32,
+       plan::calibrate(with, Precision::FP32, memory::Tracker::cpu(), quick_calibration())}};
   EXPECT_LT(recomputed.at(Precision::FP32).saved.slope,
             0.95 * plain.at(Precision::FP32).saved.slope);
   plan::PlanRequest request;
@@ -676,10 +682,10 @@ TEST(BatchPlanner, WorkspaceFromBatchTwoOnIsNotTakenAsGrowingWithTheBatch) {
                               return linear(x).relu();
                             });
   const auto inputs = [](int64_t b) { return torch::randn({b, 256}); };
-  const auto costs =
-      plan::calibrate_batch(network, inputs, 0, 1024, 256 << 20, torch::kCPU, Precision::FP32);
+  const auto costs = plan::calibrate_batch(network, inputs, 0, 1024, 256 << 20,
+                                           memory::Tracker::cpu(), Precision::FP32);
   const auto predicted = costs.at(100)[0].peak_bytes;
-  const auto measured = network.measure(inputs(100))[0].peak_bytes;
+  const auto measured = network.measure(inputs(100), memory::Tracker::cpu())[0].peak_bytes;
   EXPECT_GE(predicted, measured);
   EXPECT_LE(predicted, measured * 11 / 10)
       << predicted << " predicted, " << measured << " measured";
@@ -705,9 +711,11 @@ TEST(BatchPlanner, WorkspaceAtBatchOneOnlyIsNotTakenAsFixed) {
   const auto inputs = [](int64_t b) { return torch::randn({b, 64}); };
   const int64_t budget = 12 << 20;
   const auto costs =
-      plan::calibrate_batch(network, inputs, 0, 0, budget, torch::kCPU, Precision::FP32);
+      plan::calibrate_batch(network, inputs, 0, 0, budget, memory::Tracker::cpu(), Precision::FP32);
   const auto plan = plan::plan_batch(costs, budget, plan::Recompute::Nothing);
-  const auto measured = [&](int64_t b) { return network.measure(inputs(b))[0].peak_bytes; };
+  const auto measured = [&](int64_t b) {
+    return network.measure(inputs(b), memory::Tracker::cpu())[0].peak_bytes;
+  };
   ASSERT_GT(plan.batch, 1);
   EXPECT_LE(measured(plan.batch), budget) << "batch " << plan.batch;
   EXPECT_GT(measured(plan.batch + 1), budget) << "batch " << plan.batch;
@@ -724,7 +732,8 @@ TEST(BatchPlanner, BatchThatRunsOutOfMemoryWhileMeasuredIsNotPlanned) {
   {
     auto& cpu = memory::Tracker::cpu();
     memory::ScopedBudget device(cpu, cpu.current_bytes() + (6 << 20));
-    costs = plan::calibrate_batch(network, inputs, 0, 0, 1 << 30, torch::kCPU, Precision::FP32);
+    costs = plan::calibrate_batch(network, inputs, 0, 0, 1 << 30, memory::Tracker::cpu(),
+                                  Precision::FP32);
   }
   ASSERT_GT(costs.failed_batch, 2);
   EXPECT_LT(plan::plan_batch(costs, 1 << 30, plan::Recompute::Nothing).batch, costs.failed_batch);
@@ -742,11 +751,11 @@ TEST(BatchPlanner, EvaluationBatchIsPlannedFromItsOwnForwardPass) {
   const auto inputs = [](int64_t b) { return torch::randn({b, 3, 32, 32}); };
   const int64_t budget = 48 << 20;
   const auto training =
-      plan::calibrate_batch(network, inputs, 0, 0, budget, torch::kCPU, Precision::FP32);
+      plan::calibrate_batch(network, inputs, 0, 0, budget, memory::Tracker::cpu(), Precision::FP32);
   std::vector<torch::Tensor> statistics;
   for (const auto& b : unet->buffers()) statistics.push_back(b.clone());
-  const auto evaluation =
-      plan::calibrate_inference(network, inputs, 0, 0, budget, torch::kCPU, Precision::FP32, 4096);
+  const auto evaluation = plan::calibrate_inference(network, inputs, 0, 0, budget,
+                                                    memory::Tracker::cpu(), Precision::FP32, 4096);
   EXPECT_TRUE(unet->is_training());
   const auto buffers = unet->buffers();
   for (size_t i = 0; i < buffers.size(); ++i) EXPECT_TRUE(torch::equal(buffers[i], statistics[i]));
@@ -970,7 +979,7 @@ TEST(Planner, EncoderFrozenThroughItsLastStageIsCalibratedAndPredicted) {
   auto options = quick_calibration();
   std::vector<std::string> progress;  // a line per probe: calibrations take up to a minute
   options.on_progress = [&](const std::string& line) { progress.push_back(line); };
-  const auto costs = plan::calibrate(spec, Precision::FP32, options);
+  const auto costs = plan::calibrate(spec, Precision::FP32, memory::Tracker::cpu(), options);
   ASSERT_EQ(progress.size(), 4u);
   EXPECT_EQ(progress[0].rfind("probe 1 of 4: the encoder on 24 frames, ", 0), 0u) << progress[0];
   EXPECT_EQ(progress[3].rfind("probe 4 of 4: the head on ", 0), 0u) << progress[3];

@@ -73,7 +73,8 @@ StepResult run_step(engine::BatchStepOptions options, int64_t budget = 0,
   auto network = small_network(batch_norm);
   auto optimizer =
       std::make_shared<torch::optim::SGD>(network->parameters(), torch::optim::SGDOptions(0.0));
-  engine::BatchTrainingStep step(engine::chain_network(network.ptr()), optimizer, options);
+  engine::BatchTrainingStep step(engine::chain_network(network.ptr()), optimizer, options,
+                                 memory::Tracker::cpu());
   torch::manual_seed(7);
   const auto x = torch::randn({6, 3, 12, 12}, torch::kDouble);
   const auto drawn = torch::randint(0, 4, {6}, torch::kLong);
@@ -180,7 +181,8 @@ TEST(BatchStep, LossThatIsNotFiniteLeavesWeightsAndStatisticsAsTheyWere) {
   auto network = small_network(true);
   auto optimizer =
       std::make_shared<torch::optim::SGD>(network->parameters(), torch::optim::SGDOptions(0.1));
-  engine::BatchTrainingStep step(engine::chain_network(network.ptr()), optimizer, {});
+  engine::BatchTrainingStep step(engine::chain_network(network.ptr()), optimizer, {},
+                                 memory::Tracker::cpu());
   auto state = [&] {
     std::vector<torch::Tensor> out;
     for (const auto& t : network->parameters()) out.push_back(t.detach().clone());
@@ -227,7 +229,8 @@ TEST(BatchStep, ClassWeightsGiveTheWeightedMeanWhateverTheMicroBatches) {
   auto small = small_network();
   auto optimizer =
       std::make_shared<torch::optim::SGD>(small->parameters(), torch::optim::SGDOptions(0.0));
-  engine::BatchTrainingStep step(engine::chain_network(small.ptr()), optimizer, weighted);
+  engine::BatchTrainingStep step(engine::chain_network(small.ptr()), optimizer, weighted,
+                                 memory::Tracker::cpu());
   EXPECT_NE(test_util::error_message([&] {
               step.step(x, torch::tensor({0, 1, 2, 3, 4, 1}, torch::kLong));
             }).find("4 class weights got labels from 0 to 4"),
@@ -712,7 +715,7 @@ TEST(ClipTraining, ResumedUnderAnotherBudgetHoldsItsBatchAndRecomputesWhereItMus
     const auto r = engine::recomputed(p.segments);
     return std::count(r.begin(), r.end(), true);
   };
-  ASSERT_EQ(recomputed_stages(train::plan_batch_task(config)), 0);
+  ASSERT_EQ(recomputed_stages(train::plan_batch_task(config, memory::Tracker::cpu())), 0);
   // A budget between the least that holds batch 5 in one piece with recomputation and the least
   // that holds it without, wherever the kernels' sizes put the two: bisected, not guessed
   // (halving stepped over the gap on an AVX2 CPU).
@@ -722,7 +725,7 @@ TEST(ClipTraining, ResumedUnderAnotherBudgetHoldsItsBatchAndRecomputesWhereItMus
       smaller.train.budget = budget;
       train::BatchTaskPlan p;
       try {
-        p = train::plan_batch_task(smaller);
+        p = train::plan_batch_task(smaller, memory::Tracker::cpu());
       } catch (const c10::Error&) {  // the doctor's: not even the parameters fit
         return false;
       }
@@ -741,7 +744,8 @@ TEST(ClipTraining, ResumedUnderAnotherBudgetHoldsItsBatchAndRecomputesWhereItMus
   const int64_t least = least_budget(false), least_plain = least_budget(true);
   ASSERT_LT(least, least_plain) << "recomputation saves nothing at batch 5";
   smaller.train.budget = least + (least_plain - least) / 2;
-  const std::optional<train::BatchTaskPlan> replan = train::plan_batch_task(smaller);
+  const std::optional<train::BatchTaskPlan> replan =
+      train::plan_batch_task(smaller, memory::Tracker::cpu());
   ASSERT_TRUE(replan->batch == 5 && replan->micro_batches == 1 && recomputed_stages(*replan) > 0)
       << memory::format_bytes(smaller.train.budget) << ": " << replan->describe();
   train::train(config);
@@ -786,19 +790,19 @@ TEST(ClipTraining, TimeSlicingIsPlannedWhereCheckpointingIsAndResumesExactly) {
   config.train.batch = "auto";
   config.train.budget = 8 << 20;
   config.data.prefetch_bytes = 512 << 10;
-  const auto planned = train::plan_batch_task(config);
+  const auto planned = train::plan_batch_task(config, memory::Tracker::cpu());
   EXPECT_EQ(planned.time_slices, models::kTimeSlices);
   EXPECT_FALSE(planned.recompute_norm);
   EXPECT_NE(planned.describe().find(", 8 time slices"), std::string::npos) << planned.describe();
   auto roomy = config;
   roomy.train.budget = 512 << 20;
   roomy.train.batch = "2";
-  EXPECT_EQ(train::plan_batch_task(roomy).time_slices, 0);
+  EXPECT_EQ(train::plan_batch_task(roomy, memory::Tracker::cpu()).time_slices, 0);
   roomy.train.checkpointing = "all";
-  EXPECT_EQ(train::plan_batch_task(roomy).time_slices, models::kTimeSlices);
+  EXPECT_EQ(train::plan_batch_task(roomy, memory::Tracker::cpu()).time_slices, models::kTimeSlices);
   auto off = config;
   off.train.checkpointing = "off";
-  EXPECT_EQ(train::plan_batch_task(off).time_slices, 0);
+  EXPECT_EQ(train::plan_batch_task(off, memory::Tracker::cpu()).time_slices, 0);
 
   // A run sliced throughout (the budget's batch would leave too few steps to stop in).
   config = roomy;
@@ -1200,7 +1204,7 @@ TEST(ClipTraining, BudgetAboveWhatTheSystemHasIsWarnedOf) {
   auto c = clips_config("/tmp/framefit_clips_big_budget");
   const auto warnings_of = [&c] {
     std::vector<std::string> warnings;
-    train::plan_batch_task(c, [&](const train::Event& e) {
+    train::plan_batch_task(c, memory::Tracker::cpu(), [&](const train::Event& e) {
       if (e.kind == train::Event::Kind::Warning) warnings.push_back(e.message);
     });
     return warnings;
@@ -1329,7 +1333,7 @@ TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForTwiceTheBatch) {
            {"auto", 2ll << 30}, {"auto", 640ll << 20}, {"false", 640ll << 20}}) {
     config.model.lean_backward = lean;
     config.train.budget = budget;
-    plans.push_back(train::plan_batch_task(config));
+    plans.push_back(train::plan_batch_task(config, memory::Tracker::cpu()));
   }
   // Every training clip fits either way: oneDNN's backward, the faster.
   EXPECT_EQ(plans[0].batch, plans[0].samples);
@@ -1560,21 +1564,22 @@ TEST(SegmentationTraining, BatchNormIsRecomputedWhereCheckpointingIsAndResumesEx
   auto config = segmentation_config("/tmp/framefit_segmentation_norm");
   config.train.budget = 4 << 20;
   config.data.prefetch_bytes = 512 << 10;
-  const auto planned = train::plan_batch_task(config);  // auto: the largest batch
+  const auto planned =
+      train::plan_batch_task(config, memory::Tracker::cpu());  // auto: the largest batch
   EXPECT_TRUE(planned.recompute_norm);
   EXPECT_NE(planned.describe().find(", BatchNorm recomputed"), std::string::npos)
       << planned.describe();
   auto roomy = config;
   roomy.train.budget = 512 << 20;
   roomy.train.batch = "2";
-  const auto fits = train::plan_batch_task(roomy);
+  const auto fits = train::plan_batch_task(roomy, memory::Tracker::cpu());
   const auto flags = engine::recomputed(fits.segments);
   EXPECT_EQ(std::count(flags.begin(), flags.end(), true), 0);
   EXPECT_FALSE(fits.recompute_norm);
   roomy.train.checkpointing = "all";
-  EXPECT_TRUE(train::plan_batch_task(roomy).recompute_norm);
+  EXPECT_TRUE(train::plan_batch_task(roomy, memory::Tracker::cpu()).recompute_norm);
   config.train.checkpointing = "off";
-  EXPECT_FALSE(train::plan_batch_task(config).recompute_norm);
+  EXPECT_FALSE(train::plan_batch_task(config, memory::Tracker::cpu()).recompute_norm);
 
   // A run with it, interrupted after step 3 and resumed, ends with the uninterrupted run's
   // weights and BatchNorm statistics.
@@ -1598,7 +1603,7 @@ TEST(SegmentationTraining, FixedBatchOverTheBudgetIsPlannedAsMicroBatches) {
   config.train.budget = 4 << 20;
   config.data.prefetch_bytes = 512 << 10;
   config.train.batch = "1000";
-  const auto plan = train::plan_batch_task(config);
+  const auto plan = train::plan_batch_task(config, memory::Tracker::cpu());
   EXPECT_EQ(plan.batch, 10);
   EXPECT_EQ(plan.samples, 10);
   EXPECT_GT(plan.micro_batches, 1);

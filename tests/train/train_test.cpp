@@ -179,7 +179,8 @@ TEST(Config, AProcessBudgetLeavesTheRuntimeItsShareOnTheCpu) {
   const auto config = [](const std::string& text) { return train::parse_config(text, "test"); };
   const int64_t gib = int64_t{1} << 30;
   const auto before = memory::process_memory().untracked_bytes;
-  const auto process = train::resolve_budget(config("train:\n  budget: 1GiB\n"));
+  const auto process =
+      train::resolve_budget(config("train:\n  budget: 1GiB\n"), memory::Tracker::cpu());
   const auto after = memory::process_memory().untracked_bytes;
   EXPECT_EQ(process.total, gib);
   // What this process holds outside the tracking allocator, and room for what training starts.
@@ -192,17 +193,18 @@ TEST(Config, AProcessBudgetLeavesTheRuntimeItsShareOnTheCpu) {
                 .find(" and 18.00 MiB of decoded data); expected RSS about "),
             std::string::npos);
   // The tensors alone, or a CUDA device's memory: all of it.
-  const auto tensors =
-      train::resolve_budget(config("train:\n  budget: 1GiB\n  budget_covers: tensors\n"));
+  const auto tensors = train::resolve_budget(
+      config("train:\n  budget: 1GiB\n  budget_covers: tensors\n"), memory::Tracker::cpu());
   EXPECT_EQ(tensors.runtime, 0);
   EXPECT_EQ(tensors.tensors, gib);
   EXPECT_EQ(train::describe_budget(tensors), "train.budget 1.00 GiB");
-  const auto cuda = train::resolve_budget(config("device: cuda\ntrain:\n  budget: 1GiB\n"));
+  const auto cuda = train::resolve_budget(config("device: cuda\ntrain:\n  budget: 1GiB\n"),
+                                          memory::Tracker::cpu());
   EXPECT_EQ(cuda.runtime, 0);
   EXPECT_EQ(cuda.tensors, gib);
   // A budget the process alone fills says so, and what to do.
   const auto error = test_util::error_message(
-      [&] { train::resolve_budget(config("train:\n  budget: 16MiB\n")); });
+      [&] { train::resolve_budget(config("train:\n  budget: 16MiB\n"), memory::Tracker::cpu()); });
   EXPECT_NE(error.find("is below what this process holds without tensors"), std::string::npos)
       << error;
   EXPECT_NE(error.find("train.budget_covers: tensors"), std::string::npos) << error;
@@ -873,12 +875,12 @@ TEST(Training, AccumulationBeyondTheVideosIsPlannedForTheVideosThereAre) {
   auto c = tiny_config("/tmp/framefit_accumulate_plan");
   c.train.chunk = c.train.keep = "auto";  // planned
   c.train.accumulate = 50;
-  const auto plan = train::plan_phases(c);
+  const auto plan = train::plan_phases(c, memory::Tracker::cpu());
   ASSERT_TRUE(plan.fits);
   EXPECT_LT(plan.videos, 50);
   EXPECT_EQ(plan.settings.videos_per_call, plan.videos);
   c.train.accumulate = 1;
-  EXPECT_EQ(train::plan_phases(c).settings.videos_per_call, 1);
+  EXPECT_EQ(train::plan_phases(c, memory::Tracker::cpu()).settings.videos_per_call, 1);
 }
 
 TEST(Training, DivergedRunStopsWithACheckpointAndSaysWhatToChange) {
@@ -904,16 +906,23 @@ TEST(Training, DivergedRunStopsWithACheckpointAndSaysWhatToChange) {
   test_util::remove_tree(c.train.out_dir);
 }
 
+// `framefit doctor --config` on a phases config, with the budget resolved as the CLI does.
+std::vector<plan::Finding> doctor_phases(const train::Config& config,
+                                         std::string* summary = nullptr) {
+  return train::diagnose_phases(config, train::resolve_budget(config, memory::Tracker::cpu()),
+                                summary);
+}
+
 TEST(Training, DoctorReportsEveryBadVideoOfEverySplitWithoutTraining) {
   auto config = tiny_config("/tmp/framefit_doctor");
   std::string summary;
-  EXPECT_FALSE(plan::has_errors(train::diagnose_phases(config, &summary)));
+  EXPECT_FALSE(plan::has_errors(doctor_phases(config, &summary)));
   EXPECT_NE(summary.find("3 training videos, the longest "), std::string::npos) << summary;
 
   // A misspelt split: the error lists the splits the manifest has.
   auto misspelt = config;
   misspelt.data.train_split = "trian";
-  const auto typo = train::diagnose_phases(misspelt);
+  const auto typo = doctor_phases(misspelt);
   ASSERT_EQ(typo.size(), 1u);
   EXPECT_NE(typo[0].problem.find("no videos in split \"trian\" of " + config.data.manifest +
                                  "; its splits are \"test\" (1 video), \"train\" (3 videos), "
@@ -939,7 +948,7 @@ TEST(Training, DoctorReportsEveryBadVideoOfEverySplitWithoutTraining) {
   entries[3].video = dir + "/missing.mp4";
   data::write_manifest(dir + "/manifest.csv", entries);
   config.data.manifest = dir + "/manifest.csv";
-  const auto findings = train::diagnose_phases(config);
+  const auto findings = doctor_phases(config);
   std::vector<std::string> errors;
   for (const auto& f : findings) {
     if (f.severity == plan::Finding::Severity::Error) errors.push_back(f.problem);
@@ -1117,7 +1126,7 @@ TEST(Training, ResumedUnderAnotherBudgetKeepsTheSettingsThatFitAndReplansThoseTh
   config.train.keep = "auto";
   config.train.max_steps = 2;
   config.train.checkpoint_every = 1;
-  const auto planned = train::plan_phases(config);
+  const auto planned = train::plan_phases(config, memory::Tracker::cpu());
   ASSERT_TRUE(planned.fits);
   const std::string first_settings = plan::describe(planned.settings);
   auto smaller = config;
@@ -1127,7 +1136,7 @@ TEST(Training, ResumedUnderAnotherBudgetKeepsTheSettingsThatFitAndReplansThoseTh
   for (int64_t budget = config.train.budget * 4 / 5; budget > (1 << 20) && !replan;
        budget = budget * 4 / 5) {
     smaller.train.budget = budget;
-    auto p = train::plan_phases(smaller);
+    auto p = train::plan_phases(smaller, memory::Tracker::cpu());
     if (p.fits && plan::describe(p.settings) != first_settings) replan = p;
   }
   ASSERT_TRUE(replan) << "no budget below 2 GiB changes " << first_settings;
@@ -1181,7 +1190,7 @@ TEST(Training, BatchNormRecomputationIsPlannedWhereOnlyItFitsAndKeptOnResume) {
   const auto fits = [&](int64_t budget) {
     auto c = config;
     c.train.budget = budget;
-    return train::plan_phases(c).fits;
+    return train::plan_phases(c, memory::Tracker::cpu()).fits;
   };
   // The smallest budget anything fits, to 64 KiB: only the recomputed blocks fit there.
   int64_t too_small = int64_t{32} << 20, enough = config.train.budget;
@@ -1192,16 +1201,16 @@ TEST(Training, BatchNormRecomputationIsPlannedWhereOnlyItFitsAndKeptOnResume) {
     (fits(middle) ? enough : too_small) = middle;
   }
   config.train.budget = enough;
-  const auto least = train::plan_phases(config);
+  const auto least = train::plan_phases(config, memory::Tracker::cpu());
   ASSERT_TRUE(least.fits);
   EXPECT_TRUE(least.settings.recompute_norm) << plan::describe(least.settings);
   auto plain = config;
   plain.model.recompute_norm = "false";
-  EXPECT_FALSE(train::plan_phases(plain).fits);
+  EXPECT_FALSE(train::plan_phases(plain, memory::Tracker::cpu()).fits);
   // A roomy budget: chunks large enough that it is not worth its time.
   auto roomy = config;
   roomy.train.budget = int64_t{8} << 30;
-  EXPECT_FALSE(train::plan_phases(roomy).settings.recompute_norm);
+  EXPECT_FALSE(train::plan_phases(roomy, memory::Tracker::cpu()).settings.recompute_norm);
 
   std::vector<std::string> notes;
   const auto run = [&](train::Config c, int64_t max_steps, const std::string& resume) {
@@ -1851,7 +1860,7 @@ TEST(Training, ToolPresenceTrainsWithThePhasesAndIsScoredSavedAndResumed) {
   auto bad = config;
   bad.data.manifest = config.train.out_dir + "_data/bad.csv";
   std::vector<std::string> errors;
-  for (const auto& f : train::diagnose_phases(bad)) {
+  for (const auto& f : doctor_phases(bad)) {
     if (f.severity == plan::Finding::Severity::Error) errors.push_back(f.problem);
   }
   ASSERT_EQ(errors.size(), 2u);

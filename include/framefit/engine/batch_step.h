@@ -62,8 +62,10 @@ struct BatchStepReport {
 
 class BatchTrainingStep {
  public:
+  // `tracker`: the tracker of options.device, which measures each step (its peak, the memory
+  // in use when one runs out) and outlives the step.
   BatchTrainingStep(ChainNetwork network, std::shared_ptr<torch::optim::Optimizer> optimizer,
-                    BatchStepOptions options);
+                    BatchStepOptions options, memory::Tracker& tracker);
   // samples [B,...]; labels [B] (one class per sample) or [B,H,W] (per pixel).
   BatchStepReport step(const torch::Tensor& samples, const torch::Tensor& labels);
   // Called with the trained parameters once the gradients are complete, before unscaling,
@@ -77,6 +79,7 @@ class BatchTrainingStep {
   ChainNetwork network_;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
   BatchStepOptions options_;
+  memory::Tracker& tracker_;
   LossScaler scaler_;
   std::vector<torch::Tensor> parameters_;
   std::vector<torch::Tensor> buffers_;  // BatchNorm statistics

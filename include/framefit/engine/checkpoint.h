@@ -18,6 +18,10 @@
 #include <string>
 #include <vector>
 
+namespace framefit::memory {
+class Tracker;
+}
+
 namespace framefit::models {
 class ResNetImpl;
 class NetworkImpl;
@@ -78,7 +82,9 @@ struct StageCost {
   // in it (a stored stage's go straight into .grad). The same at any batch.
   int64_t parameter_grad_bytes = 0;
 };
-std::vector<StageCost> measure_stages(const std::vector<Stage>& stages, const torch::Tensor& input);
+// Measured on `tracker`, the tracker of the input's device.
+std::vector<StageCost> measure_stages(const std::vector<Stage>& stages, const torch::Tensor& input,
+                                      memory::Tracker& tracker);
 // Costs at `factor` times the measured batch (activations and time grow with the batch).
 std::vector<StageCost> scale_costs(const std::vector<StageCost>& costs, double factor);
 
@@ -103,12 +109,10 @@ std::vector<bool> recomputed(const std::vector<ChainSegment>& segments);
 
 // A UNet's stages in forward order (down0..down<depth>, up0..up<depth-1>, out), run with the
 // stages flagged in `recompute` checkpointed (empty: none). The skip connections stay as they
-// are: each stage's output is kept, its insides are recomputed. With `costs` given, each
-// stage's cost is measured on the way (plain, no checkpointing allowed).
+// are: each stage's output is kept, its insides are recomputed.
 std::vector<std::string> unet_stage_names(const models::UNetImpl& unet);
 torch::Tensor unet_forward(const std::shared_ptr<models::UNetImpl>& unet, const torch::Tensor& x,
-                           const std::vector<bool>& recompute,
-                           std::vector<StageCost>* costs = nullptr);
+                           const std::vector<bool>& recompute);
 
 // Runs the chain with the plan's segments (recomputed ones through checkpoint()).
 torch::Tensor run_chain(const std::vector<Stage>& stages, const std::vector<ChainSegment>& segments,
@@ -126,8 +130,9 @@ struct ChainNetwork {
   int64_t max_segment_stages() const { return unet ? 1 : 0; }
   // The network's output with `segments` recomputed (store_all: plain forward).
   torch::Tensor forward(const torch::Tensor& x, const std::vector<ChainSegment>& segments) const;
-  // Each stage's cost on input x (measure_stages, or measured along a UNet's forward).
-  std::vector<StageCost> measure(const torch::Tensor& x) const;
+  // Each stage's cost on input x (measure_stages, or measured along a UNet's plain forward), on
+  // `tracker`, the tracker of x's device.
+  std::vector<StageCost> measure(const torch::Tensor& x, memory::Tracker& tracker) const;
 };
 ChainNetwork chain_network(const std::shared_ptr<models::NetworkImpl>& network);
 ChainNetwork chain_network(const std::shared_ptr<models::VideoResNetImpl>& video);

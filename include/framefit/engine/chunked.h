@@ -17,6 +17,10 @@
 
 #include "framefit/engine/extract.h"
 
+namespace framefit::memory {
+class Tracker;
+}
+
 namespace framefit::models {
 class ResNetImpl;
 }
@@ -50,6 +54,9 @@ struct ChunkedOptions {
   torch::ScalarType dtype = torch::kFloat32;  // input dtype (float64 for exactness checks)
   bool channels_last = false;
   FrameNormalization normalization;
+  // The device's tracker, where the memory phases "encode" (forward) and "recompute" (backward)
+  // are recorded, and named in an out-of-memory error; null: none recorded.
+  memory::Tracker* tracker = nullptr;
 };
 
 // frames: [T,3,H,W] uint8 (or normalised float) on the host; only the chunk being processed is
@@ -57,8 +64,6 @@ struct ChunkedOptions {
 // encoder computes in float64) on options.device, attached to autograd when grad mode is on.
 // Without grad (inference, evaluation) the chunks simply run one after the other: memory holds
 // one chunk's activations and the features, whatever the video's length.
-// Memory phases "encode" (forward) and "recompute" (backward) are recorded on the device's
-// tracker.
 torch::Tensor chunked_encode(const FrameEncoder& encoder, const torch::Tensor& frames,
                              const ChunkedOptions& options = {});
 

@@ -115,10 +115,13 @@ struct StepReport {
 
 class TrainingStep {
  public:
+  // `tracker`: the tracker of options.chunked.device, which measures each step (its peak, its
+  // phases, the budget an out-of-memory retry plans for) and outlives the step.
   // `tool_head` (optional) maps each frame's features to tool logits [T,K], trained on
   // Video::tools alongside the phases (multi-task, as EndoNet and TeCNO's feature training).
   TrainingStep(FrameEncoder encoder, std::shared_ptr<models::TemporalHead> head,
                std::shared_ptr<torch::optim::Optimizer> optimizer, StepOptions options,
+               memory::Tracker& tracker,
                std::shared_ptr<torch::nn::LinearImpl> tool_head = nullptr);
 
   // Videos of different lengths are processed one after another; their gradients are averaged.
@@ -142,6 +145,7 @@ class TrainingStep {
   std::shared_ptr<torch::nn::LinearImpl> tool_head_;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
   StepOptions options_;
+  memory::Tracker& tracker_;
   LossScaler scaler_;
   std::vector<torch::Tensor> parameters_;  // encoder's, head's, tool head's
   std::vector<torch::Tensor> buffers_;     // their BatchNorm statistics

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "framefit/memory/tracker.h"
 #include "framefit/plan/memory_model.h"
 #include "framefit/plan/planner.h"
 
@@ -24,14 +25,15 @@ struct CalibrationOptions {
   std::function<void(const std::string&)> on_progress;
 };
 
-// Runs the probes (this allocates: a model, a few chunks of frames, their activations).
-ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision,
+// Runs the probes (this allocates: a model, a few chunks of frames, their activations),
+// measured on `tracker`, the tracker of spec.device.
+ChunkCosts calibrate(const ModelSpec& spec, engine::Precision precision, memory::Tracker& tracker,
                      const CalibrationOptions& options = {});
 // The same probes on a given encoder of `feature_dim` features per frame (a TorchScript module):
 // spec supplies the frame size, head, device and dtype; spec.model is not read. The probes run
 // forward passes with grad and set parameter gradients: pass a copy of the trained encoder.
 ChunkCosts calibrate(const ModelSpec& spec, const engine::FrameEncoder& encoder,
-                     int64_t feature_dim, engine::Precision precision,
+                     int64_t feature_dim, engine::Precision precision, memory::Tracker& tracker,
                      const CalibrationOptions& options = {});
 
 // Calibrations stored as JSON: {"format": "framefit-calibration", "version": N, "entries":
@@ -56,12 +58,19 @@ class CalibrationCache {
   std::map<std::string, ChunkCosts> entries_;
 };
 
+// Where the calibrations a cache lacks are made: probes measured on `tracker` (the tracker of
+// the device the spec names), saved in `cache`, each told to `on_probe` (they take seconds).
+struct Calibrator {
+  CalibrationCache& cache;
+  memory::Tracker& tracker;
+  std::function<void(const std::string&)> on_probe;
+};
+
 // The costs for `spec` at each precision: from the cache, or calibrated (and saved) when
-// missing. `on_probe` is told about each calibration that runs (they take seconds).
+// missing.
 std::map<engine::Precision, ChunkCosts> calibrated_costs(
     const ModelSpec& spec, const std::vector<engine::Precision>& precisions,
-    CalibrationCache& cache, const std::function<void(const std::string&)>& on_probe = {},
-    const CalibrationOptions& options = {});
+    const Calibrator& calibrator, const CalibrationOptions& options = {});
 
 // The plan with BatchNorm recomputation chosen too (fit_recompute_norm), where the encoder takes
 // it (spec.takes_recompute_norm()) and `request` allows fp32 (under autocast the plain sequence
@@ -70,8 +79,7 @@ std::map<engine::Precision, ChunkCosts> calibrated_costs(
 // with and the out-of-memory replanner plans with. Elsewhere plain fit().
 Plan fit_choosing_recompute_norm(PlanRequest& request, const StaticSizes& sizes,
                                  std::map<engine::Precision, ChunkCosts>& costs,
-                                 CalibrationCache& cache, int64_t budget_bytes, double margin,
-                                 const std::function<void(const std::string&)>& on_probe = {});
+                                 const Calibrator& calibrator, int64_t budget_bytes, double margin);
 
 // `plan` measured at its own chunk where that lies well beyond the probes (over twice the larger
 // probed chunk): the costs at its precision calibrated again through the larger probe and the
@@ -81,9 +89,8 @@ Plan fit_choosing_recompute_norm(PlanRequest& request, const StaticSizes& sizes,
 // the plan. `costs` become those the returned plan was made with (the replanner's).
 Plan refit_at_planned_chunk(const PlanRequest& request, const StaticSizes& sizes,
                             std::map<engine::Precision, ChunkCosts>& costs,
-                            CalibrationCache& cache, Plan plan, int64_t budget_bytes, double margin,
-                            const std::function<void(const std::string&)>& on_probe = {},
-                            const CalibrationOptions& options = {});
+                            const Calibrator& calibrator, Plan plan, int64_t budget_bytes,
+                            double margin, const CalibrationOptions& options = {});
 
 // The plan `train` and `plan` make: BatchNorm recomputation chosen where `choose_norm`
 // (fit_choosing_recompute_norm, else fit), then measured at its own chunk
@@ -91,9 +98,8 @@ Plan refit_at_planned_chunk(const PlanRequest& request, const StaticSizes& sizes
 // "fits if left to the planner" is the plan this same path makes with them auto, so that it
 // names what the auto plan chooses. `request` and `costs` change as those functions say.
 Plan plan_chunked_step(PlanRequest& request, const StaticSizes& sizes,
-                       std::map<engine::Precision, ChunkCosts>& costs, CalibrationCache& cache,
-                       int64_t budget_bytes, double margin, bool choose_norm,
-                       const std::function<void(const std::string&)>& on_probe = {});
+                       std::map<engine::Precision, ChunkCosts>& costs, const Calibrator& calibrator,
+                       int64_t budget_bytes, double margin, bool choose_norm);
 
 // Bytes that training `module` holds whatever the batch: parameters, buffers, gradients of the
 // trained parameters and the optimizer's state (sgd: momentum, one copy; adam/adamw: two).
@@ -105,18 +111,20 @@ int64_t training_static_bytes(const torch::nn::Module& module, const std::string
 // one: oneDNN's algorithms depend on the batch and thread count). A batch that runs out of memory
 // while measured caps the plan below it. `inputs(b)` makes b samples of input on the device.
 // Runs forward passes with grad under `precision`, so BatchNorm statistics move: calibrate a copy
-// of the network, not the one being trained.
+// of the network, not the one being trained. Measured on `tracker`, the tracker of the device
+// the network and its inputs are on.
 BatchCosts calibrate_batch(const engine::ChainNetwork& network,
                            const std::function<torch::Tensor(int64_t)>& inputs,
                            int64_t static_bytes, int64_t input_bytes_per_sample,
-                           int64_t budget_bytes, torch::Device device, engine::Precision precision);
+                           int64_t budget_bytes, memory::Tracker& tracker,
+                           engine::Precision precision);
 // The same for evaluating it as validation does (eval mode, no grad, under `precision`): one
 // stage that keeps nothing, whose peak is the forward pass's, for plan_batch without
 // checkpointing. Measures batches up to half of `max_batch`; leaves the network in its mode.
 BatchCosts calibrate_inference(const engine::ChainNetwork& network,
                                const std::function<torch::Tensor(int64_t)>& inputs,
                                int64_t static_bytes, int64_t input_bytes_per_sample,
-                               int64_t budget_bytes, torch::Device device,
+                               int64_t budget_bytes, memory::Tracker& tracker,
                                engine::Precision precision, int64_t max_batch);
 
 }  // namespace framefit::plan

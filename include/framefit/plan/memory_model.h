@@ -67,12 +67,11 @@ struct StaticSizes {
   int64_t frozen_stages = 0;
   // What the device's math libraries hold for the process's life (memory::Tracker::
   // library_bytes: cuBLAS workspaces on CUDA, 32 MiB each on Hopper): in the budget, in no
-  // tensor of the step. Set by who plans for a device (library_bytes_on); 0 for the doctor.
+  // tensor of the step. Set by who plans for a device (from the device's tracker; its backend
+  // runs the libraries once when it is made); 0 for the doctor.
   int64_t library_bytes = 0;
   int64_t trained_bytes() const { return trained_encoder_bytes + trained_head_bytes; }
 };
-// The device's library_bytes: runs its libraries once if its tracker is new (CUDA); 0 on the CPU.
-int64_t library_bytes_on(torch::Device device);
 StaticSizes static_sizes(const ModelSpec& spec);
 // The same for an encoder given as a module (a TorchScript network) of `feature_dim` features per
 // frame, counted from its tensors; spec supplies the head, frame size, optimizer and dtype.

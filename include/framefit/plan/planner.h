@@ -66,13 +66,13 @@ std::vector<engine::Precision> candidate_precisions(torch::Device device);
 // framefit's CPU allocator enforces the budget on allocated bytes: 0 there.
 int64_t allocator_margin_bytes(int64_t budget_bytes, torch::Device device);
 
-// A warning where a budget is more than `device` has available (CPU: the system's available
-// memory; CUDA: the device's free memory), "" otherwise; `what` names the budget in it
-// ("train.budget", "--budget"). The budget is kept, as the user's word, but a plan that fills
-// it swaps (CPU) or runs out of device memory and is re-planned (CUDA), which the budget was
-// meant to prevent. Call before a budget is set on the device's tracker.
-std::string budget_beyond_device(int64_t budget_bytes, torch::Device device,
-                                 const std::string& what);
+// A warning where a budget is more than the `available_bytes` of `device` (CPU: the system's
+// available memory; CUDA: the device's free memory; memory::Tracker::available_bytes before a
+// budget is set on it), "" otherwise; `what` names the budget in it ("train.budget",
+// "--budget"). The budget is kept, as the user's word, but a plan that fills it swaps (CPU) or
+// runs out of device memory and is re-planned (CUDA), which the budget was meant to prevent.
+std::string budget_beyond_device(int64_t budget_bytes, int64_t available_bytes,
+                                 torch::Device device, const std::string& what);
 
 // margin: the fraction of the budget kept free (0.1 = plan for 90% of it). The costs are those
 // calibrated for request.model (its recompute_norm is copied into the settings). Of settings that

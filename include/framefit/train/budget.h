@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "framefit/memory/tracker.h"
 #include "framefit/train/config.h"
 
 namespace framefit::train {
@@ -28,7 +29,8 @@ struct TrainingBudget {
 // 250 MiB after one without), and at least 235 MiB within a step (malloc's arenas, which the
 // step's small blocks fill and the release after it empties).
 constexpr int64_t kRuntimeGrowthBytes = int64_t(96) << 20;
-TrainingBudget resolve_budget(const Config& config);
+// `tracker`: config.device's, whose available memory is the budget where train.budget is 0.
+TrainingBudget resolve_budget(const Config& config, const memory::Tracker& tracker);
 // "train.budget 1.00 GiB less the runtime's 233.1 MiB" (or "train.budget 1.00 GiB"), for plans.
 std::string describe_budget(const TrainingBudget& budget);
 // The resident memory a plan of `predicted_peak` in step budget `step_budget` should reach: the

@@ -167,14 +167,16 @@ class Task {
   // A run ready for the loop: its data read (an Info event says what), config.yaml written into
   // start.out_dir, its step planned for the budget (a resumed run keeps its checkpoint's
   // settings where the budget holds them), its model, optimizer and step built from train.seed,
-  // and a resumed checkpoint's weights and optimizer state loaded.
+  // and a resumed checkpoint's weights and optimizer state loaded. `tracker`: the tracker of
+  // config.device, which the plan is calibrated and the steps measured on; it outlives the run.
   virtual std::unique_ptr<TaskRun> start(const Config& config, const RunStart& start,
+                                         memory::Tracker& tracker,
                                          const EventCallback& on_event) const = 0;
   // framefit doctor --config for a model the task builds (not a layer list, which
   // plan::diagnose_network checks): every split's data probed as training probes it, each bad
-  // unit named, and the model's memory checked against `tensors_budget` (resolve_budget's
-  // tensors); nothing trained, calibrated or allocated on the device.
-  virtual Diagnosis diagnose(const Config& config, int64_t tensors_budget) const = 0;
+  // unit named, and the model's memory checked against `budget` (resolve_budget's); nothing
+  // trained, calibrated or allocated on the device.
+  virtual Diagnosis diagnose(const Config& config, const TrainingBudget& budget) const = 0;
   // framefit export: the model a checkpoint of this task holds, as a state_dict.
   virtual ExportedWeights export_weights(const std::string& checkpoint) const = 0;
   // A split's units loaded as training loads them, timed (framefit bench-data).

@@ -141,7 +141,9 @@ struct BatchTaskPlan {
   std::vector<plan::BatchRow> table;
   std::string describe() const;  // one line, as `framefit train` logs it
 };
-BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_event = {});
+// `tracker`: config.device's, which the probes are measured on.
+BatchTaskPlan plan_batch_task(const Config& config, memory::Tracker& tracker,
+                              const EventCallback& on_event = {});
 
 // How labels are read and scored: data.ignore_id and data.mask_values set for a task without
 // masks, or not fitting data.classes; data.background and a segmental train.best_by (edit,

@@ -43,14 +43,17 @@ struct PhasePlan {
   TrainingBudget budget;  // train.budget, the runtime's share of it, the tensors'
   int64_t step_budget_bytes = 0;
 };
-PhasePlan plan_phases(const Config& config, const EventCallback& on_event = {});
+// `tracker`: config.device's, which the calibration probes are measured on.
+PhasePlan plan_phases(const Config& config, memory::Tracker& tracker,
+                      const EventCallback& on_event = {});
 
 // `framefit doctor --config` on a phases config: nothing trained, calibrated or decoded. Every
 // split's videos are probed as training probes them (manifest, files, frame counts against the
 // annotations, phase names), each bad video one error rather than the first alone; then the
-// step for the longest training video is checked by plan::diagnose within the step budget.
-// `summary`, when given, says what was checked.
-std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* summary = nullptr);
+// step for the longest training video is checked by plan::diagnose within the step budget of
+// `budget` (resolve_budget's). `summary`, when given, says what was checked.
+std::vector<plan::Finding> diagnose_phases(const Config& config, const TrainingBudget& budget,
+                                           std::string* summary = nullptr);
 
 // The config stored in a checkpoint (its task says whether load_model or load_batch_model reads
 // it).

@@ -163,15 +163,15 @@ constexpr int64_t kMaxEvalBatch = 64;
 // it is planned on its own, from the probe's forward passes in eval mode, within what training
 // leaves (its static memory stays while validating).
 void plan_evaluation(BatchTaskPlan& plan, const Config& config, const BatchModel& probe,
-                     torch::Device device) {
+                     memory::Tracker& tracker) {
   if (const auto fixed = fixed_count(config.train.eval_batch)) {
     plan.eval_batch = *fixed;
     return;
   }
   const auto costs = plan::calibrate_inference(
-      probe.network, random_samples(plan.input, device), plan.static_bytes,
+      probe.network, random_samples(plan.input, tracker.device()), plan.static_bytes,
       stored_sample_bytes(config, plan.input) + 4 * elements(plan.input), plan.step_budget_bytes,
-      device, plan.precision, kMaxEvalBatch);
+      tracker, plan.precision, kMaxEvalBatch);
   const auto planned =
       plan::plan_batch(costs, plan.step_budget_bytes, plan::Recompute::Nothing, kMaxEvalBatch);
   // Not even one sample: evaluation splits batches that run out of memory down to one sample.
@@ -191,10 +191,11 @@ struct HeldSettings {
 // plan_training with BatchNorm recomputation and time slicing as `save_memory` says (set on the
 // probe, where the network has them).
 BatchTaskPlan plan_training_with(bool save_memory, const Config& config, const BatchData& data,
-                                 const std::vector<int64_t>& input, torch::Device device,
+                                 const std::vector<int64_t>& input, memory::Tracker& tracker,
                                  int64_t budget, int64_t step_budget, BatchModel& probe,
                                  HeldSettings* held) {
   const auto& tc = config.train;
+  const auto device = tracker.device();
   const bool recompute_norm =
       models::set_recompute_norm(*probe.network.module, save_memory) > 0 && save_memory;
   const int64_t time_slices = save_memory ? models::kTimeSlices : 0;
@@ -237,7 +238,7 @@ BatchTaskPlan plan_training_with(bool save_memory, const Config& config, const B
     const auto costs = plan::calibrate_batch(
         probe.network, random_samples(input, device), p.static_bytes,
         stored_sample_bytes(config, input) * stored_batches + 4 * elements(input), step_budget,
-        device, p.precision);
+        tracker, p.precision);
     // The largest batch that fits: the plan's unless train.batch fixes it; the table's either way.
     const auto planned = plan::plan_batch(costs, step_budget, recompute);
     p.table = plan::batch_table(costs, step_budget, recompute, planned.batch);
@@ -310,15 +311,16 @@ BatchTaskPlan plan_training_with(bool save_memory, const Config& config, const B
 // without recomputing anything: the first costs one elementwise pass per such layer, the second
 // nothing measurable (bench/results/layers.md).
 BatchTaskPlan plan_training(const Config& config, const BatchData& data,
-                            const std::vector<int64_t>& input, torch::Device device, int64_t budget,
-                            int64_t step_budget, BatchModel& probe, HeldSettings* held) {
+                            const std::vector<int64_t>& input, memory::Tracker& tracker,
+                            int64_t budget, int64_t step_budget, BatchModel& probe,
+                            HeldSettings* held) {
   const auto& tc = config.train;
   auto& module = *probe.network.module;
   const bool saves_memory =
       tc.checkpointing != "off" &&
       (models::set_recompute_norm(module, false) > 0 || models::set_time_slices(module, 0) > 0);
   const auto plan_with = [&](bool save_memory) {
-    return plan_training_with(save_memory, config, data, input, device, budget, step_budget, probe,
+    return plan_training_with(save_memory, config, data, input, tracker, budget, step_budget, probe,
                               held);
   };
   if (!saves_memory) return plan_with(false);
@@ -337,7 +339,7 @@ BatchTaskPlan plan_training(const Config& config, const BatchData& data,
 // calibrated on a probe copy before the trained model exists (calibration runs forward passes
 // that move BatchNorm statistics and the random generator, which must not touch the run).
 BatchTaskPlan plan_for(const Config& config, const BatchData& data,
-                       const std::vector<int64_t>& input, torch::Device device,
+                       const std::vector<int64_t>& input, memory::Tracker& tracker,
                        const TrainingBudget& resolved, int64_t step_budget,
                        HeldSettings* held = nullptr) {
   const int64_t budget = resolved.tensors;
@@ -353,9 +355,9 @@ BatchTaskPlan plan_for(const Config& config, const BatchData& data,
   }
   auto probe = build_batch_model(config, input);
   probe.network.module->train();
-  auto plan = plan_training(config, data, input, device, budget, step_budget, probe, held);
+  auto plan = plan_training(config, data, input, tracker, budget, step_budget, probe, held);
   plan.runtime_bytes = resolved.runtime;
-  if (plan.batch > 0) plan_evaluation(plan, config, probe, device);
+  if (plan.batch > 0) plan_evaluation(plan, config, probe, tracker);
   return plan;
 }
 
@@ -611,7 +613,7 @@ std::string describe_step(const BatchProgress& p) {
 // again either way.
 void replan_if_budget_changed(BatchProgress& progress, const std::string& change,
                               const Config& config, const BatchData& train_set,
-                              const std::vector<int64_t>& input, torch::Device device,
+                              const std::vector<int64_t>& input, memory::Tracker& tracker,
                               const TrainingBudget& budget, int64_t step_budget,
                               const EventCallback& on_event) {
   if (change.empty()) return;
@@ -622,7 +624,7 @@ void replan_if_budget_changed(BatchProgress& progress, const std::string& change
   held_config.train.batch = std::to_string(progress.batch);
   held_config.train.precision = engine::to_string(progress.precision);
   HeldSettings held{progress};
-  const auto plan = plan_for(held_config, train_set, input, device, budget, step_budget, &held);
+  const auto plan = plan_for(held_config, train_set, input, tracker, budget, step_budget, &held);
   progress.eval_batch = plan.eval_batch;
   const std::string kept = change + ": the checkpoint's " + describe_step(progress);
   if (!plan.planned) {
@@ -670,16 +672,16 @@ int64_t largest_unit_bytes(const BatchData& train_set, const BatchData* val_set)
 
 }  // namespace
 
-BatchTaskPlan plan_batch_task(const Config& config, const EventCallback& on_event) {
+BatchTaskPlan plan_batch_task(const Config& config, memory::Tracker& tracker,
+                              const EventCallback& on_event) {
   TORCH_CHECK(is_batch_task(config), "plan_batch_task is for task clips or segmentation");
   check_train_settings(config);
-  warn_if_budget_beyond_device(config, on_event);
+  warn_if_budget_beyond_device(config, tracker, on_event);
   const auto data = batch_data_with_samples(config, config.data.train_split, true, on_event);
-  const torch::Device device(config.device);
-  const auto budget = resolve_budget(config);
+  const auto budget = resolve_budget(config, tracker);
   const int64_t step_budget = step_budget_bytes(
       config, budget.tensors, largest_unit_bytes(*data, validation_data(config, on_event).get()));
-  return plan_for(config, *data, data->sample_shape(), device, budget, step_budget);
+  return plan_for(config, *data, data->sample_shape(), tracker, budget, step_budget);
 }
 
 namespace {
@@ -688,7 +690,8 @@ namespace {
 // (or a resumed checkpoint's), the network, its optimizer and step.
 class BatchRun final : public TaskRun {
  public:
-  BatchRun(const Config& config, const RunStart& start, const EventCallback& on_event);
+  BatchRun(const Config& config, const RunStart& start, memory::Tracker& tracker,
+           const EventCallback& on_event);
 
   const Config& config() const override { return config_; }
   RunPosition& position() override { return progress_; }
@@ -730,7 +733,8 @@ class BatchRun final : public TaskRun {
   std::optional<engine::BatchTrainingStep> step_;
 };
 
-BatchRun::BatchRun(const Config& config, const RunStart& start, const EventCallback& on_event)
+BatchRun::BatchRun(const Config& config, const RunStart& start, memory::Tracker& tracker,
+                   const EventCallback& on_event)
     : config_(config),
       on_event_(on_event),
       train_set_(batch_data_with_samples(config, config.data.train_split, true, on_event)) {
@@ -743,7 +747,7 @@ BatchRun::BatchRun(const Config& config, const RunStart& start, const EventCallb
   write_config(config_, start.out_dir);
 
   const auto input = train_set_->sample_shape();
-  budget_ = resolve_budget(config_);
+  budget_ = resolve_budget(config_, tracker);
   const int64_t largest_unit = largest_unit_bytes(*train_set_, val_set_.get());
   const int64_t step_budget = step_budget_bytes(config_, budget_.tensors, largest_unit);
   prefetch_bytes_ = prefetch_reserve_bytes(config_, budget_.tensors, largest_unit);
@@ -757,9 +761,9 @@ BatchRun::BatchRun(const Config& config, const RunStart& start, const EventCallb
     info("resuming from " + start.resume_from + " at step " + std::to_string(progress_.step) +
          " with its batch of " + std::to_string(progress_.batch));
     replan_if_budget_changed(progress_, budget_change(*start.stored, config_), config_, *train_set_,
-                             input, device, budget_, step_budget, on_event);
+                             input, tracker, budget_, step_budget, on_event);
   } else {
-    const auto plan = plan_for(config_, *train_set_, input, device, budget_, step_budget);
+    const auto plan = plan_for(config_, *train_set_, input, tracker, budget_, step_budget);
     TORCH_CHECK(plan.batch > 0, plan.describe());
     if (plan.largest_batch > plan.batch && plan.planned) {
       info(c10::str("the budget fits a batch of ", plan.largest_batch, "; using ", plan.batch,
@@ -810,7 +814,7 @@ BatchRun::BatchRun(const Config& config, const RunStart& start, const EventCallb
          "): " + describe_class_weights(options.class_weights, model_.classes.names()));
   }
   options.to_input = [this](const torch::Tensor& samples) { return batch_input(model_, samples); };
-  step_.emplace(model_.network, optimizer_, options);
+  step_.emplace(model_.network, optimizer_, options, tracker);
 
   if (start.resumed()) {
     load_module(module, *start.archive, "network", start.resume_from,
@@ -869,12 +873,14 @@ class BatchTask final : public Task {
     return diagnose_task_settings(config);
   }
   std::unique_ptr<TaskRun> start(const Config& config, const RunStart& start,
+                                 memory::Tracker& tracker,
                                  const EventCallback& on_event) const override {
-    return std::make_unique<BatchRun>(config, start, on_event);
+    return std::make_unique<BatchRun>(config, start, tracker, on_event);
   }
   // The data's summary and findings, then the named network's (r3d_18, r2plus1d_18, unet,
   // torchscript) static memory against the budget.
-  Diagnosis diagnose(const Config& config, int64_t tensors_budget) const override {
+  Diagnosis diagnose(const Config& config, const TrainingBudget& budget) const override {
+    const int64_t tensors_budget = budget.tensors;
     Diagnosis out;
     std::string summary;
     const auto data_findings = diagnose_batch_data(config, &summary);

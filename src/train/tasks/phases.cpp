@@ -60,13 +60,14 @@ struct StepPlan {
 };
 
 // The step `train` runs for the longest training video, and the budget it is planned in:
-// train.budget (else the device's available memory), less on the CPU the runtime's share, less
-// the prefetch reserve.
-StepPlan step_request(const Config& config, const data::VideoDataset& train_set) {
+// `resolved` (resolve_budget's: train.budget, else the device's available memory, less on the
+// CPU the runtime's share), less the prefetch reserve.
+StepPlan step_request(const Config& config, const data::VideoDataset& train_set,
+                      const TrainingBudget& resolved) {
   const auto& tc = config.train;
   const torch::Device device(config.device);
   StepPlan result;
-  result.resolved = resolve_budget(config);
+  result.resolved = resolved;
   int64_t longest = 0, shortest = std::numeric_limits<int64_t>::max(), largest_bytes = 0;
   for (int64_t i = 0; i < train_set.size(); ++i) {
     longest = std::max(longest, train_set.frames(i));
@@ -95,11 +96,12 @@ StepPlan step_request(const Config& config, const data::VideoDataset& train_set)
 // uninterrupted run would have; with `check_fixed` (its budget changed) they are checked against
 // the new budget and, where they do not fit, chunk, keep and caching are planned again as the
 // config leaves them, the precision held (the loss scaler's state and the numbers stay its).
+// `tracker`: config.device's, which the budget is resolved and the calibration measured on.
 StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
-                   const std::optional<plan::StepSettings>& fixed,
+                   memory::Tracker& tracker, const std::optional<plan::StepSettings>& fixed,
                    const std::function<void(const std::string&)>& info, bool check_fixed = false) {
   const torch::Device device(config.device);
-  StepPlan result = step_request(config, train_set);
+  StepPlan result = step_request(config, train_set, resolve_budget(config, tracker));
   auto& request = result.request;
   if (reads_features(config)) {
     // Only the head runs, in float32, on whole videos: nothing to choose or calibrate.
@@ -147,21 +149,22 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
   const bool choose_norm = auto_norm && !fixed && !probe_script;
   result.sizes = probe_script ? plan::static_sizes(request.model, *probe_script, script_features)
                               : plan::static_sizes(request.model);
-  result.sizes.library_bytes = plan::library_bytes_on(device);
+  result.sizes.library_bytes = tracker.library_bytes();
   if (probe_script) {
     for (const auto precision : request.precisions) {
       info("calibrating the TorchScript encoder at " + engine::to_string(precision) +
            " (probe runs)");
       result.costs[precision] = plan::calibrate(request.model, script_frame_encoder(probe_script),
-                                                script_features, precision);
+                                                script_features, precision, tracker);
     }
     chosen = plan::fit(request, result.sizes, result.costs, result.step_budget, kStepMargin);
   } else {
     plan::CalibrationCache cache(plan::CalibrationCache::default_path());
-    result.costs = plan::calibrated_costs(request.model, request.precisions, cache, info);
+    const plan::Calibrator calibrator{cache, tracker, info};
+    result.costs = plan::calibrated_costs(request.model, request.precisions, calibrator);
     // request.model.recompute_norm and the costs (the replanner's) become those chosen.
-    chosen = plan::plan_chunked_step(request, result.sizes, result.costs, cache, result.step_budget,
-                                     kStepMargin, choose_norm, info);
+    chosen = plan::plan_chunked_step(request, result.sizes, result.costs, calibrator,
+                                     result.step_budget, kStepMargin, choose_norm);
   }
   if (!chosen.reason.empty()) info(chosen.reason);
   if (fixed && check_fixed) {
@@ -190,14 +193,16 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
 
 }  // namespace
 
-PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
+PhasePlan plan_phases(const Config& config, memory::Tracker& tracker,
+                      const EventCallback& on_event) {
   TORCH_CHECK(!is_batch_task(config), "plan_phases is for task phases; task ", config.task,
               " is planned by plan_batch_task");
-  warn_if_budget_beyond_device(config, on_event);
+  warn_if_budget_beyond_device(config, tracker, on_event);
   const auto train_set = videos_to_train_on(config, config.data.train_split, on_event);
-  const auto step = plan_step(config, train_set, std::nullopt, [&](const std::string& message) {
-    if (on_event) on_event(Event::note(Event::Kind::Info, message));
-  });
+  const auto step =
+      plan_step(config, train_set, tracker, std::nullopt, [&](const std::string& message) {
+        if (on_event) on_event(Event::note(Event::Kind::Info, message));
+      });
   PhasePlan result;
   result.planned = step.planned;
   result.fits = step.chosen.fits;
@@ -212,7 +217,8 @@ PhasePlan plan_phases(const Config& config, const EventCallback& on_event) {
   return result;
 }
 
-std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* summary) {
+std::vector<plan::Finding> diagnose_phases(const Config& config, const TrainingBudget& budget,
+                                           std::string* summary) {
   TORCH_CHECK(!is_batch_task(config), "diagnose_phases is for task phases; task ", config.task,
               " is checked by diagnose_batch_task");
   auto findings = diagnose_label_settings(config);
@@ -249,7 +255,7 @@ std::vector<plan::Finding> diagnose_phases(const Config& config, std::string* su
     }
     return findings;
   }
-  const auto step = step_request(config, *train_set);
+  const auto step = step_request(config, *train_set, budget);
   const auto more = plan::diagnose(step.request, step.step_budget);
   findings.insert(findings.end(), more.begin(), more.end());
   if (summary) {
@@ -270,7 +276,8 @@ namespace {
 // step, and the feature caches of an encoder that trains nothing.
 class PhasesRun final : public TaskRun {
  public:
-  PhasesRun(const Config& given, const RunStart& start, const EventCallback& on_event);
+  PhasesRun(const Config& given, const RunStart& start, memory::Tracker& tracker,
+            const EventCallback& on_event);
 
   const Config& config() const override { return config_; }
   RunPosition& position() override { return progress_; }
@@ -322,8 +329,11 @@ class PhasesRun final : public TaskRun {
   std::optional<engine::TrainingStep> step_;
 };
 
-PhasesRun::PhasesRun(const Config& given, const RunStart& start, const EventCallback& on_event)
-    : config_(given), on_event_(on_event), train_set_(videos_to_train_on(given, given.data.train_split, on_event)) {
+PhasesRun::PhasesRun(const Config& given, const RunStart& start, memory::Tracker& tracker,
+                     const EventCallback& on_event)
+    : config_(given),
+      on_event_(on_event),
+      train_set_(videos_to_train_on(given, given.data.train_split, on_event)) {
   const auto& tc = config_.train;
   const torch::Device device(config_.device);
   if (tc.validate) {
@@ -360,7 +370,7 @@ PhasesRun::PhasesRun(const Config& given, const RunStart& start, const EventCall
   }
   const std::string budget_changed = start.resumed() ? budget_change(*start.stored, config_) : "";
   const auto step_plan = plan_step(
-      config_, train_set_,
+      config_, train_set_, tracker,
       saved ? std::optional<plan::StepSettings>(saved->settings) : std::nullopt,
       [this](const std::string& message) { info(message); }, !budget_changed.empty());
   const auto& chosen = step_plan.chosen;
@@ -458,7 +468,7 @@ PhasesRun::PhasesRun(const Config& given, const RunStart& start, const EventCall
     options.tool_weight = tc.tool_weight;
   }
   optimizer_ = engine::make_optimizer(parameters, optimizer_options(tc));
-  step_.emplace(encoder, model_.head, optimizer_, options,
+  step_.emplace(encoder, model_.head, optimizer_, options, tracker,
                 model_.tools ? model_.tools.ptr() : nullptr);
   if (planned) {
     step_->replan = plan::make_replanner(step_plan.request, step_plan.sizes,
@@ -589,13 +599,14 @@ class PhasesTask final : public Task {
     return diagnose_label_settings(config);
   }
   std::unique_ptr<TaskRun> start(const Config& config, const RunStart& start,
+                                 memory::Tracker& tracker,
                                  const EventCallback& on_event) const override {
-    return std::make_unique<PhasesRun>(config, start, on_event);
+    return std::make_unique<PhasesRun>(config, start, tracker, on_event);
   }
-  Diagnosis diagnose(const Config& config, int64_t) const override {
+  Diagnosis diagnose(const Config& config, const TrainingBudget& budget) const override {
     Diagnosis out;
     std::string summary;
-    out.findings = diagnose_phases(config, &summary);
+    out.findings = diagnose_phases(config, budget, &summary);
     if (!summary.empty()) out.summary.push_back(summary);
     return out;
   }
