@@ -12,6 +12,7 @@
 #include "framefit/memory/tracker.h"
 #include "framefit/plan/calibration.h"
 #include "framefit/plan/doctor.h"
+#include "framefit/plan/records.h"
 #include "framefit/train/budget.h"
 #include "framefit/train/config.h"
 #include "framefit/train/schedule.h"
@@ -116,44 +117,8 @@ int64_t flag_budget(const Args& args, const memory::Tracker& tracker) {
   return args.bytes("budget") > 0 ? args.bytes("budget") : tracker.available_bytes();
 }
 
-nlohmann::json breakdown_json(const plan::Breakdown& b) {
-  return {{"parameters", b.parameters},
-          {"gradients", b.gradients},
-          {"gradient_sums", b.gradient_sums},
-          {"optimizer_state", b.optimizer_state},
-          {"input_frames", b.input_frames},
-          {"features", b.features},
-          {"activations", b.activations},
-          {"workspace", b.workspace},
-          {"peak_phase", b.peak_phase},
-          {"phase_peaks", b.phase_peaks}};
-}
-
-nlohmann::json settings_json(const plan::StepSettings& s) {
-  return {{"chunk", s.naive() ? 0 : s.chunk},   {"keep", s.keep},
-          {"cache_frozen", s.cache_frozen},     {"precision", engine::to_string(s.precision)},
-          {"recompute_norm", s.recompute_norm}, {"videos_per_call", s.videos_per_call}};
-}
-
 void print_breakdown(const plan::Breakdown& b, int64_t margin) {
-  auto line = [](const char* name, int64_t bytes) {
-    fmt::print("    {:<26} {:>12}\n", name, memory::format_bytes(bytes));
-  };
-  line("parameters and buffers", b.parameters);
-  line("gradients", b.gradients);
-  if (b.gradient_sums > 0) {
-    fmt::print("      of them {} the encoder's gradients summed over later chunks, held while a\n"
-               "      recomputed chunk's backward writes its own\n",
-               memory::format_bytes(b.gradient_sums));
-  }
-  line("optimizer state", b.optimizer_state);
-  line("input frames and labels", b.input_frames);
-  line("features (+ gradient)", b.features);
-  line("activations", b.activations);
-  line("workspace", b.workspace);
-  fmt::print("    {:<26} {:>12}   (in {})\n", "predicted peak", memory::format_bytes(b.peak_bytes),
-             b.peak_phase);
-  if (margin > 0) line("safety margin", margin);
+  for (const auto& line : plan::breakdown_lines(b, margin)) fmt::print("{}\n", line);
 }
 
 int print_table(const Args& args, const plan::PlanRequest& request, const Calibrated& c,
@@ -162,7 +127,7 @@ int print_table(const Args& args, const plan::PlanRequest& request, const Calibr
   if (args.on("json")) {
     nlohmann::json out = nlohmann::json::array();
     for (const auto& r : rows) {
-      auto row = settings_json(r.settings);
+      auto row = nlohmann::json(r.settings);
       row["predicted_peak_bytes"] = r.breakdown.peak_bytes;
       row["predicted_seconds"] = r.breakdown.seconds;
       row["fits"] = r.fits;
@@ -186,19 +151,9 @@ int print_table(const Args& args, const plan::PlanRequest& request, const Calibr
   return 0;
 }
 
-nlohmann::json findings_json(const std::vector<plan::Finding>& findings) {
-  nlohmann::json out = nlohmann::json::array();
-  for (const auto& f : findings) {
-    out.push_back({{"severity", f.severity == plan::Finding::Severity::Error ? "error" : "warning"},
-                   {"problem", f.problem},
-                   {"fix", f.fix}});
-  }
-  return out;
-}
-
 int print_findings(const Args& args, const std::vector<plan::Finding>& findings) {
   if (args.on("json")) {
-    const auto out = findings_json(findings);
+    const auto out = nlohmann::json(findings);
     fmt::print("{}\n",
                nlohmann::json{{"ok", !plan::has_errors(findings)}, {"findings", out}}.dump());
   } else {
@@ -241,7 +196,7 @@ int doctor_network(const Args& args, const train::Config& config, int64_t full_b
     nlohmann::json out = {{"ok", !plan::has_errors(findings)},
                           {"budget_bytes", full_budget},
                           {"step_budget_bytes", budget}};
-    out["findings"] = findings_json(findings);
+    out["findings"] = nlohmann::json(findings);
     nlohmann::json rows = nlohmann::json::array();
     if (shapes) {
       for (const auto& l : shapes->layers) {
@@ -342,150 +297,26 @@ int run_doctor(const Args& args) {
   return print_findings(args, plan::diagnose(plan_request(args), flag_budget(args, tracker)));
 }
 
-// framefit plan --config on a phases config: the step `framefit train` will run.
-int plan_phases_config(const Args& args, const train::Config& config) {
+// framefit plan --config: what a run of the config will use, as its task plans it.
+int plan_config(const Args& args) {
+  const auto config = config_with_flags(args);
   auto& tracker = memory::Tracker::of(torch::Device(config.device));
-  const auto plan = train::plan_phases(config, tracker, [&](const train::Event& e) {
+  auto plan = train::task_for(config).plan(config, tracker, [&](const train::Event& e) {
     if (e.kind == train::Event::Kind::Warning) fmt::print(stderr, "warning: {}\n", e.message);
     if (e.kind == train::Event::Kind::Info && !args.on("json"))
       fmt::print(stderr, "framefit plan: {}\n", e.message);
   });
   if (args.on("json")) {
-    nlohmann::json out = {{"fits", plan.fits},
-                          {"planned", plan.planned},
-                          {"settings", settings_json(plan.settings)},
-                          {"videos", plan.videos},
-                          {"longest_frames", plan.longest_frames},
-                          {"frame_size", plan.frame_size},
-                          {"budget_bytes", plan.budget.total},
-                          {"runtime_bytes", plan.budget.runtime},
-                          {"step_budget_bytes", plan.step_budget_bytes},
-                          {"machine", machine_info().describe()}};
-    if (plan.planned) {
-      out["predicted_peak_bytes"] = plan.breakdown.peak_bytes;
-      if (plan.budget.covers_process()) {
-        out["expected_rss_bytes"] = train::expected_rss_bytes(plan.budget, plan.step_budget_bytes,
-                                                              plan.breakdown.peak_bytes);
-      }
-      out["breakdown"] = breakdown_json(plan.breakdown);
-    }
-    if (!plan.fits) out["advice"] = plan.advice;
-    fmt::print("{}\n", out.dump(2));
-    return plan.fits ? 0 : 2;
-  }
-  if (config.model.encoder == "features") {
-    fmt::print(
-        "framefit plan: the {} head on precomputed features, {} training videos, the longest "
-        "{} frames: nothing to plan (no encoder; the head runs on whole videos in float32)\n",
-        config.model.head, plan.videos, plan.longest_frames);
-    return 0;
-  }
-  const auto& budget = plan.budget;
-  fmt::print(
-      "framefit plan: {} + {} head, {} training videos, the longest {} frames of {}x{}, "
-      "budget {}{}\n",
-      config.model.encoder, config.model.head, plan.videos, plan.longest_frames, plan.frame_size,
-      plan.frame_size, memory::format_bytes(budget.total),
-      plan.step_budget_bytes < budget.total
-          ? fmt::format(" (step budget {}: less {}{} of decoded data)",
-                        memory::format_bytes(plan.step_budget_bytes),
-                        budget.covers_process()
-                            ? "the runtime's " + memory::format_bytes(budget.runtime) + " and "
-                            : std::string(),
-                        memory::format_bytes(budget.tensors - plan.step_budget_bytes))
-          : std::string());
-  if (!plan.planned) {
-    fmt::print("  {} (fixed by the config; not planned)\n", plan::describe(plan.settings));
-  } else if (plan.fits) {
-    fmt::print("  {}\n", plan::describe(plan.settings));
-    print_breakdown(plan.breakdown, 0);
-    if (budget.covers_process()) {
-      fmt::print(
-          "  expected RSS about {} (the runtime's, the decoded data and the predicted peak; up "
-          "to {} with the freed blocks the allocator keeps for reuse)\n",
-          memory::format_bytes(
-              train::expected_rss_bytes(budget, plan.step_budget_bytes, plan.breakdown.peak_bytes)),
-          memory::format_bytes(budget.total));
-    }
+    plan.record["machine"] = machine_info().describe();
+    fmt::print("{}\n", plan.record.dump(2));
   } else {
-    fmt::print("  does not fit: {}\n", plan.advice);
-  }
-  fmt::print("  {}\n", machine_info().describe());
-  return plan.fits ? 0 : 2;
-}
-
-// framefit plan --config: what a run of the config will use.
-int plan_config(const Args& args) {
-  const auto config = config_with_flags(args);
-  if (!train::is_batch_task(config)) return plan_phases_config(args, config);
-  auto& tracker = memory::Tracker::of(torch::Device(config.device));
-  const auto plan = train::plan_batch_task(config, tracker, [](const train::Event& e) {
-    if (e.kind == train::Event::Kind::Warning) fmt::print(stderr, "warning: {}\n", e.message);
-  });
-  const auto flags = engine::recomputed(plan.segments);
-  if (args.on("json")) {
-    nlohmann::json out = {
-        {"fits", plan.batch > 0},
-        {"planned", plan.planned},
-        {"batch", plan.batch},
-        {"largest_batch", plan.largest_batch},
-        {"samples", plan.samples},
-        {"accumulate", plan.accumulate},
-        {"micro_batches", plan.micro_batches},
-        {"input", plan.input},
-        {"precision", engine::to_string(plan.precision)},
-        {"lean_backward", plan.lean_backward},
-        {"recompute_norm", plan.recompute_norm},
-        {"time_slices", plan.time_slices},
-        {"recomputed_stages", std::count(flags.begin(), flags.end(), true)},
-        {"stages", flags.size()},
-        {"budget_bytes", plan.budget_bytes},
-        {"step_budget_bytes", plan.step_budget_bytes},
-        {"static_bytes", plan.static_bytes},
-        {"library_bytes", plan.library_bytes},
-        {"input_bytes", plan.input_bytes},
-        {"activation_bytes", plan.activation_bytes},
-        {"predicted_peak_bytes", plan.predicted_peak_bytes},
-        {"minimum_bytes_one_sample", plan.minimum_bytes_one_sample},
-        {"eval_batch", plan.eval_batch},
-        {"eval_predicted_peak_bytes", plan.eval_peak_bytes},
-        // train.lr scaled by train.lr_batch for the planned batch
-        {"learning_rate",
-         config.train.lr * train::learning_rate_factor(config.train, plan.batch * plan.accumulate)},
-        {"machine", machine_info().describe()}};
-    for (const auto& row : plan.table) {
-      out["table"].push_back({{"batch", row.batch},
-                              {"plain_peak_bytes", row.plain_peak_bytes},
-                              {"planned_peak_bytes", row.planned_peak_bytes},
-                              {"recomputed_stages", row.recomputed_stages},
-                              {"fits", row.fits}});
-    }
-    fmt::print("{}\n", out.dump(2));
-  } else {
-    fmt::print("{}\n", plan.describe());
-    const auto rate = train::describe_learning_rate(config.train, plan.batch * plan.accumulate);
-    if (!rate.empty() && plan.batch > 0) fmt::print("  {}\n", rate);
-    if (plan.largest_batch > plan.batch && plan.planned) {
-      fmt::print("  the budget fits a batch of {}; the {} training samples cap it\n",
-                 plan.largest_batch, plan.samples);
-    }
-    if (args.on("table") && !plan.table.empty()) {
-      fmt::print("  predicted peak per batch, {} (step budget {}, train.checkpointing {}):\n",
-                 engine::to_string(plan.precision), memory::format_bytes(plan.step_budget_bytes),
-                 plan.checkpointing);
-      fmt::print("  {:>7} {:>18} {:>14} {:>12} {:>5}\n", "batch", "no checkpointing", "planned",
-                 "recomputed", "fits");
-      for (const auto& row : plan.table) {
-        fmt::print("  {:>7} {:>18} {:>14} {:>12} {:>5}\n", row.batch,
-                   memory::format_bytes(row.plain_peak_bytes),
-                   memory::format_bytes(row.planned_peak_bytes),
-                   fmt::format("{} of {}", row.recomputed_stages, flags.size()),
-                   row.fits ? "yes" : "no");
-      }
+    for (const auto& line : plan.lines) fmt::print("{}\n", line);
+    if (args.on("table")) {
+      for (const auto& line : plan.table) fmt::print("{}\n", line);
     }
     fmt::print("  {}\n", machine_info().describe());
   }
-  return plan.batch > 0 ? 0 : 2;
+  return plan.fits ? 0 : 2;
 }
 
 int run_plan(const Args& args) {
@@ -506,7 +337,7 @@ int run_plan(const Args& args) {
     fmt::print("{}\n", nlohmann::json{{"fits", false},
                                       {"ok", false},
                                       {"budget_bytes", budget},
-                                      {"findings", findings_json(findings)},
+                                      {"findings", nlohmann::json(findings)},
                                       {"machine", machine_info().describe()}}
                            .dump());
     return 1;
@@ -537,7 +368,7 @@ int run_plan(const Args& args) {
                           {"videos_per_call", chosen.settings.videos_per_call},
                           {"budget_bytes", budget},
                           {"margin_bytes", chosen.margin_bytes},
-                          {"breakdown", breakdown_json(chosen.breakdown)},
+                          {"breakdown", nlohmann::json(chosen.breakdown)},
                           {"candidates", chosen.candidates},
                           {"machine", machine_info().describe()}};
     if (!chosen.fits) {
@@ -548,7 +379,7 @@ int run_plan(const Args& args) {
     for (const auto& f : findings) warnings.push_back(f.problem);
     out["warnings"] = warnings;
     out["ok"] = true;  // no finding is an error (those answer above)
-    out["findings"] = findings_json(findings);
+    out["findings"] = nlohmann::json(findings);
     if (largest) {
       out["largest_chunk"] = {{"found", largest->found},
                               {"chunk", largest->chunk},

@@ -198,8 +198,7 @@ data::VideoDataset make_dataset(const Config& config, const std::string& split, 
     TORCH_CHECK(false, "manifest ", config.data.manifest,
                 " does not exist: a features data set is written by framefit extract "
                 "--checkpoint RUN/best.pt --out-dir ",
-                dir.empty() ? "." : dir.string(),
-                " (docs/training.md, \"Training on precomputed features\")");
+                dir.empty() ? "." : dir.string(), " (docs/commands.md, `framefit extract`)");
   }
   auto entries = data::select_split(data::read_manifest(config.data.manifest), split);
   return data::VideoDataset(std::move(entries), data::ClassList(config.data.classes),

@@ -780,6 +780,27 @@ TEST(ClipTraining, ResumedUnderAnotherBudgetHoldsItsBatchAndRecomputesWhereItMus
   test_util::remove_tree(config.train.out_dir);
 }
 
+TEST(ClipTraining, TaskPlanRecordsTheBatchPlanAndItsTable) {
+  auto config = clips_config("/tmp/framefit_clips_task_plan");
+  config.train.checkpointing = "auto";
+  config.train.batch = "auto";
+  config.train.budget = 8 << 20;
+  config.data.prefetch_bytes = 512 << 10;
+  const auto planned = train::plan_batch_task(config, memory::Tracker::cpu());
+  ASSERT_GT(planned.batch, 0);
+  const auto run = train::task_for(config).plan(config, memory::Tracker::cpu(), {});
+  EXPECT_TRUE(run.fits);
+  EXPECT_EQ(run.record.at("batch"), planned.batch);
+  EXPECT_EQ(run.record.at("predicted_peak_bytes"), planned.predicted_peak_bytes);
+  EXPECT_EQ(run.record.at("step_budget_bytes"), planned.step_budget_bytes);
+  EXPECT_EQ(run.record.at("eval_batch"), planned.eval_batch);
+  ASSERT_EQ(run.record.at("table").size(), planned.table.size());
+  EXPECT_EQ(run.record.at("table").at(0).at("batch"), planned.table.at(0).batch);
+  EXPECT_EQ(run.lines.at(0), planned.describe());
+  // A heading, the column names and one line per batch size.
+  EXPECT_EQ(run.table.size(), planned.table.size() + 2);
+}
+
 TEST(ClipTraining, TimeSlicingIsPlannedWhereCheckpointingIsAndResumesExactly) {
   // seeds/001's kind of network (no norm after its convolution): sliced along time
   // (models/network.h) with train.checkpointing all, and auto unless a fixed batch needs no

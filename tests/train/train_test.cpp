@@ -1117,6 +1117,39 @@ TEST(Training, UnderAProcessBudgetTheResidentMemoryStaysWithinIt) {
   test_util::remove_tree(config.train.out_dir);
 }
 
+TEST(Training, TaskPlanRecordsThePhasesPlanAndSaysItInLines) {
+  // What `plan --config` prints and a script (or the Python module) reads: the plan as planned.
+  auto config = tiny_config("/tmp/framefit_task_plan");
+  config.train.chunk = "auto";
+  config.train.keep = "auto";
+  const auto planned = train::plan_phases(config, memory::Tracker::cpu());
+  ASSERT_TRUE(planned.fits && planned.planned);
+  const auto run = train::task_for(config).plan(config, memory::Tracker::cpu(), {});
+  EXPECT_TRUE(run.fits);
+  EXPECT_EQ(run.record.at("fits"), true);
+  EXPECT_EQ(run.record.at("planned"), true);
+  EXPECT_EQ(run.record.at("settings").at("chunk"),
+            planned.settings.naive() ? 0 : planned.settings.chunk);
+  EXPECT_EQ(run.record.at("settings").at("keep"), planned.settings.keep);
+  EXPECT_EQ(run.record.at("predicted_peak_bytes"), planned.breakdown.peak_bytes);
+  EXPECT_EQ(run.record.at("breakdown").at("activations"), planned.breakdown.activations);
+  EXPECT_EQ(run.record.at("step_budget_bytes"), planned.step_budget_bytes);
+  EXPECT_EQ(run.record.at("videos"), planned.videos);
+  ASSERT_GE(run.lines.size(), 3u);
+  EXPECT_EQ(run.lines[0].rfind("framefit plan: resnet18 + ", 0), 0u) << run.lines[0];
+  EXPECT_EQ(run.lines[1], "  " + plan::describe(planned.settings));
+  EXPECT_TRUE(run.table.empty());
+  // Settings the budget cannot hold: not fitting, with the advice in the record and the lines.
+  auto tight = config;
+  tight.train.budget = 4 << 20;
+  tight.train.budget_covers = "tensors";
+  const auto refused = train::task_for(tight).plan(tight, memory::Tracker::cpu(), {});
+  EXPECT_FALSE(refused.fits);
+  EXPECT_EQ(refused.record.at("fits"), false);
+  EXPECT_FALSE(refused.record.at("advice").get<std::string>().empty());
+  EXPECT_EQ(refused.lines.back().rfind("  does not fit: ", 0), 0u) << refused.lines.back();
+}
+
 TEST(Training, ResumedUnderAnotherBudgetKeepsTheSettingsThatFitAndReplansThoseThatDoNot) {
   // The run's plan under 2 GiB, and a budget it does not fit: there the planner chooses other
   // settings (the same calibrated costs choose the same fastest settings wherever they fit).

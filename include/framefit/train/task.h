@@ -13,6 +13,8 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -151,6 +153,19 @@ struct Diagnosis {
   std::vector<std::string> summary;
 };
 
+// What `framefit plan --config` says of a run, without training: whether its step fits the
+// budget, the plan as a record (`plan --config --json`; fits, planned, budget_bytes,
+// step_budget_bytes and predicted_peak_bytes mean the same for every task, the rest is the
+// task's: chunk and keep, or batch and recomputed stages) and as lines for a person.
+struct RunPlan {
+  bool fits = false;
+  nlohmann::json record;
+  std::vector<std::string> lines;
+  // `plan --config --table`: the predicted peak per batch size (clips and segmentation); empty
+  // where the task has none.
+  std::vector<std::string> table;
+};
+
 // A checkpoint's weights as a PyTorch state_dict (on the CPU), and how they are named.
 struct ExportedWeights {
   models::StateDict state;
@@ -172,6 +187,11 @@ class Task {
   virtual std::unique_ptr<TaskRun> start(const Config& config, const RunStart& start,
                                          memory::Tracker& tracker,
                                          const EventCallback& on_event) const = 0;
+  // framefit plan --config: the run's data read and its step planned for the budget, as
+  // start() plans it (calibrating where the cache lacks the costs: Info events say so), on
+  // `tracker`, config.device's.
+  virtual RunPlan plan(const Config& config, memory::Tracker& tracker,
+                       const EventCallback& on_event) const = 0;
   // framefit doctor --config for a model the task builds (not a layer list, which
   // plan::diagnose_network checks): every split's data probed as training probes it, each bad
   // unit named, and the model's memory checked against `budget` (resolve_budget's); nothing

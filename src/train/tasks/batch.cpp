@@ -879,6 +879,10 @@ class BatchTask final : public Task {
   }
   // The data's summary and findings, then the named network's (r3d_18, r2plus1d_18, unet,
   // torchscript) static memory against the budget.
+  RunPlan plan(const Config& config, memory::Tracker& tracker,
+               const EventCallback& on_event) const override {
+    return batch_run_plan(config, plan_batch_task(config, tracker, on_event));
+  }
   Diagnosis diagnose(const Config& config, const TrainingBudget& budget) const override {
     const int64_t tensors_budget = budget.tensors;
     Diagnosis out;

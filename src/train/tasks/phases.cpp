@@ -603,6 +603,10 @@ class PhasesTask final : public Task {
                                  const EventCallback& on_event) const override {
     return std::make_unique<PhasesRun>(config, start, tracker, on_event);
   }
+  RunPlan plan(const Config& config, memory::Tracker& tracker,
+               const EventCallback& on_event) const override {
+    return phase_run_plan(config, plan_phases(config, tracker, on_event));
+  }
   Diagnosis diagnose(const Config& config, const TrainingBudget& budget) const override {
     Diagnosis out;
     std::string summary;

@@ -6,6 +6,8 @@
 #include "framefit/data/dataset.h"
 #include "framefit/train/config.h"
 #include "framefit/train/task.h"
+#include "framefit/train/tasks.h"
+#include "framefit/train/trainer.h"
 
 namespace framefit::train::detail {
 
@@ -17,5 +19,9 @@ const Task& batch_task();   // tasks/batch.cpp: clips and segmentation
 // (opening the data set, which probes every video, is not reading it). Counts units and samples
 // and takes the first unit's size; the names are the caller's to fill.
 DataThroughput time_loading(std::vector<data::Prefetcher::Job> jobs, const Config& config);
+
+// Task::plan's record and lines for each kind of plan (tasks/run_plans.cpp).
+RunPlan phase_run_plan(const Config& config, const PhasePlan& plan);
+RunPlan batch_run_plan(const Config& config, const BatchTaskPlan& plan);
 
 }  // namespace framefit::train::detail
