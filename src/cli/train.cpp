@@ -38,39 +38,6 @@ std::string clock_text(double seconds) {
                    : fmt::format("{}:{:02}", s / 60, s % 60);
 }
 
-// Per-frame phases as CSV: source frame, its time, the predicted phase and its probability, and
-// with `truth` ([T] class ids) the labelled phase.
-// With tool probabilities, one more column per tool (named by `tools`): its probability.
-std::string phase_csv(const train::Prediction& prediction, const std::vector<int64_t>& frames,
-                      const std::vector<double>& seconds, const data::ClassList& classes,
-                      const std::vector<std::string>& tools, const torch::Tensor& truth = {}) {
-  std::string csv = truth.defined() ? "frame,time_seconds,phase,confidence,truth"
-                                    : "frame,time_seconds,phase,confidence";
-  const auto tool_p = prediction.tool_probabilities.defined()
-                          ? prediction.tool_probabilities.contiguous()
-                          : torch::Tensor();
-  if (tool_p.defined()) {
-    TORCH_CHECK(tool_p.size(1) == static_cast<int64_t>(tools.size()), "phase_csv: ", tool_p.size(1),
-                " tool columns for ", tools.size(), " names");
-    for (const auto& t : tools) csv += "," + t;
-  }
-  csv += "\n";
-  const auto labels = prediction.labels.accessor<int64_t, 1>();
-  const auto probabilities = prediction.probabilities.accessor<float, 2>();
-  const auto truth_ids = truth.defined() ? truth.contiguous() : torch::Tensor();
-  for (int64_t t = 0; t < labels.size(0); ++t) {
-    const auto k = static_cast<size_t>(t);
-    csv += fmt::format("{},{:.3f},{},{:.4f}", frames[k], seconds[k], classes.names()[labels[t]],
-                       probabilities[t][labels[t]]);
-    if (truth_ids.defined()) csv += "," + classes.names()[truth_ids.data_ptr<int64_t>()[t]];
-    for (int64_t j = 0; tool_p.defined() && j < tool_p.size(1); ++j) {
-      csv += fmt::format(",{:.4f}", tool_p.data_ptr<float>()[t * tool_p.size(1) + j]);
-    }
-    csv += "\n";
-  }
-  return csv;
-}
-
 // "1 frame", "12 frames": a count and its unit, plural for a count other than one.
 std::string count_of(int64_t n, const std::string& unit) {
   return c10::str(n, " ", unit, n == 1 ? "" : "s");
@@ -214,16 +181,6 @@ nlohmann::json relaxed_json(const train::RelaxedSummary& s, const std::string& r
                                  {"jaccard", per_phase(v.jaccard)}});
   }
   return json;
-}
-
-// 10 s of a video's sampled frames, from their times: 10 at Cholec80's usual 1 fps.
-int64_t ten_seconds_of_frames(const std::vector<double>& seconds, const std::string& name) {
-  const auto n = seconds.size();
-  const double span = n > 1 ? seconds.back() - seconds.front() : 0;
-  TORCH_CHECK(span > 0, "video ", name,
-              ": relaxed boundaries are 10 s long, and its frames' times are unknown (a features "
-              "file needs its rows' rate in the manifest's fps column)");
-  return std::llround(10 * static_cast<double>(n - 1) / span);
 }
 
 nlohmann::json metrics_json(const train::PhaseMetrics& m, const data::ClassList& classes,
@@ -449,14 +406,14 @@ int run_train(const Args& args) {
 int run_eval(const Args& args) {
   ProgressPrinter printer("eval");
   auto on_event = [&](const train::Event& e) { printer(e); };
-  const std::string checkpoint = args.text("checkpoint");
+  train::EvaluationRequest request;
+  request.checkpoint = args.text("checkpoint");
   // Overrides apply to the checkpoint's own config (device, another data.manifest, ...).
-  const auto overrides = args.list("set");
-  const auto stored = train::checkpoint_config(checkpoint);
-  train::PhaseMetrics metrics;
-  std::vector<train::VideoMetrics> per_video;  // phases: each video's own metrics
-  std::vector<train::RelaxedVideoMetrics> relaxed;  // phases with --relaxed
+  request.overrides = args.list("set");
+  if (args.has("split")) request.split = args.text("split");
+  if (args.has("predictions")) request.predictions_folder = args.text("predictions");
   const std::string relaxed_rules = args.has("relaxed") ? args.text("relaxed") : "";
+  request.relaxed_rules = relaxed_rules;
   // Opened before evaluating, so that a file that cannot be written (a folder of that name, no
   // permission) fails at once.
   std::ofstream out_file;
@@ -464,56 +421,14 @@ int run_eval(const Args& args) {
     out_file.open(args.text("out"));
     TORCH_CHECK(out_file.good(), "cannot write ", args.text("out"));
   }
-  data::ClassList classes;
-  std::string split, what;
-  if (train::is_batch_task(stored)) {
-    TORCH_CHECK(!args.has("predictions") && relaxed_rules.empty(),
-                "--predictions and --relaxed are for the per-frame phases of a phases "
-                "checkpoint; this one is for task ",
-                stored.task, " (framefit predict writes its predictions)");
-    auto model = train::load_batch_model(checkpoint, overrides);
-    split = args.has("split") ? args.text("split") : model.config.data.test_split;
-    metrics = train::evaluate_batch(model, split, on_event);
-    classes = model.classes;
-  } else {
-    auto model = train::load_model(checkpoint, overrides);
-    split = args.has("split") ? args.text("split") : model.config.data.test_split;
-    const auto dataset = train::make_dataset(model.config, split, false, on_event);
-    TORCH_CHECK(dataset.size() > 0, train::no_videos_in_split(model.config, split));
-    const std::string folder = args.has("predictions") ? args.text("predictions") : "";
-    if (!folder.empty()) {
-      std::error_code error;
-      std::filesystem::create_directories(folder, error);
-      TORCH_CHECK(!error, "--predictions ", folder, ": cannot create the folder (", error.message(),
-                  ")");
-    }
-    const auto rules = relaxed_rules.empty() ? train::RelaxedRules::General
-                                             : train::parse_relaxed_rules(relaxed_rules);
-    train::check_relaxed_rules(rules, model.classes.size());  // before any video is scored
-    const auto on_prediction = [&](int64_t i, const train::Prediction& prediction) {
-      if (!relaxed_rules.empty()) {
-        const auto& name = dataset.entry(i).name;
-        relaxed.push_back(train::relaxed_video_metrics(
-            prediction.labels, dataset.labels(i), model.classes.size(),
-            ten_seconds_of_frames(dataset.source_seconds(i), name), rules));
-        relaxed.back().name = name;
-      }
-      if (folder.empty()) return;
-      // One file per video, named by the manifest (a name with '/' keeps it within the folder).
-      auto name = dataset.entry(i).name;
-      std::replace(name.begin(), name.end(), '/', '_');
-      const auto path = folder + "/" + name + ".csv";
-      std::ofstream out(path);
-      out << phase_csv(prediction, dataset.source_frames(i), dataset.source_seconds(i),
-                       model.classes, model.config.data.tools, dataset.labels(i));
-      TORCH_CHECK(out.good(), "cannot write ", path);
-      data::write_image(folder + "/" + name + ".png",
-                        train::timeline_image({dataset.labels(i), prediction.labels}));
-    };
-    metrics = train::evaluate(model, dataset, on_event, &per_video, on_prediction);
-    classes = model.classes;
-  }
-  auto json = metrics_json(metrics, classes, stored.data.tools);
+  const auto evaluation = train::evaluate_checkpoint(request, on_event);
+  const auto& metrics = evaluation.metrics;
+  const auto& per_video = evaluation.per_video;
+  const auto& classes = evaluation.classes;
+  const auto& config = evaluation.config;  // the checkpoint's, with the overrides
+  const auto& split = evaluation.split;
+  const std::string& checkpoint = request.checkpoint;
+  auto json = metrics_json(metrics, classes, config.data.tools);
   if (!per_video.empty()) {
     const auto averages = train::average_over_videos(per_video);
     json["video_averages"] = {{"videos", averages.videos},
@@ -532,14 +447,14 @@ int run_eval(const Args& args) {
     }
     json["videos"] = nlohmann::json::array();
     for (const auto& v : per_video) {
-      auto entry = metrics_json(v.metrics, classes, stored.data.tools);
+      auto entry = metrics_json(v.metrics, classes, config.data.tools);
       entry["name"] = v.name;
       json["videos"].push_back(entry);
     }
   }
-  const auto relaxed_summary = train::summarize_relaxed(relaxed);
+  const auto relaxed_summary = train::summarize_relaxed(evaluation.relaxed);
   if (!relaxed_rules.empty()) {
-    json["relaxed"] = relaxed_json(relaxed_summary, relaxed_rules, relaxed, classes);
+    json["relaxed"] = relaxed_json(relaxed_summary, relaxed_rules, evaluation.relaxed, classes);
   }
   if (args.has("out")) {
     out_file << json.dump(2) << "\n";
@@ -552,7 +467,7 @@ int run_eval(const Args& args) {
     return 0;
   }
   fmt::print("{} on split \"{}\":\n", checkpoint, split);
-  print_metrics(metrics, classes, stored.task, stored.data.tools);
+  print_metrics(metrics, classes, config.task, config.data.tools);
   if (!per_video.empty()) print_video_metrics(per_video);
   if (!relaxed_rules.empty()) print_relaxed(relaxed_summary, relaxed_rules, classes);
   return 0;
@@ -692,8 +607,8 @@ int predict_phases(const Args& args) {
     }
   }
   write_predictions(args,
-                    phase_csv(prediction, video.source_frames, video.source_seconds, model.classes,
-                              model.config.data.tools),
+                    train::phase_csv(prediction, video.source_frames, video.source_seconds,
+                                     model.classes, model.config.data.tools),
                     prediction.labels.size(0), "frame");
   if (args.has("timeline")) {
     // The phases, then with tools one ribbon per tool: its colour where it is predicted present.

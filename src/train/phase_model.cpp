@@ -513,6 +513,41 @@ class PieceEncoder {
 };
 }  // namespace
 
+std::string phase_csv(const Prediction& prediction, const std::vector<int64_t>& frames,
+                      const std::vector<double>& seconds, const data::ClassList& classes,
+                      const std::vector<std::string>& tools, const torch::Tensor& truth) {
+  std::string csv = truth.defined() ? "frame,time_seconds,phase,confidence,truth"
+                                    : "frame,time_seconds,phase,confidence";
+  const auto tool_p = prediction.tool_probabilities.defined()
+                          ? prediction.tool_probabilities.contiguous()
+                          : torch::Tensor();
+  if (tool_p.defined()) {
+    TORCH_CHECK(tool_p.size(1) == static_cast<int64_t>(tools.size()), "phase_csv: ", tool_p.size(1),
+                " tool columns for ", tools.size(), " names");
+    for (const auto& t : tools) csv += "," + t;
+  }
+  csv += "\n";
+  const auto fixed = [](double value, int digits) {
+    char text[64];
+    std::snprintf(text, sizeof(text), "%.*f", digits, value);
+    return std::string(text);
+  };
+  const auto labels = prediction.labels.accessor<int64_t, 1>();
+  const auto probabilities = prediction.probabilities.accessor<float, 2>();
+  const auto truth_ids = truth.defined() ? truth.contiguous() : torch::Tensor();
+  for (int64_t t = 0; t < labels.size(0); ++t) {
+    const auto k = static_cast<size_t>(t);
+    csv += c10::str(frames[k], ",", fixed(seconds[k], 3), ",", classes.names()[labels[t]], ",",
+                    fixed(probabilities[t][labels[t]], 4));
+    if (truth_ids.defined()) csv += "," + classes.names()[truth_ids.data_ptr<int64_t>()[t]];
+    for (int64_t j = 0; tool_p.defined() && j < tool_p.size(1); ++j) {
+      csv += "," + fixed(tool_p.data_ptr<float>()[t * tool_p.size(1) + j], 4);
+    }
+    csv += "\n";
+  }
+  return csv;
+}
+
 Prediction predict(Model& model, const torch::Tensor& frames, const EventCallback& on_event) {
   check_reads_frames(model);
   TORCH_CHECK(frames.dim() == 4 && frames.size(1) == 3, "predict expects frames [T,3,H,W], got ",

@@ -66,6 +66,10 @@ DataThroughput detail::time_loading(std::vector<data::Prefetcher::Job> jobs, con
   return out;
 }
 
+Evaluation evaluate_checkpoint(const EvaluationRequest& request, const EventCallback& on_event) {
+  return task_for(checkpoint_config(request.checkpoint)).evaluate(request, on_event);
+}
+
 DataThroughput read_split(const Config& config, const std::string& split,
                           const EventCallback& on_event) {
   return task_for(config).read_split(config, split, on_event);

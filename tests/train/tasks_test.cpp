@@ -1526,6 +1526,17 @@ TEST(SegmentationTraining, PlansTheBatchWithinTheBudgetAndLearns) {
   EXPECT_EQ(model.batch, eval_batch);
   const auto again = train::evaluate_batch(model, "val");
   EXPECT_NEAR(again.macro_jaccard, result.best.macro_jaccard, 1e-12);
+  // framefit eval's path scores it the same; per-frame options are refused, naming the task.
+  train::EvaluationRequest request;
+  request.checkpoint = result.best_checkpoint;
+  request.split = "val";
+  const auto evaluation = train::evaluate_checkpoint(request);
+  EXPECT_EQ(evaluation.metrics.frames, again.frames);
+  EXPECT_NEAR(evaluation.metrics.macro_jaccard, again.macro_jaccard, 1e-12);
+  EXPECT_TRUE(evaluation.per_video.empty());
+  request.relaxed_rules = "general";
+  const auto refused = test_util::error_message([&] { train::evaluate_checkpoint(request); });
+  EXPECT_NE(refused.find("this one is for task segmentation"), std::string::npos) << refused;
 
   // Predicted masks are evaluation's classes: over the validation images, the same mean IoU. An
   // image of another size is read at the network's size and its mask comes back at its own.

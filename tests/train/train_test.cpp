@@ -792,6 +792,30 @@ TEST(Training, RunsLogsCheckpointsEvaluatesPredictsAndExports) {
   ASSERT_EQ(test_set.size(), 1);
   const auto metrics = train::evaluate(model, test_set);
   EXPECT_EQ(metrics.frames, test_set.frames(0));
+  // framefit eval's path: the checkpoint's task scores it the same, and writes each video's
+  // predictions (CSV, one row per frame) and ribbon, and its relaxed-boundary scores.
+  {
+    train::EvaluationRequest request;
+    request.checkpoint = config.train.out_dir + "/checkpoints/step_00000006.pt";
+    request.predictions_folder = config.train.out_dir + "/predictions";
+    request.relaxed_rules = "general";
+    const auto evaluation = train::evaluate_checkpoint(request);
+    EXPECT_EQ(evaluation.split, "test");
+    EXPECT_EQ(evaluation.metrics.frames, metrics.frames);
+    EXPECT_DOUBLE_EQ(evaluation.metrics.accuracy, metrics.accuracy);
+    ASSERT_EQ(evaluation.per_video.size(), 1u);
+    ASSERT_EQ(evaluation.relaxed.size(), 1u);
+    const auto& name = test_set.entry(0).name;
+    EXPECT_EQ(evaluation.relaxed[0].name, name);
+    std::ifstream csv(request.predictions_folder + "/" + name + ".csv");
+    std::string line;
+    ASSERT_TRUE(std::getline(csv, line));
+    EXPECT_EQ(line, "frame,time_seconds,phase,confidence,truth");
+    int64_t rows = 0;
+    while (std::getline(csv, line)) ++rows;
+    EXPECT_EQ(rows, test_set.frames(0));
+    EXPECT_TRUE(std::filesystem::exists(request.predictions_folder + "/" + name + ".png"));
+  }
   // Per video, over the three training videos: names in order, frames adding up, and the
   // frame-weighted mean of their accuracies is the accuracy over all frames.
   {

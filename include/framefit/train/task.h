@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "framefit/data/labels.h"
 #include "framefit/engine/amp.h"
 #include "framefit/memory/tracker.h"
 #include "framefit/models/weights.h"
@@ -166,6 +167,30 @@ struct RunPlan {
   std::vector<std::string> table;
 };
 
+// framefit eval: a checkpoint and the split to score it on.
+struct EvaluationRequest {
+  std::string checkpoint;
+  std::vector<std::string> overrides;  // "key=value" (as --set) on the checkpoint's config
+  std::string split;                   // "": the config's data.test_split
+  // Phases checkpoints only (the other tasks refuse them): a folder (created) that gets each
+  // video's per-frame predictions, NAME.csv (phase_csv with the labelled phases), and its
+  // ribbons, NAME.png (truth over prediction); and relaxed-boundary scoring of 10 s with these
+  // rules (parse_relaxed_rules: general | cholec80 | m2cai16).
+  std::string predictions_folder;
+  std::string relaxed_rules;
+};
+
+// A checkpoint scored on a split: over the whole split (frames, clips or pixels) and, for
+// phases, per video.
+struct Evaluation {
+  Config config;  // the checkpoint's, with the overrides
+  data::ClassList classes;
+  std::string split;
+  PhaseMetrics metrics;
+  std::vector<VideoMetrics> per_video;       // phases: each video's, in the split's order
+  std::vector<RelaxedVideoMetrics> relaxed;  // with relaxed_rules: each video's
+};
+
 // A checkpoint's weights as a PyTorch state_dict (on the CPU), and how they are named.
 struct ExportedWeights {
   models::StateDict state;
@@ -197,6 +222,10 @@ class Task {
   // unit named, and the model's memory checked against `budget` (resolve_budget's); nothing
   // trained, calibrated or allocated on the device.
   virtual Diagnosis diagnose(const Config& config, const TrainingBudget& budget) const = 0;
+  // framefit eval on a checkpoint of this task (center crop, no flip). Evaluate events count
+  // the videos or batches.
+  virtual Evaluation evaluate(const EvaluationRequest& request,
+                              const EventCallback& on_event) const = 0;
   // framefit export: the model a checkpoint of this task holds, as a state_dict.
   virtual ExportedWeights export_weights(const std::string& checkpoint) const = 0;
   // A split's units loaded as training loads them, timed (framefit bench-data).
@@ -206,6 +235,10 @@ class Task {
 
 // The task config.task names.
 const Task& task_for(const Config& config);
+
+// Task::evaluate of the task the checkpoint's config names.
+Evaluation evaluate_checkpoint(const EvaluationRequest& request,
+                               const EventCallback& on_event = {});
 
 // read_split of the config's task.
 DataThroughput read_split(const Config& config, const std::string& split,

@@ -96,6 +96,13 @@ struct Prediction {
   torch::Tensor probabilities;
   torch::Tensor tool_probabilities;  // [T,K] sigmoid of the tool head; undefined without one
 };
+// Per-frame phases as CSV (`framefit predict`, `eval --predictions`): the source frame, its time
+// (`frames` and `seconds`, one per prediction), the predicted phase and its probability, with
+// `truth` ([T] class ids) the labelled phase, and with tool probabilities one more column per
+// tool (named by `tools`).
+std::string phase_csv(const Prediction& prediction, const std::vector<int64_t>& frames,
+                      const std::vector<double>& seconds, const data::ClassList& classes,
+                      const std::vector<std::string>& tools, const torch::Tensor& truth = {});
 // model.chunk frames at a time; a video that runs out of memory is predicted again with the
 // chunk halved (a Warning event), and model.chunk keeps the chunk that ran.
 Prediction predict(Model& model, const torch::Tensor& frames, const EventCallback& on_event = {});

@@ -901,6 +901,21 @@ class BatchTask final : public Task {
     }
     return out;
   }
+  Evaluation evaluate(const EvaluationRequest& request,
+                      const EventCallback& on_event) const override {
+    const auto task = checkpoint_config(request.checkpoint).task;
+    TORCH_CHECK(request.predictions_folder.empty() && request.relaxed_rules.empty(),
+                "--predictions and --relaxed are for the per-frame phases of a phases "
+                "checkpoint; this one is for task ",
+                task, " (framefit predict writes its predictions)");
+    auto model = load_batch_model(request.checkpoint, request.overrides);
+    Evaluation out;
+    out.config = model.config;
+    out.classes = model.classes;
+    out.split = request.split.empty() ? model.config.data.test_split : request.split;
+    out.metrics = evaluate_batch(model, out.split, on_event);
+    return out;
+  }
   ExportedWeights export_weights(const std::string& checkpoint) const override {
     const auto model = load_batch_model(checkpoint, {"device=cpu"});
     return {models::state_dict(*model.network.module),

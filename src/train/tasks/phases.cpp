@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
@@ -13,6 +15,7 @@
 #include "../phase_model.h"
 #include "../run_files.h"
 #include "../run_loop.h"
+#include "framefit/data/media.h"
 #include "framefit/engine/step.h"
 #include "framefit/models/norm_relu_conv.h"
 #include "framefit/models/torchscript.h"
@@ -20,6 +23,7 @@
 #include "framefit/plan/planner.h"
 #include "framefit/train/task.h"
 #include "framefit/train/tasks.h"
+#include "framefit/train/timeline.h"
 #include "framefit/train/trainer.h"
 #include "task_kinds.h"
 
@@ -593,6 +597,58 @@ EpochSteps PhasesRun::start_epoch() {
   return steps;
 }
 
+// 10 s of a video's sampled frames, from their times: 10 at Cholec80's usual 1 fps.
+int64_t ten_seconds_of_frames(const std::vector<double>& seconds, const std::string& name) {
+  const auto n = seconds.size();
+  const double span = n > 1 ? seconds.back() - seconds.front() : 0;
+  TORCH_CHECK(span > 0, "video ", name,
+              ": relaxed boundaries are 10 s long, and its frames' times are unknown (a features "
+              "file needs its rows' rate in the manifest's fps column)");
+  return std::llround(10 * static_cast<double>(n - 1) / span);
+}
+
+Evaluation evaluate_phases(const EvaluationRequest& request, const EventCallback& on_event) {
+  auto model = load_model(request.checkpoint, request.overrides);
+  Evaluation out;
+  out.config = model.config;
+  out.classes = model.classes;
+  out.split = request.split.empty() ? model.config.data.test_split : request.split;
+  const auto dataset = make_dataset(model.config, out.split, false, on_event);
+  TORCH_CHECK(dataset.size() > 0, no_videos_in_split(model.config, out.split));
+  const auto& folder = request.predictions_folder;
+  if (!folder.empty()) {
+    std::error_code error;
+    std::filesystem::create_directories(folder, error);
+    TORCH_CHECK(!error, "--predictions ", folder, ": cannot create the folder (", error.message(),
+                ")");
+  }
+  const bool relaxed = !request.relaxed_rules.empty();
+  const auto rules = relaxed ? parse_relaxed_rules(request.relaxed_rules) : RelaxedRules::General;
+  check_relaxed_rules(rules, model.classes.size());  // before any video is scored
+  const auto on_prediction = [&](int64_t i, const Prediction& prediction) {
+    const auto& name = dataset.entry(i).name;
+    if (relaxed) {
+      out.relaxed.push_back(
+          relaxed_video_metrics(prediction.labels, dataset.labels(i), model.classes.size(),
+                                ten_seconds_of_frames(dataset.source_seconds(i), name), rules));
+      out.relaxed.back().name = name;
+    }
+    if (folder.empty()) return;
+    // One file per video, named by the manifest (a name with '/' keeps it within the folder).
+    auto file = name;
+    std::replace(file.begin(), file.end(), '/', '_');
+    const auto path = folder + "/" + file + ".csv";
+    std::ofstream csv(path);
+    csv << phase_csv(prediction, dataset.source_frames(i), dataset.source_seconds(i), model.classes,
+                     model.config.data.tools, dataset.labels(i));
+    TORCH_CHECK(csv.good(), "cannot write ", path);
+    data::write_image(folder + "/" + file + ".png",
+                      timeline_image({dataset.labels(i), prediction.labels}));
+  };
+  out.metrics = evaluate(model, dataset, on_event, &out.per_video, on_prediction);
+  return out;
+}
+
 class PhasesTask final : public Task {
  public:
   std::vector<plan::Finding> check_settings(const Config& config) const override {
@@ -613,6 +669,10 @@ class PhasesTask final : public Task {
     out.findings = diagnose_phases(config, budget, &summary);
     if (!summary.empty()) out.summary.push_back(summary);
     return out;
+  }
+  Evaluation evaluate(const EvaluationRequest& request,
+                      const EventCallback& on_event) const override {
+    return evaluate_phases(request, on_event);
   }
   ExportedWeights export_weights(const std::string& checkpoint) const override {
     const auto model = load_model(checkpoint, {"device=cpu"});
