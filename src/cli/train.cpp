@@ -571,7 +571,7 @@ int predict_phases(const Args& args) {
                 "this checkpoint's model reads precomputed features (model.encoder features): "
                 "give --features F.npy|F.pt instead of --video");
     const auto path = args.text("features");
-    const auto layout = data::parse_feature_layout(model.config.data.features_layout);
+    const auto layout = model.config.data.features_layout;
     const int64_t stride = model.config.data.features_stride;
     features = data::every_kth_row(
         data::read_features(path, data::time_first(data::feature_file_shape(path), layout, 0,

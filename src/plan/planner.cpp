@@ -489,6 +489,15 @@ int64_t batch_peak_bytes(const BatchCosts& costs, int64_t batch, const ChainPlan
          chain.predicted_bytes;
 }
 
+std::string to_string(Recompute recompute) {
+  switch (recompute) {
+    case Recompute::Nothing: return "off";
+    case Recompute::AsNeeded: return "auto";
+    case Recompute::EveryStage: return "all";
+  }
+  return "auto";
+}
+
 Recompute parse_recompute(const std::string& checkpointing) {
   if (checkpointing == "off") return Recompute::Nothing;
   if (checkpointing == "auto") return Recompute::AsNeeded;

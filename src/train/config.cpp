@@ -138,15 +138,87 @@ std::function<void(const double&, const std::string&)> positive() {
     TORCH_CHECK(v > 0, where, ": must be positive, got ", v);
   };
 }
-std::function<void(const std::string&, const std::string&)> auto_or_count() {
-  return [](const std::string& v, const std::string& where) {
-    if (v == "auto") return;
+// A setting that is "auto" or a value, held as a std::optional: nullopt is auto. `parse` reads
+// the value from its text (checking it), `node` writes it back.
+template <class T>
+Entry auto_or(std::string name, std::string help, std::optional<T>& (*member)(Config&),
+              const char* expected, std::function<T(const std::string&, const std::string&)> parse,
+              std::function<YAML::Node(const T&)> node) {
+  Entry e;
+  e.key = {std::move(name), std::move(help)};
+  e.set = [member, expected, parse](Config& c, const YAML::Node& n, const std::string& where) {
+    const auto text = convert<std::string>(n, where, expected);
+    member(c) = text == "auto" ? std::nullopt : std::optional<T>(parse(text, where));
+  };
+  e.get = [member, node](const Config& c) {
+    const auto& value = member(const_cast<Config&>(c));
+    return value ? node(*value) : YAML::Node("auto");
+  };
+  return e;
+}
+
+// One of `names` (each with the value it stands for), held as its value.
+template <class T>
+Entry named(std::string name, std::string help, T& (*member)(Config&),
+            std::vector<std::pair<std::string, T>> names) {
+  std::string list;
+  for (const auto& n : names) list += (list.empty() ? "" : " | ") + n.first;
+  Entry e;
+  e.key = {std::move(name), help + " (" + list + ")"};
+  e.set = [member, names, list](Config& c, const YAML::Node& n, const std::string& where) {
+    const auto text = convert<std::string>(n, where, "a string");
+    const auto found = std::find_if(names.begin(), names.end(),
+                                    [&](const auto& entry) { return entry.first == text; });
+    TORCH_CHECK(found != names.end(), where, ": \"", text, "\" is not one of ", list);
+    member(c) = found->second;
+  };
+  e.get = [member, names](const Config& c) {
+    const auto& value = member(const_cast<Config&>(c));
+    for (const auto& n : names) {
+      if (n.second == value) return YAML::Node(n.first);
+    }
+    TORCH_CHECK(false, "a setting holds a value none of its names stands for");
+  };
+  return e;
+}
+
+// auto or a count >= 0.
+Entry auto_count(std::string name, std::string help, std::optional<int64_t>& (*member)(Config&)) {
+  const auto parse = [](const std::string& v, const std::string& where) -> int64_t {
     char* end = nullptr;
     errno = 0;  // strtoll saturates out-of-range numbers and says so only here
     const long long n = std::strtoll(v.c_str(), &end, 10);
     TORCH_CHECK(!v.empty() && *end == '\0' && n >= 0 && errno != ERANGE, where,
                 ": expected auto or a count >= 0, got \"", v, "\"");
+    return n;
   };
+  return auto_or<int64_t>(std::move(name), std::move(help), member, "auto or a count", parse,
+                          [](const int64_t& v) { return YAML::Node(v); });
+}
+
+// One of `choices` after auto, read by `parse` (which may assume it is one of them).
+template <class T>
+Entry auto_choice(std::string name, std::string help, std::optional<T>& (*member)(Config&),
+                  std::vector<std::string> choices, std::function<T(const std::string&)> parse,
+                  std::function<YAML::Node(const T&)> node) {
+  std::string list = "auto";
+  for (const auto& c : choices) list += " | " + c;
+  return auto_or<T>(
+      std::move(name), help + " (" + list + ")", member, "a string",
+      [choices, list, parse](const std::string& v, const std::string& where) {
+        TORCH_CHECK(std::find(choices.begin(), choices.end(), v) != choices.end(), where, ": \"", v,
+                    "\" is not one of ", list);
+        return parse(v);
+      },
+      std::move(node));
+}
+
+// auto | true | false.
+Entry auto_flag(std::string name, std::string help, std::optional<bool>& (*member)(Config&)) {
+  return auto_choice<bool>(
+      std::move(name), std::move(help), member, {"true", "false"},
+      [](const std::string& v) { return v == "true"; },
+      [](const bool& v) { return YAML::Node(v); });
 }
 
 Entry bytes(std::string name, std::string help, int64_t& (*member)(Config&)) {
@@ -315,19 +387,22 @@ const std::vector<Entry>& entries() {
         "the key prefix of the encoder's weights in model.weights (encoder. for a framefit "
         "export, module. from DistributedDataParallel); empty: found when the keys do not match",
         FRAMEFIT_MEMBER(std::string, model.weights_prefix), "a string"));
-    t.push_back(choice("model.layout",
-                       "activation layout of the encoder: auto is channels-last with bn or "
-                       "frozen_bn (layer4 in NCHW on the CPU), NCHW with group_norm",
-                       FRAMEFIT_MEMBER(std::string, model.layout),
-                       {"auto", "nchw", "channels_last"}));
-    t.push_back(choice(
+    t.push_back(named<models::ActivationLayout>(
+        "model.layout",
+        "activation layout of the encoder: auto is channels-last with bn or frozen_bn (layer4 in "
+        "NCHW on the CPU), NCHW with group_norm",
+        FRAMEFIT_MEMBER(models::ActivationLayout, model.layout),
+        {{"auto", models::ActivationLayout::Auto},
+         {"nchw", models::ActivationLayout::Nchw},
+         {"channels_last", models::ActivationLayout::ChannelsLast}}));
+    t.push_back(auto_flag(
         "model.recompute_norm",
         "ResNet encoder with bn or frozen_bn: each block's BatchNorm and ReLU between convolutions "
         "recomputed in backward instead of kept (ResNet-18 at 112 px: an eighth less activation "
         "memory per chunk, for an elementwise pass per block); auto: the planner calibrates both "
         "and takes it where only it fits or the larger chunk it allows is predicted 5% faster (off "
         "where chunk, keep and precision are all fixed)",
-        FRAMEFIT_MEMBER(std::string, model.recompute_norm), {"auto", "true", "false"}));
+        FRAMEFIT_MEMBER(std::optional<bool>, model.recompute_norm)));
     {
       Entry e;
       e.key = {"model.layers",
@@ -364,12 +439,12 @@ const std::vector<Entry>& entries() {
     t.push_back(field<bool>("model.bilinear",
                             "UNet: bilinear upsampling instead of transposed conv",
                             FRAMEFIT_MEMBER(bool, model.bilinear), "true or false"));
-    t.push_back(choice(
+    t.push_back(auto_flag(
         "model.lean_backward",
         "r3d_18/r2plus1d_18 and conv3d layers on the CPU: convolutions with few "
         "output positions (layer4) run their backward without oneDNN's weight-sized workspace, "
         "slower but leaner; auto: only where that fits twice the batch",
-        FRAMEFIT_MEMBER(std::string, model.lean_backward), {"auto", "true", "false"}));
+        FRAMEFIT_MEMBER(std::optional<bool>, model.lean_backward)));
     // data
     t.push_back(path("data.manifest", "CSV listing videos, label files and splits",
                      FRAMEFIT_MEMBER(std::string, data.manifest)));
@@ -386,10 +461,14 @@ const std::vector<Entry>& entries() {
                       FRAMEFIT_MEMBER(std::vector<std::string>, data.tools)));
     t.push_back(field<double>("data.fps", "frames per second sampled from each video; 0: all",
                               FRAMEFIT_MEMBER(double, data.fps), "a number", non_negative()));
-    t.push_back(choice("data.features_layout",
-                       "model.encoder features: the files' axes, T,D (framefit extract) or D,T "
-                       "(MS-TCN's .npy); auto: the axis as long as the annotation is time",
-                       FRAMEFIT_MEMBER(std::string, data.features_layout), {"auto", "T,D", "D,T"}));
+    t.push_back(named<data::FeatureLayout>(
+        "data.features_layout",
+        "model.encoder features: the files' axes, T,D (framefit extract) or D,T (MS-TCN's .npy); "
+        "auto: the axis as long as the annotation is time",
+        FRAMEFIT_MEMBER(data::FeatureLayout, data.features_layout),
+        {{"auto", data::FeatureLayout::Auto},
+         {"T,D", data::FeatureLayout::TimeFirst},
+         {"D,T", data::FeatureLayout::FeaturesFirst}}));
     t.push_back(field<int64_t>("data.features_stride",
                                "model.encoder features: train, evaluate and predict on rows 0, k, "
                                "2k, ... of each file (MS-TCN's sample_rate); 1: every row",
@@ -542,21 +621,21 @@ const std::vector<Entry>& entries() {
                        "with train.lr_batch: learning rate proportional to the samples per step "
                        "(linear, for SGD) or to its square root (sqrt, often better for Adam)",
                        FRAMEFIT_MEMBER(std::string, train.lr_scaling), {"linear", "sqrt"}));
-    t.push_back(choice("train.precision", "autocast precision; auto lets the planner choose",
-                       FRAMEFIT_MEMBER(std::string, train.precision),
-                       {"auto", "fp32", "bf16", "fp16"}));
+    t.push_back(auto_choice<engine::Precision>(
+        "train.precision", "autocast precision; auto lets the planner choose",
+        FRAMEFIT_MEMBER(std::optional<engine::Precision>, train.precision),
+        {"fp32", "bf16", "fp16"}, [](const std::string& v) { return engine::parse_precision(v); },
+        [](const engine::Precision& v) { return YAML::Node(engine::to_string(v)); }));
     t.push_back(bytes("train.budget", "memory budget, e.g. 1GiB; 0: the free memory",
                       FRAMEFIT_MEMBER(int64_t, train.budget)));
     t.push_back(choice("train.budget_covers",
                        "on the CPU, what train.budget bounds: the process's resident memory, or "
                        "the tensors alone",
                        FRAMEFIT_MEMBER(std::string, train.budget_covers), {"process", "tensors"}));
-    t.push_back(field<std::string>(
-        "train.chunk", "frames per encoder chunk: auto, 0 (naive) or a count",
-        FRAMEFIT_MEMBER(std::string, train.chunk), "auto or a count", auto_or_count()));
-    t.push_back(field<std::string>("train.keep", "chunks whose graph is kept: auto or a count",
-                                   FRAMEFIT_MEMBER(std::string, train.keep), "auto or a count",
-                                   auto_or_count()));
+    t.push_back(auto_count("train.chunk", "frames per encoder chunk: auto, 0 (naive) or a count",
+                           FRAMEFIT_MEMBER(std::optional<int64_t>, train.chunk)));
+    t.push_back(auto_count("train.keep", "chunks whose graph is kept: auto or a count",
+                           FRAMEFIT_MEMBER(std::optional<int64_t>, train.keep)));
     t.push_back(field<int64_t>("train.accumulate",
                                "videos (phases) or batches (clips, segmentation) per optimizer "
                                "step, gradients averaged",
@@ -598,28 +677,35 @@ const std::vector<Entry>& entries() {
                                "epochs; 0: never",
                                FRAMEFIT_MEMBER(int64_t, train.patience), "an integer",
                                at_least(0)));
-    t.push_back(choice(
+    t.push_back(auto_choice<std::string>(
         "train.best_by",
         "validation metric that picks best.pt (edit, f1@k: phases; tool_map: data.tools); auto: "
         "macro_jaccard for segmentation, accuracy otherwise",
-        FRAMEFIT_MEMBER(std::string, train.best_by),
-        {"auto", "accuracy", "macro_f1", "macro_jaccard", "edit", "f1@10", "f1@25", "f1@50",
-         "tool_map"}));
-    t.push_back(field<std::string>(
-        "train.batch", "clips/segmentation: samples per batch; auto: the largest that fits",
-        FRAMEFIT_MEMBER(std::string, train.batch), "auto or a count", auto_or_count()));
-    t.push_back(field<std::string>(
+        FRAMEFIT_MEMBER(std::optional<std::string>, train.best_by),
+        {"accuracy", "macro_f1", "macro_jaccard", "edit", "f1@10", "f1@25", "f1@50", "tool_map"},
+        [](const std::string& v) { return v; },
+        [](const std::string& v) { return YAML::Node(v); }));
+    t.push_back(auto_count("train.batch",
+                           "clips/segmentation: samples per batch; auto: the largest that fits",
+                           FRAMEFIT_MEMBER(std::optional<int64_t>, train.batch)));
+    t.push_back(auto_count(
         "train.eval_batch",
         "clips/segmentation: samples per evaluation batch; auto: the largest that fits (planned)",
-        FRAMEFIT_MEMBER(std::string, train.eval_batch), "auto or a count", auto_or_count()));
-    t.push_back(choice("train.cache_features",
-                       "phases, encoder frozen through its last stage, data.augment false: keep "
-                       "each video's features after the first epoch and train the head on them",
-                       FRAMEFIT_MEMBER(std::string, train.cache_features), {"auto", "off"}));
-    t.push_back(choice("train.checkpointing",
-                       "clips/segmentation: layer checkpointing (with BatchNorm recomputed between "
-                       "convolutions); auto: only what the batch needs",
-                       FRAMEFIT_MEMBER(std::string, train.checkpointing), {"auto", "off", "all"}));
+        FRAMEFIT_MEMBER(std::optional<int64_t>, train.eval_batch)));
+    t.push_back(named<bool>("train.cache_features",
+                            "phases, encoder frozen through its last stage, data.augment false: "
+                            "keep each video's features after the first epoch and train the head "
+                            "on them",
+                            FRAMEFIT_MEMBER(bool, train.cache_features),
+                            {{"auto", true}, {"off", false}}));
+    t.push_back(named<plan::Recompute>(
+        "train.checkpointing",
+        "clips/segmentation: layer checkpointing (with BatchNorm recomputed between "
+        "convolutions); auto: only what the batch needs",
+        FRAMEFIT_MEMBER(plan::Recompute, train.checkpointing),
+        {{"auto", plan::Recompute::AsNeeded},
+         {"off", plan::Recompute::Nothing},
+         {"all", plan::Recompute::EveryStage}}));
     t.push_back(choice("task", "what is learned", FRAMEFIT_MEMBER(std::string, task),
                        {"phases", "clips", "segmentation"}));
     t.push_back(field<std::string>(
@@ -775,7 +861,7 @@ bool is_batch_task(const Config& config) {
 }
 
 std::string best_metric(const Config& config) {
-  if (config.train.best_by != "auto") return config.train.best_by;
+  if (config.train.best_by) return *config.train.best_by;
   return config.task == "segmentation" ? "macro_jaccard" : "accuracy";
 }
 

@@ -37,7 +37,7 @@ bool reads_features(const Config& config) { return config.model.encoder == "feat
 
 models::StageLayout stage_layout(const Config& config, torch::Device device) {
   if (reads_features(config)) return {false, ""};  // no frames: nothing to lay out
-  const auto layout = models::parse_activation_layout(config.model.layout);
+  const auto layout = config.model.layout;
   // Auto leaves a TorchScript encoder's layout as the user wrote it.
   if (is_script_encoder(config)) return {layout == models::ActivationLayout::ChannelsLast, ""};
   return models::resolve_layout(layout, models::parse_norm_kind(config.model.norm), device.type());
@@ -60,7 +60,8 @@ plan::ModelSpec model_spec(const Config& config, int64_t size, torch::Device dev
   const auto layout = stage_layout(config, device);
   spec.channels_last = layout.channels_last;
   spec.nchw_from = layout.nchw_from;
-  spec.recompute_norm = config.model.recompute_norm == "true";  // auto: as planned (plan_step)
+  spec.recompute_norm =
+      config.model.recompute_norm.value_or(false);  // auto: as planned (plan_step)
   spec.size = size;
   spec.optimizer = config.train.optimizer;
   spec.device = device;
@@ -181,7 +182,7 @@ data::DataOptions data_options(const Config& config, bool training) {
   options.skip_unsampled = config.data.skip_unsampled;
   options.pinned = torch::Device(config.device).is_cuda();
   options.features = reads_features(config);
-  options.features_layout = data::parse_feature_layout(config.data.features_layout);
+  options.features_layout = config.data.features_layout;
   options.features_stride = config.data.features_stride;
   options.tools = config.data.tools;
   return options;

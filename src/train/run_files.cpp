@@ -416,11 +416,6 @@ std::string resume_path(const std::string& resume, const std::string& out_dir,
   return resume;
 }
 
-std::optional<int64_t> fixed_count(const std::string& text) {
-  if (text == "auto") return std::nullopt;
-  return std::stoll(text);
-}
-
 void write_config(const Config& config, const std::string& out_dir) {
   const std::string path = out_dir + "/config.yaml";
   // One that already says the same (the user's own given as --config, with its comments, or an

@@ -159,9 +159,6 @@ void prune_checkpoints(const std::string& folder, int64_t keep);
 // (the newest in checkpoint_dir) or a path.
 std::string resume_path(const std::string& resume, const std::string& out_dir,
                         const std::string& checkpoint_dir);
-// A config count that may be "auto" (train.chunk, train.keep, train.batch; the config checked
-// the text): nullopt for auto.
-std::optional<int64_t> fixed_count(const std::string& text);
 // Writes config.yaml into out_dir.
 void write_config(const Config& config, const std::string& out_dir);
 

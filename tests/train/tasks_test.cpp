@@ -305,7 +305,7 @@ TEST(TaskConfig, KeysAndMismatchesAreNamed) {
       "test");
   EXPECT_EQ(c.task, "segmentation");
   EXPECT_EQ(train::network_kind(c), "unet");
-  EXPECT_EQ(c.train.batch, "4");
+  EXPECT_EQ(c.train.batch, 4);
   const auto again = train::parse_config(train::to_yaml(c), "round trip");
   EXPECT_EQ(train::to_yaml(again), train::to_yaml(c));
   EXPECT_NE(test_util::error_message([] {
@@ -492,9 +492,9 @@ train::Config clips_config(const std::string& name) {
   c.data.clip_stride = 3;
   c.train.epochs = 2;
   c.train.schedule = "constant";
-  c.train.precision = "fp32";
-  c.train.batch = "5";
-  c.train.checkpointing = "off";
+  c.train.precision = engine::Precision::FP32;
+  c.train.batch = 5;
+  c.train.checkpointing = plan::Recompute::Nothing;
   c.train.budget_covers = "tensors";  // these tests' budgets are tensor bytes, MiB and less
   c.train.out_dir = name + "_" + std::to_string(::getpid());
   test_util::remove_tree(c.train.out_dir);
@@ -512,7 +512,7 @@ train::Config segmentation_config(const std::string& name) {
   for (const auto& n : data::segmentation_demo_classes().names()) c.data.classes.push_back(n);
   c.train.epochs = 2;
   c.train.lr = 3e-3;
-  c.train.precision = "fp32";
+  c.train.precision = engine::Precision::FP32;
   c.train.budget_covers = "tensors";
   c.train.out_dir = name + "_" + std::to_string(::getpid());
   test_util::remove_tree(c.train.out_dir);
@@ -643,7 +643,7 @@ TEST(ClipTraining, ResumedRunEndsWithIdenticalWeights) {
     auto base = clips_config("/tmp/framefit_clips_a");
     base.train.checkpoint_every = 1;
     base.train.accumulate = accumulate;
-    if (accumulate > 1) base.train.batch = "2";
+    if (accumulate > 1) base.train.batch = 2;
     // Emptied by clips_config.
     const auto interrupted_dir = clips_config("/tmp/framefit_clips_b").train.out_dir;
     std::vector<std::string> warnings;
@@ -707,7 +707,7 @@ TEST(ClipTraining, ResumedUnderAnotherBudgetHoldsItsBatchAndRecomputesWhereItMus
   layers.erase(layers.begin() + 3);  // the max pool
   const std::vector<models::LayerSpec> block(layers.begin(), layers.begin() + 3);
   for (int i = 0; i < 2; ++i) layers.insert(layers.begin() + 3, block.begin(), block.end());
-  config.train.checkpointing = "auto";
+  config.train.checkpointing = plan::Recompute::AsNeeded;
   config.train.budget = 256 << 20;
   config.train.max_steps = 2;
   config.train.checkpoint_every = 1;
@@ -782,8 +782,8 @@ TEST(ClipTraining, ResumedUnderAnotherBudgetHoldsItsBatchAndRecomputesWhereItMus
 
 TEST(ClipTraining, TaskPlanRecordsTheBatchPlanAndItsTable) {
   auto config = clips_config("/tmp/framefit_clips_task_plan");
-  config.train.checkpointing = "auto";
-  config.train.batch = "auto";
+  config.train.checkpointing = plan::Recompute::AsNeeded;
+  config.train.batch = std::nullopt;
   config.train.budget = 8 << 20;
   config.data.prefetch_bytes = 512 << 10;
   const auto planned = train::plan_batch_task(config, memory::Tracker::cpu());
@@ -807,8 +807,8 @@ TEST(ClipTraining, TimeSlicingIsPlannedWhereCheckpointingIsAndResumesExactly) {
   // recomputation; never with off. Evaluation from the checkpoint runs sliced as planned.
   auto config = clips_config("/tmp/framefit_clips_slices");
   config.model.layers.erase(config.model.layers.begin() + 1);  // the BatchNorm
-  config.train.checkpointing = "auto";
-  config.train.batch = "auto";
+  config.train.checkpointing = plan::Recompute::AsNeeded;
+  config.train.batch = std::nullopt;
   config.train.budget = 8 << 20;
   config.data.prefetch_bytes = 512 << 10;
   const auto planned = train::plan_batch_task(config, memory::Tracker::cpu());
@@ -817,12 +817,12 @@ TEST(ClipTraining, TimeSlicingIsPlannedWhereCheckpointingIsAndResumesExactly) {
   EXPECT_NE(planned.describe().find(", 8 time slices"), std::string::npos) << planned.describe();
   auto roomy = config;
   roomy.train.budget = 512 << 20;
-  roomy.train.batch = "2";
+  roomy.train.batch = 2;
   EXPECT_EQ(train::plan_batch_task(roomy, memory::Tracker::cpu()).time_slices, 0);
-  roomy.train.checkpointing = "all";
+  roomy.train.checkpointing = plan::Recompute::EveryStage;
   EXPECT_EQ(train::plan_batch_task(roomy, memory::Tracker::cpu()).time_slices, models::kTimeSlices);
   auto off = config;
-  off.train.checkpointing = "off";
+  off.train.checkpointing = plan::Recompute::Nothing;
   EXPECT_EQ(train::plan_batch_task(off, memory::Tracker::cpu()).time_slices, 0);
 
   // A run sliced throughout (the budget's batch would leave too few steps to stop in).
@@ -926,7 +926,7 @@ TEST(ClipTraining, AccumulatedBatchesTrainAsOneBatchOfTheirSamples) {
   one.train.optimizer = "sgd";
   one.train.lr = 0.05;
   one.train.epochs = 1;
-  one.train.batch = "4";
+  one.train.batch = 4;
   one.train.class_weights = true;
   std::vector<std::string> infos;
   const auto a = train::train(one, "", [&](const train::Event& e) {
@@ -941,7 +941,7 @@ TEST(ClipTraining, AccumulatedBatchesTrainAsOneBatchOfTheirSamples) {
   two.train.optimizer = one.train.optimizer;
   two.train.lr = one.train.lr;
   two.train.epochs = 1;
-  two.train.batch = "2";
+  two.train.batch = 2;
   two.train.accumulate = 2;
   two.train.class_weights = true;
   const auto b = train::train(two);
@@ -964,7 +964,7 @@ TEST(ClipTraining, AccumulatedBatchesTrainAsOneBatchOfTheirSamples) {
             std::string::npos);
   EXPECT_TRUE(plan::has_errors(train::diagnose_batch_task(smoothed, 0)));
   auto no_eval_batch = clips_config("/tmp/framefit_clips_accumulate_d");
-  no_eval_batch.train.eval_batch = "0";
+  no_eval_batch.train.eval_batch = 0;
   EXPECT_NE(test_util::error_message([&] {
               train::train(no_eval_batch);
             }).find("train.eval_batch 0: evaluation needs at least one sample per batch"),
@@ -979,7 +979,7 @@ TEST(ClipTraining, LearningRateFollowsTheSamplesPerStepWhenLrBatchIsSet) {
   // step train.lr was set for; here 3 x 2 accumulated = 6 samples per step against 4.
   for (const std::string scaling : {"linear", "sqrt"}) {
     auto c = clips_config("/tmp/framefit_clips_lr_batch");
-    c.train.batch = "3";
+    c.train.batch = 3;
     c.train.accumulate = 2;
     c.train.max_steps = 2;
     c.train.lr = 0.02;
@@ -1022,7 +1022,7 @@ TEST(ClipTraining, Bfloat16RunsThroughEveryLayerType) {
       c.model.layers[1].groups = 4;
       c.model.layers[3].type = "avgpool";
     }
-    c.train.precision = "bf16";
+    c.train.precision = engine::Precision::BF16;
     c.train.epochs = 1;
     if (cpu_bf16().kernels == Bf16Kernels::Unavailable) {
       // Asked for where no bf16 convolution runs (oneDNN capped at AVX2): refused, saying why.
@@ -1103,7 +1103,7 @@ TEST(ClipTraining, DecodedVideosHeldAheadStayWithinTheBudgetsPrefetchReserve) {
   // 8 videos of about 2 MiB each decoded (64 x 64): 16 MiB if all are ahead.
   auto c = clips_config("/tmp/framefit_clips_reserve");
   const auto dir = use_square_videos(c, "/tmp/framefit_reserve_data", 8, 300, 360, 64);
-  c.train.batch = "2";
+  c.train.batch = 2;
   c.train.max_steps = 40;
   c.train.budget = 16 << 20;  // a 4 MiB prefetch reserve
   ASSERT_GT(c.data.prefetch_bytes, c.train.budget);
@@ -1124,7 +1124,7 @@ TEST(ClipTraining, DecodedVideosBesideThePlannedStepStayWithinTheBudget) {
   c.data.fps = 0;
   c.data.clip_length = 8;
   c.data.clip_stride = 8;
-  c.train.batch = "auto";
+  c.train.batch = std::nullopt;
   c.train.epochs = 1;
   c.train.budget = 16 << 20;
   std::vector<std::string> warnings;
@@ -1152,7 +1152,7 @@ TEST(ClipTraining, TimeSpentGettingDataIsLoggedAndADataBoundRunIsToldWhatToChang
   c.data.hue = 0.1;
   c.data.clip_length = 8;
   c.data.clip_stride = 8;
-  c.train.batch = "16";
+  c.train.batch = 16;
   c.train.validate = false;
   std::vector<double> fractions;
   std::vector<std::string> warnings;
@@ -1270,7 +1270,7 @@ TEST(ClipTraining, TensorsKeptAcrossStepsAreReportedAsALeak) {
   // window of steps. Without it the same run is quiet.
   for (const bool keep : {false, true}) {
     auto c = clips_config("/tmp/framefit_clips_leak");
-    c.train.batch = "2";
+    c.train.batch = 2;
     c.train.epochs = 100;
     c.train.max_steps = 16;
     c.train.validate = false;
@@ -1346,12 +1346,12 @@ TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForTwiceTheBatch) {
   config.model.layers.clear();
   config.data.resize = 32;
   config.data.crop = 32;
-  config.train.batch = "auto";
+  config.train.batch = std::nullopt;
   config.train.optimizer = "sgd";  // no moments: the static part is the weights and gradients
   config.data.prefetch_bytes = 8 << 20;
   std::vector<train::BatchTaskPlan> plans;
-  for (const auto& [lean, budget] : std::vector<std::pair<std::string, int64_t>>{
-           {"auto", 2ll << 30}, {"auto", 640ll << 20}, {"false", 640ll << 20}}) {
+  for (const auto& [lean, budget] : std::vector<std::pair<std::optional<bool>, int64_t>>{
+           {std::nullopt, 2ll << 30}, {std::nullopt, 640ll << 20}, {false, 640ll << 20}}) {
     config.model.lean_backward = lean;
     config.train.budget = budget;
     plans.push_back(train::plan_batch_task(config, memory::Tracker::cpu()));
@@ -1365,8 +1365,8 @@ TEST(ClipTraining, PlannerTakesTheLeanConvolutionBackwardOnlyForTwiceTheBatch) {
   EXPECT_FALSE(plans[2].lean_backward);
   EXPECT_GT(plans[1].batch, plans[2].batch);
   // ... and trains within it (that batch fixed: nothing to plan again).
-  config.model.lean_backward = "auto";
-  config.train.batch = std::to_string(plans[1].batch);
+  config.model.lean_backward = std::nullopt;
+  config.train.batch = plans[1].batch;
   config.train.max_steps = 2;
   const auto result = train::train(config);
   EXPECT_EQ(result.steps, 2);
@@ -1442,7 +1442,7 @@ TEST(SegmentationTraining, IgnoredMaskPixelsCountInNeitherTheLossNorTheMetrics) 
   config.data.images = root + "/{split}/images";
   config.data.masks = root + "/{split}/masks";
   config.train.epochs = 1;
-  config.train.batch = "4";
+  config.train.batch = 4;
   config.train.class_weights = true;  // class counts leave the frame out too
   EXPECT_NE(test_util::error_message([&] { train::train(config); })
                 .find("has class id 255 but there are 3 classes (ids 0..2); if 255 marks pixels "
@@ -1603,19 +1603,19 @@ TEST(SegmentationTraining, BatchNormIsRecomputedWhereCheckpointingIsAndResumesEx
       << planned.describe();
   auto roomy = config;
   roomy.train.budget = 512 << 20;
-  roomy.train.batch = "2";
+  roomy.train.batch = 2;
   const auto fits = train::plan_batch_task(roomy, memory::Tracker::cpu());
   const auto flags = engine::recomputed(fits.segments);
   EXPECT_EQ(std::count(flags.begin(), flags.end(), true), 0);
   EXPECT_FALSE(fits.recompute_norm);
-  roomy.train.checkpointing = "all";
+  roomy.train.checkpointing = plan::Recompute::EveryStage;
   EXPECT_TRUE(train::plan_batch_task(roomy, memory::Tracker::cpu()).recompute_norm);
-  config.train.checkpointing = "off";
+  config.train.checkpointing = plan::Recompute::Nothing;
   EXPECT_FALSE(train::plan_batch_task(config, memory::Tracker::cpu()).recompute_norm);
 
   // A run with it, interrupted after step 3 and resumed, ends with the uninterrupted run's
   // weights and BatchNorm statistics.
-  config.train.checkpointing = "auto";
+  config.train.checkpointing = plan::Recompute::AsNeeded;
   config.train.schedule = "constant";  // cosine spans train.max_steps, which stops the first part
   config.train.epochs = 2;
   config.train.checkpoint_every = 1;
@@ -1634,7 +1634,7 @@ TEST(SegmentationTraining, FixedBatchOverTheBudgetIsPlannedAsMicroBatches) {
   config.train.epochs = 1;
   config.train.budget = 4 << 20;
   config.data.prefetch_bytes = 512 << 10;
-  config.train.batch = "1000";
+  config.train.batch = 1000;
   const auto plan = train::plan_batch_task(config, memory::Tracker::cpu());
   EXPECT_EQ(plan.batch, 10);
   EXPECT_EQ(plan.samples, 10);
@@ -1665,8 +1665,8 @@ TEST(SegmentationTraining, TorchScriptNetworkTrainsAndItsCheckpointLoadsWithoutT
 def forward(self, x):
     return torch.conv2d(torch.relu(torch.conv2d(x, self.w1, None, [1, 1], [1, 1])), self.w2)
 )");
-  config.train.batch = "4";
-  config.train.eval_batch = "3";  // a count is taken as given, and kept with the checkpoints
+  config.train.batch = 4;
+  config.train.eval_batch = 3;  // a count is taken as given, and kept with the checkpoints
   config.train.class_weights = true;
   std::string weights_line;
   const auto result = train::train(config, "", [&](const train::Event& e) {

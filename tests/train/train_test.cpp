@@ -31,6 +31,52 @@
 
 using namespace framefit;
 
+TEST(Config, AutoValuesAreTypedWhenLoaded) {
+  // "auto" is nullopt (or the enum's auto); a value is held as what it means, and written back
+  // as it was given.
+  const auto defaults = train::parse_config("", "test");
+  EXPECT_FALSE(defaults.train.chunk || defaults.train.keep || defaults.train.batch ||
+               defaults.train.eval_batch || defaults.train.precision || defaults.train.best_by ||
+               defaults.model.recompute_norm || defaults.model.lean_backward);
+  EXPECT_EQ(defaults.train.checkpointing, plan::Recompute::AsNeeded);
+  EXPECT_EQ(defaults.model.layout, models::ActivationLayout::Auto);
+  EXPECT_EQ(defaults.data.features_layout, data::FeatureLayout::Auto);
+  EXPECT_TRUE(defaults.train.cache_features);
+  const auto c = train::parse_config(
+      "model:\n  recompute_norm: true\n  lean_backward: false\n  layout: channels_last\n"
+      "data:\n  features_layout: D,T\ntrain:\n  chunk: 0\n  keep: 2\n  precision: bf16\n"
+      "  batch: 6\n  eval_batch: 12\n  best_by: edit\n  checkpointing: all\n"
+      "  cache_features: off\n",
+      "test");
+  EXPECT_EQ(c.train.chunk, 0);  // naive, not auto
+  EXPECT_EQ(c.train.keep, 2);
+  EXPECT_EQ(c.train.precision, engine::Precision::BF16);
+  EXPECT_EQ(c.train.batch, 6);
+  EXPECT_EQ(c.train.eval_batch, 12);
+  EXPECT_EQ(c.train.best_by, std::optional<std::string>("edit"));
+  EXPECT_EQ(c.train.checkpointing, plan::Recompute::EveryStage);
+  EXPECT_FALSE(c.train.cache_features);
+  EXPECT_EQ(c.model.recompute_norm, true);
+  EXPECT_EQ(c.model.lean_backward, false);
+  EXPECT_EQ(c.model.layout, models::ActivationLayout::ChannelsLast);
+  EXPECT_EQ(c.data.features_layout, data::FeatureLayout::FeaturesFirst);
+  const auto yaml = train::to_yaml(c);
+  for (const char* line : {"chunk: 0", "precision: bf16", "checkpointing: all",
+                           "cache_features: off", "recompute_norm: true", "features_layout: D,T"}) {
+    EXPECT_NE(yaml.find(line), std::string::npos) << line << " in\n" << yaml;
+  }
+  EXPECT_EQ(train::to_yaml(train::parse_config(yaml, "round trip")), yaml);
+  EXPECT_NE(train::to_yaml(defaults).find("precision: auto"), std::string::npos);
+  EXPECT_NE(test_util::error_message([] {
+              train::parse_config("train:\n  precision: fp64\n", "test");
+            }).find("train.precision: \"fp64\" is not one of auto | fp32 | bf16 | fp16"),
+            std::string::npos);
+  EXPECT_NE(test_util::error_message([] {
+              train::parse_config("train:\n  checkpointing: some\n", "test");
+            }).find("\"some\" is not one of auto | off | all"),
+            std::string::npos);
+}
+
 TEST(Config, DefaultsFileOverridesAndRoundTrip) {
   const auto c = train::parse_config(
       "model:\n  head: tcn\ndata:\n  classes: [a, b]\n  fps: 2.5\ntrain:\n  budget: 1GiB\n", "test",
@@ -42,7 +88,7 @@ TEST(Config, DefaultsFileOverridesAndRoundTrip) {
   EXPECT_EQ(c.train.budget, int64_t{1} << 30);
   EXPECT_DOUBLE_EQ(c.train.lr, 0.0005);
   EXPECT_EQ(c.model.freeze, "layer2");
-  EXPECT_EQ(c.train.chunk, "16");
+  EXPECT_EQ(c.train.chunk, 16);
   const auto again = train::parse_config(train::to_yaml(c), "round trip");
   EXPECT_EQ(train::to_yaml(again), train::to_yaml(c));
   EXPECT_GE(train::config_keys().size(), 40u);
@@ -717,9 +763,9 @@ train::Config tiny_config(const std::string& name) {
   c.train.lr = 1e-3;
   c.train.schedule = "cosine";
   c.train.warmup_steps = 1;
-  c.train.precision = "fp32";
-  c.train.chunk = "8";
-  c.train.keep = "1";
+  c.train.precision = engine::Precision::FP32;
+  c.train.chunk = 8;
+  c.train.keep = 1;
   c.train.budget = int64_t{2} << 30;
   c.train.budget_covers = "tensors";  // the tests below size budgets in tensor bytes
   c.train.out_dir = out_dir;
@@ -897,7 +943,7 @@ TEST(Training, AccumulationBeyondTheVideosIsPlannedForTheVideosThereAre) {
   // train.accumulate 50 over a handful of training videos: each step takes them all, and the
   // plan holds that many in memory, not 50 videos of the longest length.
   auto c = tiny_config("/tmp/framefit_accumulate_plan");
-  c.train.chunk = c.train.keep = "auto";  // planned
+  c.train.chunk = c.train.keep = std::nullopt;  // planned
   c.train.accumulate = 50;
   const auto plan = train::plan_phases(c, memory::Tracker::cpu());
   ASSERT_TRUE(plan.fits);
@@ -1110,8 +1156,8 @@ TEST(Training, UnderAProcessBudgetTheResidentMemoryStaysWithinIt) {
   if (!memory::reset_rss_peak()) GTEST_SKIP() << "/proc/self/clear_refs cannot be written here";
   auto config = tiny_config("/tmp/framefit_process_budget");
   config.data.resize = 128;
-  config.train.chunk = "auto";
-  config.train.keep = "auto";
+  config.train.chunk = std::nullopt;
+  config.train.keep = std::nullopt;
   config.train.max_steps = 3;
   config.train.budget_covers = "process";
   const int64_t runtime = memory::process_memory().untracked_bytes + train::kRuntimeGrowthBytes;
@@ -1144,8 +1190,8 @@ TEST(Training, UnderAProcessBudgetTheResidentMemoryStaysWithinIt) {
 TEST(Training, TaskPlanRecordsThePhasesPlanAndSaysItInLines) {
   // What `plan --config` prints and a script (or the Python module) reads: the plan as planned.
   auto config = tiny_config("/tmp/framefit_task_plan");
-  config.train.chunk = "auto";
-  config.train.keep = "auto";
+  config.train.chunk = std::nullopt;
+  config.train.keep = std::nullopt;
   const auto planned = train::plan_phases(config, memory::Tracker::cpu());
   ASSERT_TRUE(planned.fits && planned.planned);
   const auto run = train::task_for(config).plan(config, memory::Tracker::cpu(), {});
@@ -1179,8 +1225,8 @@ TEST(Training, ResumedUnderAnotherBudgetKeepsTheSettingsThatFitAndReplansThoseTh
   // settings (the same calibrated costs choose the same fastest settings wherever they fit).
   auto config = tiny_config("/tmp/framefit_resume_budget");
   config.data.resize = 128;  // activations that outweigh the weights and Adam's moments
-  config.train.chunk = "auto";
-  config.train.keep = "auto";
+  config.train.chunk = std::nullopt;
+  config.train.keep = std::nullopt;
   config.train.max_steps = 2;
   config.train.checkpoint_every = 1;
   const auto planned = train::plan_phases(config, memory::Tracker::cpu());
@@ -1240,8 +1286,8 @@ TEST(Training, BatchNormRecomputationIsPlannedWhereOnlyItFitsAndKeptOnResume) {
   auto config = tiny_config("/tmp/framefit_recompute_norm");
   config.model.norm = "bn";
   config.data.resize = 128;  // activations that outweigh the weights and Adam's moments
-  config.train.chunk = "auto";
-  config.train.keep = "auto";
+  config.train.chunk = std::nullopt;
+  config.train.keep = std::nullopt;
   config.train.max_steps = 2;
   config.train.checkpoint_every = 1;
   const auto fits = [&](int64_t budget) {
@@ -1262,7 +1308,7 @@ TEST(Training, BatchNormRecomputationIsPlannedWhereOnlyItFitsAndKeptOnResume) {
   ASSERT_TRUE(least.fits);
   EXPECT_TRUE(least.settings.recompute_norm) << plan::describe(least.settings);
   auto plain = config;
-  plain.model.recompute_norm = "false";
+  plain.model.recompute_norm = false;
   EXPECT_FALSE(train::plan_phases(plain, memory::Tracker::cpu()).fits);
   // A roomy budget: chunks large enough that it is not worth its time.
   auto roomy = config;
@@ -1308,16 +1354,16 @@ std::vector<nlohmann::json> epoch_records(const std::string& out_dir) {
 TEST(Training, FrozenEncoderFeaturesAreCachedAndTrainTheHeadAsRecomputedOnes) {
   // An encoder frozen through layer4 trains nothing: from the second epoch on, the head trains
   // on the features its first steps kept, and ends with the weights of recomputing them.
-  const auto frozen = [](const std::string& name, const std::string& cache) {
+  const auto frozen = [](const std::string& name, bool cache) {
     auto c = tiny_config(name);
     c.model.freeze = "layer4";
     c.data.augment = false;
     c.train.epochs = 3;
-    c.train.cache_features = cache;
+    c.train.cache_features = cache;  // auto | off
     c.train.schedule = "constant";  // the stopped run's max_steps must not change the lr
     return c;
   };
-  const auto cached = frozen("/tmp/framefit_feature_cache_on", "auto");
+  const auto cached = frozen("/tmp/framefit_feature_cache_on", true);
   std::vector<std::string> infos;
   train::train(cached, "", [&](const train::Event& e) {
     if (e.kind == train::Event::Kind::Info) infos.push_back(e.message);
@@ -1330,7 +1376,7 @@ TEST(Training, FrozenEncoderFeaturesAreCachedAndTrainTheHeadAsRecomputedOnes) {
   EXPECT_EQ(count("epoch 2: 3 of 3 videos' features from the feature cache"), 1);
   EXPECT_TRUE(std::filesystem::exists(cached.train.out_dir + "/feature_cache/0.pt"));
 
-  const auto recomputed = frozen("/tmp/framefit_feature_cache_off", "off");
+  const auto recomputed = frozen("/tmp/framefit_feature_cache_off", false);
   train::train(recomputed);
   const auto last = "/checkpoints/step_00000009.pt";
   EXPECT_TRUE(identical(weights(train::load_model(cached.train.out_dir + last)),
@@ -1346,7 +1392,7 @@ TEST(Training, FrozenEncoderFeaturesAreCachedAndTrainTheHeadAsRecomputedOnes) {
 
   // A run stopped in epoch 2 resumes on the cached features to the same weights; a damaged file
   // is computed again.
-  auto stopped = frozen("/tmp/framefit_feature_cache_resume", "auto");
+  auto stopped = frozen("/tmp/framefit_feature_cache_resume", true);
   stopped.train.max_steps = 5;
   train::train(stopped);
   std::ofstream(stopped.train.out_dir + "/feature_cache/1.pt") << "damaged";
@@ -1357,7 +1403,7 @@ TEST(Training, FrozenEncoderFeaturesAreCachedAndTrainTheHeadAsRecomputedOnes) {
                         weights(train::load_model(stopped.train.out_dir + last))));
   // The cache is kept by position in the data set, so a video file that changed since (here only
   // its time) starts it afresh; one that did not keeps it.
-  auto changed = frozen("/tmp/framefit_feature_cache_changed", "auto");
+  auto changed = frozen("/tmp/framefit_feature_cache_changed", true);
   changed.train.max_steps = 4;
   train::train(changed);
   const auto sentinel = changed.train.out_dir + "/feature_cache/sentinel";
@@ -1375,7 +1421,7 @@ TEST(Training, FrozenEncoderFeaturesAreCachedAndTrainTheHeadAsRecomputedOnes) {
   test_util::remove_tree(changed.train.out_dir);
 
   // With augmentation each epoch's frames differ: nothing is cached.
-  auto augmented = frozen("/tmp/framefit_feature_cache_augmented", "auto");
+  auto augmented = frozen("/tmp/framefit_feature_cache_augmented", true);
   augmented.data.augment = true;
   augmented.train.epochs = 1;
   train::train(augmented);
@@ -1700,7 +1746,7 @@ TEST(Training, TrainBestByPicksTheBestCheckpointAndPatienceEndsTheRun) {
             }).find("task phases"),
             std::string::npos);
   EXPECT_EQ(train::best_metric(clips), "f1@50");
-  clips.train.best_by = "auto";
+  clips.train.best_by = std::nullopt;
   EXPECT_EQ(train::best_metric(clips), "accuracy");
 }
 
@@ -1726,8 +1772,8 @@ TEST(Training, TorchScriptEncoderTrainsThroughThePlannedChunkedEngine) {
   config.model.encoder = "torchscript";
   config.model.script = write_tiny_script_encoder(config.train.out_dir + ".pt");
   config.model.head = "linear";
-  config.train.chunk = "auto";  // planned: the encoder is calibrated on a copy of the file
-  config.train.keep = "auto";
+  config.train.chunk = std::nullopt;  // planned: the encoder is calibrated on a copy of the file
+  config.train.keep = std::nullopt;
   config.train.budget = int64_t{256} << 20;
   const auto start = train::export_state_dict(train::build_model(config));
   std::vector<std::string> infos;

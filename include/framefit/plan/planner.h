@@ -188,6 +188,7 @@ int64_t batch_peak_bytes(const BatchCosts& costs, int64_t batch, const ChainPlan
 // planned for it).
 enum class Recompute { Nothing, AsNeeded, EveryStage };
 Recompute parse_recompute(const std::string& checkpointing);  // off | auto | all
+std::string to_string(Recompute recompute);                   // off | auto | all
 // The largest batch that fits; `max_batch` bounds the search.
 BatchPlan plan_batch(const BatchCosts& costs, int64_t budget_bytes, Recompute recompute,
                      int64_t max_batch = 4096);

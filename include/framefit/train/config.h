@@ -3,11 +3,16 @@
 // (config_keys()), each overridable from the command line as `--set key=value`. Unknown keys and
 // bad values are errors naming the file (or override) and the key.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "framefit/data/features.h"
+#include "framefit/engine/amp.h"
 #include "framefit/models/heads.h"
 #include "framefit/models/network.h"
+#include "framefit/models/resnet.h"
+#include "framefit/plan/planner.h"
 
 namespace framefit::train {
 
@@ -24,10 +29,10 @@ struct ModelConfig {
   std::string weights;        // torchvision state_dict for the encoder, "" for random
   // The weights' key prefix in that file ("encoder." for a framefit export); "" finds it.
   std::string weights_prefix;
-  std::string layout = "auto";  // auto | nchw | channels_last (models::ActivationLayout)
-  // The ResNet blocks' BatchNorm and ReLU recomputed in backward: auto | true | false (auto: the
-  // planner's choice where it plans the step).
-  std::string recompute_norm = "auto";
+  models::ActivationLayout layout = models::ActivationLayout::Auto;  // auto | nchw | channels_last
+  // The ResNet blocks' BatchNorm and ReLU recomputed in backward: true | false | nullopt (auto:
+  // the planner's choice where it plans the step).
+  std::optional<bool> recompute_norm;
   // A network written as a list of layers (models/network.h) and its input per sample,
   // [C,H,W] or [C,T,H,W]; checked by `framefit doctor --config`.
   std::vector<models::LayerSpec> layers;
@@ -42,9 +47,9 @@ struct ModelConfig {
   bool bilinear = false;
   // r3d_18 / r2plus1d_18 and model.layers' conv3d layers on the CPU: the backward of
   // convolutions with few output positions (layer4) without oneDNN's weight-sized workspace
-  // (models/conv3d.h): auto (the planner takes it where it fits at least twice the batch),
-  // true, false.
-  std::string lean_backward = "auto";
+  // (models/conv3d.h): true, false, nullopt (auto: the planner takes it where it fits at least
+  // twice the batch).
+  std::optional<bool> lean_backward;
 };
 
 struct DataConfig {
@@ -52,7 +57,8 @@ struct DataConfig {
   std::vector<std::string> classes;  // phase names, in label-id order
   double fps = 1;                    // sampling rate; 0 keeps every frame
   double labels_fps = 0;  // annotations' own frame rate (manifest rows without one); 0: video's
-  std::string features_layout = "auto";  // model.encoder features: auto | T,D | D,T
+  // model.encoder features: the files' axes, auto | T,D | D,T.
+  data::FeatureLayout features_layout = data::FeatureLayout::Auto;
   int64_t features_stride = 1;  // model.encoder features: every k-th row (MS-TCN's sample_rate)
   int64_t resize = 0;                // shorter side; 0 keeps
   int64_t crop = 0;                  // square crop; 0 none
@@ -107,14 +113,15 @@ struct TrainConfig {
   // run's samples per step (a planned batch), linearly or by the square root (lr_scaling).
   int64_t lr_batch = 0;
   std::string lr_scaling = "linear";  // linear | sqrt
-  std::string precision = "auto";  // auto | fp32 | bf16 | fp16
+  std::optional<engine::Precision> precision;  // nullopt: auto (the planner's)
   int64_t budget = 0;              // bytes; 0: the device's free memory
   // On the CPU, what train.budget bounds: process (the process's resident memory, what a
   // container's limit sees: the runtime's own memory comes off before tensors plan in it) |
   // tensors (the tracked tensors alone). On CUDA it is the device's memory either way.
   std::string budget_covers = "process";
-  std::string chunk = "auto";      // auto | 0 (naive) | frames
-  std::string keep = "auto";       // auto | chunks
+  // Counts where nullopt is auto (the planner's): frames per chunk (0: naive), chunks kept.
+  std::optional<int64_t> chunk;
+  std::optional<int64_t> keep;
   int64_t accumulate = 1;          // videos per optimizer step
   double clip_grad_norm = 0;
   double smoothing = 0;        // MS-TCN smoothing loss weight
@@ -131,19 +138,19 @@ struct TrainConfig {
   int64_t patience = 0;
   // The validation metric that picks best.pt: accuracy | macro_f1 | macro_jaccard, or for
   // phases edit | f1@10 | f1@25 | f1@50 (segmental); auto: macro_jaccard (mean IoU) for
-  // segmentation, accuracy otherwise.
-  std::string best_by = "auto";
-  // Tasks clips and segmentation: samples per batch (auto: the largest the planner fits in the
-  // budget), and layer checkpointing (auto: only what the batch needs | off | all).
-  std::string batch = "auto";
-  std::string checkpointing = "auto";
+  // segmentation, accuracy otherwise (nullopt; best_metric resolves it).
+  std::optional<std::string> best_by;
+  // Tasks clips and segmentation: samples per batch (nullopt, auto: the largest the planner fits
+  // in the budget), and layer checkpointing (auto: only what the batch needs | off | all).
+  std::optional<int64_t> batch;
+  plan::Recompute checkpointing = plan::Recompute::AsNeeded;
   // Phases with an encoder that trains nothing (model.freeze at its last stage) and no
   // augmentation: auto keeps each video's features on disk after its first step (validation:
   // evaluation) and runs the head on them in later epochs, without decoding or encoding; off.
-  std::string cache_features = "auto";
+  bool cache_features = true;  // auto (true) | off
   // Evaluation (validation, framefit eval) runs without grad in eval mode, so a larger batch
-  // fits; auto: the planner's, measured (plan::calibrate_inference).
-  std::string eval_batch = "auto";
+  // fits; nullopt (auto): the planner's, measured (plan::calibrate_inference).
+  std::optional<int64_t> eval_batch;
 };
 
 struct Config {

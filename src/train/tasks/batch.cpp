@@ -46,9 +46,7 @@ using namespace detail;
 
 engine::Precision batch_precision(const Config& config) {
   // auto: fp32. bf16 or fp16 trade precision for a larger batch; the user chooses that.
-  const auto precision = config.train.precision == "auto"
-                             ? engine::Precision::FP32
-                             : engine::parse_precision(config.train.precision);
+  const auto precision = config.train.precision.value_or(engine::Precision::FP32);
   engine::check_runs_on(precision, torch::Device(config.device));
   return precision;
 }
@@ -56,8 +54,7 @@ engine::Precision batch_precision(const Config& config) {
 // The evaluation batch: a train.eval_batch count (on resume and in framefit eval too), else the
 // one the checkpoint's run planned.
 int64_t evaluation_batch(const Config& config, const BatchProgress& progress) {
-  const auto fixed = fixed_count(config.train.eval_batch);
-  return std::max<int64_t>(1, fixed ? *fixed : progress.eval_batch);
+  return std::max<int64_t>(1, config.train.eval_batch.value_or(progress.eval_batch));
 }
 
 // The logits of `samples`. A forward pass that runs out of memory is run again on each half of
@@ -164,7 +161,7 @@ constexpr int64_t kMaxEvalBatch = 64;
 // leaves (its static memory stays while validating).
 void plan_evaluation(BatchTaskPlan& plan, const Config& config, const BatchModel& probe,
                      memory::Tracker& tracker) {
-  if (const auto fixed = fixed_count(config.train.eval_batch)) {
+  if (const auto fixed = config.train.eval_batch) {
     plan.eval_batch = *fixed;
     return;
   }
@@ -201,7 +198,7 @@ BatchTaskPlan plan_training_with(bool save_memory, const Config& config, const B
   const int64_t time_slices = save_memory ? models::kTimeSlices : 0;
   const bool sliced =
       models::set_time_slices(*probe.network.module, time_slices) > 0 && save_memory;
-  const auto fixed_batch = fixed_count(tc.batch);
+  const auto fixed_batch = tc.batch;
   TORCH_CHECK(!fixed_batch || *fixed_batch > 0,
               "train.batch: 0 samples per batch; use auto or a count");
   BatchTaskPlan plan;
@@ -212,23 +209,24 @@ BatchTaskPlan plan_training_with(bool save_memory, const Config& config, const B
   plan.budget_bytes = budget;
   plan.step_budget_bytes = step_budget;
   plan.cuda_budget = device.is_cuda();
-  plan.checkpointing = tc.checkpointing;
+  plan.checkpointing = plan::to_string(tc.checkpointing);
   plan.recompute_norm = recompute_norm;
   plan.time_slices = sliced ? time_slices : 0;
   const int64_t stages = probe.network.stage_count();
   plan.static_bytes = plan::training_static_bytes(*probe.network.module, tc.optimizer);
-  const bool has_lean =
-      models::set_lean_backward(*probe.network.module, config.model.lean_backward != "false") > 0;
-  plan.lean_backward = has_lean && config.model.lean_backward != "false";
-  if (fixed_batch && tc.checkpointing != "auto") {  // nothing to choose
+  const bool has_lean = models::set_lean_backward(*probe.network.module,
+                                                  config.model.lean_backward.value_or(true)) > 0;
+  plan.lean_backward = has_lean && config.model.lean_backward.value_or(true);
+  if (fixed_batch && tc.checkpointing != plan::Recompute::AsNeeded) {  // nothing to choose
     plan.batch = plan.largest_batch = *fixed_batch;
-    plan.segments =
-        tc.checkpointing == "all" ? engine::recompute_every(stages, 1) : engine::store_all(stages);
+    plan.segments = tc.checkpointing == plan::Recompute::EveryStage
+                        ? engine::recompute_every(stages, 1)
+                        : engine::store_all(stages);
     return plan;
   }
   plan.planned = true;
   bool probe_lean = plan.lean_backward;  // the probe's convolution backward as calibrated
-  const auto recompute = plan::parse_recompute(tc.checkpointing);
+  const auto recompute = tc.checkpointing;
   // The batch and recomputation for the probe's measured costs; `fits`: whether that batch fits.
   const auto plan_measured = [&](BatchTaskPlan p, bool& fits) {
     // Per sample of a batch: the stored samples and labels of the optimizer step's
@@ -288,7 +286,7 @@ BatchTaskPlan plan_training_with(bool save_memory, const Config& config, const B
   // where it fits at least twice the batch, or a fixed batch oneDNN's does not fit.
   const bool lean_can_matter = plan.lean_backward && device.is_cpu() &&
                                plan.precision == engine::Precision::FP32 &&
-                               config.model.lean_backward == "auto";
+                               !config.model.lean_backward.has_value();
   bool fits = false;
   if (!lean_can_matter) return plan_measured(plan, fits);
   models::set_lean_backward(*probe.network.module, probe_lean = false);
@@ -317,14 +315,14 @@ BatchTaskPlan plan_training(const Config& config, const BatchData& data,
   const auto& tc = config.train;
   auto& module = *probe.network.module;
   const bool saves_memory =
-      tc.checkpointing != "off" &&
+      tc.checkpointing != plan::Recompute::Nothing &&
       (models::set_recompute_norm(module, false) > 0 || models::set_time_slices(module, 0) > 0);
   const auto plan_with = [&](bool save_memory) {
     return plan_training_with(save_memory, config, data, input, tracker, budget, step_budget, probe,
                               held);
   };
   if (!saves_memory) return plan_with(false);
-  if (tc.checkpointing == "auto" && fixed_count(tc.batch)) {
+  if (tc.checkpointing == plan::Recompute::AsNeeded && tc.batch) {
     auto plain = plan_with(false);
     const auto flags = engine::recomputed(plain.segments);
     if (plain.micro_batches == 1 && std::count(flags.begin(), flags.end(), true) == 0 &&
@@ -405,7 +403,7 @@ BatchModel build_batch_model(const Config& config, const std::vector<int64_t>& i
                 " classifies clips: use task clips, or model.network unet for segmentation");
     auto video =
         models::VideoResNet(models::VideoResNetOptions(kind).num_classes(classes).lean_backward(
-            config.model.lean_backward != "false"));
+            config.model.lean_backward.value_or(true)));
     if (!config.model.weights.empty()) {
       const auto report = load_model_weights(*video, config, false);
       bool only_fc = report.unexpected.empty() && report.mismatched.empty();
@@ -446,7 +444,7 @@ BatchModel build_batch_model(const Config& config, const std::vector<int64_t>& i
     std::vector<int64_t> wanted = {classes};
     if (!clips) wanted.insert(wanted.end(), input.begin() + 1, input.end());
     auto network = models::Network(models::NetworkOptions(config.model.layers, input)
-                                       .lean_backward(config.model.lean_backward != "false"));
+                                       .lean_backward(config.model.lean_backward.value_or(true)));
     TORCH_CHECK(shapes.output == wanted, "model.layers: the network's output per sample is ",
                 models::format_shape(shapes.output), " but task ", config.task, " needs ",
                 models::format_shape(wanted), " (one score per class", clips ? "" : " and pixel",
@@ -621,14 +619,15 @@ void replan_if_budget_changed(BatchProgress& progress, const std::string& change
     if (on_event) on_event(Event::note(kind, message));
   };
   auto held_config = config;
-  held_config.train.batch = std::to_string(progress.batch);
-  held_config.train.precision = engine::to_string(progress.precision);
+  held_config.train.batch = progress.batch;
+  held_config.train.precision = progress.precision;
   HeldSettings held{progress};
   const auto plan = plan_for(held_config, train_set, input, tracker, budget, step_budget, &held);
   progress.eval_batch = plan.eval_batch;
   const std::string kept = change + ": the checkpoint's " + describe_step(progress);
   if (!plan.planned) {
-    note(Event::Kind::Info, kept + " is kept (train.checkpointing " + config.train.checkpointing +
+    note(Event::Kind::Info, kept + " is kept (train.checkpointing " +
+                                plan::to_string(config.train.checkpointing) +
                                 " with a batch leaves nothing to plan)");
     return;
   }

@@ -192,7 +192,7 @@ std::vector<plan::Finding> diagnose_label_settings(const Config& config) {
                                  config.task, " trains model.network on pixels"),
                         "use model.encoder features with task phases"});
   }
-  const auto& best_by = config.train.best_by;
+  const std::string best_by = config.train.best_by.value_or("auto");
   if (config.task != "phases" && (best_by == "edit" || best_by.rfind("f1@", 0) == 0)) {
     findings.push_back(
         {plan::Finding::Severity::Error,
@@ -249,7 +249,7 @@ std::vector<plan::Finding> diagnose_task_settings(const Config& config) {
   }
   const auto masks = diagnose_label_settings(config);
   findings.insert(findings.end(), masks.begin(), masks.end());
-  if (fixed_count(config.train.eval_batch) == int64_t{0}) {
+  if (config.train.eval_batch == int64_t{0}) {
     findings.push_back({plan::Finding::Severity::Error,
                         "train.eval_batch 0: evaluation needs at least one sample per batch",
                         "set train.eval_batch to auto or a count of at least 1"});

@@ -87,11 +87,10 @@ StepPlan step_request(const Config& config, const data::VideoDataset& train_set,
   // A step takes train.accumulate videos, or every one where there are fewer.
   request.videos = std::max<int64_t>(1, std::min<int64_t>(tc.accumulate, train_set.size()));
   request.accumulate = 1;
-  request.chunk = fixed_count(tc.chunk);
-  request.keep = fixed_count(tc.keep);
-  request.precisions = tc.precision == "auto"
-                           ? plan::candidate_precisions(device)
-                           : std::vector<engine::Precision>{engine::parse_precision(tc.precision)};
+  request.chunk = tc.chunk;
+  request.keep = tc.keep;
+  request.precisions = tc.precision ? std::vector<engine::Precision>{*tc.precision}
+                                    : plan::candidate_precisions(device);
   for (const auto precision : request.precisions) engine::check_runs_on(precision, device);
   return result;
 }
@@ -118,7 +117,7 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
     return result;
   }
   // model.recompute_norm auto: the checkpoint's choice, else the planner's (below).
-  const bool auto_norm = config.model.recompute_norm == "auto";
+  const bool auto_norm = !config.model.recompute_norm.has_value();
   if (fixed) {
     request.chunk = fixed->chunk;
     request.keep = fixed->keep;
@@ -175,8 +174,8 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
     result.resumed = chosen;
     const auto& tc = config.train;
     auto again = request;
-    again.chunk = fixed_count(tc.chunk);
-    again.keep = fixed_count(tc.keep);
+    again.chunk = tc.chunk;
+    again.keep = tc.keep;
     again.cache_frozen.reset();
     if (!chosen.fits) {
       const auto replanned =
@@ -447,7 +446,7 @@ PhasesRun::PhasesRun(const Config& given, const RunStart& start, memory::Tracker
   options.loss.label_smoothing = tc.label_smoothing;
   if (tc.class_weights) weigh_classes(options);
   auto encoder = model_.frame_encoder();
-  if (encoder.parameters.empty() && tc.cache_features == "auto" && !reads_features(config_)) {
+  if (encoder.parameters.empty() && tc.cache_features && !reads_features(config_)) {
     if (config_.data.augment) {
       info(
           "the encoder trains nothing: with data.augment false its features would be computed "
