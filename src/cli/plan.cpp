@@ -290,8 +290,7 @@ int run_doctor(const Args& args) {
                 "(segmentation: data.resize), from which the input follows");
     // A clips or segmentation run steps within train.budget less the prefetch reserve (and the
     // largest decoded unit, which the doctor does not know: it reads no data).
-    const int64_t step_budget =
-        train::is_batch_task(config) ? train::step_budget_bytes(config, budget, 0) : budget;
+    const int64_t step_budget = train::is_batch_task(config) ? resolved.step : budget;
     return doctor_network(args, checked, budget, step_budget, data_findings);
   }
   return print_findings(args, plan::diagnose(plan_request(args), flag_budget(args, tracker)));

@@ -9,12 +9,13 @@
 
 namespace framefit::train {
 
-TrainingBudget resolve_budget(const Config& config, const memory::Tracker& tracker) {
+TrainingBudget resolve_budget(const Config& config, const memory::Tracker& tracker,
+                              int64_t largest_unit_bytes) {
   const torch::Device device(config.device);
   TrainingBudget b;
   if (config.train.budget <= 0) {
     b.total = b.tensors = tracker.available_bytes();
-    return b;
+    return for_largest_unit(config, b, largest_unit_bytes);
   }
   b.total = config.train.budget;
   if (device.is_cpu() && config.train.budget_covers == "process") {
@@ -27,7 +28,14 @@ TrainingBudget resolve_budget(const Config& config, const memory::Tracker& track
                 "or set train.budget_covers: tensors to budget the tensors alone");
   }
   b.tensors = b.total - b.runtime;
-  return b;
+  return for_largest_unit(config, b, largest_unit_bytes);
+}
+
+TrainingBudget for_largest_unit(const Config& config, TrainingBudget budget,
+                                int64_t largest_unit_bytes) {
+  budget.prefetch = prefetch_reserve_bytes(config, budget.tensors, largest_unit_bytes);
+  budget.step = step_budget_bytes(config, budget.tensors, largest_unit_bytes);
+  return budget;
 }
 
 std::string describe_budget(const TrainingBudget& budget) {

@@ -729,8 +729,8 @@ TEST(ClipTraining, ResumedUnderAnotherBudgetHoldsItsBatchAndRecomputesWhereItMus
       } catch (const c10::Error&) {  // the doctor's: not even the parameters fit
         return false;
       }
-      return p.batch == 5 && p.micro_batches == 1 &&
-             p.predicted_peak_bytes <= p.step_budget_bytes && (!plain || recomputed_stages(p) == 0);
+      return p.batch == 5 && p.micro_batches == 1 && p.predicted_peak_bytes <= p.budget.step &&
+             (!plain || recomputed_stages(p) == 0);
     };
     int64_t fits = config.train.budget, fails = 64 << 10;
     EXPECT_TRUE(holds(fits));
@@ -792,7 +792,7 @@ TEST(ClipTraining, TaskPlanRecordsTheBatchPlanAndItsTable) {
   EXPECT_TRUE(run.fits);
   EXPECT_EQ(run.record.at("batch"), planned.batch);
   EXPECT_EQ(run.record.at("predicted_peak_bytes"), planned.predicted_peak_bytes);
-  EXPECT_EQ(run.record.at("step_budget_bytes"), planned.step_budget_bytes);
+  EXPECT_EQ(run.record.at("step_budget_bytes"), planned.budget.step);
   EXPECT_EQ(run.record.at("eval_batch"), planned.eval_batch);
   ASSERT_EQ(run.record.at("table").size(), planned.table.size());
   EXPECT_EQ(run.record.at("table").at(0).at("batch"), planned.table.at(0).batch);
@@ -1640,7 +1640,7 @@ TEST(SegmentationTraining, FixedBatchOverTheBudgetIsPlannedAsMicroBatches) {
   EXPECT_EQ(plan.samples, 10);
   EXPECT_GT(plan.micro_batches, 1);
   EXPECT_TRUE(plan.recompute_norm);  // a fixed batch that needs recomputation
-  EXPECT_LE(plan.predicted_peak_bytes, plan.step_budget_bytes);
+  EXPECT_LE(plan.predicted_peak_bytes, plan.budget.step);
   EXPECT_NE(plan.describe().find(c10::str("batch 10 in ", plan.micro_batches, " micro-batches")),
             std::string::npos)
       << plan.describe();

@@ -244,6 +244,15 @@ TEST(Config, AProcessBudgetLeavesTheRuntimeItsShareOnTheCpu) {
   EXPECT_EQ(tensors.runtime, 0);
   EXPECT_EQ(tensors.tensors, gib);
   EXPECT_EQ(train::describe_budget(tensors), "train.budget 1.00 GiB");
+  // With the step budget and the prefetch reserve for the run's largest decoded unit.
+  const auto tensors_config = config("train:\n  budget: 1GiB\n  budget_covers: tensors\n");
+  const int64_t unit = int64_t{8} << 20;
+  const auto with_unit = train::resolve_budget(tensors_config, memory::Tracker::cpu(), unit);
+  EXPECT_EQ(with_unit.prefetch, train::prefetch_reserve_bytes(tensors_config, gib, unit));
+  EXPECT_EQ(with_unit.step, train::step_budget_bytes(tensors_config, gib, unit));
+  EXPECT_LT(with_unit.step, gib);
+  EXPECT_EQ(train::for_largest_unit(tensors_config, with_unit, 0).step,
+            train::step_budget_bytes(tensors_config, gib, 0));
   const auto cuda = train::resolve_budget(config("device: cuda\ntrain:\n  budget: 1GiB\n"),
                                           memory::Tracker::cpu());
   EXPECT_EQ(cuda.runtime, 0);
@@ -1203,7 +1212,7 @@ TEST(Training, TaskPlanRecordsThePhasesPlanAndSaysItInLines) {
   EXPECT_EQ(run.record.at("settings").at("keep"), planned.settings.keep);
   EXPECT_EQ(run.record.at("predicted_peak_bytes"), planned.breakdown.peak_bytes);
   EXPECT_EQ(run.record.at("breakdown").at("activations"), planned.breakdown.activations);
-  EXPECT_EQ(run.record.at("step_budget_bytes"), planned.step_budget_bytes);
+  EXPECT_EQ(run.record.at("step_budget_bytes"), planned.budget.step);
   EXPECT_EQ(run.record.at("videos"), planned.videos);
   ASSERT_GE(run.lines.size(), 3u);
   EXPECT_EQ(run.lines[0].rfind("framefit plan: resnet18 + ", 0), 0u) << run.lines[0];

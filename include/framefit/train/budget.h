@@ -1,8 +1,8 @@
 #pragma once
 // train.budget as a run spends it: the total, the process's own share under a process budget,
 // the tensors' budget the tracker holds the run to, and within it the data pipeline's prefetch
-// reserve and what a training step may use. Worked out when a run is planned (by train, plan
-// and doctor alike), and described the way plan lines say it.
+// reserve and what a training step may use. Worked out once when a run is planned (by train,
+// plan and doctor alike: resolve_budget), and described the way plan lines say it.
 #include <cstdint>
 #include <string>
 
@@ -19,6 +19,12 @@ struct TrainingBudget {
   // later (kRuntimeGrowthBytes: data workers, threads, kernels). 0 otherwise.
   int64_t runtime = 0;
   int64_t tensors = 0;  // total - runtime: the tracker's budget (and held limit) for the run
+  // Of tensors, for the run's largest decoded unit: the decoded frames the data pipeline may
+  // hold ahead (prefetch_reserve_bytes), and what a training step may use (step_budget_bytes:
+  // on the CPU the rest beside the decoded data; on CUDA all of it, less the caching
+  // allocator's margin for clips and segmentation).
+  int64_t prefetch = 0;
+  int64_t step = 0;
   bool covers_process() const { return runtime > 0; }
   // Under a process budget the allocator's cache is held within the tensors' budget too, so
   // that the resident memory stays within train.budget; 0 (the tracker's default) otherwise.
@@ -29,8 +35,14 @@ struct TrainingBudget {
 // 250 MiB after one without), and at least 235 MiB within a step (malloc's arenas, which the
 // step's small blocks fill and the release after it empties).
 constexpr int64_t kRuntimeGrowthBytes = int64_t(96) << 20;
-// `tracker`: config.device's, whose available memory is the budget where train.budget is 0.
-TrainingBudget resolve_budget(const Config& config, const memory::Tracker& tracker);
+// `tracker`: config.device's, whose available memory is the budget where train.budget is 0;
+// `largest_unit_bytes`: the largest unit (video, image and mask) the run decodes, 0 where unknown
+// (the doctor reads no data).
+TrainingBudget resolve_budget(const Config& config, const memory::Tracker& tracker,
+                              int64_t largest_unit_bytes = 0);
+// `budget` with its prefetch reserve and step budget for another largest decoded unit.
+TrainingBudget for_largest_unit(const Config& config, TrainingBudget budget,
+                                int64_t largest_unit_bytes);
 // "train.budget 1.00 GiB less the runtime's 233.1 MiB" (or "train.budget 1.00 GiB"), for plans.
 std::string describe_budget(const TrainingBudget& budget);
 // The resident memory a plan of `predicted_peak` in step budget `step_budget` should reach: the

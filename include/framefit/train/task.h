@@ -155,9 +155,9 @@ struct Diagnosis {
 };
 
 // What `framefit plan --config` says of a run, without training: whether its step fits the
-// budget, the plan as a record (`plan --config --json`; fits, planned, budget_bytes,
-// step_budget_bytes and predicted_peak_bytes mean the same for every task, the rest is the
-// task's: chunk and keep, or batch and recomputed stages) and as lines for a person.
+// budget, the plan as a record (`plan --config --json`; fits, planned, step_budget_bytes and
+// predicted_peak_bytes mean the same for every task, the rest is the task's: chunk and keep, or
+// batch and recomputed stages) and as lines for a person.
 struct RunPlan {
   bool fits = false;
   nlohmann::json record;

@@ -119,12 +119,8 @@ struct BatchTaskPlan {
   // (models/network.h; 0: whole), where BatchNorm recomputation would be (layer-list networks
   // without a norm after the convolution: seeds/001's).
   int64_t time_slices = 0;
-  // budget_bytes: the tensors' budget (TrainingBudget::tensors); runtime_bytes: what the process
-  // holds of train.budget beside it (on the CPU under train.budget_covers process, else 0).
-  int64_t budget_bytes = 0, step_budget_bytes = 0, runtime_bytes = 0;
-  TrainingBudget total_budget() const {
-    return {budget_bytes + runtime_bytes, runtime_bytes, budget_bytes};
-  }
+  // train.budget as the run spends it; the plan fits budget.step, for the largest decoded unit.
+  TrainingBudget budget;
   // The budget is a CUDA device's: the decoded data is in host memory, and the step budget is
   // the budget less plan::allocator_margin_bytes.
   bool cuda_budget = false;

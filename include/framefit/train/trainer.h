@@ -40,8 +40,9 @@ struct PhasePlan {
   plan::Breakdown breakdown;  // planned only
   std::string advice;         // when it does not fit: the least budget and how
   int64_t videos = 0, longest_frames = 0, frame_size = 0;
-  TrainingBudget budget;  // train.budget, the runtime's share of it, the tensors'
-  int64_t step_budget_bytes = 0;
+  // train.budget, the runtime's share of it, the tensors', the prefetch reserve and the step
+  // budget the plan fits (for the largest training video).
+  TrainingBudget budget;
 };
 // `tracker`: config.device's, which the calibration probes are measured on.
 PhasePlan plan_phases(const Config& config, memory::Tracker& tracker,

@@ -167,10 +167,10 @@ void plan_evaluation(BatchTaskPlan& plan, const Config& config, const BatchModel
   }
   const auto costs = plan::calibrate_inference(
       probe.network, random_samples(plan.input, tracker.device()), plan.static_bytes,
-      stored_sample_bytes(config, plan.input) + 4 * elements(plan.input), plan.step_budget_bytes,
-      tracker, plan.precision, kMaxEvalBatch);
+      stored_sample_bytes(config, plan.input) + 4 * elements(plan.input), plan.budget.step, tracker,
+      plan.precision, kMaxEvalBatch);
   const auto planned =
-      plan::plan_batch(costs, plan.step_budget_bytes, plan::Recompute::Nothing, kMaxEvalBatch);
+      plan::plan_batch(costs, plan.budget.step, plan::Recompute::Nothing, kMaxEvalBatch);
   // Not even one sample: evaluation splits batches that run out of memory down to one sample.
   plan.eval_batch = std::max<int64_t>(1, planned.batch);
   plan.eval_peak_bytes = planned.predicted_peak_bytes;
@@ -189,10 +189,11 @@ struct HeldSettings {
 // probe, where the network has them).
 BatchTaskPlan plan_training_with(bool save_memory, const Config& config, const BatchData& data,
                                  const std::vector<int64_t>& input, memory::Tracker& tracker,
-                                 int64_t budget, int64_t step_budget, BatchModel& probe,
+                                 const TrainingBudget& budget, BatchModel& probe,
                                  HeldSettings* held) {
   const auto& tc = config.train;
   const auto device = tracker.device();
+  const int64_t step_budget = budget.step;
   const bool recompute_norm =
       models::set_recompute_norm(*probe.network.module, save_memory) > 0 && save_memory;
   const int64_t time_slices = save_memory ? models::kTimeSlices : 0;
@@ -206,8 +207,7 @@ BatchTaskPlan plan_training_with(bool save_memory, const Config& config, const B
   plan.samples = data.samples();
   plan.accumulate = tc.accumulate;
   plan.precision = batch_precision(config);
-  plan.budget_bytes = budget;
-  plan.step_budget_bytes = step_budget;
+  plan.budget = budget;
   plan.cuda_budget = device.is_cuda();
   plan.checkpointing = plan::to_string(tc.checkpointing);
   plan.recompute_norm = recompute_norm;
@@ -310,16 +310,15 @@ BatchTaskPlan plan_training_with(bool save_memory, const Config& config, const B
 // nothing measurable (bench/results/layers.md).
 BatchTaskPlan plan_training(const Config& config, const BatchData& data,
                             const std::vector<int64_t>& input, memory::Tracker& tracker,
-                            int64_t budget, int64_t step_budget, BatchModel& probe,
-                            HeldSettings* held) {
+                            const TrainingBudget& budget, BatchModel& probe, HeldSettings* held) {
+  const int64_t step_budget = budget.step;
   const auto& tc = config.train;
   auto& module = *probe.network.module;
   const bool saves_memory =
       tc.checkpointing != plan::Recompute::Nothing &&
       (models::set_recompute_norm(module, false) > 0 || models::set_time_slices(module, 0) > 0);
   const auto plan_with = [&](bool save_memory) {
-    return plan_training_with(save_memory, config, data, input, tracker, budget, step_budget, probe,
-                              held);
+    return plan_training_with(save_memory, config, data, input, tracker, budget, probe, held);
   };
   if (!saves_memory) return plan_with(false);
   if (tc.checkpointing == plan::Recompute::AsNeeded && tc.batch) {
@@ -338,8 +337,7 @@ BatchTaskPlan plan_training(const Config& config, const BatchData& data,
 // that move BatchNorm statistics and the random generator, which must not touch the run).
 BatchTaskPlan plan_for(const Config& config, const BatchData& data,
                        const std::vector<int64_t>& input, memory::Tracker& tracker,
-                       const TrainingBudget& resolved, int64_t step_budget,
-                       HeldSettings* held = nullptr) {
+                       const TrainingBudget& resolved, HeldSettings* held = nullptr) {
   const int64_t budget = resolved.tensors;
   // Weights that cannot fit are named before the probe allocates them: a layer list's 30 GiB
   // convolution ended in the system's out-of-memory error instead of the doctor's finding.
@@ -353,8 +351,7 @@ BatchTaskPlan plan_for(const Config& config, const BatchData& data,
   }
   auto probe = build_batch_model(config, input);
   probe.network.module->train();
-  auto plan = plan_training(config, data, input, tracker, budget, step_budget, probe, held);
-  plan.runtime_bytes = resolved.runtime;
+  auto plan = plan_training(config, data, input, tracker, resolved, probe, held);
   if (plan.batch > 0) plan_evaluation(plan, config, probe, tracker);
   return plan;
 }
@@ -541,7 +538,7 @@ std::string BatchTaskPlan::describe() const {
   const auto recompute = engine::recomputed(segments);
   const auto count = std::count(recompute.begin(), recompute.end(), true);
   if (batch == 0) {
-    return c10::str("training does not fit in ", describe_budget(total_budget()),
+    return c10::str("training does not fit in ", describe_budget(budget),
                     ": one sample needs at least ", memory::format_bytes(minimum_bytes_one_sample),
                     " with the checkpointing plan that holds the least; raise train.budget or "
                     "shrink the input");
@@ -566,11 +563,11 @@ std::string BatchTaskPlan::describe() const {
       lean_backward ? ", lean convolution backward" : "",
       recompute_norm ? ", BatchNorm recomputed" : "",
       time_slices > 0 ? c10::str(", ", time_slices, " time slices") : "", ", predicted peak ",
-      memory::format_bytes(predicted_peak_bytes), " of ", memory::format_bytes(step_budget_bytes),
-      cuda_budget ? c10::str(" (budget ", memory::format_bytes(budget_bytes), " less ",
-                             memory::format_bytes(budget_bytes - step_budget_bytes),
+      memory::format_bytes(predicted_peak_bytes), " of ", memory::format_bytes(budget.step),
+      cuda_budget ? c10::str(" (budget ", memory::format_bytes(budget.tensors), " less ",
+                             memory::format_bytes(budget.tensors - budget.step),
                              " for CUDA's caching allocator)")
-                  : describe_step_budget(total_budget(), step_budget_bytes, predicted_peak_bytes),
+                  : describe_step_budget(budget, budget.step, predicted_peak_bytes),
       ": static ", memory::format_bytes(static_bytes),
       library_bytes > 0 ? c10::str(", CUDA libraries ", memory::format_bytes(library_bytes)) : "",
       ", inputs ", memory::format_bytes(input_bytes), ", activations ",
@@ -612,9 +609,9 @@ std::string describe_step(const BatchProgress& p) {
 void replan_if_budget_changed(BatchProgress& progress, const std::string& change,
                               const Config& config, const BatchData& train_set,
                               const std::vector<int64_t>& input, memory::Tracker& tracker,
-                              const TrainingBudget& budget, int64_t step_budget,
-                              const EventCallback& on_event) {
+                              const TrainingBudget& budget, const EventCallback& on_event) {
   if (change.empty()) return;
+  const int64_t step_budget = budget.step;
   const auto note = [&](Event::Kind kind, const std::string& message) {
     if (on_event) on_event(Event::note(kind, message));
   };
@@ -622,7 +619,7 @@ void replan_if_budget_changed(BatchProgress& progress, const std::string& change
   held_config.train.batch = progress.batch;
   held_config.train.precision = progress.precision;
   HeldSettings held{progress};
-  const auto plan = plan_for(held_config, train_set, input, tracker, budget, step_budget, &held);
+  const auto plan = plan_for(held_config, train_set, input, tracker, budget, &held);
   progress.eval_batch = plan.eval_batch;
   const std::string kept = change + ": the checkpoint's " + describe_step(progress);
   if (!plan.planned) {
@@ -677,10 +674,11 @@ BatchTaskPlan plan_batch_task(const Config& config, memory::Tracker& tracker,
   check_train_settings(config);
   warn_if_budget_beyond_device(config, tracker, on_event);
   const auto data = batch_data_with_samples(config, config.data.train_split, true, on_event);
-  const auto budget = resolve_budget(config, tracker);
-  const int64_t step_budget = step_budget_bytes(
-      config, budget.tensors, largest_unit_bytes(*data, validation_data(config, on_event).get()));
-  return plan_for(config, *data, data->sample_shape(), tracker, budget, step_budget);
+  // Resolved before the validation data is read, as training resolves it once its data is.
+  const auto resolved = resolve_budget(config, tracker);
+  const auto budget = for_largest_unit(
+      config, resolved, largest_unit_bytes(*data, validation_data(config, on_event).get()));
+  return plan_for(config, *data, data->sample_shape(), tracker, budget);
 }
 
 namespace {
@@ -746,10 +744,8 @@ BatchRun::BatchRun(const Config& config, const RunStart& start, memory::Tracker&
   write_config(config_, start.out_dir);
 
   const auto input = train_set_->sample_shape();
-  budget_ = resolve_budget(config_, tracker);
-  const int64_t largest_unit = largest_unit_bytes(*train_set_, val_set_.get());
-  const int64_t step_budget = step_budget_bytes(config_, budget_.tensors, largest_unit);
-  prefetch_bytes_ = prefetch_reserve_bytes(config_, budget_.tensors, largest_unit);
+  budget_ = resolve_budget(config_, tracker, largest_unit_bytes(*train_set_, val_set_.get()));
+  prefetch_bytes_ = budget_.prefetch;
 
   progress_.precision = batch_precision(config_);
   if (const auto slow = engine::slow_precision_reason(progress_.precision, device); !slow.empty())
@@ -760,20 +756,20 @@ BatchRun::BatchRun(const Config& config, const RunStart& start, memory::Tracker&
     info("resuming from " + start.resume_from + " at step " + std::to_string(progress_.step) +
          " with its batch of " + std::to_string(progress_.batch));
     replan_if_budget_changed(progress_, budget_change(*start.stored, config_), config_, *train_set_,
-                             input, tracker, budget_, step_budget, on_event);
+                             input, tracker, budget_, on_event);
   } else {
-    const auto plan = plan_for(config_, *train_set_, input, tracker, budget_, step_budget);
+    const auto plan = plan_for(config_, *train_set_, input, tracker, budget_);
     TORCH_CHECK(plan.batch > 0, plan.describe());
     if (plan.largest_batch > plan.batch && plan.planned) {
       info(c10::str("the budget fits a batch of ", plan.largest_batch, "; using ", plan.batch,
                     ", every training sample"));
     }
     info(plan.describe());
-    if (plan.planned && plan.predicted_peak_bytes > plan.step_budget_bytes) {
+    if (plan.planned && plan.predicted_peak_bytes > plan.budget.step) {
       emit(Event::note(Event::Kind::Warning,
                        c10::str("train.batch ", plan.batch, " is predicted to need ",
                                 memory::format_bytes(plan.predicted_peak_bytes), ", more than ",
-                                memory::format_bytes(plan.step_budget_bytes),
+                                memory::format_bytes(plan.budget.step),
                                 " even one sample at a time; steps that run out of memory are "
                                 "retried, but train.batch auto would fit the budget")));
     }

@@ -54,9 +54,9 @@ struct StepPlan {
   std::map<engine::Precision, plan::ChunkCosts> costs;
   plan::Plan chosen;
   bool planned = false;
-  TrainingBudget resolved;  // train.budget as the run spends it
-  // What the step may use of the tensors' budget, and the prefetch reserve the rest holds.
-  int64_t step_budget = 0, prefetch = 0;
+  // train.budget as the run spends it: the step's budget and the prefetch reserve for the
+  // training split's largest video.
+  TrainingBudget resolved;
   // A resumed run under a changed budget: the prediction for the checkpoint's settings, and
   // whether they were replaced because they do not fit it.
   std::optional<plan::Plan> resumed;
@@ -65,21 +65,19 @@ struct StepPlan {
 
 // The step `train` runs for the longest training video, and the budget it is planned in:
 // `resolved` (resolve_budget's: train.budget, else the device's available memory, less on the
-// CPU the runtime's share), less the prefetch reserve.
+// CPU the runtime's share) with its step budget for the largest training video.
 StepPlan step_request(const Config& config, const data::VideoDataset& train_set,
                       const TrainingBudget& resolved) {
   const auto& tc = config.train;
   const torch::Device device(config.device);
   StepPlan result;
-  result.resolved = resolved;
   int64_t longest = 0, shortest = std::numeric_limits<int64_t>::max(), largest_bytes = 0;
   for (int64_t i = 0; i < train_set.size(); ++i) {
     longest = std::max(longest, train_set.frames(i));
     shortest = std::min(shortest, train_set.frames(i));
     largest_bytes = std::max(largest_bytes, train_set.frame_bytes(i));
   }
-  result.step_budget = step_budget_bytes(config, result.resolved.tensors, largest_bytes);
-  result.prefetch = prefetch_reserve_bytes(config, result.resolved.tensors, largest_bytes);
+  result.resolved = for_largest_unit(config, resolved, largest_bytes);
   auto& request = result.request;
   request.model = model_spec(config, frame_size_for_planning(train_set), device);
   request.frames = longest;
@@ -160,14 +158,14 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
       result.costs[precision] = plan::calibrate(request.model, script_frame_encoder(probe_script),
                                                 script_features, precision, tracker);
     }
-    chosen = plan::fit(request, result.sizes, result.costs, result.step_budget, kStepMargin);
+    chosen = plan::fit(request, result.sizes, result.costs, result.resolved.step, kStepMargin);
   } else {
     plan::CalibrationCache cache(plan::CalibrationCache::default_path());
     const plan::Calibrator calibrator{cache, tracker, info};
     result.costs = plan::calibrated_costs(request.model, request.precisions, calibrator);
     // request.model.recompute_norm and the costs (the replanner's) become those chosen.
     chosen = plan::plan_chunked_step(request, result.sizes, result.costs, calibrator,
-                                     result.step_budget, kStepMargin, choose_norm);
+                                     result.resolved.step, kStepMargin, choose_norm);
   }
   if (!chosen.reason.empty()) info(chosen.reason);
   if (fixed && check_fixed) {
@@ -179,7 +177,7 @@ StepPlan plan_step(const Config& config, const data::VideoDataset& train_set,
     again.cache_frozen.reset();
     if (!chosen.fits) {
       const auto replanned =
-          plan::fit(again, result.sizes, result.costs, result.step_budget, kStepMargin);
+          plan::fit(again, result.sizes, result.costs, result.resolved.step, kStepMargin);
       if (replanned.fits) {
         chosen = replanned;
         result.replanned = true;
@@ -216,7 +214,6 @@ PhasePlan plan_phases(const Config& config, memory::Tracker& tracker,
   result.longest_frames = step.request.frames;
   result.frame_size = step.request.model.size;
   result.budget = step.resolved;
-  result.step_budget_bytes = step.step_budget;
   return result;
 }
 
@@ -259,14 +256,14 @@ std::vector<plan::Finding> diagnose_phases(const Config& config, const TrainingB
     return findings;
   }
   const auto step = step_request(config, *train_set, budget);
-  const auto more = plan::diagnose(step.request, step.step_budget);
+  const auto more = plan::diagnose(step.request, step.resolved.step);
   findings.insert(findings.end(), more.begin(), more.end());
   if (summary) {
     const int64_t size = step.request.model.size;
     *summary =
         c10::str(train_set->size(), " training videos, the longest ", step.request.frames,
                  " sampled frames at ", size, "x", size, "; step budget ",
-                 memory::format_bytes(step.step_budget), " (", describe_budget(step.resolved),
+                 memory::format_bytes(step.resolved.step), " (", describe_budget(step.resolved),
                  step.resolved.covers_process() ? " and " : " less ",
                  "the prefetch reserve); `framefit plan --config` chooses the settings");
   }
@@ -378,9 +375,9 @@ PhasesRun::PhasesRun(const Config& given, const RunStart& start, memory::Tracker
       [this](const std::string& message) { info(message); }, !budget_changed.empty());
   const auto& chosen = step_plan.chosen;
   const bool planned = step_plan.planned;
-  const int64_t step_budget = step_plan.step_budget;
+  const int64_t step_budget = step_plan.resolved.step;
   budget_ = step_plan.resolved;
-  prefetch_bytes_ = step_plan.prefetch;
+  prefetch_bytes_ = step_plan.resolved.prefetch;
   TORCH_CHECK(chosen.fits, "training does not fit in ", describe_budget(step_plan.resolved), ": ",
               chosen.advice);
 

@@ -1,6 +1,6 @@
 // Each task's plan as Task::plan gives it (train/task.h): one record whose keys say the same for
-// every task where they mean the same (fits, planned, budget_bytes, step_budget_bytes,
-// predicted_peak_bytes), and the lines `framefit plan --config` prints.
+// every task where they mean the same (fits, planned, step_budget_bytes, predicted_peak_bytes),
+// and the lines `framefit plan --config` prints.
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
@@ -26,11 +26,11 @@ RunPlan phase_run_plan(const Config& config, const PhasePlan& plan) {
             {"frame_size", plan.frame_size},
             {"budget_bytes", plan.budget.total},
             {"runtime_bytes", plan.budget.runtime},
-            {"step_budget_bytes", plan.step_budget_bytes}};
+            {"step_budget_bytes", plan.budget.step}};
   const auto& budget = plan.budget;
   const int64_t expected_rss =
       plan.planned && budget.covers_process()
-          ? expected_rss_bytes(budget, plan.step_budget_bytes, plan.breakdown.peak_bytes)
+          ? expected_rss_bytes(budget, plan.budget.step, plan.breakdown.peak_bytes)
           : 0;
   if (plan.planned) {
     record["predicted_peak_bytes"] = plan.breakdown.peak_bytes;
@@ -51,13 +51,12 @@ RunPlan phase_run_plan(const Config& config, const PhasePlan& plan) {
       "framefit plan: ", config.model.encoder, " + ", config.model.head, " head, ", plan.videos,
       " training videos, the longest ", plan.longest_frames, " frames of ", plan.frame_size, "x",
       plan.frame_size, ", budget ", memory::format_bytes(budget.total),
-      plan.step_budget_bytes < budget.total
-          ? c10::str(" (step budget ", memory::format_bytes(plan.step_budget_bytes), ": less ",
+      plan.budget.step < budget.total
+          ? c10::str(" (step budget ", memory::format_bytes(plan.budget.step), ": less ",
                      budget.covers_process()
                          ? "the runtime's " + memory::format_bytes(budget.runtime) + " and "
                          : std::string(),
-                     memory::format_bytes(budget.tensors - plan.step_budget_bytes),
-                     " of decoded data)")
+                     memory::format_bytes(budget.tensors - plan.budget.step), " of decoded data)")
           : std::string()));
   if (!plan.planned) {
     lines.push_back("  " + plan::describe(plan.settings) + " (fixed by the config; not planned)");
@@ -97,8 +96,8 @@ RunPlan batch_run_plan(const Config& config, const BatchTaskPlan& plan) {
       {"time_slices", plan.time_slices},
       {"recomputed_stages", std::count(flags.begin(), flags.end(), true)},
       {"stages", flags.size()},
-      {"budget_bytes", plan.budget_bytes},
-      {"step_budget_bytes", plan.step_budget_bytes},
+      {"budget_bytes", plan.budget.tensors},  // the phases plan's is train.budget (total)
+      {"step_budget_bytes", plan.budget.step},
       {"static_bytes", plan.static_bytes},
       {"library_bytes", plan.library_bytes},
       {"input_bytes", plan.input_bytes},
@@ -131,7 +130,7 @@ RunPlan batch_run_plan(const Config& config, const BatchTaskPlan& plan) {
            right(recomputed, 12) + " " + right(fits, 5);
   };
   out.table.push_back(c10::str("  predicted peak per batch, ", engine::to_string(plan.precision),
-                               " (step budget ", memory::format_bytes(plan.step_budget_bytes),
+                               " (step budget ", memory::format_bytes(plan.budget.step),
                                ", train.checkpointing ", plan.checkpointing, "):"));
   out.table.push_back(row("batch", "no checkpointing", "planned", "recomputed", "fits"));
   for (const auto& r : plan.table) {
