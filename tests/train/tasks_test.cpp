@@ -29,6 +29,7 @@
 #include "framefit/train/task.h"
 #include "framefit/train/tasks.h"
 #include "framefit/train/trainer.h"
+#include "train/tasks/plans.h"
 
 using namespace framefit;
 

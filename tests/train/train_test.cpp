@@ -28,6 +28,7 @@
 #include "framefit/train/tasks.h"
 #include "framefit/train/timeline.h"
 #include "framefit/train/trainer.h"
+#include "train/tasks/plans.h"
 
 using namespace framefit;
 

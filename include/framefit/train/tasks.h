@@ -89,58 +89,6 @@ ClipPrediction predict_clips_file(BatchModel& model, const std::string& video, d
 std::vector<torch::Tensor> predict_masks(BatchModel& model, const std::vector<std::string>& images,
                                          const EventCallback& on_event = {});
 
-// What a clips or segmentation run will use: the batch and the stages recomputed, with the
-// predicted peak in parts. Planned (train.batch or train.checkpointing auto) from the network
-// calibrated on a probe copy for train.budget less the prefetch reserve; capped at the number
-// of training samples.
-struct BatchTaskPlan {
-  bool planned = false;        // false: train.batch and train.checkpointing fixed by the config
-  int64_t batch = 0;           // 0: not even one sample fits
-  int64_t largest_batch = 0;   // what the budget fits, before the cap
-  int64_t samples = 0;         // training samples
-  int64_t accumulate = 1;      // batches per optimizer step (train.accumulate), run one by one
-  // A fixed train.batch the budget does not hold even with recomputation runs as this many
-  // micro-batches (the fewest that fit), as a step that ran out of memory would end up doing.
-  int64_t micro_batches = 1;
-  std::vector<int64_t> input;  // per sample
-  engine::Precision precision = engine::Precision::FP32;
-  std::string checkpointing;
-  std::vector<engine::ChainSegment> segments;  // what to recompute (engine/checkpoint.h)
-  // What a step that runs out of memory is retried with first (engine/batch_step.h): the plan
-  // that holds the least at this batch; empty (not planned): every stage recomputed.
-  std::vector<engine::ChainSegment> fallback_segments;
-  // The video ResNets' lean convolution backward (models/conv3d.h, model.lean_backward).
-  bool lean_backward = false;
-  // BatchNorm and ReLU between convolutions recomputed in backward (models/norm_relu_conv.h):
-  // the cheapest recomputation, with train.checkpointing all, or auto unless a fixed batch
-  // needs none (R3D-18, R(2+1)D-18, UNet).
-  bool recompute_norm = false;
-  // Convolutions with the ReLU and pooling after them run over this many slices along time
-  // (models/network.h; 0: whole), where BatchNorm recomputation would be (layer-list networks
-  // without a norm after the convolution: seeds/001's).
-  int64_t time_slices = 0;
-  // train.budget as the run spends it; the plan fits budget.step, for the largest decoded unit.
-  TrainingBudget budget;
-  // The budget is a CUDA device's: the decoded data is in host memory, and the step budget is
-  // the budget less plan::allocator_margin_bytes.
-  bool cuda_budget = false;
-  // Predicted peak = static (parameters, buffers, gradients, optimizer state) + inputs (stored
-  // samples and labels of the accumulated batches, on CUDA only the running batch's copy of
-  // them, and the float input of one) + activations (the chain plan's); 0 when not planned.
-  int64_t static_bytes = 0, input_bytes = 0, activation_bytes = 0, predicted_peak_bytes = 0;
-  int64_t library_bytes = 0;  // CUDA's math libraries' workspaces, in the predicted peak
-  int64_t minimum_bytes_one_sample = 0;  // with everything recomputed
-  // Validation's batch (eval mode, no grad: plan::calibrate_inference) and its predicted peak
-  // (0 when train.eval_batch is a count).
-  int64_t eval_batch = 0, eval_peak_bytes = 0;
-  // Predicted peaks per batch size for the step budget (`framefit plan --config --table`).
-  std::vector<plan::BatchRow> table;
-  std::string describe() const;  // one line, as `framefit train` logs it
-};
-// `tracker`: config.device's, which the probes are measured on.
-BatchTaskPlan plan_batch_task(const Config& config, memory::Tracker& tracker,
-                              const EventCallback& on_event = {});
-
 // How labels are read and scored: data.ignore_id and data.mask_values set for a task without
 // masks, or not fitting data.classes; data.background and a segmental train.best_by (edit,
 // f1@k) for a task without frame sequences, or a background naming no class. Errors: part of
@@ -150,16 +98,6 @@ std::vector<plan::Finding> diagnose_label_settings(const Config& config);
 // train.* settings a clips or segmentation config sets that do not apply to it (train.smoothing,
 // for frame sequences) as errors; training and planning refuse such a config.
 std::vector<plan::Finding> diagnose_task_settings(const Config& config);
-
-// The doctor for a clips or segmentation config whose network is named (r3d_18, r2plus1d_18,
-// unet, torchscript; layer lists have plan::diagnose_network): sizes from the options alone (a
-// TorchScript file's tensors read into host memory), nothing allocated on the device, no data
-// read (diagnose_batch_data reads it). Errors: a network that does not fit the task, a UNet whose
-// depth does not divide data.resize, frames smaller than a video ResNet's stride, a TorchScript
-// file that does not load, static memory (parameters, buffers, gradients, optimizer state) above
-// the budget. `static_bytes` receives that static memory.
-std::vector<plan::Finding> diagnose_batch_task(const Config& config, int64_t budget_bytes,
-                                               int64_t* static_bytes = nullptr);
 
 // The doctor on a clips or segmentation config's data: each of its splits built as training
 // builds it, every video probed (each bad one named, not only the first) and for segmentation

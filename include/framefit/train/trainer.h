@@ -29,33 +29,6 @@ class TorchScriptEncoderImpl;
 
 namespace framefit::train {
 
-// What `train` will run a phases config with, without training: the step settings for the
-// longest training video at the largest frame size, within train.budget less the prefetch
-// reserve (data.prefetch_bytes, at most a quarter), and the predicted peak in parts. Calibrates
-// the encoder when not cached (seconds); a TorchScript encoder each time.
-struct PhasePlan {
-  bool planned = false;  // false: train.chunk, train.keep and train.precision fix the settings
-  bool fits = false;
-  plan::StepSettings settings;
-  plan::Breakdown breakdown;  // planned only
-  std::string advice;         // when it does not fit: the least budget and how
-  int64_t videos = 0, longest_frames = 0, frame_size = 0;
-  // train.budget, the runtime's share of it, the tensors', the prefetch reserve and the step
-  // budget the plan fits (for the largest training video).
-  TrainingBudget budget;
-};
-// `tracker`: config.device's, which the calibration probes are measured on.
-PhasePlan plan_phases(const Config& config, memory::Tracker& tracker,
-                      const EventCallback& on_event = {});
-
-// `framefit doctor --config` on a phases config: nothing trained, calibrated or decoded. Every
-// split's videos are probed as training probes them (manifest, files, frame counts against the
-// annotations, phase names), each bad video one error rather than the first alone; then the
-// step for the longest training video is checked by plan::diagnose within the step budget of
-// `budget` (resolve_budget's). `summary`, when given, says what was checked.
-std::vector<plan::Finding> diagnose_phases(const Config& config, const TrainingBudget& budget,
-                                           std::string* summary = nullptr);
-
 // The config stored in a checkpoint (its task says whether load_model or load_batch_model reads
 // it).
 Config checkpoint_config(const std::string& checkpoint);

@@ -8,6 +8,7 @@
 #include "framefit/models/unet.h"
 #include "framefit/models/video_resnet.h"
 #include "framefit/train/tasks.h"
+#include "plans.h"
 
 namespace framefit::train {
 

@@ -8,6 +8,7 @@
 #include "framefit/train/task.h"
 #include "framefit/train/tasks.h"
 #include "framefit/train/trainer.h"
+#include "plans.h"
 
 namespace framefit::train::detail {
 
