@@ -382,9 +382,14 @@ Plan plan_chunked_step(PlanRequest& request, const StaticSizes& sizes,
                        std::map<engine::Precision, ChunkCosts>& costs, const Calibrator& calibrator,
                        int64_t budget_bytes, double margin, bool choose_norm) {
   const bool fixed = request.chunk || request.keep || request.cache_frozen || request.accumulate;
-  // The request and costs as given, for the advice below: the fixed plan changes both.
-  auto relaxed_request = request;
-  auto relaxed_costs = costs;
+  // With fixed settings, the request and costs as given, for the advice below: the fixed plan
+  // changes both.
+  std::optional<PlanRequest> relaxed_request;
+  std::optional<std::map<engine::Precision, ChunkCosts>> relaxed_costs;
+  if (fixed) {
+    relaxed_request = request;
+    relaxed_costs = costs;
+  }
   auto plan = choose_norm ? fit_choosing_recompute_norm(request, sizes, costs, calibrator,
                                                         budget_bytes, margin)
                           : fit(request, sizes, costs, budget_bytes, margin);
@@ -393,11 +398,11 @@ Plan plan_chunked_step(PlanRequest& request, const StaticSizes& sizes,
   if (!plan.fits && fixed) {
     // What this same path plans with the fixed settings left auto, on the copies: `request` and
     // `costs` stay the fixed plan's (the replanner plans with them).
-    relaxed_request.chunk.reset();
-    relaxed_request.keep.reset();
-    relaxed_request.cache_frozen.reset();
-    relaxed_request.accumulate.reset();
-    const auto relaxed = plan_chunked_step(relaxed_request, sizes, relaxed_costs, calibrator,
+    relaxed_request->chunk.reset();
+    relaxed_request->keep.reset();
+    relaxed_request->cache_frozen.reset();
+    relaxed_request->accumulate.reset();
+    const auto relaxed = plan_chunked_step(*relaxed_request, sizes, *relaxed_costs, calibrator,
                                            budget_bytes, margin, choose_norm);
     plan.advice = plan.needs;
     if (relaxed.fits) plan.advice += fits_when_auto(relaxed.settings, relaxed.accumulate);
