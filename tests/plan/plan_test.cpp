@@ -35,6 +35,14 @@ int64_t count(const std::vector<torch::Tensor>& tensors, bool trained_only) {
 }
 
 plan::ModelSpec tiny_spec() { return test_util::tiny_plan_spec(); }
+
+// A request to plan the tiny model's step over `frames` frames.
+plan::PlanRequest tiny_request(int64_t frames) {
+  plan::PlanRequest request;
+  request.model = tiny_spec();
+  request.frames = frames;
+  return request;
+}
 using test_util::quick_calibration;
 
 struct Model {
@@ -289,9 +297,7 @@ TEST(MemoryModel, LibraryWorkspacesCountInEveryPhaseAndTheMinimum) {
 }
 
 TEST(Planner, ChoosesTheFastestThatFitsAndRespectsFixedSettings) {
-  plan::PlanRequest request;
-  request.model = tiny_spec();
-  request.frames = 1000;
+  auto request = tiny_request(1000);
   const auto sizes = plan::static_sizes(request.model);
   const std::map<Precision, plan::ChunkCosts> costs = {{Precision::FP32, synthetic_costs()},
                                                         {Precision::BF16, synthetic_costs(0.5)}};
@@ -328,9 +334,7 @@ TEST(Planner, ChoosesTheFastestThatFitsAndRespectsFixedSettings) {
 TEST(Planner, AdviceForFixedSettingsNamesWhatTheAutoPlanChooses) {
   // `plan --chunk 0` in a budget only chunking fits: the advice's "fits if left to the planner"
   // is the plan the auto path makes (recalibrated at its chunk), not another candidate's.
-  plan::PlanRequest request;
-  request.model = tiny_spec();
-  request.frames = 200;
+  auto request = tiny_request(200);
   const auto sizes = plan::static_sizes(request.model);
   const std::map<Precision, plan::ChunkCosts> costs = {{Precision::FP32, tiny_costs()}};
   const auto [smallest, naive_peak] = smallest_budget_and_naive_peak(request, sizes, costs);
@@ -360,9 +364,7 @@ TEST(Planner, AdviceForFixedSettingsNamesWhatTheAutoPlanChooses) {
 
 TEST(Planner, TakesBf16OverFp32OnlyWhereClearlyFaster) {
   // A roomy budget: both fit naive training, and only the predicted time decides.
-  plan::PlanRequest request;
-  request.model = tiny_spec();
-  request.frames = 100;
+  auto request = tiny_request(100);
   request.precisions = {Precision::FP32, Precision::BF16};
   const auto sizes = plan::static_sizes(request.model);
   const auto bf16_faster_by = [&](double gain) {
@@ -397,9 +399,7 @@ plan::ChunkCosts recomputed_costs(double kept, double slower) {
 }
 
 TEST(Planner, ChoosesBatchNormRecomputationWhereOnlyItFitsOrItIsFaster) {
-  plan::PlanRequest request;
-  request.model = tiny_spec();
-  request.frames = 1000;
+  auto request = tiny_request(1000);
   const auto sizes = plan::static_sizes(request.model);
   const std::map<Precision, plan::ChunkCosts> plain = {{Precision::FP32, synthetic_costs()}};
   const std::map<Precision, plan::ChunkCosts> recomputed = {
@@ -780,9 +780,7 @@ TEST(BatchPlanner, EvaluationBatchIsPlannedFromItsOwnForwardPass) {
 // than two-frame ones (ChunkCosts::one_frame), which the lines through larger chunks did not
 // show: a tight budget got one-frame chunks where two-frame ones fitted too.
 TEST(Planner, OneFrameChunksAreTimedAsMeasured) {
-  plan::PlanRequest request;
-  request.model = tiny_spec();
-  request.frames = 512;
+  auto request = tiny_request(512);
   request.keep = 0;
   const auto sizes = plan::static_sizes(request.model);
   // Lines by which smaller chunks are faster per frame, so that one-frame chunks are planned.
@@ -818,9 +816,7 @@ TEST(Planner, OneFrameChunksAreTimedAsMeasured) {
 }
 
 TEST(Planner, DoesNotFitNamesTheMinimumAndHowToGetThere) {
-  plan::PlanRequest request;
-  request.model = tiny_spec();
-  request.frames = 1000;
+  auto request = tiny_request(1000);
   request.chunk = 0;  // naive, forced
   const auto sizes = plan::static_sizes(request.model);
   const std::map<Precision, plan::ChunkCosts> costs = {{Precision::FP32, synthetic_costs()}};
@@ -1071,9 +1067,7 @@ TEST(Planner, ForcedTooLargeChunkFinishesByReplanning) {
 }
 
 TEST(Planner, LargestChunkFinderCountsTrials) {
-  plan::PlanRequest request;
-  request.model = tiny_spec();
-  request.frames = 512;
+  auto request = tiny_request(512);
   const auto sizes = plan::static_sizes(request.model);
   const auto costs = synthetic_costs();
   const int64_t budget = sizes.parameter_bytes + 4 * sizes.trained_bytes() + 100'000'000;
@@ -1116,9 +1110,7 @@ TEST(Planner, LargestChunkFinderCountsTrials) {
 }
 
 TEST(Doctor, FindsEachProblemWithoutAllocating) {
-  plan::PlanRequest request;
-  request.model = tiny_spec();
-  request.frames = 100;
+  auto request = tiny_request(100);
   auto& tracker = memory::Tracker::cpu();
   const int64_t allocations = tracker.allocation_count();
   EXPECT_TRUE(plan::diagnose(request, 0).empty());
