@@ -117,10 +117,6 @@ int64_t flag_budget(const Args& args, const memory::Tracker& tracker) {
   return args.bytes("budget") > 0 ? args.bytes("budget") : tracker.available_bytes();
 }
 
-void print_breakdown(const plan::Breakdown& b, int64_t margin) {
-  for (const auto& line : plan::breakdown_lines(b, margin)) fmt::print("{}\n", line);
-}
-
 int print_table(const Args& args, const plan::PlanRequest& request, const Calibrated& c,
                 int64_t budget, double margin) {
   const auto rows = plan::plan_table(request, c.sizes, c.costs, budget, margin);
@@ -401,7 +397,8 @@ int run_plan(const Args& args) {
     fmt::print("  does not fit: {}\n  smallest: {}\n", chosen.advice,
                plan::describe(chosen.settings, chosen.accumulate));
   }
-  print_breakdown(chosen.breakdown, chosen.margin_bytes);
+  for (const auto& line : plan::breakdown_lines(chosen.breakdown, chosen.margin_bytes))
+    fmt::print("{}\n", line);
   fmt::print("  predicted step time {:.2f} s ({} candidates evaluated)\n", chosen.step_seconds,
              chosen.candidates);
   if (largest) {

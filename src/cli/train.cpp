@@ -412,8 +412,8 @@ int run_eval(const Args& args) {
   request.overrides = args.list("set");
   if (args.has("split")) request.split = args.text("split");
   if (args.has("predictions")) request.predictions_folder = args.text("predictions");
-  const std::string relaxed_rules = args.has("relaxed") ? args.text("relaxed") : "";
-  request.relaxed_rules = relaxed_rules;
+  if (args.has("relaxed")) request.relaxed_rules = args.text("relaxed");
+  const std::string& relaxed_rules = request.relaxed_rules;
   // Opened before evaluating, so that a file that cannot be written (a folder of that name, no
   // permission) fails at once.
   std::ofstream out_file;

@@ -44,14 +44,12 @@ std::string describe_budget(const TrainingBudget& budget) {
   return total + " less the runtime's " + memory::format_bytes(budget.runtime);
 }
 
-int64_t expected_rss_bytes(const TrainingBudget& budget, int64_t step_budget,
-                           int64_t predicted_peak) {
-  return budget.runtime + (budget.tensors - step_budget) + predicted_peak;
+int64_t expected_rss_bytes(const TrainingBudget& budget, int64_t predicted_peak) {
+  return budget.runtime + (budget.tensors - budget.step) + predicted_peak;
 }
 
-std::string describe_step_budget(const TrainingBudget& budget, int64_t step_budget,
-                                 int64_t predicted_peak) {
-  const int64_t data = budget.tensors - step_budget;
+std::string describe_step_budget(const TrainingBudget& budget, int64_t predicted_peak) {
+  const int64_t data = budget.tensors - budget.step;
   if (!budget.covers_process() && data <= 0) return "";
   std::string text = " (" + describe_budget(budget);
   if (data > 0) {
@@ -61,9 +59,8 @@ std::string describe_step_budget(const TrainingBudget& budget, int64_t step_budg
   text += ")";
   if (budget.covers_process()) {
     text += "; expected RSS about " +
-            memory::format_bytes(expected_rss_bytes(budget, step_budget, predicted_peak)) +
-            " (up to " + memory::format_bytes(budget.total) +
-            " with the freed blocks the allocator keeps)";
+            memory::format_bytes(expected_rss_bytes(budget, predicted_peak)) + " (up to " +
+            memory::format_bytes(budget.total) + " with the freed blocks the allocator keeps)";
   }
   return text;
 }

@@ -45,17 +45,16 @@ TrainingBudget for_largest_unit(const Config& config, TrainingBudget budget,
                                 int64_t largest_unit_bytes);
 // "train.budget 1.00 GiB less the runtime's 233.1 MiB" (or "train.budget 1.00 GiB"), for plans.
 std::string describe_budget(const TrainingBudget& budget);
-// The resident memory a plan of `predicted_peak` in step budget `step_budget` should reach: the
-// runtime's share, the decoded data beside the step, and the step's peak.
-int64_t expected_rss_bytes(const TrainingBudget& budget, int64_t step_budget,
-                           int64_t predicted_peak);
-// What a plan line says after "predicted peak P of S": where the step budget S comes from, and
+// The resident memory a plan of `predicted_peak` in budget.step should reach: the runtime's
+// share, the decoded data beside the step, and the step's peak.
+int64_t expected_rss_bytes(const TrainingBudget& budget, int64_t predicted_peak);
+// What a plan line says after "predicted peak P of S": where the step budget S (budget.step)
+// comes from, and
 // under a process budget the resident memory to expect (runtime, decoded data, the step's peak):
 // " (train.budget 1.00 GiB less the runtime's 233 MiB and 18 MiB of decoded data); expected RSS
 // about 891 MiB (up to 1.00 GiB with the freed blocks the allocator keeps)": the allocator's
 // cache may fill the tensors' budget. Empty where S is the whole budget.
-std::string describe_step_budget(const TrainingBudget& budget, int64_t step_budget,
-                                 int64_t predicted_peak);
+std::string describe_step_budget(const TrainingBudget& budget, int64_t predicted_peak);
 
 // The data pipeline's share of `budget` (the tensors' budget): the decoded frames it may hold
 // ahead of training, data.prefetch_bytes but at most a quarter, and for phases no more than one

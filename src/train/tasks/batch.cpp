@@ -567,7 +567,7 @@ std::string BatchTaskPlan::describe() const {
       cuda_budget ? c10::str(" (budget ", memory::format_bytes(budget.tensors), " less ",
                              memory::format_bytes(budget.tensors - budget.step),
                              " for CUDA's caching allocator)")
-                  : describe_step_budget(budget, budget.step, predicted_peak_bytes),
+                  : describe_step_budget(budget, predicted_peak_bytes),
       ": static ", memory::format_bytes(static_bytes),
       library_bytes > 0 ? c10::str(", CUDA libraries ", memory::format_bytes(library_bytes)) : "",
       ", inputs ", memory::format_bytes(input_bytes), ", activations ",
@@ -705,7 +705,9 @@ class BatchRun final : public TaskRun {
   torch::optim::Optimizer& optimizer() override { return *optimizer_; }
   const engine::LossScaler& scaler() override { return step_->scaler(); }
   bool validates() const override { return val_set_ != nullptr; }
-  PhaseMetrics validate() override { return evaluate_data(model_, *val_set_, {}, prefetch_bytes_); }
+  PhaseMetrics validate() override {
+    return evaluate_data(model_, *val_set_, {}, budget_.prefetch);
+  }
   RunNames names() const override {
     return {model_.classes.names(), {}, "samples", progress_.precision};
   }
@@ -723,7 +725,6 @@ class BatchRun final : public TaskRun {
   std::unique_ptr<BatchData> train_set_;
   std::unique_ptr<BatchData> val_set_;  // null without validation
   TrainingBudget budget_;
-  int64_t prefetch_bytes_ = 0;  // decoded samples held ahead, within the step budget's reserve
   BatchProgress progress_;
   BatchModel model_;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
@@ -745,7 +746,6 @@ BatchRun::BatchRun(const Config& config, const RunStart& start, memory::Tracker&
 
   const auto input = train_set_->sample_shape();
   budget_ = resolve_budget(config_, tracker, largest_unit_bytes(*train_set_, val_set_.get()));
-  prefetch_bytes_ = budget_.prefetch;
 
   progress_.precision = batch_precision(config_);
   if (const auto slow = engine::slow_precision_reason(progress_.precision, device); !slow.empty())
@@ -828,7 +828,7 @@ EpochSteps BatchRun::start_epoch() {
   auto epoch = std::make_shared<Epoch>();
   epoch->stream.emplace(*train_set_, train_set_->order(tc.seed, progress_.epoch, true),
                         progress_.position, tc.seed, progress_.epoch,
-                        static_cast<int>(config_.data.workers), prefetch_bytes_);
+                        static_cast<int>(config_.data.workers), budget_.prefetch);
   EpochSteps steps;
   steps.done = [epoch] { return epoch->stream->done(); };
   steps.fetch = [this, epoch] {
@@ -872,12 +872,12 @@ class BatchTask final : public Task {
                                  const EventCallback& on_event) const override {
     return std::make_unique<BatchRun>(config, start, tracker, on_event);
   }
-  // The data's summary and findings, then the named network's (r3d_18, r2plus1d_18, unet,
-  // torchscript) static memory against the budget.
   RunPlan plan(const Config& config, memory::Tracker& tracker,
                const EventCallback& on_event) const override {
     return batch_run_plan(config, plan_batch_task(config, tracker, on_event));
   }
+  // The data's summary and findings, then the named network's (r3d_18, r2plus1d_18, unet,
+  // torchscript) static memory against the budget.
   Diagnosis diagnose(const Config& config, const TrainingBudget& budget) const override {
     const int64_t tensors_budget = budget.tensors;
     Diagnosis out;
@@ -898,11 +898,13 @@ class BatchTask final : public Task {
   }
   Evaluation evaluate(const EvaluationRequest& request,
                       const EventCallback& on_event) const override {
-    const auto task = checkpoint_config(request.checkpoint).task;
+    // Refused before the model loads; the checkpoint's task, which evaluate_checkpoint read to
+    // get here, is read again only to say so.
     TORCH_CHECK(request.predictions_folder.empty() && request.relaxed_rules.empty(),
                 "--predictions and --relaxed are for the per-frame phases of a phases "
                 "checkpoint; this one is for task ",
-                task, " (framefit predict writes its predictions)");
+                checkpoint_config(request.checkpoint).task,
+                " (framefit predict writes its predictions)");
     auto model = load_batch_model(request.checkpoint, request.overrides);
     Evaluation out;
     out.config = model.config;

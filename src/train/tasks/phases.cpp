@@ -301,7 +301,7 @@ class PhasesRun final : public TaskRun {
     if (model_.device.is_cpu() && model_.precision == engine::Precision::FP16)
       model_.precision = engine::Precision::FP32;
     return evaluate_with(model_, *val_set_, {}, nullptr, {},
-                         val_feature_cache_ ? &*val_feature_cache_ : nullptr, prefetch_bytes_);
+                         val_feature_cache_ ? &*val_feature_cache_ : nullptr, budget_.prefetch);
   }
   RunNames names() const override {
     return {model_.classes.names(), config_.data.tools, "frames", progress_.settings.precision};
@@ -321,7 +321,6 @@ class PhasesRun final : public TaskRun {
   data::VideoDataset train_set_;
   std::optional<data::VideoDataset> val_set_;
   TrainingBudget budget_;
-  int64_t prefetch_bytes_ = 0;  // decoded videos held ahead, within what the step budget leaves
   Model model_;
   Progress progress_;
   std::optional<FeatureCache> feature_cache_, val_feature_cache_;
@@ -377,7 +376,6 @@ PhasesRun::PhasesRun(const Config& given, const RunStart& start, memory::Tracker
   const bool planned = step_plan.planned;
   const int64_t step_budget = step_plan.resolved.step;
   budget_ = step_plan.resolved;
-  prefetch_bytes_ = step_plan.resolved.prefetch;
   TORCH_CHECK(chosen.fits, "training does not fit in ", describe_budget(step_plan.resolved), ": ",
               chosen.advice);
 
@@ -417,7 +415,7 @@ PhasesRun::PhasesRun(const Config& given, const RunStart& start, memory::Tracker
     info("plan: " + plan::describe(progress_.settings) + ", predicted peak " +
          memory::format_bytes(chosen.breakdown.peak_bytes) + " of " +
          memory::format_bytes(step_budget) +
-         describe_step_budget(step_plan.resolved, step_budget, chosen.breakdown.peak_bytes));
+         describe_step_budget(step_plan.resolved, chosen.breakdown.peak_bytes));
   } else if (reads_features(config_)) {
     info(c10::str("settings: the head alone on precomputed features (", model_.feature_dim,
                   " per frame), float32, whole videos"));
@@ -541,7 +539,7 @@ EpochSteps PhasesRun::start_epoch() {
                   " videos' features from the feature cache"));
   }
   epoch->prefetcher.emplace(std::move(jobs), static_cast<int>(config_.data.workers),
-                            prefetch_bytes_);
+                            budget_.prefetch);
   EpochSteps steps;
   steps.done = [this, videos] { return progress_.position >= videos; };
   steps.fetch = [this, epoch, videos] {

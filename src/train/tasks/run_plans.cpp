@@ -28,10 +28,9 @@ RunPlan phase_run_plan(const Config& config, const PhasePlan& plan) {
             {"runtime_bytes", plan.budget.runtime},
             {"step_budget_bytes", plan.budget.step}};
   const auto& budget = plan.budget;
-  const int64_t expected_rss =
-      plan.planned && budget.covers_process()
-          ? expected_rss_bytes(budget, plan.budget.step, plan.breakdown.peak_bytes)
-          : 0;
+  const int64_t expected_rss = plan.planned && budget.covers_process()
+                                   ? expected_rss_bytes(budget, plan.breakdown.peak_bytes)
+                                   : 0;
   if (plan.planned) {
     record["predicted_peak_bytes"] = plan.breakdown.peak_bytes;
     if (expected_rss > 0) record["expected_rss_bytes"] = expected_rss;
